@@ -1,0 +1,1 @@
+"""The shared estimator: standard library only (never Qt, pyqtgraph or torch)."""

@@ -1,0 +1,42 @@
+"""The ledger's vocabulary: phases and memory objects (seed 004, seed 000 colours).
+
+Every front end (CLI, window, report, measurement) uses these names; keep them stable.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+PHASES: Final = ("load", "forward", "backward", "optimizer_step")
+
+#: Tensor objects: what ``torch.cuda.max_memory_allocated`` can see.
+TENSOR_OBJECTS: Final = (
+    "parameters",
+    "gradients",
+    "optimizer_state",
+    "optimizer_temporaries",
+    "activations",
+    "temporaries",
+    "inputs",
+)
+#: Device overheads outside PyTorch's tensors.
+OVERHEAD_OBJECTS: Final = ("cuda_context", "allocator_reserve")
+OBJECTS: Final = TENSOR_OBJECTS + OVERHEAD_OBJECTS
+
+PHASE_LABELS: Final = {
+    "load": "Load",
+    "forward": "Forward",
+    "backward": "Backward",
+    "optimizer_step": "Optimizer step",
+}
+OBJECT_LABELS: Final = {
+    "parameters": "Parameters",
+    "gradients": "Gradients",
+    "optimizer_state": "Optimizer state",
+    "optimizer_temporaries": "Optimizer temporaries",
+    "activations": "Activations",
+    "temporaries": "Temporaries",
+    "inputs": "Inputs",
+    "cuda_context": "CUDA context",
+    "allocator_reserve": "Allocator reserve",
+}

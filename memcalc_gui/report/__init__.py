@@ -1,0 +1,1 @@
+"""memcalc_gui.report"""
