@@ -1,0 +1,328 @@
+"""Model architectures from Hugging Face ``config.json`` files, and their exact parameter counts.
+
+A :class:`ModelSpec` is the architecture reduced to what memory depends on. The parameter count is
+exact: it equals ``sum(p.numel() for p in model.parameters())`` of the transformers model built from
+the same config (tests check this against transformers on the meta device). Defaults for keys a
+config leaves out follow each family's transformers ``*Config`` class.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from .errors import ConfigError, UnsupportedFamilyError
+from .resources import load_json, resources_dir
+
+SUPPORTED_FAMILIES: tuple[str, ...] = (
+    "gpt2",
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "phi3",
+    "gemma",
+    "gpt_neox",
+    "phi",
+)
+
+Norm = Literal["rmsnorm", "layernorm"]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder-only transformer, reduced to the sizes that decide its memory."""
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    tied_embeddings: bool
+    gated_mlp: bool
+    norm: Norm
+    norm_bias: bool
+    learned_positions: int  # rows of a learned position table; 0 for rotary
+    qkv_bias: bool
+    out_bias: bool
+    mlp_bias: bool
+    lm_head_bias: bool
+    parallel_residual: bool
+    norms_per_layer: int
+    qk_norm: Literal["none", "rmsnorm", "layernorm"]
+    fused_qkv: bool
+    fused_gate_up: bool
+    hidden_act: str
+    rotary_dim: int  # dims of each head that get rotary embedding (0: learned positions)
+    name: str = ""
+    source: str = ""
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                     "intermediate_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(name, f"must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                "num_key_value_heads",
+                f"{self.num_kv_heads} does not divide num_attention_heads {self.num_heads}",
+            )
+        if self.norms_per_layer not in (1, 2):
+            raise ConfigError("norms_per_layer", "must be 1 or 2")
+
+    # ---- parameter counts -------------------------------------------------------------------
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def _norm_params(self, width: int) -> int:
+        return width * (2 if self.norm_bias else 1)
+
+    @property
+    def attention_params(self) -> int:
+        h, q, kv = self.hidden_size, self.q_dim, self.kv_dim
+        n = h * (q + 2 * kv) + q * h
+        if self.qkv_bias:
+            n += q + 2 * kv
+        if self.out_bias:
+            n += h
+        if self.qk_norm == "rmsnorm":
+            n += 2 * self.head_dim
+        elif self.qk_norm == "layernorm":
+            n += 4 * self.head_dim
+        return n
+
+    @property
+    def mlp_params(self) -> int:
+        h, i = self.hidden_size, self.intermediate_size
+        if self.gated_mlp:
+            return 3 * h * i + (2 * i + h if self.mlp_bias else 0)
+        return 2 * h * i + (i + h if self.mlp_bias else 0)
+
+    @property
+    def layer_params(self) -> int:
+        return self.attention_params + self.mlp_params + self.norms_per_layer * self._norm_params(self.hidden_size)
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size + self.learned_positions * self.hidden_size
+
+    @property
+    def lm_head_params(self) -> int:
+        if self.tied_embeddings:
+            return self.lm_head_bias * self.vocab_size
+        return self.vocab_size * self.hidden_size + (self.vocab_size if self.lm_head_bias else 0)
+
+    @property
+    def num_params(self) -> int:
+        """Exact count of trainable parameters (tied weights counted once)."""
+        return (
+            self.embedding_params
+            + self.num_layers * self.layer_params
+            + self._norm_params(self.hidden_size)
+            + self.lm_head_params
+        )
+
+    @property
+    def matmul_weight_params(self) -> int:
+        """Weights that autocast copies to 16 bits: every Linear/Conv1D weight and the LM head."""
+        h, i, q, kv = self.hidden_size, self.intermediate_size, self.q_dim, self.kv_dim
+        per_layer = h * (q + 2 * kv) + q * h + (3 if self.gated_mlp else 2) * h * i
+        return self.num_layers * per_layer + self.vocab_size * h
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "family": self.family,
+            "name": self.name,
+            "source": self.source,
+            "params": self.num_params,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "num_layers": self.num_layers,
+            "num_heads": self.num_heads,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "tied_embeddings": self.tied_embeddings,
+        }
+
+
+# ---- reading configs ------------------------------------------------------------------------
+def _get_int(cfg: dict[str, Any], *keys: str, default: int | None = None, required: bool = True) -> int:
+    for key in keys:
+        value = cfg.get(key)
+        if value is not None:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ConfigError(key, f"must be a positive integer, got {value!r}")
+            if int(value) != value or value < 1:
+                raise ConfigError(key, f"must be a positive integer, got {value!r}")
+            return int(value)
+    if default is not None:
+        return default
+    if required:
+        raise ConfigError(keys[0], "missing from config.json")
+    return 0
+
+
+def _get_bool(cfg: dict[str, Any], key: str, default: bool) -> bool:
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ConfigError(key, f"must be true or false, got {value!r}")
+    return value
+
+
+def _get_float(cfg: dict[str, Any], key: str, default: float) -> float:
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ConfigError(key, f"must be a number between 0 and 1, got {value!r}")
+    return float(value)
+
+
+def spec_from_config(cfg: Any, *, name: str = "", source: str = "") -> ModelSpec:
+    """Build a :class:`ModelSpec` from a parsed ``config.json`` dictionary."""
+    if not isinstance(cfg, dict):
+        raise ConfigError("config", "config.json must hold a JSON object")
+    model_type = cfg.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        raise ConfigError("model_type", "missing from config.json")
+    family = model_type.lower()
+    if family not in SUPPORTED_FAMILIES:
+        raise UnsupportedFamilyError(model_type, SUPPORTED_FAMILIES)
+    name = name or str(cfg.get("_name_or_path") or family)
+    common: dict[str, Any] = {"family": family, "name": name, "source": source, "raw": cfg}
+
+    if family == "gpt2":
+        h = _get_int(cfg, "n_embd", "hidden_size")
+        heads = _get_int(cfg, "n_head", "num_attention_heads")
+        if h % heads:
+            raise ConfigError("n_head", f"{heads} does not divide n_embd {h}")
+        return ModelSpec(
+            vocab_size=_get_int(cfg, "vocab_size"), hidden_size=h,
+            num_layers=_get_int(cfg, "n_layer", "num_hidden_layers"),
+            num_heads=heads, num_kv_heads=heads, head_dim=h // heads,
+            intermediate_size=_get_int(cfg, "n_inner", default=4 * h),
+            tied_embeddings=_get_bool(cfg, "tie_word_embeddings", True), gated_mlp=False,
+            norm="layernorm", norm_bias=True,
+            learned_positions=_get_int(cfg, "n_positions", "max_position_embeddings"),
+            qkv_bias=True, out_bias=True, mlp_bias=True, lm_head_bias=False, parallel_residual=False,
+            norms_per_layer=2, qk_norm="none", fused_qkv=True, fused_gate_up=False,
+            hidden_act=str(cfg.get("activation_function") or "gelu_new"), rotary_dim=0, **common,
+        )
+
+    h = _get_int(cfg, "hidden_size")
+    heads = _get_int(cfg, "num_attention_heads")
+    kv = _get_int(cfg, "num_key_value_heads", default=heads)
+    default_head_dim = 256 if family == "gemma" else h // heads
+    head_dim = _get_int(cfg, "head_dim", default=default_head_dim)
+    if family != "gemma" and "head_dim" not in cfg and h % heads:
+        raise ConfigError("num_attention_heads", f"{heads} does not divide hidden_size {h}")
+    layers = _get_int(cfg, "num_hidden_layers")
+    inter = _get_int(cfg, "intermediate_size")
+    vocab = _get_int(cfg, "vocab_size")
+    act = str(cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu")
+
+    if family in ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma"):
+        attention_bias = _get_bool(cfg, "attention_bias", False) if family in ("llama", "qwen3", "gemma") else False
+        qkv_bias = True if family == "qwen2" else attention_bias
+        rope_factor = _get_float(cfg, "partial_rotary_factor", 1.0)
+        return ModelSpec(
+            vocab_size=vocab, hidden_size=h, num_layers=layers, num_heads=heads, num_kv_heads=kv,
+            head_dim=head_dim, intermediate_size=inter,
+            tied_embeddings=_get_bool(cfg, "tie_word_embeddings", family == "gemma"),
+            gated_mlp=True, norm="rmsnorm", norm_bias=False, learned_positions=0,
+            qkv_bias=qkv_bias, out_bias=attention_bias,
+            mlp_bias=_get_bool(cfg, "mlp_bias", False) if family == "llama" else False,
+            lm_head_bias=False, parallel_residual=False, norms_per_layer=2,
+            qk_norm="rmsnorm" if family == "qwen3" else "none",
+            fused_qkv=family == "phi3", fused_gate_up=family == "phi3",
+            hidden_act="gelu_pytorch_tanh" if family == "gemma" else act,
+            rotary_dim=int(head_dim * rope_factor), **common,
+        )
+    if family == "gpt_neox":
+        attention_bias = _get_bool(cfg, "attention_bias", True)
+        pct = _get_float(cfg, "rotary_pct", _get_float(cfg, "partial_rotary_factor", 0.25))
+        return ModelSpec(
+            vocab_size=vocab, hidden_size=h, num_layers=layers, num_heads=heads, num_kv_heads=heads,
+            head_dim=h // heads, intermediate_size=inter,
+            tied_embeddings=_get_bool(cfg, "tie_word_embeddings", False), gated_mlp=False,
+            norm="layernorm", norm_bias=True, learned_positions=0, qkv_bias=attention_bias,
+            out_bias=attention_bias, mlp_bias=True, lm_head_bias=False,
+            parallel_residual=_get_bool(cfg, "use_parallel_residual", True), norms_per_layer=2,
+            qk_norm="none", fused_qkv=True, fused_gate_up=False, hidden_act=act,
+            rotary_dim=int((h // heads) * pct), **common,
+        )
+    # phi (Phi-1/1.5/2): one LayerNorm per layer, parallel attention and MLP, biased LM head.
+    pct = _get_float(cfg, "partial_rotary_factor", 0.5)
+    return ModelSpec(
+        vocab_size=vocab, hidden_size=h, num_layers=layers, num_heads=heads, num_kv_heads=kv,
+        head_dim=head_dim, intermediate_size=inter,
+        tied_embeddings=_get_bool(cfg, "tie_word_embeddings", False), gated_mlp=False,
+        norm="layernorm", norm_bias=True, learned_positions=0, qkv_bias=True, out_bias=True,
+        mlp_bias=True, lm_head_bias=True, parallel_residual=True, norms_per_layer=1,
+        qk_norm="layernorm" if _get_bool(cfg, "qk_layernorm", False) else "none",
+        fused_qkv=False, fused_gate_up=False, hidden_act=act, rotary_dim=int(head_dim * pct),
+        **common,
+    )
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a ``config.json`` file; errors name the ``config`` field and the reason."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError("config", f"cannot read {p}: {exc.strerror or exc}") from None
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError("config", f"{p.name} is not valid JSON (line {exc.lineno}: {exc.msg})") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError("config", f"{p.name} must hold a JSON object")
+    return cfg
+
+
+def spec_from_file(path: str | Path) -> ModelSpec:
+    """A :class:`ModelSpec` from a ``config.json`` path."""
+    p = Path(path)
+    return spec_from_config(load_config_file(p), source=str(p))
+
+
+# ---- presets --------------------------------------------------------------------------------
+def preset_names() -> list[str]:
+    """Names of the built-in model presets (``resources/models/<name>.json``)."""
+    return sorted(p.stem for p in (resources_dir() / "models").glob("*.json"))
+
+
+def preset_config(name: str) -> dict[str, Any]:
+    """The config dictionary of a preset; unknown names raise an error listing the presets."""
+    key = name.strip().lower()
+    names = preset_names()
+    if key not in names:
+        raise ConfigError("preset", f"unknown preset {name!r}; available: {', '.join(names)}")
+    cfg = load_json(f"models/{key}.json")
+    if not isinstance(cfg, dict):
+        raise ConfigError("preset", f"preset {key} is not a JSON object")
+    return cfg
+
+
+def preset_spec(name: str) -> ModelSpec:
+    """The :class:`ModelSpec` of a built-in preset."""
+    key = name.strip().lower()
+    cfg = preset_config(key)
+    return spec_from_config(cfg, name=key, source=f"preset {key} ({cfg.get('_name_or_path', key)})")

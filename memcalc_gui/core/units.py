@@ -1,0 +1,112 @@
+"""Parsing and formatting of sizes and counts.
+
+Sizes are integer bytes everywhere; units exist only at the edges. GiB/MiB are binary (2**30, 2**20)
+and always labelled so; GB/MB are decimal.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from .errors import InputError
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_COUNT_SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}
+_NUMBER = r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?"
+_SIZE_RE = re.compile(rf"^\s*({_NUMBER})\s*([a-zA-Z]*)\s*$")
+
+
+def _finite_positive(field: str, value: float, *, allow_zero: bool = False) -> float:
+    if math.isnan(value) or math.isinf(value):
+        raise InputError(field, f"must be a finite number, got {value}")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise InputError(field, f"must be {'non-negative' if allow_zero else 'positive'}, got {value:g}")
+    return value
+
+
+def parse_size(text: str | float | int, field: str = "size", *, allow_zero: bool = False) -> int:
+    """Parse ``80GiB``, ``80GB``, ``24e9``, ``512 MiB`` into integer bytes."""
+    if isinstance(text, bool):
+        raise InputError(field, "must be a size such as 80GiB, 80GB or 24e9")
+    if isinstance(text, (int, float)):
+        return int(round(_finite_positive(field, float(text), allow_zero=allow_zero)))
+    m = _SIZE_RE.match(str(text))
+    if not m:
+        raise InputError(field, f"cannot read {text!r} as a size (try 80GiB, 80GB or 24e9)")
+    number, unit = m.group(1), m.group(2).lower()
+    if unit not in _SIZE_UNITS:
+        raise InputError(field, f"unknown unit {m.group(2)!r} (use B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
+    value = _finite_positive(field, float(number), allow_zero=allow_zero) * _SIZE_UNITS[unit]
+    return int(round(value))
+
+
+def parse_count(text: str | float | int, field: str = "params") -> int:
+    """Parse a parameter count: ``1.5B``, ``1.5e9``, ``350M``, ``7b``, ``124000000``."""
+    if isinstance(text, bool):
+        raise InputError(field, "must be a count such as 1.5B, 350M or 1.5e9")
+    if isinstance(text, (int, float)):
+        value = _finite_positive(field, float(text))
+    else:
+        m = _SIZE_RE.match(str(text))
+        suffix = m.group(2).lower() if m else ""
+        if not m or suffix not in _COUNT_SUFFIXES:
+            raise InputError(field, f"cannot read {text!r} as a count (try 1.5B, 350M or 1.5e9)")
+        value = _finite_positive(field, float(m.group(1))) * _COUNT_SUFFIXES[suffix]
+    count = int(round(value))
+    if count < 1:
+        raise InputError(field, f"must be at least 1, got {text!r}")
+    return count
+
+
+def parse_positive_int(text: str | int | float, field: str) -> int:
+    """Parse a strictly positive integer (batch, sequence length, accumulation steps)."""
+    if isinstance(text, bool):
+        raise InputError(field, "must be a positive integer")
+    if isinstance(text, int):
+        value = text
+    else:
+        try:
+            f = float(str(text).strip())
+        except ValueError:
+            raise InputError(field, f"must be a positive integer, got {text!r}") from None
+        if math.isnan(f) or math.isinf(f) or f != int(f):
+            raise InputError(field, f"must be a positive integer, got {text!r}")
+        value = int(f)
+    if value < 1:
+        raise InputError(field, f"must be a positive integer, got {text!r}")
+    return value
+
+
+def gib(nbytes: int | float) -> float:
+    """Bytes → binary gibibytes (2**30)."""
+    return nbytes / 2**30
+
+
+def format_bytes(nbytes: int | float, *, digits: int = 2) -> str:
+    """Human-readable binary size: ``1.50 GiB``, ``512.00 MiB``, ``4.00 KiB``, ``12 B``."""
+    sign = "-" if nbytes < 0 else ""
+    n = abs(nbytes)
+    for unit, factor in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= factor:
+            return f"{sign}{n / factor:.{digits}f} {unit}"
+    return f"{sign}{int(n)} B"
+
+
+def format_count(n: int) -> str:
+    """Parameter counts: ``1.54B``, ``124.4M``."""
+    for suffix, factor in (("T", 10**12), ("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= factor:
+            return f"{n / factor:.{3 if factor >= 10**9 else 1}f}{suffix}".replace(".000B", "B")
+    return str(n)

@@ -1,0 +1,110 @@
+"""Exact parameter counts: the analytic count equals transformers' sum(p.numel()) on the meta device."""
+
+from __future__ import annotations
+
+import pytest
+
+from memcalc_gui.core.errors import ConfigError, UnsupportedFamilyError
+from memcalc_gui.core.model import preset_config, preset_names, preset_spec, spec_from_config
+
+# Several shapes per family, covering tied/untied embeddings, GQA, explicit head_dim, biases,
+# gated vs plain MLP, LayerNorm vs RMSNorm, learned vs rotary positions and parallel residual.
+SMALL = dict(vocab_size=1000, pad_token_id=0, bos_token_id=1, eos_token_id=2, hidden_size=128, intermediate_size=344, num_hidden_layers=2,
+             num_attention_heads=8, max_position_embeddings=256)
+CONFIGS: list[dict] = [
+    dict(model_type="gpt2", vocab_size=1000, n_embd=128, n_layer=2, n_head=4, n_positions=256),
+    dict(model_type="gpt2", vocab_size=999, n_embd=96, n_layer=3, n_head=6, n_positions=64, n_inner=200,
+         tie_word_embeddings=False),
+    dict(SMALL, model_type="llama"),
+    dict(SMALL, model_type="llama", num_key_value_heads=2, tie_word_embeddings=True),
+    dict(SMALL, model_type="llama", num_key_value_heads=4, head_dim=32, attention_bias=True, mlp_bias=True),
+    dict(SMALL, model_type="mistral", num_key_value_heads=2),
+    dict(SMALL, model_type="mistral", num_key_value_heads=8, head_dim=24, tie_word_embeddings=True),
+    dict(SMALL, model_type="qwen2", num_key_value_heads=2),
+    dict(SMALL, model_type="qwen2", num_key_value_heads=4, tie_word_embeddings=True),
+    dict(SMALL, model_type="qwen3", num_key_value_heads=2, head_dim=32),
+    dict(SMALL, model_type="qwen3", num_key_value_heads=4, head_dim=16, attention_bias=True,
+         tie_word_embeddings=True),
+    dict(SMALL, model_type="phi3"),
+    dict(SMALL, model_type="phi3", num_key_value_heads=2, tie_word_embeddings=True),
+    dict(SMALL, model_type="gemma", num_key_value_heads=1, head_dim=32),
+    dict(SMALL, model_type="gemma", num_key_value_heads=8, head_dim=16, attention_bias=True,
+         tie_word_embeddings=False),
+    dict(SMALL, model_type="gpt_neox"),
+    dict(SMALL, model_type="gpt_neox", use_parallel_residual=False, attention_bias=False,
+         tie_word_embeddings=True, rotary_pct=0.5),
+    dict(SMALL, model_type="phi"),
+    dict(SMALL, model_type="phi", num_key_value_heads=2, qk_layernorm=True, tie_word_embeddings=True),
+]
+
+
+def _transformers_count(cfg: dict) -> int:
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    config = transformers.AutoConfig.for_model(**cfg)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c["model_type"])
+def test_count_matches_transformers(cfg: dict) -> None:
+    assert spec_from_config(cfg).num_params == _transformers_count(cfg)
+
+
+@pytest.mark.parametrize("name", preset_names())
+def test_preset_count_matches_transformers(name: str) -> None:
+    cfg = {k: v for k, v in preset_config(name).items() if not k.startswith("_")}
+    assert preset_spec(name).num_params == _transformers_count(cfg)
+
+
+# Published sizes of the real checkpoints (model cards / safetensors metadata).
+PUBLISHED = {
+    "gpt2": 124_439_808,
+    "qwen2.5-0.5b": 494_032_768,
+    "qwen2.5-1.5b": 1_543_714_304,
+    "qwen2.5-7b": 7_615_616_512,
+    "llama-3.2-1b": 1_235_814_400,
+    "llama-3.2-3b": 3_212_749_824,
+    "llama-3.1-8b": 8_030_261_248,
+    "mistral-7b": 7_241_732_096,
+    "phi-3-mini": 3_821_079_552,
+    "pythia-1b": 1_011_781_632,
+    "gemma-2b": 2_506_172_416,
+}
+
+
+@pytest.mark.parametrize("name,count", sorted(PUBLISHED.items()))
+def test_presets_have_published_sizes(name: str, count: int) -> None:
+    assert preset_spec(name).num_params == count
+
+
+def test_unknown_family_names_supported_ones() -> None:
+    with pytest.raises(UnsupportedFamilyError) as info:
+        spec_from_config({"model_type": "mamba", "hidden_size": 8})
+    assert "mamba" in str(info.value) and "llama" in str(info.value)
+    assert info.value.field == "model_type"
+
+
+@pytest.mark.parametrize(
+    "cfg,field",
+    [
+        ({}, "model_type"),
+        ([1, 2], "config"),
+        ({"model_type": "llama", "hidden_size": 64}, "num_attention_heads"),
+        (dict(SMALL, model_type="llama", hidden_size=-4), "hidden_size"),
+        (dict(SMALL, model_type="llama", hidden_size="big"), "hidden_size"),
+        (dict(SMALL, model_type="llama", num_key_value_heads=3), "num_key_value_heads"),
+        (dict(SMALL, model_type="llama", tie_word_embeddings="yes"), "tie_word_embeddings"),
+        (dict(SMALL, model_type="llama", num_attention_heads=7), "num_attention_heads"),
+    ],
+)
+def test_bad_configs_name_the_field(cfg: object, field: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        spec_from_config(cfg)
+    assert info.value.field == field
+
+
+def test_unknown_preset_lists_presets() -> None:
+    with pytest.raises(ConfigError, match="qwen2.5-1.5b"):
+        preset_spec("no-such-model")
