@@ -142,6 +142,45 @@ class ModelSpec:
         per_layer = h * (q + 2 * kv) + q * h + (3 if self.gated_mlp else 2) * h * i
         return self.num_layers * per_layer + self.vocab_size * h
 
+    def param_tensors(self) -> list[tuple[int, int, int]]:
+        """Parameter tensors as ``(rows, cols, how_many)``; vectors have ``cols == 1``.
+
+        The order follows ``model.parameters()`` closely enough for per-tensor optimizer rules
+        (single-tensor step temporaries, 8-bit state thresholds, factored second moments).
+        """
+        h, i, q, kv, v, L = (self.hidden_size, self.intermediate_size, self.q_dim, self.kv_dim,
+                             self.vocab_size, self.num_layers)
+        out: list[tuple[int, int, int]] = [(v, h, 1)]
+        if self.learned_positions:
+            out.append((self.learned_positions, h, 1))
+        per_layer: list[tuple[int, int]] = []
+        if self.fused_qkv:
+            per_layer.append((q + 2 * kv, h))
+        else:
+            per_layer += [(q, h), (kv, h), (kv, h)]
+        if self.qkv_bias:
+            per_layer += [(q + 2 * kv, 1)] if self.fused_qkv else [(q, 1), (kv, 1), (kv, 1)]
+        per_layer.append((h, q))
+        if self.out_bias:
+            per_layer.append((h, 1))
+        if self.qk_norm != "none":
+            per_layer += [(self.head_dim, 1)] * (2 if self.qk_norm == "rmsnorm" else 4)
+        if self.gated_mlp:
+            per_layer += [(2 * i, h)] if self.fused_gate_up else [(i, h), (i, h)]
+        else:
+            per_layer.append((i, h))
+        per_layer.append((h, i))
+        if self.mlp_bias:
+            per_layer += [(i, 1), (h, 1)] if not self.gated_mlp else [(i, 1), (i, 1), (h, 1)]
+        per_layer += [(h, 1)] * (self.norms_per_layer * (2 if self.norm_bias else 1))
+        out += [(r, c, L) for r, c in per_layer]
+        out += [(h, 1, 1)] * (2 if self.norm_bias else 1)
+        if not self.tied_embeddings:
+            out.append((v, h, 1))
+        if self.lm_head_bias:
+            out.append((v, 1, 1))
+        return out
+
     def to_json(self) -> dict[str, Any]:
         return {
             "family": self.family,
@@ -235,7 +274,8 @@ def spec_from_config(cfg: Any, *, name: str = "", source: str = "") -> ModelSpec
     layers = _get_int(cfg, "num_hidden_layers")
     inter = _get_int(cfg, "intermediate_size")
     vocab = _get_int(cfg, "vocab_size")
-    act = str(cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu")
+    default_act = {"gpt_neox": "gelu", "phi": "gelu_new", "gemma": "gelu_pytorch_tanh"}.get(family, "silu")
+    act = str(cfg.get("hidden_activation") or cfg.get("hidden_act") or default_act)
 
     if family in ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma"):
         attention_bias = _get_bool(cfg, "attention_bias", False) if family in ("llama", "qwen3", "gemma") else False

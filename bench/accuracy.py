@@ -1,0 +1,117 @@
+"""Accuracy of the estimators against real CPU training steps.
+
+Builds transformers models from small configs of several families, runs real training steps on the
+CPU (AdamW, the implementation CPU uses by default, at least two iterations) under the live-storage
+tracker, and prints the per-phase and peak error of the ``analytic`` method and of seed 000's
+heuristic (``quick``) for the same setup. Target: every case within ±3 % on the peak.
+
+    python bench/accuracy.py            # the full table
+    python bench/accuracy.py --quick    # fewer cases
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from memcalc_gui.core.estimate import estimate  # noqa: E402
+from memcalc_gui.core.model import spec_from_config  # noqa: E402
+from memcalc_gui.core.setup import TrainingSetup  # noqa: E402
+from memcalc_gui.core.vocab import PHASES  # noqa: E402
+
+COMMON = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+FAMILIES: dict[str, dict] = {
+    "gpt2": dict(model_type="gpt2", vocab_size=2048, n_embd=192, n_layer=3, n_head=6, n_positions=512,
+                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    "llama": dict(COMMON, model_type="llama", vocab_size=2048, hidden_size=192, intermediate_size=512,
+                  num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512),
+    "mistral": dict(COMMON, model_type="mistral", vocab_size=1536, hidden_size=256, intermediate_size=640,
+                    num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512),
+    "qwen2": dict(COMMON, model_type="qwen2", vocab_size=3000, hidden_size=128, intermediate_size=384,
+                  num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                  max_position_embeddings=512),
+    "qwen3": dict(COMMON, model_type="qwen3", vocab_size=2048, hidden_size=192, intermediate_size=512,
+                  num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2, head_dim=32,
+                  max_position_embeddings=512),
+    "phi3": dict(COMMON, model_type="phi3", vocab_size=2048, hidden_size=192, intermediate_size=512,
+                 num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=6, max_position_embeddings=512),
+    "gemma": dict(COMMON, model_type="gemma", vocab_size=4096, hidden_size=128, intermediate_size=512,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, head_dim=64,
+                  max_position_embeddings=512),
+    "gpt_neox": dict(COMMON, model_type="gpt_neox", vocab_size=2048, hidden_size=192, intermediate_size=768,
+                     num_hidden_layers=3, num_attention_heads=6, max_position_embeddings=512),
+    "phi": dict(COMMON, model_type="phi", vocab_size=2048, hidden_size=192, intermediate_size=768,
+                num_hidden_layers=3, num_attention_heads=6, max_position_embeddings=512, resid_pdrop=0.0,
+                embd_pdrop=0.0),
+}
+
+CASES = [
+    # (batch, seq, precision, attention, checkpointing, grad_accum)
+    (2, 128, "fp32", "sdpa", "none", 1),
+    (2, 128, "mixed", "sdpa", "none", 1),
+    (1, 256, "bf16", "sdpa", "none", 1),
+    (2, 64, "fp32", "eager", "none", 1),
+    (2, 128, "mixed", "sdpa", "full", 1),
+    (2, 64, "fp32", "sdpa", "none", 2),
+]
+
+
+def run(families: list[str], cases: list[tuple], impl: str) -> list[dict]:
+    from memcalc_gui.measure.cpu_step import measure_training_step
+
+    rows = []
+    for fam in families:
+        cfg = FAMILIES[fam]
+        spec = spec_from_config(cfg)
+        for b, s, prec, att, ck, acc in cases:
+            t0 = time.perf_counter()
+            m = measure_training_step(cfg, batch=b, seq=s, precision=prec, attention=att, checkpointing=ck,
+                                      grad_accum=acc, optimizer="adamw", optimizer_impl=impl, iterations=2)
+            setup = TrainingSetup(model=spec, batch=b, seq=s, precision=prec, attention=att, checkpointing=ck,
+                                  grad_accum=acc, optimizer="adamw", optimizer_impl=impl)
+            est = estimate(setup, method="analytic")
+            quick = estimate(setup.with_changes(model=None, params=spec.num_params), method="quick")
+            row = {"family": fam, "case": f"b{b} s{s} {prec} {att} ckpt={ck} accum={acc}",
+                   "measured_peak": m.peak_bytes, "analytic_peak": est.peak_tensor_bytes,
+                   "quick_peak": quick.peak_tensor_bytes, "seconds": time.perf_counter() - t0}
+            for ph in PHASES:
+                meas = m.phases[ph].peak_bytes
+                row[ph] = (est.phases[ph].tensor_bytes - meas) / meas * 100
+            rows.append(row)
+            print(format_row(row), flush=True)
+    return rows
+
+
+def format_row(r: dict) -> str:
+    err = (r["analytic_peak"] - r["measured_peak"]) / r["measured_peak"] * 100
+    qerr = (r["quick_peak"] - r["measured_peak"]) / r["measured_peak"] * 100
+    phases = " ".join(f"{r[p]:+6.1f}" for p in PHASES)
+    flag = "" if abs(err) <= 3 else "  <-- over ±3 %"
+    return (f"{r['family']:<9} {r['case']:<38} {r['measured_peak'] / 2**20:9.2f} {err:+7.2f}% "
+            f"{phases}   {qerr:+8.1f}%{flag}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="two cases per family")
+    ap.add_argument("--family", action="append", choices=sorted(FAMILIES))
+    ap.add_argument("--impl", default="single-tensor", choices=["single-tensor", "foreach", "fused"])
+    args = ap.parse_args()
+    families = args.family or list(FAMILIES)
+    cases = CASES[:2] if args.quick else CASES
+    print(f"{'family':<9} {'case':<38} {'meas MiB':>9} {'peak err':>8} "
+          f"{'load':>6} {'fwd':>6} {'bwd':>6} {'step':>6}   {'seed 000':>9}")
+    rows = run(families, cases, args.impl)
+    errs = [abs(r["analytic_peak"] - r["measured_peak"]) / r["measured_peak"] * 100 for r in rows]
+    within = sum(e <= 3 for e in errs)
+    print(f"\n{within}/{len(rows)} cases within ±3 % on the peak; worst {max(errs):.2f} %")
+
+
+if __name__ == "__main__":
+    main()

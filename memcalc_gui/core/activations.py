@@ -1,0 +1,176 @@
+"""Saved activations of a decoder block, counted tensor by tensor.
+
+Each function lists the tensors autograd keeps alive for backward, derived from the ops of the
+transformers implementation of each family and checked byte for byte against a live-storage tracker
+on CPU (tests/test_analytic_vs_measured.py). The rules that decide what is kept:
+
+- an op's output survives forward only when a later op saves it: linear layers save their input,
+  elementwise products save the operands that the *other* operand's gradient needs, norms save their
+  input and statistics, activations save their input (ReLU its output), softmax its output;
+- under autocast (``mixed``) every linear casts an fp32 input to 16 bits and saves that copy, once
+  per consuming linear (q, k, v separately); norms, softmax and the loss stay fp32;
+- SDPA keeps q, k, v, its output and a logsumexp (B·heads·L fp32); eager attention keeps
+  contiguous copies of q, k and v (GQA heads repeated), the fp32 softmax probabilities (B·heads·L²)
+  plus their 16-bit cast, and a contiguous copy of its output;
+- rotary embeddings built with ``torch.cat`` (partial rotary: GPT-NeoX, Phi, Phi-3) make the
+  attention output non-contiguous after the transpose, so ``.contiguous()`` copies it;
+- Korthikanti et al. (2022), "Reducing Activation Recomputation in Large Transformer Models", give
+  the classic sbh(34 + 5as/h) for GPT-3 blocks; the per-op count here reduces to it for that block
+  but follows the actual kernels (no L² term with SDPA).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .model import ModelSpec
+from .setup import TrainingSetup
+
+ROPE_BY_CAT = frozenset({"phi3", "gpt_neox", "phi"})
+GEMMA_NORM = frozenset({"gemma"})
+
+
+@dataclass(frozen=True)
+class Dtypes:
+    """Element sizes in bytes for one precision preset."""
+
+    param: int  # weights, gradients and optimizer state
+    matmul: int  # outputs of linear layers and attention
+    autocast: bool
+
+    @property
+    def residual(self) -> int:
+        """The residual stream: embeddings plus residual adds keep the parameter dtype."""
+        return self.param
+
+    @staticmethod
+    def of(setup: TrainingSetup) -> Dtypes:
+        if setup.precision == "fp32":
+            return Dtypes(4, 4, False)
+        if setup.precision == "bf16":
+            return Dtypes(2, 2, False)
+        return Dtypes(4, 2, True)
+
+
+def _act_saved_tensors(act: str) -> int:
+    """How many I-wide tensors a plain (non-gated) MLP keeps, counting fc1's output."""
+    act = act.lower()
+    if act in ("gelu_new", "gelu_fast", "gelu_python_tanh"):
+        return 5  # 0.5·x·(1 + tanh(c·(x + 0.044715·x³))) in Python ops: x, tanh, 1+tanh, 0.5·x, out
+    if act == "relu":
+        return 1  # ReLU saves its output only
+    if act == "quick_gelu":
+        return 3
+    return 2  # gelu / gelu tanh / silu kernels: input and output
+
+
+def norm_saved(spec: ModelSpec, d: Dtypes, rows: int, width: int, casts: int, in_bytes: int) -> dict[str, int]:
+    """Tensors a norm keeps (its input included when the norm saves it) and its output as consumed.
+
+    ``casts`` is how many linears consume the output: under autocast each makes its own copy.
+    Returns ``{"input": ..., "stats": ..., "output": ...}``; ``input`` is the residual tensor itself
+    when the norm saves it (counted once by the caller).
+    """
+    n = rows * width
+    out: dict[str, int] = {"input": 0, "stats": 0, "output": 0}
+    if spec.norm == "layernorm":
+        out["input"] = n * in_bytes  # native_layer_norm saves its input
+        out["stats"] = 2 * rows * 4  # mean and rstd, fp32
+        out_bytes = 4 if d.autocast else in_bytes
+    else:
+        # RMSNorm upcasts to fp32 (saved by pow/mul; it *is* the input when that is fp32), keeps rsqrt,
+        # and the normalised tensor (fp32 when the input is fp32, else cast back to the input dtype;
+        # Gemma multiplies in fp32 and casts at the end).
+        out["input"] = n * 4
+        hs_bytes = 4 if (in_bytes == 4 or spec.family in GEMMA_NORM) else in_bytes
+        out["stats"] = rows * 4 + n * hs_bytes
+        out_bytes = max(d.param, in_bytes) if spec.family not in GEMMA_NORM else in_bytes
+    if d.autocast and out_bytes == 4:
+        out["output"] = casts * n * 2  # each consuming linear saves its own 16-bit copy
+    else:
+        out["output"] = n * out_bytes
+    return out
+
+
+def residual_saved(spec: ModelSpec, d: Dtypes) -> bool:
+    """Whether a residual-stream tensor is kept: LayerNorm saves it; RMSNorm only when it is fp32."""
+    return spec.norm == "layernorm" or d.residual == 4
+
+
+def attention_saved(spec: ModelSpec, d: Dtypes, batch: int, seq: int, attention: str) -> dict[str, int]:
+    """Tensors one attention block keeps, by name (bytes)."""
+    t = batch * seq
+    q, kv, m = spec.q_dim, spec.kv_dim, d.matmul
+    rope = spec.rotary_dim > 0
+    # Rotary output dtype: q (matmul dtype) times cos/sin (parameter dtype) promotes.
+    rope_bytes = max(m, d.param) if rope else m
+    items: dict[str, int] = {}
+    if spec.qk_norm == "rmsnorm":
+        hs = 4 if m == 4 else m
+        items["qk_norm"] = t * (q + kv) * (4 + hs) + t * (spec.num_heads + spec.num_kv_heads) * 4
+    elif spec.qk_norm == "layernorm":
+        items["qk_norm"] = t * (q + kv) * (4 if d.autocast else m) + 2 * t * (spec.num_heads + spec.num_kv_heads) * 4
+    if attention == "sdpa":
+        sdpa_in = 2 if d.autocast else rope_bytes
+        if rope:
+            items["q"] = t * q * sdpa_in
+            items["k"] = t * kv * sdpa_in
+        if spec.fused_qkv:
+            items["qkv"] = t * (q + 2 * kv) * m  # v is a view: the fused output stays alive
+        else:
+            items["v"] = t * kv * m
+        items["attn_out"] = t * q * m
+        items["logsumexp"] = t * spec.num_heads * 4
+        if spec.family in ROPE_BY_CAT:
+            items["attn_out_copy"] = t * q * m
+        return items
+    # eager: matmul keeps contiguous (and, under autocast, 16-bit) copies of q, k and v with all heads.
+    copy_bytes = 2 if d.autocast else rope_bytes
+    items["q"] = t * q * copy_bytes
+    items["k"] = t * q * copy_bytes
+    items["v"] = t * q * (2 if d.autocast else m)
+    if spec.fused_qkv and not rope:
+        pass  # GPT-2: q, k, v are copied out of the fused output, which is then freed
+    scores = batch * spec.num_heads * seq * seq
+    items["probs"] = scores * 4 + (scores * 2 if m == 2 else 0)
+    items["attn_out_copy"] = t * q * m
+    return items
+
+
+def mlp_saved(spec: ModelSpec, d: Dtypes, tokens: int) -> dict[str, int]:
+    """Tensors one MLP keeps (bytes)."""
+    n = tokens * spec.intermediate_size * d.matmul
+    if spec.gated_mlp:
+        return {"mlp": 4 * n}  # gate, act(gate), up, act·up
+    return {"mlp": _act_saved_tensors(spec.hidden_act) * n}
+
+
+def linear_casts(spec: ModelSpec) -> tuple[int, int]:
+    """How many linears consume the first and the second norm's output."""
+    attn = 1 if spec.fused_qkv else 3
+    mlp = (1 if spec.fused_gate_up else 2) if spec.gated_mlp else 1
+    if spec.norms_per_layer == 1:
+        return attn + mlp, 0
+    return attn, mlp
+
+
+def layer_saved(spec: ModelSpec, setup: TrainingSetup) -> dict[str, int]:
+    """Everything one decoder layer keeps for backward, by tensor group (bytes)."""
+    d = Dtypes.of(setup)
+    t = setup.batch * setup.seq
+    h = spec.hidden_size
+    items: dict[str, int] = {}
+    casts1, casts2 = linear_casts(spec)
+    keep_residual = residual_saved(spec, d)
+    for idx, casts in enumerate((casts1, casts2)[: spec.norms_per_layer]):
+        n = norm_saved(spec, d, t, h, casts, d.residual)
+        items[f"norm{idx + 1}"] = n["stats"] + n["output"]
+        if spec.norm == "rmsnorm" and d.residual != 4:
+            items[f"norm{idx + 1}"] += n["input"]  # the fp32 upcast is a new tensor
+    for name, value in attention_saved(spec, d, setup.batch, setup.seq, setup.attention).items():
+        items[f"attn.{name}"] = value
+    items.update(mlp_saved(spec, d, t))
+    n_residual = 1 if spec.parallel_residual else 2
+    if keep_residual:
+        items["residual"] = n_residual * t * h * d.residual
+    return items

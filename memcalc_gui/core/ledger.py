@@ -1,0 +1,110 @@
+"""The phase ledger (seed 004): memory objects × phases, the peak phase and its dominant object.
+
+Rules (seed 004 Q1/Q2): sizes are non-negative integers; the load phase holds parameters only
+(plus the device overheads); a phase total is the sum of the objects live at that phase's peak; the
+peak is the largest phase total.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import MemcalcError
+from .setup import TrainingSetup
+from .vocab import OBJECTS, OVERHEAD_OBJECTS, PHASES, TENSOR_OBJECTS
+
+SCHEMA = 1
+
+
+class LedgerError(MemcalcError):
+    """A ledger broke one of seed 004's rules (a bug in an estimator, never user input)."""
+
+
+@dataclass(frozen=True)
+class PhaseLedger:
+    """The bytes of each memory object live at one phase's peak."""
+
+    phase: str
+    objects: dict[str, int]
+
+    def __post_init__(self) -> None:
+        if self.phase not in PHASES:
+            raise LedgerError(f"unknown phase {self.phase!r}")
+        unknown = set(self.objects) - set(OBJECTS)
+        if unknown:
+            raise LedgerError(f"unknown memory objects {sorted(unknown)}")
+        for name in OBJECTS:
+            value = self.objects.setdefault(name, 0)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise LedgerError(f"{self.phase}.{name} must be a non-negative integer, got {value!r}")
+        if self.phase == "load":
+            extra = [n for n in TENSOR_OBJECTS if n != "parameters" and self.objects[n]]
+            if extra:
+                raise LedgerError(f"load holds only parameters, not {extra}")
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.objects.values())
+
+    @property
+    def tensor_bytes(self) -> int:
+        """What ``torch.cuda.max_memory_allocated`` would show for this phase."""
+        return sum(self.objects[n] for n in TENSOR_OBJECTS)
+
+    @property
+    def dominant_object(self) -> str:
+        return max(OBJECTS, key=lambda n: self.objects[n])
+
+
+def with_overheads(tensor_objects: dict[str, int], phase: str, setup: TrainingSetup) -> PhaseLedger:
+    """Add the CUDA context and the allocator reserve (a fraction of the phase's tensor bytes)."""
+    objects = dict(tensor_objects)
+    tensor_total = sum(objects.values())
+    objects["cuda_context"] = setup.cuda_context_bytes
+    objects["allocator_reserve"] = int(round(tensor_total * setup.allocator_reserve))
+    return PhaseLedger(phase, objects)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """The result of one estimate: a ledger per phase, with what it assumed."""
+
+    setup: TrainingSetup
+    method: str
+    phases: dict[str, PhaseLedger]
+    assumptions: tuple[str, ...] = ()
+    details: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if tuple(self.phases) != PHASES:
+            raise LedgerError(f"phases must be {PHASES}, got {tuple(self.phases)}")
+
+    @property
+    def peak_phase(self) -> str:
+        return max(PHASES, key=lambda p: self.phases[p].total_bytes)
+
+    @property
+    def peak(self) -> PhaseLedger:
+        return self.phases[self.peak_phase]
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.peak.total_bytes
+
+    @property
+    def peak_tensor_bytes(self) -> int:
+        """The peak of tensor objects alone (``torch.cuda.max_memory_allocated``)."""
+        return max(p.tensor_bytes for p in self.phases.values())
+
+    @property
+    def dominant_object(self) -> str:
+        return self.peak.dominant_object
+
+    @property
+    def overhead_bytes(self) -> int:
+        return sum(self.peak.objects[n] for n in OVERHEAD_OBJECTS)
+
+    def object_bytes(self, name: str) -> dict[str, int]:
+        """One object's bytes across the phases."""
+        return {p: self.phases[p].objects[name] for p in PHASES}

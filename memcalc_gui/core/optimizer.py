@@ -1,0 +1,84 @@
+"""Optimizer state and step temporaries, tensor by tensor.
+
+Sources: seed 002 (Adam 8 B/param, quantized Adam 2 B/param), seed 001 (AdamW step transient), and
+the CPU measurements in shared/NOTES.md: the AdamW step temporaries depend on the implementation —
+``foreach`` (torch's CUDA default) allocates one ``sqrt(exp_avg_sq)`` buffer for every parameter at
+once (1× the parameters), ``single-tensor`` (torch's CPU default) holds the previous parameter's
+denominator while building the next one's (max over i of size[i−1] + 2·size[i]), ``fused`` none.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .setup import Optimizer, OptimizerImpl
+
+#: bitsandbytes keeps 32-bit state for tensors with fewer elements than this (``min_8bit_size``).
+BNB_MIN_8BIT_SIZE = 4096
+#: bitsandbytes blockwise quantisation: one fp32 absmax per block of 256 values, per state.
+BNB_BLOCK = 256
+
+
+@dataclass(frozen=True)
+class OptimizerCost:
+    state_bytes: int
+    step_temporary_bytes: int
+    note: str
+
+
+def optimizer_cost(
+    optimizer: Optimizer,
+    impl: OptimizerImpl,
+    tensors: list[tuple[int, int, int]],
+    state_dtype_bytes: int,
+) -> OptimizerCost:
+    """State kept between steps and the transient peak inside ``optimizer.step()``.
+
+    ``tensors`` is ``ModelSpec.param_tensors()`` (or one flat tensor for a bare parameter count);
+    ``state_dtype_bytes`` is the parameters' element size (torch keeps state in the param dtype).
+    """
+    p = state_dtype_bytes
+    numel_total = sum(r * c * k for r, c, k in tensors)
+    largest = max(r * c for r, c, _ in tensors)
+
+    def single_tensor(per_elem_temp: int) -> int:
+        # Peak while building tensor i's temporaries with tensor i-1's result still referenced.
+        sizes = []
+        for r, c, k in tensors:
+            sizes += [r * c] * min(k, 2)  # repeats beyond two cannot change the max
+        best = 0
+        prev = 0
+        for s in sizes:
+            best = max(best, prev + per_elem_temp * s)
+            prev = s
+        return best * p
+
+    if optimizer in ("adamw", "adam"):
+        state = 2 * numel_total * p
+        if impl == "fused":
+            temp = 0
+        elif impl == "foreach":
+            temp = numel_total * p
+        else:
+            temp = single_tensor(2)
+        return OptimizerCost(state, temp, "Adam: exp_avg + exp_avg_sq in the parameter dtype (seed 002: 8 B/param)")
+    if optimizer == "adamw-8bit":
+        state = 0
+        for r, c, k in tensors:
+            n = r * c
+            if n < BNB_MIN_8BIT_SIZE:
+                state += k * 2 * n * 4
+            else:
+                state += k * (2 * n + 2 * 4 * -(-n // BNB_BLOCK))
+        return OptimizerCost(state, 0, "bitsandbytes 8-bit AdamW: 2 B/param + blockwise absmax (seed 002)")
+    if optimizer == "sgd":
+        return OptimizerCost(0, 0, "plain SGD keeps no state")
+    if optimizer in ("sgd-momentum", "lion"):
+        temp = 0 if optimizer == "sgd-momentum" else (numel_total * p if impl == "foreach" else single_tensor(1))
+        return OptimizerCost(numel_total * p, temp, "one momentum buffer per parameter")
+    # adafactor: factored second moment for matrices (row + column vectors), full for vectors.
+    state = 0
+    for r, c, k in tensors:
+        state += k * ((r + c) * 4 if c > 1 else r * 4)
+    temp = numel_total * p if impl == "foreach" else 2 * largest * p
+    return OptimizerCost(state, temp, "Adafactor: factored second moment, no first moment")

@@ -1,0 +1,62 @@
+"""Method ``quick``: the seed 000 heuristic from a bare parameter count.
+
+Total = N·P + 2·N·P + max(N·P + N·P, A·B·L·P), with A = 4.6894e-4·N + 1.8494e6 activations per token
+(a linear fit over a few models in the Hugging Face blog post, seed 000). Rough by design: it
+overestimates activations by ~70 % at 1.5B and by several hundred % on small models (NOTES.md).
+"""
+
+from __future__ import annotations
+
+from .ledger import Estimate, with_overheads
+from .setup import TrainingSetup
+
+A_SLOPE = 4.6894e-4
+A_INTERCEPT = 1.8494e6
+
+#: Optimizer state in units of N·P (seed 000 uses 2 for AdamW).
+_STATE_FACTOR = {"adamw": 2.0, "adam": 2.0, "adamw-8bit": 0.5, "sgd": 0.0, "sgd-momentum": 1.0,
+                 "adafactor": 0.0, "lion": 1.0}
+
+
+def activations_per_token(num_params: int) -> float:
+    """Seed 000's A: activation values per token."""
+    return A_SLOPE * num_params + A_INTERCEPT
+
+
+def precision_bytes(setup: TrainingSetup) -> tuple[int, int]:
+    """P for the N·P terms and for the activation term (mixed keeps fp32 weights, 16-bit activations)."""
+    if setup.precision == "fp32":
+        return 4, 4
+    if setup.precision == "bf16":
+        return 2, 2
+    return 4, 2
+
+
+def estimate_quick(setup: TrainingSetup) -> Estimate:
+    """The seed 000 formula as a ledger: forward holds activations, the step holds grads + intermediates."""
+    n = setup.num_params
+    p, p_act = precision_bytes(setup)
+    model = n * p
+    state = int(round(_STATE_FACTOR[setup.optimizer] * n * p))
+    grads = n * p
+    intermediates = n * p
+    acts = int(round(activations_per_token(n) * setup.batch * setup.seq * p_act))
+    phases = {
+        "load": with_overheads({"parameters": model}, "load", setup),
+        "forward": with_overheads({"parameters": model, "optimizer_state": state, "activations": acts},
+                                  "forward", setup),
+        "backward": with_overheads({"parameters": model, "optimizer_state": state, "gradients": grads},
+                                   "backward", setup),
+        "optimizer_step": with_overheads({"parameters": model, "optimizer_state": state, "gradients": grads,
+                                          "optimizer_temporaries": intermediates}, "optimizer_step", setup),
+    }
+    return Estimate(
+        setup=setup,
+        method="quick",
+        phases=phases,
+        assumptions=(
+            "Rough heuristic (seed 000): Total = N·P + 2·N·P + max(2·N·P, A·B·L·P), "
+            "A = 4.6894e-4·N + 1.8494e6",
+            f"P = {p} B for weights, gradients and state; {p_act} B for activations",
+        ),
+    )

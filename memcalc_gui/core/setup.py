@@ -1,0 +1,168 @@
+"""A training setup: the model and every choice that changes the memory of one training step.
+
+:class:`TrainingSetup` validates itself; every error names the field (the CLI flag without dashes).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Final, Literal, get_args
+
+from .errors import InputError
+from .model import ModelSpec
+from .resources import load_json
+from .units import format_bytes
+
+Precision = Literal["fp32", "mixed", "bf16"]
+Optimizer = Literal["adamw", "adam", "adamw-8bit", "sgd", "sgd-momentum", "adafactor", "lion"]
+OptimizerImpl = Literal["foreach", "single-tensor", "fused"]
+Attention = Literal["sdpa", "eager"]
+Checkpointing = Literal["none", "full"]
+Method = Literal["quick", "analytic", "trace"]
+
+PRECISIONS: Final = get_args(Precision)
+OPTIMIZERS: Final = get_args(Optimizer)
+OPTIMIZER_IMPLS: Final = get_args(OptimizerImpl)
+ATTENTIONS: Final = get_args(Attention)
+CHECKPOINTINGS: Final = get_args(Checkpointing)
+METHODS: Final = get_args(Method)
+
+PRECISION_LABELS: Final = {
+    "fp32": "fp32 (4 B/param weights, grads and activations)",
+    "mixed": "Mixed precision (6 B/param: fp32 master + 16-bit compute copy)",
+    "bf16": "bf16 (pure 16-bit weights, grads and optimizer state)",
+}
+
+#: CUDA context default: PyTorch 2.x with CUDA 12 lazy module loading creates a context of roughly
+#: 0.5 GiB on recent GPUs (seed 001 measured 1.35–1.64 GB with CUDA 10/11 and eager loading).
+DEFAULT_CUDA_CONTEXT_BYTES: Final = 512 * 2**20
+#: Allocator reserve: cached but unusable memory as a fraction of the tensor peak. Seed 003 gives
+#: fragmentation of 5–20 %; we default to 10 % and let the user (or a measurement) override it.
+DEFAULT_ALLOCATOR_RESERVE: Final = 0.10
+
+
+@dataclass(frozen=True)
+class GPU:
+    """A GPU preset; ``capacity_bytes`` is what the device reports to PyTorch."""
+
+    id: str
+    name: str
+    nominal: str
+    capacity_bytes: int
+    source: str = "reported"
+
+
+def gpu_presets() -> list[GPU]:
+    """The bundled GPU table (``resources/gpus.json``)."""
+    data = load_json("gpus.json")
+    return [GPU(**{k: g[k] for k in ("id", "name", "nominal", "capacity_bytes", "source")}) for g in data["gpus"]]
+
+
+def find_gpu(name: str) -> GPU:
+    """Look a GPU up by id or name, case-insensitively (``a100-80gb``, ``A100 80GB``)."""
+    key = name.strip().lower().replace(" ", "-").replace("_", "-")
+    presets = gpu_presets()
+    for gpu in presets:
+        if key in (gpu.id, gpu.name.lower().replace(" ", "-")):
+            return gpu
+    matches = [g for g in presets if key in g.name.lower().replace(" ", "-")]
+    if len(matches) == 1:
+        return matches[0]
+    raise InputError("gpu", f"unknown GPU {name!r}; available: {', '.join(g.id for g in presets)}")
+
+
+def _choice(field_name: str, value: object, options: tuple[str, ...]) -> None:
+    if value not in options:
+        raise InputError(field_name, f"must be one of {', '.join(options)}, got {value!r}")
+
+
+def _positive_int(field_name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InputError(field_name, f"must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class TrainingSetup:
+    """Everything that decides the memory of one training step on one GPU."""
+
+    model: ModelSpec | None = None
+    params: int | None = None  # parameters-only description (method "quick")
+    batch: int = 1
+    seq: int = 512
+    grad_accum: int = 1
+    precision: Precision = "mixed"
+    optimizer: Optimizer = "adamw"
+    optimizer_impl: OptimizerImpl = "foreach"
+    attention: Attention = "sdpa"
+    checkpointing: Checkpointing = "none"
+    gpu: str | None = None
+    capacity_bytes: int | None = None
+    cuda_context_bytes: int = DEFAULT_CUDA_CONTEXT_BYTES
+    allocator_reserve: float = DEFAULT_ALLOCATOR_RESERVE
+    extras: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.model is None and self.params is None:
+            raise InputError("model", "give a preset, a config.json or a parameter count")
+        if self.params is not None:
+            _positive_int("params", self.params)
+        for name in ("batch", "seq", "grad_accum"):
+            _positive_int(name, getattr(self, name))
+        _choice("precision", self.precision, PRECISIONS)
+        _choice("optimizer", self.optimizer, OPTIMIZERS)
+        _choice("optimizer_impl", self.optimizer_impl, OPTIMIZER_IMPLS)
+        _choice("attention", self.attention, ATTENTIONS)
+        _choice("checkpointing", self.checkpointing, CHECKPOINTINGS)
+        if self.capacity_bytes is not None:
+            _positive_int("capacity", self.capacity_bytes)
+        if isinstance(self.cuda_context_bytes, bool) or not isinstance(self.cuda_context_bytes, int) \
+                or self.cuda_context_bytes < 0:
+            raise InputError("cuda_context", f"must be a non-negative size, got {self.cuda_context_bytes!r}")
+        r = self.allocator_reserve
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or not 0 <= r < 1:
+            raise InputError("allocator_reserve", f"must be a fraction in [0, 1), got {r!r}")
+        if self.optimizer == "adamw-8bit" and self.optimizer_impl == "fused":
+            raise InputError("optimizer_impl", "8-bit AdamW has its own kernels; use foreach or single-tensor")
+
+    @property
+    def num_params(self) -> int:
+        if self.model is not None:
+            return self.model.num_params
+        assert self.params is not None
+        return self.params
+
+    @property
+    def effective_batch(self) -> int:
+        return self.batch * self.grad_accum
+
+    def with_changes(self, **changes: Any) -> TrainingSetup:
+        """A copy with some fields changed (validated again)."""
+        return replace(self, **changes)
+
+    def describe(self) -> dict[str, Any]:
+        """The inputs as plain JSON values (for ``--json``, reports and settings)."""
+        return {
+            "model": self.model.to_json() if self.model else None,
+            "params": self.num_params,
+            "batch": self.batch,
+            "seq": self.seq,
+            "grad_accum": self.grad_accum,
+            "effective_batch": self.effective_batch,
+            "precision": self.precision,
+            "optimizer": self.optimizer,
+            "optimizer_impl": self.optimizer_impl,
+            "attention": self.attention,
+            "checkpointing": self.checkpointing,
+            "gpu": self.gpu,
+            "capacity_bytes": self.capacity_bytes,
+            "cuda_context_bytes": self.cuda_context_bytes,
+            "allocator_reserve": self.allocator_reserve,
+        }
+
+    def summary(self) -> str:
+        """One line: model, shape and options."""
+        model = self.model.name if self.model else f"{self.num_params:,} params"
+        cap = f", {format_bytes(self.capacity_bytes)}" if self.capacity_bytes else ""
+        return (f"{model}: batch {self.batch} × seq {self.seq} × accum {self.grad_accum}, {self.precision}, "
+                f"{self.optimizer} ({self.optimizer_impl}), {self.attention}, checkpointing {self.checkpointing}{cap}")

@@ -1,0 +1,158 @@
+"""Does it fit, the largest micro-batch that fits, and the changes that would make it fit."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .ledger import Estimate
+from .setup import TrainingSetup
+
+Estimator = Callable[[TrainingSetup], Estimate]
+
+#: Upper bound for the micro-batch search (beyond it, "fits" is reported as this bound).
+MAX_SEARCH_BATCH = 1 << 16
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    """One change to the setup, what it saves at the peak, and whether the result fits."""
+
+    key: str
+    title: str
+    changes: dict[str, Any]
+    peak_bytes: int
+    saves_bytes: int
+    fits: bool | None
+    tradeoff: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "key": self.key,
+            "title": self.title,
+            "changes": self.changes,
+            "peak_bytes": self.peak_bytes,
+            "saves_bytes": self.saves_bytes,
+            "fits": self.fits,
+            "tradeoff": self.tradeoff,
+        }
+
+
+@dataclass(frozen=True)
+class Verdict:
+    capacity_bytes: int | None
+    fits: bool | None
+    headroom_bytes: int | None
+    max_micro_batch: int | None
+    suggestions: tuple[Suggestion, ...] = field(default=())
+
+
+def fits(estimate: Estimate, capacity_bytes: int) -> bool:
+    return estimate.peak_bytes <= capacity_bytes
+
+
+def max_micro_batch(setup: TrainingSetup, estimator: Estimator, capacity_bytes: int) -> int:
+    """Largest micro-batch whose peak fits ``capacity_bytes`` (0 if not even 1 fits).
+
+    Exponential then binary search: the peak never decreases with the batch (a property test checks).
+    """
+    def ok(b: int) -> bool:
+        return estimator(setup.with_changes(batch=b)).peak_bytes <= capacity_bytes
+
+    if not ok(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= MAX_SEARCH_BATCH and ok(hi):
+        lo, hi = hi, hi * 2
+    if hi > MAX_SEARCH_BATCH:
+        return lo
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _candidates(setup: TrainingSetup, estimator: Estimator, capacity: int | None) -> list[tuple[str, str, dict[str, Any], str]]:
+    out: list[tuple[str, str, dict[str, Any], str]] = []
+    if setup.model is not None and setup.checkpointing == "none":
+        out.append(("checkpointing", "Turn on gradient checkpointing", {"checkpointing": "full"},
+                    "about 20–30 % slower backward (one extra forward)"))
+    if setup.optimizer in ("adamw", "adam"):
+        out.append(("optimizer-8bit", "Use 8-bit AdamW (bitsandbytes)", {"optimizer": "adamw-8bit",
+                    "optimizer_impl": "foreach" if setup.optimizer_impl == "fused" else setup.optimizer_impl},
+                    "quantised optimizer state; needs bitsandbytes"))
+        if setup.optimizer_impl != "fused":
+            out.append(("optimizer-fused", "Use the fused optimizer implementation", {"optimizer_impl": "fused"},
+                        "no step temporaries; needs a CUDA build of torch"))
+    if setup.precision == "fp32":
+        out.append(("precision-mixed", "Train in mixed precision (bf16 autocast)", {"precision": "mixed"},
+                    "16-bit activations; fp32 master weights"))
+    if setup.model is not None and setup.attention == "eager":
+        out.append(("attention-sdpa", "Use SDPA attention instead of eager", {"attention": "sdpa"},
+                    "no L×L score matrices kept"))
+    effective = setup.effective_batch
+    if setup.batch > 1 and capacity is not None:
+        for b in sorted((d for d in range(1, setup.batch) if effective % d == 0), reverse=True):
+            trial = setup.with_changes(batch=b, grad_accum=effective // b)
+            if estimator(trial).peak_bytes <= capacity or b == 1:
+                out.append(("micro-batch", f"Micro-batch {b} × {effective // b} accumulation steps "
+                            f"(same effective batch {effective})", {"batch": b, "grad_accum": effective // b},
+                            "more forward/backward passes per optimizer step"))
+                break
+    return out
+
+
+def suggestions(setup: TrainingSetup, estimator: Estimator, capacity_bytes: int | None) -> tuple[Suggestion, ...]:
+    """Each single change with the bytes it saves at the peak; fitting ones first, then by savings.
+
+    When no single change fits, a combined suggestion applies the best changes greedily until it fits.
+    """
+    base_peak = estimator(setup).peak_bytes
+    rows: list[Suggestion] = []
+    for key, title, changes, tradeoff in _candidates(setup, estimator, capacity_bytes):
+        peak = estimator(setup.with_changes(**changes)).peak_bytes
+        if peak >= base_peak:
+            continue
+        ok = None if capacity_bytes is None else peak <= capacity_bytes
+        rows.append(Suggestion(key, title, changes, peak, base_peak - peak, ok, tradeoff))
+    rows.sort(key=lambda s: (not s.fits, -s.saves_bytes))
+    if capacity_bytes is not None and base_peak > capacity_bytes and rows and not any(s.fits for s in rows):
+        combined: dict[str, Any] = {}
+        titles: list[str] = []
+        current = setup
+        for _ in range(4):
+            options = [(estimator(current.with_changes(**s.changes)).peak_bytes, s)
+                       for s in rows if not set(s.changes) <= set(combined) or any(combined.get(k) != v for k, v in s.changes.items())]
+            options = [(p, s) for p, s in options if p < estimator(current).peak_bytes]
+            if not options:
+                break
+            peak, best = min(options, key=lambda t: t[0])
+            combined.update(best.changes)
+            titles.append(best.title[0].lower() + best.title[1:])
+            current = setup.with_changes(**combined)
+            if peak <= capacity_bytes:
+                break
+        if len(titles) > 1:
+            peak = estimator(current).peak_bytes
+            rows.insert(0, Suggestion("combined", "Combine: " + "; ".join(titles), combined, peak, base_peak - peak,
+                                      peak <= capacity_bytes, "the trade-offs of each change"))
+    return tuple(rows)
+
+
+def solve(setup: TrainingSetup, estimator: Estimator, estimate: Estimate | None = None) -> Verdict:
+    """The verdict for ``setup`` against its capacity (all ``None`` without a capacity)."""
+    est = estimate if estimate is not None else estimator(setup)
+    cap = setup.capacity_bytes
+    if cap is None:
+        return Verdict(None, None, None, None, suggestions(setup, estimator, None))
+    return Verdict(
+        capacity_bytes=cap,
+        fits=est.peak_bytes <= cap,
+        headroom_bytes=cap - est.peak_bytes,
+        max_micro_batch=max_micro_batch(setup, estimator, cap),
+        suggestions=suggestions(setup, estimator, cap),
+    )

@@ -1,0 +1,497 @@
+"""Measure one training step of a Hugging Face causal LM on CPU, phase by phase, to the byte.
+
+The model is built from a config dict with random weights, run for a few iterations under a
+:class:`~memcalc_gui.measure.tracker.LiveStorageTracker`, and the last (steady-state) iteration is
+reported: per phase the peak of live tensor bytes, the live bytes at the end of the phase and the
+composition at the peak moment in the ledger's object names (``vocab.TENSOR_OBJECTS``).
+
+Measurement conventions (decisions, keep them in mind when comparing with an estimate):
+
+* Train mode, but every dropout probability in the config (keys containing ``drop``, e.g. gpt2's
+  ``resid_pdrop``/``embd_pdrop``/``attn_pdrop``) is set to 0, so no dropout masks are stored.
+* ``use_cache=False``; input_ids are random in the vocabulary and ``labels = input_ids`` (same tensor).
+* ``loss = model(...).loss`` (the output object is dropped at once); ``loss`` is deleted after
+  backward; ``optimizer.zero_grad(set_to_none=True)`` ends the optimizer-step phase.
+* Categories: ``parameters`` = parameter storages plus *all* module buffers (e.g. rotary
+  ``inv_freq``, persistent or not: they are model state that does not scale with the batch) plus,
+  under autocast, the 16-bit copies of weights (``_to_copy`` of a parameter, also reported as
+  ``compute_copy_bytes``); ``gradients`` = storages that were some ``param.grad`` in the run;
+  ``optimizer_state`` = tensors in ``optimizer.state`` (including the 4-byte ``step`` counters, which
+  on CUDA live on the host unless fused/capturable); ``inputs`` = input_ids/labels; everything else
+  by the phase that allocated it: forward → ``activations``, backward → ``temporaries``,
+  optimizer step → ``optimizer_temporaries``, load → ``parameters``.
+* Kernel-internal scratch buffers that never become an op output (e.g. inside a CPU attention
+  kernel) are invisible to a dispatch mode and are not counted.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from memcalc_gui.core.vocab import PHASES, TENSOR_OBJECTS
+from memcalc_gui.measure.tracker import LiveStorageTracker, StorageRecord
+
+if TYPE_CHECKING:
+    import torch
+
+PRECISIONS = ("fp32", "mixed", "bf16")
+OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "lion", "adamw-8bit")
+OPTIMIZER_IMPLS = ("foreach", "single-tensor", "fused")
+CHECKPOINTING = ("none", "full")
+_PHASE_CATEGORY = {
+    "load": "parameters",
+    "forward": "activations",
+    "backward": "temporaries",
+    "optimizer_step": "optimizer_temporaries",
+}
+_TAGS = ("gradients", "optimizer_state", "parameters", "inputs")
+_TOP_N = 20
+
+
+class UnsupportedOptimizerError(NotImplementedError):
+    """The optimizer is known to the ledger but cannot be measured here yet."""
+
+
+@dataclass(frozen=True)
+class LiveStorage:
+    """One storage alive at a phase peak (for debugging the analytic model)."""
+
+    nbytes: int
+    category: str
+    op: str
+    phase: str | None
+    iteration: int
+    micro: int
+    dtype: str
+    shape: tuple[int, ...]
+    compute_copy: bool = False
+
+
+@dataclass(frozen=True)
+class PhaseMeasurement:
+    """Peak and end-of-phase live bytes of one phase and the composition at the peak."""
+
+    peak_bytes: int
+    live_bytes: int
+    objects: dict[str, int]
+    compute_copy_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class IterationRecord:
+    """Totals of one iteration, for the leak check."""
+
+    index: int
+    live_bytes_end: int
+    peak_bytes: int
+    phase_peaks: dict[str, int]
+
+
+@dataclass(frozen=True)
+class StepMeasurement:
+    """The measured steady-state step: per phase, plus per-iteration totals."""
+
+    device: str
+    phases: dict[str, PhaseMeasurement]
+    iterations: list[IterationRecord]
+    params: int
+    top_storages: dict[str, tuple[LiveStorage, ...]] = field(default_factory=dict)
+
+    @property
+    def peak_bytes(self) -> int:
+        """The highest phase peak."""
+        return max(p.peak_bytes for p in self.phases.values())
+
+    @property
+    def peak_phase(self) -> str:
+        """The phase holding the highest peak."""
+        return max(self.phases, key=lambda name: self.phases[name].peak_bytes)
+
+
+def measure_training_step(
+    config: dict[str, Any],
+    *,
+    batch: int,
+    seq: int,
+    precision: str,
+    optimizer: str = "adamw",
+    optimizer_impl: str = "single-tensor",
+    attention: str = "sdpa",
+    checkpointing: str = "none",
+    grad_accum: int = 1,
+    iterations: int = 2,
+    seed: int = 0,
+    num_threads: int | None = 1,
+) -> StepMeasurement:
+    """Build the model from ``config`` and measure ``iterations`` training steps on CPU.
+
+    ``num_threads`` sets torch's intra-op threads for the run (restored after; ``None`` keeps
+    the current value): byte counts do not depend on it and tiny models run fastest on one.
+    """
+    _check_args(
+        precision,
+        optimizer,
+        optimizer_impl,
+        checkpointing,
+        grad_accum,
+        iterations,
+        batch,
+        seq,
+    )
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+
+    torch.manual_seed(seed)
+    tracker = LiveStorageTracker()
+    hooks: list[Any] = []
+    threads = torch.get_num_threads()
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    try:
+        with tracker:
+            with tracker.phase("load", 0):
+                model = build_model(config, precision=precision, attention=attention)
+                if checkpointing == "full":
+                    enable_checkpointing(model)
+                params = list(model.parameters())
+                for p in params:
+                    tracker.track(p, "parameters")
+                for b in model.buffers():
+                    tracker.track(b, "parameters")
+            n_params = sum(p.numel() for p in params)
+            opt = make_optimizer(params, optimizer, optimizer_impl)
+
+            def tag_grad(param: torch.Tensor) -> None:
+                if param.grad is not None:
+                    tracker.track(param.grad, "gradients")
+
+            hooks.extend(p.register_post_accumulate_grad_hook(tag_grad) for p in params)
+            vocab_size = int(model.config.vocab_size)
+            input_ids = torch.randint(0, vocab_size, (batch, seq), dtype=torch.long)
+            tracker.track(input_ids, "inputs")
+            gc.collect()
+
+            live_end: list[int] = []
+            for it in range(1, iterations + 1):
+                for micro in range(grad_accum):
+                    with tracker.phase("forward", it, micro):
+                        loss = _forward(model, input_ids, precision)
+                        if grad_accum > 1:
+                            loss = loss / grad_accum
+                    with tracker.phase("backward", it, micro):
+                        loss.backward()  # type: ignore[no-untyped-call]
+                        del loss
+                        for p in params:
+                            if p.grad is not None:
+                                tracker.track(p.grad, "gradients")
+                with tracker.phase("optimizer_step", it):
+                    opt.step()
+                    for state in opt.state.values():
+                        for value in state.values():
+                            if isinstance(value, torch.Tensor):
+                                tracker.track(value, "optimizer_state")
+                    opt.zero_grad(set_to_none=True)
+                gc.collect()
+                live_end.append(tracker.live_bytes)
+        return _summarize(tracker, iterations, grad_accum, n_params, live_end)
+    finally:
+        torch.set_num_threads(threads)
+        for h in hooks:
+            h.remove()
+        tracker.close()
+
+
+def build_model(
+    config: dict[str, Any], *, precision: str = "fp32", attention: str = "sdpa"
+) -> Any:
+    """A randomly initialised causal LM from a HF config dict, dropout 0, train mode, on CPU."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kwargs = dict(config)
+    model_type = kwargs.pop("model_type")
+    cfg = AutoConfig.for_model(model_type, **kwargs)
+    cfg.use_cache = False
+    for key, value in cfg.to_dict().items():
+        if (
+            "drop" in key
+            and isinstance(value, int | float)
+            and not isinstance(value, bool)
+        ):
+            setattr(cfg, key, 0.0)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+        cfg, attn_implementation=attention, dtype=dtype
+    )
+    model.train()
+    return model
+
+
+def enable_checkpointing(model: Any) -> None:
+    """Full activation checkpointing of every decoder layer (non-reentrant)."""
+    kwargs = {"use_reentrant": False}
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    # transformers 5 deprecates gradient_checkpointing_enable in favour of this name
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def make_optimizer(
+    params: list[torch.nn.Parameter], name: str, impl: str
+) -> torch.optim.Optimizer:
+    """A ``torch.optim`` optimizer by ledger name and implementation."""
+    import torch
+
+    fused = True if impl == "fused" else None
+    foreach = None if fused else impl == "foreach"
+    if name == "adamw":
+        return torch.optim.AdamW(params, foreach=foreach, fused=fused)
+    if name == "adam":
+        return torch.optim.Adam(params, foreach=foreach, fused=fused)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=1e-3, foreach=foreach, fused=fused)
+    if name == "sgd-momentum":
+        return torch.optim.SGD(
+            params, lr=1e-3, momentum=0.9, foreach=foreach, fused=fused
+        )
+    if name == "adafactor":
+        if fused:
+            raise UnsupportedOptimizerError(
+                "torch.optim.Adafactor has no fused implementation"
+            )
+        return torch.optim.Adafactor(params, foreach=foreach)
+    raise UnsupportedOptimizerError(f"optimizer {name!r} cannot be measured on CPU yet")
+
+
+def _forward(model: Any, input_ids: torch.Tensor, precision: str) -> torch.Tensor:
+    import torch
+
+    if precision == "mixed":
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss: torch.Tensor = model(input_ids=input_ids, labels=input_ids).loss
+        return loss
+    out: torch.Tensor = model(input_ids=input_ids, labels=input_ids).loss
+    return out
+
+
+def _check_args(
+    precision: str,
+    optimizer: str,
+    impl: str,
+    checkpointing: str,
+    grad_accum: int,
+    iterations: int,
+    batch: int,
+    seq: int,
+) -> None:
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, not {precision!r}")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, not {optimizer!r}")
+    if optimizer in ("lion", "adamw-8bit"):
+        raise UnsupportedOptimizerError(
+            f"optimizer {optimizer!r} cannot be measured on CPU yet"
+        )
+    if impl not in OPTIMIZER_IMPLS:
+        raise ValueError(
+            f"optimizer_impl must be one of {OPTIMIZER_IMPLS}, not {impl!r}"
+        )
+    if checkpointing not in CHECKPOINTING:
+        raise ValueError(
+            f"checkpointing must be one of {CHECKPOINTING}, not {checkpointing!r}"
+        )
+    for name, value in (
+        ("grad_accum", grad_accum),
+        ("iterations", iterations),
+        ("batch", batch),
+        ("seq", seq),
+    ):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, not {value}")
+
+
+def make_classifier(
+    tracker: LiveStorageTracker,
+) -> tuple[Callable[[StorageRecord], str], Callable[[StorageRecord], bool]]:
+    """Category and compute-copy predicates for the tracker's records (after the run)."""
+    records = tracker.records
+
+    def is_compute_copy(rec: StorageRecord) -> bool:
+        if rec.source_sid is None or rec.dtype not in ("bfloat16", "float16"):
+            return False
+        src = records.get(rec.source_sid)
+        return src is not None and "parameters" in src.tags and src.dtype != rec.dtype
+
+    def category_of(rec: StorageRecord) -> str:
+        for tag in _TAGS:
+            if tag in rec.tags:
+                return tag
+        if is_compute_copy(rec):
+            return "parameters"
+        return _PHASE_CATEGORY.get(rec.phase or "", "temporaries")
+
+    return category_of, is_compute_copy
+
+
+def _summarize(
+    tracker: LiveStorageTracker,
+    iterations: int,
+    grad_accum: int,
+    n_params: int,
+    live_end: list[int],
+) -> StepMeasurement:
+    category_of, is_compute_copy = make_classifier(tracker)
+    windows = tracker.windows()
+
+    def phase_windows(phase: str, it: int) -> list[tuple[int, int]]:
+        micros = range(grad_accum) if phase in ("forward", "backward") else range(1)
+        return [windows[(phase, it, m)] for m in micros if (phase, it, m) in windows]
+
+    records: list[IterationRecord] = []
+    for it in range(1, iterations + 1):
+        peaks = {
+            ph: max(tracker.peak(s, e).bytes for s, e in phase_windows(ph, it))
+            for ph in PHASES[1:]
+            if phase_windows(ph, it)
+        }
+        records.append(
+            IterationRecord(it, live_end[it - 1], max(peaks.values()), peaks)
+        )
+
+    phases: dict[str, PhaseMeasurement] = {}
+    top: dict[str, tuple[LiveStorage, ...]] = {}
+    for ph in PHASES:
+        wins = phase_windows(ph, 0 if ph == "load" else iterations)
+        if not wins:
+            continue
+        peak = max((tracker.peak(s, e) for s, e in wins), key=lambda p: p.bytes)
+        live = tracker.live_at(peak.index)
+        objects = dict.fromkeys(TENSOR_OBJECTS, 0)
+        copies = 0
+        for sid, nbytes in live.items():
+            rec = tracker.records[sid]
+            objects[category_of(rec)] += nbytes
+            if is_compute_copy(rec):
+                copies += nbytes
+        end_live = tracker.events[wins[-1][1]].live_bytes
+        phases[ph] = PhaseMeasurement(peak.bytes, end_live, objects, copies)
+        rows = [
+            _live_storage(tracker.records[sid], n, category_of, is_compute_copy)
+            for sid, n in live.items()
+        ]
+        rows.sort(key=lambda r: -r.nbytes)
+        kept: list[LiveStorage] = []
+        per_group: dict[tuple[str, bool], int] = {}
+        # the largest _TOP_N of each category (weight copies apart), largest first
+        for row in rows:
+            group = (row.category, row.compute_copy)
+            if per_group.get(group, 0) < _TOP_N:
+                per_group[group] = per_group.get(group, 0) + 1
+                kept.append(row)
+        top[ph] = tuple(kept)
+    return StepMeasurement("cpu", phases, records, n_params, top)
+
+
+def _live_storage(
+    rec: StorageRecord,
+    nbytes: int,
+    category_of: Callable[[StorageRecord], str],
+    is_compute_copy: Callable[[StorageRecord], bool],
+) -> LiveStorage:
+    return LiveStorage(
+        nbytes=nbytes,
+        category=category_of(rec),
+        op=rec.op.removeprefix("aten."),
+        phase=rec.phase,
+        iteration=rec.iteration,
+        micro=rec.micro,
+        dtype=rec.dtype,
+        shape=rec.shape,
+        compute_copy=is_compute_copy(rec),
+    )
+
+
+def top_storages(
+    measurement: StepMeasurement,
+    phase: str,
+    n: int = 10,
+    categories: Collection[str] | None = None,
+) -> list[LiveStorage]:
+    """The ``n`` largest storages alive at ``phase``'s peak, optionally of some categories only.
+
+    ``categories`` may name ``"compute_copy"`` for the 16-bit weight copies. At most the 20 largest
+    of each category are kept in a measurement.
+    """
+    rows = measurement.top_storages.get(phase, ())
+    if categories is None:
+        return list(rows[:n])
+    return [
+        r
+        for r in rows
+        if r.category in categories or (r.compute_copy and "compute_copy" in categories)
+    ][:n]
+
+
+#: What is neither weights, optimizer state nor inputs: what a step adds on top of the model.
+TRANSIENT = (
+    "gradients",
+    "optimizer_temporaries",
+    "activations",
+    "temporaries",
+    "compute_copy",
+)
+
+
+def format_top_storages(
+    measurement: StepMeasurement,
+    phase: str,
+    n: int = 10,
+    categories: Collection[str] | None = None,
+) -> str:
+    """The ``n`` largest storages alive at ``phase``'s peak as a text table (``*`` = 16-bit weight copy)."""
+    rows = top_storages(measurement, phase, n, categories)
+    lines = [
+        f"{'bytes':>14}  {'category':<22}{'created in':<22}{'op':<40}{'dtype':<10}shape"
+    ]
+    for s in rows:
+        where = f"{s.phase}#{s.iteration}" + (f".{s.micro}" if s.micro else "")
+        cat = s.category + ("*" if s.compute_copy else "")
+        lines.append(
+            f"{s.nbytes:>14,}  {cat:<22}{where:<22}{s.op:<40}{s.dtype:<10}{list(s.shape)}"
+        )
+    return "\n".join(lines)
+
+
+def format_measurement(
+    measurement: StepMeasurement,
+    top: int = 0,
+    categories: Collection[str] | None = None,
+) -> str:
+    """Per-phase peaks and compositions (and optionally the top storages) as text."""
+    lines = [
+        f"params: {measurement.params:,}   peak: {measurement.peak_bytes:,} B in {measurement.peak_phase}"
+    ]
+    for name, ph in measurement.phases.items():
+        parts = ", ".join(f"{k}={v:,}" for k, v in ph.objects.items() if v)
+        extra = (
+            f" (16-bit weight copies {ph.compute_copy_bytes:,})"
+            if ph.compute_copy_bytes
+            else ""
+        )
+        lines.append(
+            f"{name:<15} peak {ph.peak_bytes:>14,}  end {ph.live_bytes:>14,}  [{parts}]{extra}"
+        )
+        if top and top_storages(measurement, name, top, categories):
+            lines.append(format_top_storages(measurement, name, top, categories))
+    lines.append(
+        "iterations (live at end): "
+        + ", ".join(f"{r.index}:{r.live_bytes_end:,}" for r in measurement.iterations)
+    )
+    return "\n".join(lines)

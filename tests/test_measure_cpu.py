@@ -1,0 +1,201 @@
+"""Measured training steps of tiny HF models on CPU: composition, gradients, state, leak check."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from bench.probe import FAMILIES, tiny_config
+from memcalc_gui.core.vocab import PHASES, TENSOR_OBJECTS
+from memcalc_gui.measure.cpu_step import (  # does not import torch
+    TRANSIENT,
+    StepMeasurement,
+    UnsupportedOptimizerError,
+    build_model,
+    format_measurement,
+    measure_training_step,
+    top_storages,
+)
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+LLAMA = tiny_config("llama")
+ROPE_BUFFERS = 2 * 32 * 4  # inv_freq and original_inv_freq, fp32 (head_dim 64)
+
+
+def _counts(config: dict[str, Any], precision: str = "fp32") -> tuple[int, int, int]:
+    """(parameter count, parameter tensors, numel of nn.Linear weights) — the oracle."""
+    model = build_model(config, precision=precision)
+    params = list(model.parameters())
+    linear = sum(
+        m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)
+    )
+    return sum(p.numel() for p in params), len(params), linear
+
+
+@pytest.fixture(scope="module")
+def fp32() -> StepMeasurement:
+    return measure_training_step(LLAMA, batch=2, seq=64, precision="fp32", iterations=3)
+
+
+@pytest.fixture(scope="module")
+def oracle() -> tuple[int, int, int]:
+    return _counts(LLAMA)
+
+
+def _assert_consistent(m: StepMeasurement) -> None:
+    assert m.device == "cpu"
+    assert list(m.phases) == list(PHASES)
+    for ph in m.phases.values():
+        assert set(ph.objects) == set(TENSOR_OBJECTS)
+        assert sum(ph.objects.values()) == ph.peak_bytes
+        assert ph.live_bytes <= ph.peak_bytes
+
+
+def test_llama_fp32_ledger(fp32: StepMeasurement, oracle: tuple[int, int, int]) -> None:
+    n, n_tensors, _ = oracle
+    _assert_consistent(fp32)
+    assert fp32.params == n
+    ph = fp32.phases
+    assert ph["load"].objects["parameters"] == 4 * n + ROPE_BUFFERS
+    assert ph["forward"].objects["activations"] > 0
+    assert ph["forward"].objects["gradients"] == 0  # set_to_none: no grads in forward
+    assert 0 < ph["backward"].objects["gradients"] <= 4 * n
+    assert ph["optimizer_step"].objects["gradients"] == 4 * n
+    state = 8 * n + 4 * n_tensors  # exp_avg + exp_avg_sq + a 4-byte step per tensor
+    assert all(p.objects["optimizer_state"] == state for p in list(ph.values())[1:])
+    assert ph["optimizer_step"].objects["optimizer_temporaries"] > 0
+    assert ph["optimizer_step"].live_bytes == 4 * n + ROPE_BUFFERS + state + 2 * 64 * 8
+    assert ph["forward"].objects["inputs"] == 2 * 64 * 8
+
+
+def test_leak_check_flat_after_first_step(fp32: StepMeasurement) -> None:
+    ends = [r.live_bytes_end for r in fp32.iterations]
+    assert len(ends) == 3
+    assert ends[0] == ends[1] == ends[2]
+    assert fp32.iterations[-1].phase_peaks == {
+        k: v.peak_bytes for k, v in fp32.phases.items() if k != "load"
+    }
+
+
+def test_top_storages_debug_helper(fp32: StepMeasurement) -> None:
+    top = top_storages(fp32, "backward", 10, TRANSIENT)
+    assert len(top) == 10
+    assert [s.nbytes for s in top] == sorted((s.nbytes for s in top), reverse=True)
+    assert all(s.category in TRANSIENT for s in top)
+    text = format_measurement(fp32, top=5, categories=TRANSIENT)
+    assert "optimizer_step" in text and "mm.default" in text
+
+
+def test_mixed_precision_weight_copies() -> None:
+    m = measure_training_step(LLAMA, batch=2, seq=64, precision="mixed")
+    _assert_consistent(m)
+    n, _, linear = _counts(LLAMA)
+    fwd = m.phases["forward"]
+    assert fwd.compute_copy_bytes == 2 * linear  # bf16 copy of every nn.Linear weight
+    assert fwd.objects["parameters"] == 4 * n + ROPE_BUFFERS + 2 * linear
+    assert m.phases["optimizer_step"].objects["gradients"] == 4 * n  # fp32 grads
+    assert m.phases["optimizer_step"].compute_copy_bytes == 0
+    copies = top_storages(m, "forward", 50, ["compute_copy"])
+    assert copies and all(
+        s.dtype == "bfloat16" and s.op == "_to_copy.default" for s in copies
+    )
+
+
+def test_bf16_model_halves_weights_grads_state() -> None:
+    m = measure_training_step(LLAMA, batch=1, seq=32, precision="bf16")
+    _assert_consistent(m)
+    n, n_tensors, _ = _counts(LLAMA)
+    step = m.phases["optimizer_step"].objects
+    assert (
+        m.phases["load"].peak_bytes == 2 * n + ROPE_BUFFERS
+    )  # built in bf16, no fp32 detour
+    assert step["gradients"] == 2 * n
+    assert step["optimizer_state"] == 4 * n + 4 * n_tensors
+
+
+@pytest.mark.parametrize(
+    ("impl", "factor"), [("foreach", 1.0), ("fused", 0.0)], ids=["foreach", "fused"]
+)
+def test_optimizer_impl_temporaries(impl: str, factor: float) -> None:
+    m = measure_training_step(
+        LLAMA, batch=1, seq=16, precision="fp32", optimizer_impl=impl
+    )
+    assert (
+        m.phases["optimizer_step"].objects["optimizer_temporaries"]
+        == factor * 4 * m.params
+    )
+
+
+def test_single_tensor_temporaries_are_two_largest_params(
+    fp32: StepMeasurement,
+) -> None:
+    # size[i-1] + 2*size[i]: the previous param's denom is still bound while sqrt/div run
+    mlp = 256 * 688 * 4
+    assert fp32.phases["optimizer_step"].objects["optimizer_temporaries"] == 3 * mlp
+
+
+def test_grad_accum_keeps_grads_through_second_micro_batch() -> None:
+    m = measure_training_step(LLAMA, batch=1, seq=16, precision="fp32", grad_accum=2)
+    _assert_consistent(m)
+    assert m.phases["forward"].objects["gradients"] == 4 * m.params  # micro-batch 2
+    ends = [r.live_bytes_end for r in m.iterations]
+    assert ends[0] == ends[1]
+
+
+def test_checkpointing_cuts_forward_activations(fp32: StepMeasurement) -> None:
+    m = measure_training_step(
+        LLAMA, batch=2, seq=64, precision="fp32", checkpointing="full"
+    )
+    _assert_consistent(m)
+    assert (
+        m.phases["forward"].objects["activations"]
+        < fp32.phases["forward"].objects["activations"] / 2
+    )
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "sgd-momentum", "adam", "adafactor"])
+def test_other_optimizers_state(optimizer: str) -> None:
+    m = measure_training_step(
+        LLAMA, batch=1, seq=16, precision="fp32", optimizer=optimizer
+    )
+    _assert_consistent(m)
+    state = m.phases["optimizer_step"].objects["optimizer_state"]
+    n = m.params
+    if optimizer == "sgd":
+        assert state == 0
+    elif optimizer == "sgd-momentum":
+        assert state == 4 * n
+    elif optimizer == "adam":
+        assert state > 8 * n
+    else:  # factored second moments: far below one copy of the weights
+        assert 0 < state < n
+
+
+@pytest.mark.parametrize("optimizer", ["lion", "adamw-8bit"])
+def test_unsupported_optimizers_raise(optimizer: str) -> None:
+    with pytest.raises(NotImplementedError):
+        measure_training_step(
+            LLAMA, batch=1, seq=8, precision="fp32", optimizer=optimizer
+        )
+    assert issubclass(UnsupportedOptimizerError, NotImplementedError)
+
+
+def test_bad_arguments_raise() -> None:
+    with pytest.raises(ValueError, match="precision"):
+        measure_training_step(LLAMA, batch=1, seq=8, precision="fp8")
+    with pytest.raises(ValueError, match="grad_accum"):
+        measure_training_step(LLAMA, batch=1, seq=8, precision="fp32", grad_accum=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_measures(family: str) -> None:
+    config = tiny_config(family, hidden=64, heads=4, kv_heads=2, intermediate=128)
+    m = measure_training_step(config, batch=1, seq=16, precision="fp32")
+    _assert_consistent(m)
+    n, _, _ = _counts(config)
+    assert m.params == n
+    assert m.phases["optimizer_step"].objects["gradients"] == 4 * n
+    assert m.iterations[0].live_bytes_end == m.iterations[1].live_bytes_end
