@@ -47,7 +47,7 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
     copies = spec.matmul_weight_params * 2 if d.autocast else 0
     layer_copy = (spec.layer_params if d.autocast else 0) * 2  # upper bound: norms are not cast
     lm_copy = v * h * 2 if d.autocast else 0
-    opt = optimizer_cost(setup.optimizer, setup.optimizer_impl, spec.param_tensors(), p)
+    opt = optimizer_cost(setup.optimizer, setup.optimizer_impl, spec.param_layout(), n_layers, p)
     state = opt.state_bytes
     grads_all = n_params * p
     accumulating = setup.grad_accum > 1
@@ -80,37 +80,71 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
     grads_live = grads_all if accumulating else 0
     base_fwd = dict(parameters=params + copies, optimizer_state=state, gradients=grads_live, inputs=inputs)
     forward = _objects(**base_fwd, activations=acts_fwd + lsm, temporaries=logits + logits32 + labels + final_out_alive)
+    if setup.checkpointing == "full":
+        # Inside a checkpointed layer nothing is saved, but its MLP still holds ~3 I-wide tensors at once.
+        in_layer = _objects(**base_fwd, activations=layers_saved + rope_tables,
+                            temporaries=3 * t * spec.intermediate_size * d.matmul + t * h * d.residual)
+        forward = max(forward, in_layer, key=lambda m: sum(m.values()))
 
     # ---- backward moments -------------------------------------------------------------------
     moments: list[dict[str, int]] = []
     # (A) cross-entropy backward: log-softmax + its gradient + the logits gradient, all fp32.
-    moments.append(_objects(**base_fwd, activations=acts_fwd + lsm, temporaries=2 * t * v * 4))
+    # With checkpointing the layers' 16-bit weight copies die with autocast's cache after forward.
+    copies_bwd = lm_copy if ckpt else copies
+    base_bwd = dict(base_fwd, parameters=params + copies_bwd)
+    moments.append(_objects(**base_bwd, activations=acts_fwd + lsm, temporaries=2 * t * v * 4))
     # (B) LM-head backward: logits gradient, hidden-state gradient, the weight gradient appears.
     lm_grad = v * h * p
     lm_tmp = t * v * d.matmul + t * h * d.matmul + (v * h * d.matmul if d.matmul != p else 0)
     moments.append(_objects(
-        parameters=params + copies, optimizer_state=state, inputs=inputs,
-        gradients=grads_all if accumulating else (0 if spec.tied_embeddings and False else lm_grad),
+        parameters=params + copies_bwd, optimizer_state=state, inputs=inputs,
+        gradients=grads_all if accumulating else lm_grad,
         activations=acts_fwd, temporaries=lm_tmp + (lm_grad if accumulating else 0),
     ))
-    # (C) decoder layers, first (the last layer) and last (the first layer) processed.
+    # (C) decoder layers: the first processed (the last layer) and the last processed (the first), each
+    # at its MLP backward (three I-wide gradients beside the residual-stream gradient) and at its
+    # attention backward (score gradients for eager, q/k/v gradients for SDPA).
     g_layer = spec.layer_params * p
-    head_grads = lm_grad if not spec.tied_embeddings else v * h * p
-    grad_stream = t * h * 4 if d.autocast else t * h * d.residual
-    layer_tmp = grad_stream + 2 * t * spec.intermediate_size * d.matmul
+    g_down = h * spec.intermediate_size * p
+    g_mlp = spec.mlp_params * p
+    head_grads = v * h * p + (h * (2 if spec.norm_bias else 1)) * p
+    grad_stream = t * h * 4 if d.autocast or d.residual == 4 else t * h * 2
+    tI = t * spec.intermediate_size * d.matmul
+    stream_kept = stream if keep_stream else 0
+    mlp_items = per_layer["mlp"]
+    mlp_out = tI  # act·up (or act(x)) freed once the down projection's backward has run
+    attn_part = sum(val for key, val in per_layer.items() if key.startswith("attn.")) + per_layer["norm1"]
+    n_mlp_grads = 3 if spec.gated_mlp or per_layer["mlp"] >= 5 * tI else 2
+    scores = b * spec.num_heads * seq * seq
+    if setup.attention == "eager":
+        attn_tmp = t * spec.q_dim * d.matmul + scores * (d.matmul + 4)
+    else:
+        attn_tmp = t * spec.q_dim * d.matmul + t * (spec.q_dim + 2 * spec.kv_dim) * d.matmul
+    layer_copy_w = (spec.layer_params - spec.norms_per_layer * h * (2 if spec.norm_bias else 1)) * 2 if d.autocast else 0
+    down_copy = h * spec.intermediate_size * 2 if d.autocast else 0
+    mlp_copy = (spec.mlp_params * 2 if d.autocast else 0)
     for k in (n_layers, 1):
-        done_layers = n_layers - k  # layers whose backward has finished
-        saved_now = (k - 1) * (stream if ckpt else s_layer) + s_layer + (stream if keep_stream else 0) \
-            + rope_tables + (n_layers * 0)
-        if ckpt:
-            saved_now += stream  # the current layer's checkpointed input
-        grads_now = grads_all if accumulating else head_grads + done_layers * g_layer + g_layer
-        copies_now = (k * layer_copy + 0) if d.autocast and not ckpt else (layer_copy if d.autocast else 0)
+        done = n_layers - k
+        earlier = (k * stream) if ckpt else (stream_kept + (k - 1) * s_layer)
+        current = s_layer - stream_kept
+        copies_before = 0 if ckpt else (k - 1) * layer_copy_w
+        grads_before = grads_all if accumulating else head_grads + done * g_layer
+        acc_tmp_mlp = g_down if accumulating else 0
+        # MLP moment
         moments.append(_objects(
-            parameters=params + copies_now, optimizer_state=state, inputs=inputs,
-            gradients=grads_now, activations=saved_now,
-            temporaries=layer_tmp + (g_layer if accumulating else 0),
+            parameters=params + copies_before + layer_copy_w - down_copy, optimizer_state=state, inputs=inputs,
+            gradients=grads_before + (0 if accumulating else g_down),
+            activations=earlier + current - mlp_out + rope_tables,
+            temporaries=grad_stream + n_mlp_grads * tI + acc_tmp_mlp,
         ))
+        # attention moment (the MLP of this layer is done)
+        moments.append(_objects(
+            parameters=params + copies_before + layer_copy_w - mlp_copy, optimizer_state=state, inputs=inputs,
+            gradients=grads_before + (0 if accumulating else g_mlp + h * spec.q_dim * p),
+            activations=earlier + attn_part + rope_tables,
+            temporaries=grad_stream + attn_tmp + (h * spec.q_dim * p if accumulating else 0),
+        ))
+    del mlp_items
     # (D) embedding backward: every gradient exists; tied embeddings add a dense gradient and a sum.
     emb_tmp = grad_stream + (2 * v * h * p if spec.tied_embeddings else v * h * p if accumulating else 0)
     moments.append(_objects(parameters=params, optimizer_state=state, inputs=inputs, gradients=grads_all,

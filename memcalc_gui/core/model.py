@@ -142,44 +142,54 @@ class ModelSpec:
         per_layer = h * (q + 2 * kv) + q * h + (3 if self.gated_mlp else 2) * h * i
         return self.num_layers * per_layer + self.vocab_size * h
 
-    def param_tensors(self) -> list[tuple[int, int, int]]:
-        """Parameter tensors as ``(rows, cols, how_many)``; vectors have ``cols == 1``.
+    def param_layout(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]]:
+        """Parameter tensors in ``model.parameters()`` order: ``(before, one_layer, after)``.
 
-        The order follows ``model.parameters()`` closely enough for per-tensor optimizer rules
-        (single-tensor step temporaries, 8-bit state thresholds, factored second moments).
+        Each tensor is ``(rows, cols)`` (vectors have ``cols == 1``); ``one_layer`` repeats
+        ``num_layers`` times. Per-tensor optimizer rules need the order (single-tensor step temporaries)
+        and the shapes (8-bit state thresholds, factored second moments).
         """
-        h, i, q, kv, v, L = (self.hidden_size, self.intermediate_size, self.q_dim, self.kv_dim,
-                             self.vocab_size, self.num_layers)
-        out: list[tuple[int, int, int]] = [(v, h, 1)]
-        if self.learned_positions:
-            out.append((self.learned_positions, h, 1))
-        per_layer: list[tuple[int, int]] = []
+        h, i, q, kv, v = self.hidden_size, self.intermediate_size, self.q_dim, self.kv_dim, self.vocab_size
+
+        def linear(rows: int, cols: int, bias: bool) -> list[tuple[int, int]]:
+            return [(rows, cols)] + ([(rows, 1)] if bias else [])
+
+        def norm(width: int) -> list[tuple[int, int]]:
+            return [(width, 1)] * (2 if self.norm_bias else 1)
+
         if self.fused_qkv:
-            per_layer.append((q + 2 * kv, h))
+            qkv = linear(q + 2 * kv, h, self.qkv_bias)
         else:
-            per_layer += [(q, h), (kv, h), (kv, h)]
-        if self.qkv_bias:
-            per_layer += [(q + 2 * kv, 1)] if self.fused_qkv else [(q, 1), (kv, 1), (kv, 1)]
-        per_layer.append((h, q))
-        if self.out_bias:
-            per_layer.append((h, 1))
-        if self.qk_norm != "none":
-            per_layer += [(self.head_dim, 1)] * (2 if self.qk_norm == "rmsnorm" else 4)
+            qkv = linear(q, h, self.qkv_bias) + linear(kv, h, self.qkv_bias) + linear(kv, h, self.qkv_bias)
+        out = linear(h, q, self.out_bias)
+        qk_norm = [] if self.qk_norm == "none" else [(self.head_dim, 1)] * (2 if self.qk_norm == "rmsnorm" else 4)
         if self.gated_mlp:
-            per_layer += [(2 * i, h)] if self.fused_gate_up else [(i, h), (i, h)]
+            up = linear(2 * i, h, self.mlp_bias) if self.fused_gate_up else \
+                linear(i, h, self.mlp_bias) + linear(i, h, self.mlp_bias)
         else:
-            per_layer.append((i, h))
-        per_layer.append((h, i))
-        if self.mlp_bias:
-            per_layer += [(i, 1), (h, 1)] if not self.gated_mlp else [(i, 1), (i, 1), (h, 1)]
-        per_layer += [(h, 1)] * (self.norms_per_layer * (2 if self.norm_bias else 1))
-        out += [(r, c, L) for r, c in per_layer]
-        out += [(h, 1, 1)] * (2 if self.norm_bias else 1)
+            up = linear(i, h, self.mlp_bias)
+        mlp = up + linear(h, i, self.mlp_bias)
+        if self.family == "gpt2":
+            layer = norm(h) + qkv + out + norm(h) + mlp
+        elif self.family == "gpt_neox":
+            layer = norm(h) + norm(h) + qkv + out + mlp
+        elif self.family == "phi3":
+            layer = out + qkv + mlp + norm(h) + norm(h)
+        else:  # llama-like and phi: attention, MLP, then the norms
+            layer = qkv + out + qk_norm + mlp + norm(h) * self.norms_per_layer
+        before = [(v, h)] + ([(self.learned_positions, h)] if self.learned_positions else [])
+        after = norm(h)
         if not self.tied_embeddings:
-            out.append((v, h, 1))
+            after.append((v, h))
         if self.lm_head_bias:
-            out.append((v, 1, 1))
-        return out
+            after.append((v, 1))
+        return before, layer, after
+
+    def param_tensors(self) -> list[tuple[int, int, int]]:
+        """Distinct parameter shapes as ``(rows, cols, how_many)`` (order not kept)."""
+        before, layer, after = self.param_layout()
+        return [(r, c, 1) for r, c in before] + [(r, c, self.num_layers) for r, c in layer] + \
+            [(r, c, 1) for r, c in after]
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -29,23 +29,25 @@ class OptimizerCost:
 def optimizer_cost(
     optimizer: Optimizer,
     impl: OptimizerImpl,
-    tensors: list[tuple[int, int, int]],
+    layout: tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]],
+    num_layers: int,
     state_dtype_bytes: int,
 ) -> OptimizerCost:
     """State kept between steps and the transient peak inside ``optimizer.step()``.
 
-    ``tensors`` is ``ModelSpec.param_tensors()`` (or one flat tensor for a bare parameter count);
+    ``layout`` is ``ModelSpec.param_layout()`` (before, one layer, after) in parameter order;
     ``state_dtype_bytes`` is the parameters' element size (torch keeps state in the param dtype).
     """
     p = state_dtype_bytes
+    before, layer, after = layout
+    tensors = [(r, c, 1) for r, c in before] + [(r, c, num_layers) for r, c in layer] + [(r, c, 1) for r, c in after]
     numel_total = sum(r * c * k for r, c, k in tensors)
     largest = max(r * c for r, c, _ in tensors)
 
     def single_tensor(per_elem_temp: int) -> int:
-        # Peak while building tensor i's temporaries with tensor i-1's result still referenced.
-        sizes = []
-        for r, c, k in tensors:
-            sizes += [r * c] * min(k, 2)  # repeats beyond two cannot change the max
+        # Peak while building tensor i's temporaries with tensor i-1's result still referenced;
+        # two layers in a row cover every adjacent pair.
+        sizes = [r * c for r, c in before + layer * min(num_layers, 2) + after]
         best = 0
         prev = 0
         for s in sizes:

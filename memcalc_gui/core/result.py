@@ -1,0 +1,75 @@
+"""The one call every front end makes: estimate + verdict, and the JSON contract.
+
+``evaluate(setup)`` returns a :class:`Result`; ``Result.to_json()`` is the object ``memcalc estimate
+--json`` prints (schema 1). The window, the report and the CLI all draw from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .estimate import estimate
+from .ledger import SCHEMA, Estimate
+from .setup import TrainingSetup
+from .solver import Verdict, solve
+from .units import format_bytes
+from .vocab import OBJECT_LABELS, PHASE_LABELS, PHASES
+
+
+@dataclass(frozen=True)
+class Result:
+    estimate: Estimate
+    verdict: Verdict
+
+    @property
+    def setup(self) -> TrainingSetup:
+        return self.estimate.setup
+
+    def headline(self) -> str:
+        """The verdict in one sentence (fits with X GiB headroom / over by X GiB at phase Z)."""
+        est, v = self.estimate, self.verdict
+        peak = f"{format_bytes(est.peak_bytes)} at the {PHASE_LABELS[est.peak_phase].lower()} peak"
+        dom = OBJECT_LABELS[est.dominant_object].lower()
+        if v.capacity_bytes is None or v.fits is None or v.headroom_bytes is None:
+            return f"Needs {peak} (largest object: {dom}); choose a GPU for a verdict."
+        if v.fits:
+            pct = v.headroom_bytes / v.capacity_bytes * 100
+            return (f"Fits: needs {peak}, {format_bytes(v.headroom_bytes)} headroom "
+                    f"({pct:.0f} % of {format_bytes(v.capacity_bytes)}).")
+        return (f"Does not fit: over by {format_bytes(-v.headroom_bytes)} in the "
+                f"{PHASE_LABELS[est.peak_phase].lower()} phase (needs {format_bytes(est.peak_bytes)} of "
+                f"{format_bytes(v.capacity_bytes)}); largest object: {dom}.")
+
+    def to_json(self) -> dict[str, Any]:
+        est, v = self.estimate, self.verdict
+        return {
+            "schema": SCHEMA,
+            "method": est.method,
+            "params": est.setup.num_params,
+            "setup": est.setup.describe(),
+            "phases": {
+                p: {"total_bytes": est.phases[p].total_bytes, "objects": dict(est.phases[p].objects)}
+                for p in PHASES
+            },
+            "peak_phase": est.peak_phase,
+            "dominant_object": est.dominant_object,
+            "peak_tensor_bytes": est.peak_tensor_bytes,
+            "peak_bytes": est.peak_bytes,
+            "capacity_bytes": v.capacity_bytes,
+            "fits": v.fits,
+            "headroom_bytes": v.headroom_bytes,
+            "max_micro_batch": v.max_micro_batch,
+            "suggestions": [s.to_json() for s in v.suggestions],
+            "assumptions": list(est.assumptions),
+            "verdict": self.headline(),
+        }
+
+
+def evaluate(setup: TrainingSetup, method: str | None = None) -> Result:
+    """Estimate ``setup`` and judge it against its capacity (solver uses the same method)."""
+    def estimator(s: TrainingSetup) -> Estimate:
+        return estimate(s, method)
+
+    est = estimator(setup)
+    return Result(est, solve(setup, estimator, est))
