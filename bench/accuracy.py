@@ -20,10 +20,10 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from memcalc_gui.core.estimate import estimate  # noqa: E402
-from memcalc_gui.core.model import spec_from_config  # noqa: E402
-from memcalc_gui.core.setup import TrainingSetup  # noqa: E402
-from memcalc_gui.core.vocab import PHASES  # noqa: E402
+from memcalc_gui.core.estimate import estimate
+from memcalc_gui.core.model import spec_from_config
+from memcalc_gui.core.setup import TrainingSetup
+from memcalc_gui.core.vocab import PHASES
 
 COMMON = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 FAMILIES: dict[str, dict] = {

@@ -45,7 +45,6 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
 
     params = n_params * p
     copies = spec.matmul_weight_params * 2 if d.autocast else 0
-    layer_copy = (spec.layer_params if d.autocast else 0) * 2  # upper bound: norms are not cast
     lm_copy = v * h * 2 if d.autocast else 0
     opt = optimizer_cost(setup.optimizer, setup.optimizer_impl, spec.param_layout(), n_layers, p)
     state = opt.state_bytes
@@ -59,7 +58,9 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
     stream = t * h * d.residual
     rope_tables = 2 * seq * spec.rotary_dim * p
     final = norm_saved(spec, d, t, h, 1, d.residual)
-    final_saved = final["stats"] + final["output"] + (final["input"] if spec.norm == "rmsnorm" and d.residual != 4 else 0)
+    final_saved = final["stats"] + final["output"]
+    if spec.norm == "rmsnorm" and d.residual != 4:
+        final_saved += final["input"]  # the fp32 upcast of a 16-bit stream is a new tensor
     keep_stream = residual_saved(spec, d)
     if setup.checkpointing == "full":
         # Non-reentrant checkpointing keeps each layer's input; the final norm keeps the last output.
@@ -79,7 +80,8 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
     final_out_alive = t * h * 4 if d.autocast else 0  # fp32 norm output held by the model's outputs
     grads_live = grads_all if accumulating else 0
     base_fwd = dict(parameters=params + copies, optimizer_state=state, gradients=grads_live, inputs=inputs)
-    forward = _objects(**base_fwd, activations=acts_fwd + lsm, temporaries=logits + logits32 + labels + final_out_alive)
+    forward = _objects(**base_fwd, activations=acts_fwd + lsm,
+                       temporaries=logits + logits32 + labels + final_out_alive)
     if setup.checkpointing == "full":
         # Inside a checkpointed layer nothing is saved, but its MLP still holds ~3 I-wide tensors at once.
         in_layer = _objects(**base_fwd, activations=layers_saved + rope_tables,
@@ -111,7 +113,6 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
     grad_stream = t * h * 4 if d.autocast or d.residual == 4 else t * h * 2
     tI = t * spec.intermediate_size * d.matmul
     stream_kept = stream if keep_stream else 0
-    mlp_items = per_layer["mlp"]
     mlp_out = tI  # act·up (or act(x)) freed once the down projection's backward has run
     attn_part = sum(val for key, val in per_layer.items() if key.startswith("attn.")) + per_layer["norm1"]
     n_mlp_grads = 3 if spec.gated_mlp or per_layer["mlp"] >= 5 * tI else 2
@@ -120,9 +121,10 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
         attn_tmp = t * spec.q_dim * d.matmul + scores * (d.matmul + 4)
     else:
         attn_tmp = t * spec.q_dim * d.matmul + t * (spec.q_dim + 2 * spec.kv_dim) * d.matmul
-    layer_copy_w = (spec.layer_params - spec.norms_per_layer * h * (2 if spec.norm_bias else 1)) * 2 if d.autocast else 0
+    layer_norm_params = spec.norms_per_layer * h * (2 if spec.norm_bias else 1)
+    layer_copy_w = (spec.layer_params - layer_norm_params) * 2 if d.autocast else 0
     down_copy = h * spec.intermediate_size * 2 if d.autocast else 0
-    mlp_copy = (spec.mlp_params * 2 if d.autocast else 0)
+    mlp_copy = spec.mlp_params * 2 if d.autocast else 0
     for k in (n_layers, 1):
         done = n_layers - k
         earlier = (k * stream) if ckpt else (stream_kept + (k - 1) * s_layer)
@@ -132,7 +134,8 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
         acc_tmp_mlp = g_down if accumulating else 0
         # MLP moment
         moments.append(_objects(
-            parameters=params + copies_before + layer_copy_w - down_copy, optimizer_state=state, inputs=inputs,
+            parameters=params + copies_before + layer_copy_w - down_copy, optimizer_state=state,
+            inputs=inputs,
             gradients=grads_before + (0 if accumulating else g_down),
             activations=earlier + current - mlp_out + rope_tables,
             temporaries=grad_stream + n_mlp_grads * tI + acc_tmp_mlp,
@@ -144,7 +147,6 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
             activations=earlier + attn_part + rope_tables,
             temporaries=grad_stream + attn_tmp + (h * spec.q_dim * p if accumulating else 0),
         ))
-    del mlp_items
     # (D) embedding backward: every gradient exists; tied embeddings add a dense gradient and a sum.
     emb_tmp = grad_stream + (2 * v * h * p if spec.tied_embeddings else v * h * p if accumulating else 0)
     moments.append(_objects(parameters=params, optimizer_state=state, inputs=inputs, gradients=grads_all,
@@ -161,7 +163,7 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
         "backward": with_overheads(backward, "backward", setup),
         "optimizer_step": with_overheads(step, "optimizer_step", setup),
     }
-    assumptions = _assumptions(spec, setup, d, opt.note)
+    assumptions = _assumptions(spec, setup, opt.note)
     details = {
         "activations_per_layer_bytes": s_layer,
         "activations_per_layer": per_layer,
@@ -173,20 +175,20 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
     return Estimate(setup=setup, method="analytic", phases=phases, assumptions=assumptions, details=details)
 
 
-def _assumptions(spec: ModelSpec, setup: TrainingSetup, d: Dtypes, opt_note: str) -> tuple[str, ...]:
+def _assumptions(spec: ModelSpec, setup: TrainingSetup, opt_note: str) -> tuple[str, ...]:
+    accum = f"; kept across the {setup.grad_accum} accumulation micro-batches" if setup.grad_accum > 1 else ""
     rows = [
-        f"Steady-state iteration (optimizer state exists; gradients freed by zero_grad(set_to_none=True)"
-        f"{'; kept across the ' + str(setup.grad_accum) + ' accumulation micro-batches' if setup.grad_accum > 1 else ''})",
+        f"Steady-state iteration (optimizer state exists; gradients freed by zero_grad(set_to_none=True){accum})",
         f"{spec.family} block counted tensor by tensor ({setup.attention} attention, "
         f"{'full gradient checkpointing' if setup.checkpointing == 'full' else 'no checkpointing'})",
         {"fp32": "fp32: 4 B/param weights, gradients and activations",
          "mixed": "Mixed precision (bf16/fp16 autocast): fp32 weights + 16-bit copies of matmul weights "
                   "(6 B/param, seed 002), fp32 gradients; norms, softmax, residual stream and loss stay fp32",
-         "bf16": "bf16: 2 B/param weights, gradients and optimizer state; norms upcast to fp32 inside"}[setup.precision],
+         "bf16": "bf16: 2 B/param weights, gradients and optimizer state; norms upcast to fp32 inside",
+         }[setup.precision],
         opt_note + f" ({setup.optimizer_impl} step)",
         "Loss: Hugging Face causal-LM loss (fp32 logits copy, log-softmax kept for backward)",
         f"CUDA context {setup.cuda_context_bytes / 2**20:.0f} MiB; allocator reserve "
         f"{setup.allocator_reserve:.0%} of tensor bytes (seed 003: fragmentation 5–20 %)",
     ]
-    del d
     return tuple(rows)

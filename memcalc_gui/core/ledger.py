@@ -62,7 +62,7 @@ def with_overheads(tensor_objects: dict[str, int], phase: str, setup: TrainingSe
     objects = dict(tensor_objects)
     tensor_total = sum(objects.values())
     objects["cuda_context"] = setup.cuda_context_bytes
-    objects["allocator_reserve"] = int(round(tensor_total * setup.allocator_reserve))
+    objects["allocator_reserve"] = round(tensor_total * setup.allocator_reserve)
     return PhaseLedger(phase, objects)
 
 

@@ -37,10 +37,10 @@ def estimate_quick(setup: TrainingSetup) -> Estimate:
     n = setup.num_params
     p, p_act = precision_bytes(setup)
     model = n * p
-    state = int(round(_STATE_FACTOR[setup.optimizer] * n * p))
+    state = round(_STATE_FACTOR[setup.optimizer] * n * p)
     grads = n * p
     intermediates = n * p
-    acts = int(round(activations_per_token(n) * setup.batch * setup.seq * p_act))
+    acts = round(activations_per_token(n) * setup.batch * setup.seq * p_act)
     phases = {
         "load": with_overheads({"parameters": model}, "load", setup),
         "forward": with_overheads({"parameters": model, "optimizer_state": state, "activations": acts},

@@ -66,4 +66,4 @@ def reconcile(
         signals.append(SIGNALS[1])
     if margin < capacity_bytes * alert_fraction:
         signals.append(SIGNALS[2])
-    return Reconciliation(int(round(difference)), int(round(gap)), int(round(margin)), tuple(signals), alert_fraction)
+    return Reconciliation(round(difference), round(gap), round(margin), tuple(signals), alert_fraction)

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .errors import InputError
 from .ledger import Estimate
 from .setup import TrainingSetup
 
@@ -76,8 +77,11 @@ def max_micro_batch(setup: TrainingSetup, estimator: Estimator, capacity_bytes: 
     return lo
 
 
-def _candidates(setup: TrainingSetup, estimator: Estimator, capacity: int | None) -> list[tuple[str, str, dict[str, Any], str]]:
-    out: list[tuple[str, str, dict[str, Any], str]] = []
+Candidate = tuple[str, str, dict[str, Any], str]
+
+
+def _candidates(setup: TrainingSetup, estimator: Estimator, capacity: int | None) -> list[Candidate]:
+    out: list[Candidate] = []
     if setup.model is not None and setup.checkpointing == "none":
         out.append(("checkpointing", "Turn on gradient checkpointing", {"checkpointing": "full"},
                     "about 20–30 % slower backward (one extra forward)"))
@@ -88,6 +92,9 @@ def _candidates(setup: TrainingSetup, estimator: Estimator, capacity: int | None
         if setup.optimizer_impl != "fused":
             out.append(("optimizer-fused", "Use the fused optimizer implementation", {"optimizer_impl": "fused"},
                         "no step temporaries; needs a CUDA build of torch"))
+    if setup.precision != "bf16":
+        out.append(("precision-bf16", "Keep weights, gradients and optimizer state in bf16", {"precision": "bf16"},
+                    "no fp32 master weights: updates lose precision (use Kahan summation or stochastic rounding)"))
     if setup.precision == "fp32":
         out.append(("precision-mixed", "Train in mixed precision (bf16 autocast)", {"precision": "mixed"},
                     "16-bit activations; fp32 master weights"))
@@ -106,6 +113,14 @@ def _candidates(setup: TrainingSetup, estimator: Estimator, capacity: int | None
     return out
 
 
+def _peak_after(setup: TrainingSetup, estimator: Estimator, changes: dict[str, Any]) -> int | None:
+    """The peak after ``changes``, or None when the changes conflict (e.g. 8-bit Adam with fused)."""
+    try:
+        return estimator(setup.with_changes(**changes)).peak_bytes
+    except InputError:
+        return None
+
+
 def suggestions(setup: TrainingSetup, estimator: Estimator, capacity_bytes: int | None) -> tuple[Suggestion, ...]:
     """Each single change with the bytes it saves at the peak; fitting ones first, then by savings.
 
@@ -114,8 +129,8 @@ def suggestions(setup: TrainingSetup, estimator: Estimator, capacity_bytes: int 
     base_peak = estimator(setup).peak_bytes
     rows: list[Suggestion] = []
     for key, title, changes, tradeoff in _candidates(setup, estimator, capacity_bytes):
-        peak = estimator(setup.with_changes(**changes)).peak_bytes
-        if peak >= base_peak:
+        peak = _peak_after(setup, estimator, changes)
+        if peak is None or peak >= base_peak:
             continue
         ok = None if capacity_bytes is None else peak <= capacity_bytes
         rows.append(Suggestion(key, title, changes, peak, base_peak - peak, ok, tradeoff))
@@ -125,13 +140,14 @@ def suggestions(setup: TrainingSetup, estimator: Estimator, capacity_bytes: int 
         titles: list[str] = []
         current = setup
         for _ in range(4):
-            options = [(estimator(current.with_changes(**s.changes)).peak_bytes, s)
-                       for s in rows if not set(s.changes) <= set(combined) or any(combined.get(k) != v for k, v in s.changes.items())]
-            options = [(p, s) for p, s in options if p < estimator(current).peak_bytes]
+            current_peak = estimator(current).peak_bytes
+            options = [(p, s) for s in rows if any(combined.get(k) != v for k, v in s.changes.items())
+                       if (p := _peak_after(current, estimator, s.changes)) is not None and p < current_peak]
             if not options:
                 break
             peak, best = min(options, key=lambda t: t[0])
             combined.update(best.changes)
+            combined = {k: v for k, v in combined.items() if getattr(setup, k) != v}
             titles.append(best.title[0].lower() + best.title[1:])
             current = setup.with_changes(**combined)
             if peak <= capacity_bytes:

@@ -41,7 +41,7 @@ def parse_size(text: str | float | int, field: str = "size", *, allow_zero: bool
     if isinstance(text, bool):
         raise InputError(field, "must be a size such as 80GiB, 80GB or 24e9")
     if isinstance(text, (int, float)):
-        return int(round(_finite_positive(field, float(text), allow_zero=allow_zero)))
+        return round(_finite_positive(field, float(text), allow_zero=allow_zero))
     m = _SIZE_RE.match(str(text))
     if not m:
         raise InputError(field, f"cannot read {text!r} as a size (try 80GiB, 80GB or 24e9)")
@@ -49,7 +49,7 @@ def parse_size(text: str | float | int, field: str = "size", *, allow_zero: bool
     if unit not in _SIZE_UNITS:
         raise InputError(field, f"unknown unit {m.group(2)!r} (use B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
     value = _finite_positive(field, float(number), allow_zero=allow_zero) * _SIZE_UNITS[unit]
-    return int(round(value))
+    return round(value)
 
 
 def parse_count(text: str | float | int, field: str = "params") -> int:
@@ -64,7 +64,7 @@ def parse_count(text: str | float | int, field: str = "params") -> int:
         if not m or suffix not in _COUNT_SUFFIXES:
             raise InputError(field, f"cannot read {text!r} as a count (try 1.5B, 350M or 1.5e9)")
         value = _finite_positive(field, float(m.group(1))) * _COUNT_SUFFIXES[suffix]
-    count = int(round(value))
+    count = round(value)
     if count < 1:
         raise InputError(field, f"must be at least 1, got {text!r}")
     return count

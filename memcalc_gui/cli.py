@@ -1,0 +1,271 @@
+"""The ``memcalc`` command: the same engine as the window, as text or JSON.
+
+Every invalid input prints one line naming the field and exits with status 2 (no traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+from . import __version__
+from .core.errors import InputError, MemcalcError, UnsupportedFamilyError
+from .core.model import ModelSpec, load_config_file, preset_config, preset_names, preset_spec, spec_from_config
+from .core.result import Result, evaluate
+from .core.setup import (
+    ATTENTIONS,
+    CHECKPOINTINGS,
+    DEFAULT_ALLOCATOR_RESERVE,
+    DEFAULT_CUDA_CONTEXT_BYTES,
+    OPTIMIZER_IMPLS,
+    OPTIMIZERS,
+    PRECISIONS,
+    TrainingSetup,
+    find_gpu,
+    gpu_presets,
+)
+from .core.units import format_bytes, format_count, parse_count, parse_positive_int, parse_size
+from .core.vocab import OBJECT_LABELS, OBJECTS, PHASE_LABELS, PHASES
+
+EXIT_INPUT = 2
+
+#: Setup field → the flag a user typed (errors name what the user can change).
+FLAGS = {
+    "batch": "--batch",
+    "seq": "--seq",
+    "grad_accum": "--grad-accum",
+    "precision": "--precision",
+    "optimizer": "--optimizer",
+    "optimizer_impl": "--optimizer-impl",
+    "attention": "--attention",
+    "checkpointing": "--checkpointing",
+    "capacity": "--capacity",
+    "gpu": "--gpu",
+    "params": "--params",
+    "preset": "--preset",
+    "config": "--config",
+    "cuda_context": "--cuda-context",
+    "allocator_reserve": "--allocator-reserve",
+    "method": "--method",
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports errors in one line and exits 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_INPUT, f"memcalc: error: {message}\n")
+
+
+def _add_model_args(p: argparse.ArgumentParser, *, params: bool = True) -> None:
+    group = p.add_mutually_exclusive_group(required=True)
+    group.add_argument("--preset", metavar="NAME", help="built-in model preset (see `memcalc presets`)")
+    group.add_argument("--config", metavar="PATH", help="a Hugging Face config.json")
+    if params:
+        group.add_argument("--params", metavar="N", help="parameters only (1.5B, 350M, 1.5e9): rough heuristic")
+
+
+def _add_setup_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--batch", default="1", metavar="N", help="micro-batch size (default 1)")
+    p.add_argument("--seq", default="512", metavar="N", help="sequence length in tokens (default 512)")
+    p.add_argument("--grad-accum", default="1", metavar="N", help="gradient accumulation steps (default 1)")
+    p.add_argument("--precision", default="mixed", choices=PRECISIONS, help="default mixed")
+    p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="default adamw")
+    p.add_argument("--optimizer-impl", default="foreach", choices=OPTIMIZER_IMPLS,
+                   help="step implementation (default foreach, as torch on CUDA)")
+    p.add_argument("--attention", default="sdpa", choices=ATTENTIONS, help="default sdpa")
+    p.add_argument("--checkpointing", default="none", choices=CHECKPOINTINGS, help="gradient checkpointing")
+    cap = p.add_mutually_exclusive_group()
+    cap.add_argument("--gpu", metavar="NAME", help="GPU preset (see `memcalc presets`)")
+    cap.add_argument("--capacity", metavar="SIZE", help="GPU memory: 80GiB, 80GB or 24e9 bytes")
+    p.add_argument("--cuda-context", metavar="SIZE", default=None,
+                   help=f"CUDA context outside PyTorch (default {format_bytes(DEFAULT_CUDA_CONTEXT_BYTES)})")
+    p.add_argument("--allocator-reserve", metavar="FRACTION", default=None,
+                   help=f"cached-but-unusable memory as a fraction of tensor bytes (default {DEFAULT_ALLOCATOR_RESERVE})")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="memcalc", description="GPU memory of one training step, phase by phase.")
+    parser.add_argument("--version", action="version", version=f"memcalc {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    est = sub.add_parser("estimate", help="estimate the memory of one training step")
+    _add_model_args(est)
+    _add_setup_args(est)
+    est.add_argument("--method", choices=("quick", "analytic"), default=None,
+                     help="quick (seed heuristic) or analytic (default: analytic for an architecture)")
+    est.add_argument("--json", action="store_true", help="print one JSON object (schema 1)")
+
+    pre = sub.add_parser("presets", help="list model and GPU presets")
+    pre.add_argument("--json", action="store_true")
+    return parser
+
+
+def _fail(message: str) -> NoReturn:
+    print(f"memcalc: error: {message}", file=sys.stderr)
+    raise SystemExit(EXIT_INPUT)
+
+
+def _field_error(exc: InputError) -> NoReturn:
+    _fail(f"{FLAGS.get(exc.field, exc.field)}: {exc.reason}")
+
+
+def resolve_model(args: argparse.Namespace) -> tuple[ModelSpec | None, int | None, list[str]]:
+    """The model from --preset/--config/--params; unknown families fall back to a meta-device count."""
+    notes: list[str] = []
+    if getattr(args, "params", None) is not None:
+        return None, parse_count(args.params, "params"), notes
+    if args.preset is not None:
+        return preset_spec(args.preset), None, notes
+    cfg = load_config_file(args.config)
+    try:
+        return spec_from_config(cfg, source=str(Path(args.config))), None, notes
+    except UnsupportedFamilyError:
+        from .trace.meta import count_params_on_meta, transformers_available
+
+        if not transformers_available():
+            raise
+        n = count_params_on_meta(cfg)
+        notes.append(f"model_type {cfg.get('model_type')!r} has no analytic block model: exact parameter "
+                     "count from transformers on the meta device, memory from the quick heuristic")
+        return None, n, notes
+
+
+def setup_from_args(args: argparse.Namespace) -> tuple[TrainingSetup, list[str]]:
+    """Validate every flag into a :class:`TrainingSetup` (InputError names the field)."""
+    model, params, notes = resolve_model(args)
+    kw: dict[str, Any] = dict(
+        model=model,
+        params=params,
+        batch=parse_positive_int(args.batch, "batch"),
+        seq=parse_positive_int(args.seq, "seq"),
+        grad_accum=parse_positive_int(args.grad_accum, "grad_accum"),
+        precision=args.precision,
+        optimizer=args.optimizer,
+        optimizer_impl=args.optimizer_impl,
+        attention=args.attention,
+        checkpointing=args.checkpointing,
+    )
+    if args.gpu:
+        gpu = find_gpu(args.gpu)
+        kw.update(gpu=gpu.id, capacity_bytes=gpu.capacity_bytes)
+    elif args.capacity:
+        kw.update(capacity_bytes=parse_size(args.capacity, "capacity"))
+    if args.cuda_context is not None:
+        kw["cuda_context_bytes"] = parse_size(args.cuda_context, "cuda_context", allow_zero=True)
+    if args.allocator_reserve is not None:
+        try:
+            kw["allocator_reserve"] = float(args.allocator_reserve)
+        except ValueError:
+            raise InputError("allocator_reserve",
+                             f"must be a fraction such as 0.1, got {args.allocator_reserve!r}") from None
+    return TrainingSetup(**kw), notes
+
+
+def format_ledger(result: Result) -> str:
+    """The ledger as a readable table in binary units, with the verdict."""
+    est, verdict, setup = result.estimate, result.verdict, result.setup
+    lines: list[str] = []
+    if setup.model is not None:
+        m = setup.model
+        lines.append(f"Model      {m.name} — {m.family}, {m.num_params:,} parameters ({format_count(m.num_params)})")
+        lines.append(f"Source     {m.source or 'config.json'}")
+    else:
+        lines.append(f"Model      {setup.num_params:,} parameters ({format_count(setup.num_params)}), no architecture")
+    lines.append(f"Setup      micro-batch {setup.batch} × seq {setup.seq} × accumulation {setup.grad_accum} "
+                 f"(effective batch {setup.effective_batch}); {setup.precision}; {setup.optimizer} "
+                 f"({setup.optimizer_impl}); {setup.attention} attention; checkpointing {setup.checkpointing}")
+    label = {"quick": "quick (rough seed 000 heuristic)", "analytic": "analytic (tensor by tensor)"}
+    lines.append(f"Method     {label.get(est.method, est.method)}")
+    lines.append("")
+    width = 22
+    header = f"{'object':<{width}}" + "".join(f"{PHASE_LABELS[p]:>16}" for p in PHASES)
+    lines.append(header)
+    lines.append("-" * len(header))
+    for obj in OBJECTS:
+        row = est.object_bytes(obj)
+        if not any(row.values()):
+            continue
+        cells = "".join(f"{format_bytes(row[p]) if row[p] else '—':>16}" for p in PHASES)
+        lines.append(f"{OBJECT_LABELS[obj]:<{width}}{cells}")
+    lines.append("-" * len(header))
+    lines.append(f"{'Total':<{width}}" + "".join(f"{format_bytes(est.phases[p].total_bytes):>16}" for p in PHASES))
+    lines.append("")
+    lines.append(f"Peak       {format_bytes(est.peak_bytes)} in {PHASE_LABELS[est.peak_phase].lower()} "
+                 f"(largest object: {OBJECT_LABELS[est.dominant_object].lower()}); tensors alone "
+                 f"{format_bytes(est.peak_tensor_bytes)} (what max_memory_allocated shows)")
+    if verdict.capacity_bytes is not None:
+        gpu = next((g for g in gpu_presets() if g.id == setup.gpu), None)
+        name = f"{gpu.name} " if gpu else ""
+        lines.append(f"GPU        {name}{format_bytes(verdict.capacity_bytes)}")
+    lines.append(f"Verdict    {result.headline()}")
+    if verdict.max_micro_batch is not None:
+        lines.append(f"Largest micro-batch that fits: {verdict.max_micro_batch}")
+    if verdict.suggestions:
+        lines.append("")
+        lines.append("What would change it (peak after the change):")
+        for i, s in enumerate(verdict.suggestions, 1):
+            fit = "" if s.fits is None else ("  → fits" if s.fits else "  → still over")
+            lines.append(f"  {i}. {s.title}: {format_bytes(s.peak_bytes)} (saves {format_bytes(s.saves_bytes)}){fit}")
+    lines.append("")
+    lines.append("Assumptions:")
+    lines += [f"  - {a}" for a in est.assumptions]
+    return "\n".join(lines)
+
+
+def cmd_estimate(args: argparse.Namespace) -> int:
+    setup, notes = setup_from_args(args)
+    result = evaluate(setup, args.method)
+    if args.json:
+        data = result.to_json()
+        if notes:
+            data["assumptions"] = notes + data["assumptions"]
+        print(json.dumps(data, indent=2))
+    else:
+        for note in notes:
+            print(f"Note: {note}")
+        print(format_ledger(result))
+    return 0
+
+
+def cmd_presets(args: argparse.Namespace) -> int:
+    models = []
+    for name in preset_names():
+        spec = preset_spec(name)
+        models.append({"name": name, "family": spec.family, "params": spec.num_params,
+                       "source": preset_config(name).get("_name_or_path", name)})
+    gpus = [{"id": g.id, "name": g.name, "nominal": g.nominal, "capacity_bytes": g.capacity_bytes}
+            for g in gpu_presets()]
+    if args.json:
+        print(json.dumps({"schema": 1, "models": models, "gpus": gpus}, indent=2))
+        return 0
+    print("Models")
+    for m in models:
+        print(f"  {m['name']:<16} {m['family']:<10} {m['params']:>15,} params   {m['source']}")
+    print("\nGPUs (capacity as reported to PyTorch)")
+    for g in gpus:
+        print(f"  {g['id']:<12} {g['name']:<26} {format_bytes(g['capacity_bytes']):>12}  ({g['nominal']})")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "estimate":
+            return cmd_estimate(args)
+        return cmd_presets(args)
+    except InputError as exc:
+        _field_error(exc)
+    except MemcalcError as exc:
+        _fail(str(exc))
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
