@@ -1,0 +1,52 @@
+"""Speed of the estimator: one analytic estimate (< 1 ms) and the max-micro-batch solve (< 50 ms).
+
+    python bench/speed.py
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from memcalc_gui.core.estimate import estimate  # noqa: E402
+from memcalc_gui.core.model import preset_spec  # noqa: E402
+from memcalc_gui.core.result import evaluate  # noqa: E402
+from memcalc_gui.core.setup import TrainingSetup, find_gpu  # noqa: E402
+from memcalc_gui.core.solver import max_micro_batch  # noqa: E402
+
+
+def timeit(fn, repeat: int) -> float:  # type: ignore[no-untyped-def]
+    samples = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples) * 1000
+
+
+def main() -> None:
+    gpu = find_gpu("h100-80gb")
+    rows = []
+    for name, batch, seq in [("gpt2", 8, 1024), ("qwen2.5-1.5b", 4, 2048), ("llama-3.1-8b", 1, 4096),
+                             ("llama-3.1-70b", 1, 8192)]:
+        setup = TrainingSetup(model=preset_spec(name), batch=batch, seq=seq, precision="mixed",
+                              capacity_bytes=gpu.capacity_bytes, gpu=gpu.id)
+        one = timeit(lambda s=setup: estimate(s), 300)
+        solve = timeit(lambda s=setup: max_micro_batch(s, estimate, gpu.capacity_bytes), 30)
+        full = timeit(lambda s=setup: evaluate(s), 30)
+        rows.append((name, batch, seq, one, solve, full))
+    print(f"{'model':<16}{'batch':>6}{'seq':>6}{'estimate ms':>13}{'max-batch ms':>14}{'evaluate ms':>13}")
+    for r in rows:
+        print(f"{r[0]:<16}{r[1]:>6}{r[2]:>6}{r[3]:>13.3f}{r[4]:>14.2f}{r[5]:>13.2f}")
+    worst_one = max(r[3] for r in rows)
+    worst_solve = max(r[4] for r in rows)
+    print(f"\ntargets: estimate < 1 ms ({'met' if worst_one < 1 else 'MISSED'}, worst {worst_one:.3f} ms); "
+          f"max-batch solve < 50 ms ({'met' if worst_solve < 50 else 'MISSED'}, worst {worst_solve:.2f} ms)")
+
+
+if __name__ == "__main__":
+    main()
