@@ -51,6 +51,10 @@ FLAGS = {
     "cuda_context": "--cuda-context",
     "allocator_reserve": "--allocator-reserve",
     "method": "--method",
+    "iterations": "--iterations",
+    "device": "--device",
+    "time_budget": "--time-budget",
+    "model": "--preset/--config",
 }
 
 
@@ -99,6 +103,16 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--method", choices=("quick", "analytic"), default=None,
                      help="quick (seed heuristic) or analytic (default: analytic for an architecture)")
     est.add_argument("--json", action="store_true", help="print one JSON object (schema 1)")
+
+    mea = sub.add_parser("measure", help="run a real training step on this machine and compare with the estimate")
+    _add_model_args(mea, params=False)
+    _add_setup_args(mea)
+    mea.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    mea.add_argument("--iterations", default="3", metavar="N", help="training iterations (at least 2; default 3)")
+    mea.add_argument("--snapshot", metavar="PATH", help="CUDA memory snapshot pickle (opens at pytorch.org/memory_viz)")
+    mea.add_argument("--full-size", action="store_true", help="never scale the setup down")
+    mea.add_argument("--time-budget", default="30", metavar="SECONDS", help="plan a measurement this long at most")
+    mea.add_argument("--json", action="store_true")
 
     pre = sub.add_parser("presets", help="list model and GPU presets")
     pre.add_argument("--json", action="store_true")
@@ -232,6 +246,34 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_measure(args: argparse.Namespace) -> int:
+    from .measure.engine import Cancelled, format_measurement, measure
+
+    setup, notes = setup_from_args(args)
+    iterations = parse_positive_int(args.iterations, "iterations")
+    try:
+        budget = float(args.time_budget)
+    except ValueError:
+        raise InputError("time_budget", f"must be a number of seconds, got {args.time_budget!r}") from None
+    if not budget > 0 or budget != budget or budget == float("inf"):
+        raise InputError("time_budget", f"must be a positive number of seconds, got {args.time_budget!r}")
+
+    def progress(text: str) -> None:
+        if not args.json:
+            print(f"  … {text}", file=sys.stderr, flush=True)
+
+    try:
+        result = measure(setup, device=args.device, iterations=iterations, snapshot=args.snapshot,
+                         progress=progress, time_budget_s=budget, full_size=args.full_size)
+    except Cancelled:
+        return 130
+    if args.json:
+        print(json.dumps(result.to_json(), indent=2))
+    else:
+        print(format_measurement(result))
+    return 0
+
+
 def cmd_presets(args: argparse.Namespace) -> int:
     models = []
     for name in preset_names():
@@ -258,6 +300,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "estimate":
             return cmd_estimate(args)
+        if args.command == "measure":
+            return cmd_measure(args)
         return cmd_presets(args)
     except InputError as exc:
         _field_error(exc)

@@ -126,12 +126,18 @@ def measure_training_step(
     iterations: int = 2,
     seed: int = 0,
     num_threads: int | None = 1,
+    on_phase: Callable[[str, int, int], None] | None = None,
 ) -> StepMeasurement:
     """Build the model from ``config`` and measure ``iterations`` training steps on CPU.
 
     ``num_threads`` sets torch's intra-op threads for the run (restored after; ``None`` keeps
     the current value): byte counts do not depend on it and tiny models run fastest on one.
+    ``on_phase(phase, iteration, micro)`` is called before each phase (progress; it may raise to cancel).
     """
+    def announce(phase: str, it: int, micro: int = 0) -> None:
+        if on_phase is not None:
+            on_phase(phase, it, micro)
+
     _check_args(
         precision,
         optimizer,
@@ -153,6 +159,7 @@ def measure_training_step(
         torch.set_num_threads(num_threads)
     try:
         with tracker:
+            announce("load", 0)
             with tracker.phase("load", 0):
                 model = build_model(config, precision=precision, attention=attention)
                 if checkpointing == "full":
@@ -178,16 +185,19 @@ def measure_training_step(
             live_end: list[int] = []
             for it in range(1, iterations + 1):
                 for micro in range(grad_accum):
+                    announce("forward", it, micro)
                     with tracker.phase("forward", it, micro):
                         loss = _forward(model, input_ids, precision)
                         if grad_accum > 1:
                             loss = loss / grad_accum
+                    announce("backward", it, micro)
                     with tracker.phase("backward", it, micro):
                         loss.backward()  # type: ignore[no-untyped-call]
                         del loss
                         for p in params:
                             if p.grad is not None:
                                 tracker.track(p.grad, "gradients")
+                announce("optimizer_step", it)
                 with tracker.phase("optimizer_step", it):
                     opt.step()
                     for state in opt.state.values():
@@ -267,7 +277,15 @@ def make_optimizer(
                 "torch.optim.Adafactor has no fused implementation"
             )
         return torch.optim.Adafactor(params, foreach=foreach)
-    raise UnsupportedOptimizerError(f"optimizer {name!r} cannot be measured on CPU yet")
+    if name == "adamw-8bit":
+        try:
+            import bitsandbytes as bnb
+        except ImportError:
+            raise UnsupportedOptimizerError(
+                "8-bit AdamW needs bitsandbytes: pip install bitsandbytes"
+            ) from None
+        return bnb.optim.AdamW8bit(params)  # type: ignore[no-any-return]
+    raise UnsupportedOptimizerError(f"optimizer {name!r} cannot be measured yet")
 
 
 def _forward(model: Any, input_ids: torch.Tensor, precision: str) -> torch.Tensor:
@@ -295,9 +313,9 @@ def _check_args(
         raise ValueError(f"precision must be one of {PRECISIONS}, not {precision!r}")
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, not {optimizer!r}")
-    if optimizer in ("lion", "adamw-8bit"):
+    if optimizer == "lion":
         raise UnsupportedOptimizerError(
-            f"optimizer {optimizer!r} cannot be measured on CPU yet"
+            "Lion is not part of torch.optim; measure with adamw or install a Lion implementation"
         )
     if impl not in OPTIMIZER_IMPLS:
         raise ValueError(
