@@ -249,7 +249,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 def cmd_measure(args: argparse.Namespace) -> int:
     from .measure.engine import Cancelled, format_measurement, measure
 
-    setup, notes = setup_from_args(args)
+    setup, _notes = setup_from_args(args)
     iterations = parse_positive_int(args.iterations, "iterations")
     try:
         budget = float(args.time_budget)

@@ -14,6 +14,7 @@ torch is imported inside functions only.
 from __future__ import annotations
 
 import gc
+import itertools
 import math
 import os
 import time
@@ -106,7 +107,7 @@ class MeasureResult:
         """Seed 004 Q5: live bytes growing from one steady-state iteration to the next."""
         live = self.iterations_live_bytes
         steady = live[1:] if len(live) > 2 else live
-        growth = [b - a for a, b in zip(steady, steady[1:])]
+        growth = [b - a for a, b in itertools.pairwise(steady)]
         growing = bool(growth) and all(g > LEAK_TOLERANCE_BYTES for g in growth)
         return {"live_bytes_per_iteration": live, "growth_bytes": growth, "growing": growing}
 
