@@ -1,0 +1,66 @@
+"""On a machine with a CUDA GPU: measure a few setups with the allocator's counters and compare with
+the estimate. Prints one table (and writes JSON lines to $OUT/gpu_check.jsonl when OUT is set).
+
+    python bench/gpu_check.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from memcalc_gui.core.model import preset_spec  # noqa: E402
+from memcalc_gui.core.setup import TrainingSetup  # noqa: E402
+from memcalc_gui.core.units import format_bytes  # noqa: E402
+from memcalc_gui.measure.engine import detect_device, measure  # noqa: E402
+
+SETUPS = [
+    dict(preset="gpt2", batch=8, seq=1024, precision="mixed", optimizer_impl="foreach"),
+    dict(preset="gpt2", batch=8, seq=1024, precision="fp32", optimizer_impl="fused", attention="eager"),
+    dict(preset="qwen2.5-0.5b", batch=4, seq=2048, precision="mixed", optimizer_impl="foreach"),
+    dict(preset="qwen2.5-0.5b", batch=4, seq=2048, precision="mixed", checkpointing="full"),
+    dict(preset="llama-3.2-1b", batch=4, seq=2048, precision="bf16", optimizer_impl="foreach"),
+    dict(preset="qwen2.5-1.5b", batch=2, seq=4096, precision="mixed", optimizer_impl="fused"),
+]
+
+
+def main() -> None:
+    info = detect_device("cuda")
+    print(f"device: {info.name}, {format_bytes(info.total_bytes)} total, {format_bytes(info.free_bytes)} free")
+    out = Path(os.environ["OUT"]) / "gpu_check.jsonl" if os.environ.get("OUT") else None
+    header = (f"{'setup':<58}{'phase':<15}{'measured':>12}{'estimated':>12}{'error':>8}"
+              f"{'reserved':>12}")
+    print(header)
+    for row in SETUPS:
+        kw = dict(row)
+        spec = preset_spec(kw.pop("preset"))
+        setup = TrainingSetup(model=spec, capacity_bytes=info.total_bytes, **kw)  # type: ignore[arg-type]
+        label = f"{spec.name} b{setup.batch} s{setup.seq} {setup.precision} {setup.optimizer_impl} " \
+                f"{setup.attention} ckpt={setup.checkpointing}"
+        try:
+            r = measure(setup, device="cuda", iterations=3, full_size=True)
+        except Exception as exc:  # report and go on: one script, one table
+            print(f"{label:<58}failed: {exc}")
+            continue
+        if out is not None:
+            with out.open("a") as fh:
+                fh.write(json.dumps(r.to_json()) + "\n")
+        if r.oom:
+            print(f"{label:<58}{r.oom}")
+            continue
+        for phase, reading in r.phases.items():
+            est = r.estimate.estimate.phases[phase].tensor_bytes
+            print(f"{label:<58}{phase:<15}{format_bytes(reading.peak_bytes):>12}{format_bytes(est):>12}"
+                  f"{r.error_pct[phase]:>+7.1f}%{format_bytes(reading.reserved_bytes):>12}")
+            label = ""
+        print(f"{'':<58}context {format_bytes(r.context_bytes or 0)}, overheads {r.measured_overheads()}, "
+              f"signals {r.signals}, leak {r.leak['growing']}")
+
+
+if __name__ == "__main__":
+    main()
