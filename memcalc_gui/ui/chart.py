@@ -1,0 +1,250 @@
+"""The phase chart: one stacked bar per phase, one segment per ledger object, a capacity line.
+
+Every plot item is created once and updated in place (``setOpts``/``setData``); an estimate never
+rebuilds the scene. Values are drawn in GiB (2**30); the axis never switches to SI prefixes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import pyqtgraph as pg
+from pyqtgraph.graphicsItems.LegendItem import ItemSample
+from PySide6.QtCore import QEvent, QPointF, Qt
+from PySide6.QtGui import QColor, QCursor, QFont, QPalette
+from PySide6.QtWidgets import QToolTip, QWidget
+
+from ..core.ledger import Estimate
+from ..core.units import format_bytes, gib
+from ..core.vocab import OBJECT_LABELS, OBJECTS, PHASE_LABELS, PHASES
+from .theme import OBJECT_COLORS, STACK_ORDER, is_dark
+
+BAR_WIDTH = 0.6
+X = np.arange(len(PHASES), dtype=float)
+
+
+class _StaticSample(ItemSample):
+    """A legend swatch that does not hide its bars when clicked (a hidden segment would leave a gap)."""
+
+    def mouseClickEvent(self, event):
+        event.ignore()
+
+
+class MemoryChart(pg.GraphicsLayoutWidget):
+    """Stacked bars of an :class:`Estimate` against a capacity."""
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setObjectName("memoryChart")
+        self.setMinimumSize(360, 220)
+        self.setAccessibleName("Memory per phase chart")
+        self.ci.setContentsMargins(6, 8, 6, 4)
+        self.plot: pg.PlotItem = self.addPlot(row=0, col=0)
+        self.plot.setMenuEnabled(False)
+        self.plot.hideButtons()
+        self.plot.setMouseEnabled(x=False, y=False)
+        self.plot.showGrid(x=False, y=True, alpha=0.25)
+        vb = self.plot.getViewBox()
+        vb.setDefaultPadding(0.0)
+        left = self.plot.getAxis("left")
+        left.enableAutoSIPrefix(False)
+        left.setLabel("Memory (GiB)")
+        left.setWidth(64)
+        bottom = self.plot.getAxis("bottom")
+        bottom.enableAutoSIPrefix(False)
+        bottom.setStyle(tickLength=0)
+        self.plot.setXRange(-0.55, len(PHASES) - 0.45, padding=0)
+
+        # Peak highlight: a pale band behind the peak bar and an outline around it.
+        self.peak_band = pg.BarGraphItem(x=[0.0], height=[1.0], y0=[0.0], width=0.86,
+                                         brush=QColor(255, 200, 0, 40), pen=pg.mkPen(None))
+        self.peak_band.setZValue(-20)
+        self.plot.addItem(self.peak_band)
+
+        zeros = np.zeros(len(PHASES))
+        self.bars: dict[str, pg.BarGraphItem] = {}
+        for obj in STACK_ORDER:
+            bar = pg.BarGraphItem(x=X, height=zeros, y0=zeros, width=BAR_WIDTH, brush=QColor(OBJECT_COLORS[obj]),
+                                  pen=pg.mkPen(QColor(0, 0, 0, 90), width=1))
+            bar.setZValue(0)
+            self.plot.addItem(bar)
+            self.bars[obj] = bar
+
+        self.peak_outline = pg.BarGraphItem(x=[0.0], height=[0.0], y0=[0.0], width=BAR_WIDTH + 0.04,
+                                            brush=QColor(0, 0, 0, 0), pen=pg.mkPen("k", width=2.5))
+        self.peak_outline.setZValue(5)
+        self.plot.addItem(self.peak_outline)
+
+        self.capacity_line = pg.InfiniteLine(angle=0, movable=False,
+                                             pen=pg.mkPen("#C62828", width=2, style=Qt.PenStyle.DashLine))
+        self.capacity_label = pg.InfLineLabel(self.capacity_line, text="", position=0.02, anchors=[(0, 1), (0, 1)],
+                                              color="#C62828")
+        self.capacity_line.setZValue(10)
+        self.plot.addItem(self.capacity_line)
+
+        self.total_labels: list[pg.TextItem] = []
+        for i in range(len(PHASES)):
+            label = pg.TextItem("", anchor=(0.5, 1.0))
+            label.setPos(float(i), 0.0)
+            label.setZValue(11)
+            self.plot.addItem(label)
+            self.total_labels.append(label)
+
+        # Measured markers (a later issue fills them; hidden until then).
+        self.measured = pg.ScatterPlotItem(x=[], y=[], symbol="d", size=14,
+                                           pen=pg.mkPen("k", width=1.5), brush=pg.mkBrush("#FFFFFF"))
+        self.measured.setZValue(12)
+        self.measured.setVisible(False)
+        self.plot.addItem(self.measured)
+
+        self.legend = pg.LegendItem(offset=None, sampleType=_StaticSample, labelTextSize="9pt",
+                                    verSpacing=-2, frame=False)
+        side = self.ci.addLayout(row=0, col=1)
+        side.addItem(self.legend, row=0, col=0)
+        side.layout.setRowStretchFactor(1, 1)
+        side.addLabel("", row=1, col=0)
+        width = max(self.fontMetrics().horizontalAdvance(OBJECT_LABELS[o]) for o in OBJECTS)
+        side.setMaximumWidth(width + 48)
+        self.ci.layout.setColumnStretchFactor(0, 1)
+        for obj in reversed(STACK_ORDER):  # read top-down like the bars
+            self.legend.addItem(self.bars[obj], OBJECT_LABELS[obj])
+
+        self._estimate: Estimate | None = None
+        self._capacity: int | None = None
+        self._stack: dict[str, np.ndarray] = {}
+        self._y0: dict[str, np.ndarray] = {}
+        self._tooltip = ""
+        self.plot.scene().sigMouseMoved.connect(self._on_mouse_moved)
+        self._ready = True
+        self._apply_palette()
+
+    # ---- data ----------------------------------------------------------------------------------
+    def set_estimate(self, estimate: Estimate, capacity_bytes: int | None, capacity_name: str = "") -> None:
+        """Draw ``estimate`` (updates the existing items in place)."""
+        self._estimate = estimate
+        self._capacity = capacity_bytes
+        base = np.zeros(len(PHASES))
+        for obj in STACK_ORDER:
+            heights = np.array([gib(estimate.phases[p].objects[obj]) for p in PHASES])
+            self._y0[obj] = base.copy()
+            self._stack[obj] = heights
+            self.bars[obj].setOpts(x=X, y0=base.copy(), height=heights, width=BAR_WIDTH)
+            base = base + heights
+        totals = base
+        peak_i = PHASES.index(estimate.peak_phase)
+        peak_total = float(totals[peak_i])
+        top = max(peak_total, gib(capacity_bytes) if capacity_bytes else 0.0)
+        ymax = top * 1.14 if top > 0 else 1.0
+        self.peak_band.setOpts(x=[float(peak_i)], y0=[0.0], height=[ymax], width=0.86)
+        self.peak_outline.setOpts(x=[float(peak_i)], y0=[0.0], height=[peak_total], width=BAR_WIDTH + 0.04)
+
+        text_color = self._text_color()
+        for i, label in enumerate(self.total_labels):
+            total_bytes = estimate.phases[PHASES[i]].total_bytes
+            label.setText(f"{gib(total_bytes):.2f} GiB", color=text_color)
+            font = QFont(self.font())
+            font.setBold(i == peak_i)
+            label.setFont(font)
+            label.setPos(float(i), float(totals[i]) + ymax * 0.005)
+
+        if capacity_bytes:
+            self.capacity_line.setPos(gib(capacity_bytes))
+            name = f"{capacity_name} capacity" if capacity_name else "Capacity"
+            self.capacity_label.setFormat(f"{name}: {format_bytes(capacity_bytes)}")
+            self.capacity_line.setVisible(True)
+        else:
+            self.capacity_line.setVisible(False)
+
+        ticks = [(float(i), PHASE_LABELS[p] + (" (peak)" if i == peak_i else "")) for i, p in enumerate(PHASES)]
+        self.plot.getAxis("bottom").setTicks([ticks])
+        self.plot.setYRange(0.0, ymax, padding=0)
+        self.plot.setXRange(-0.55, len(PHASES) - 0.45, padding=0)
+
+    def set_measured(self, measured: Mapping[str, int] | None) -> None:
+        """Overlay measured peaks (phase → bytes) as markers; ``None`` or empty hides them."""
+        if not measured:
+            self.measured.setData(x=[], y=[])
+            self.measured.setVisible(False)
+            return
+        xs = [float(PHASES.index(p)) for p in measured if p in PHASES]
+        ys = [gib(b) for p, b in measured.items() if p in PHASES]
+        self.measured.setData(x=xs, y=ys)
+        self.measured.setVisible(True)
+
+    # ---- queries (also used by tests) ------------------------------------------------------------
+    def heights(self) -> dict[str, list[float]]:
+        """The drawn segment heights in GiB, object → per phase."""
+        return {obj: [float(v) for v in self.bars[obj].opts["height"]] for obj in OBJECTS}
+
+    def segment_at(self, x: float, y: float) -> tuple[str, str] | None:
+        """The (object, phase) under a point in data coordinates, if any."""
+        if self._estimate is None:
+            return None
+        i = round(x)
+        if not 0 <= i < len(PHASES) or abs(x - i) > BAR_WIDTH / 2:
+            return None
+        for obj in STACK_ORDER:
+            h = self._stack[obj][i]
+            y0 = self._y0[obj][i]
+            if h > 0 and y0 <= y <= y0 + h:
+                return obj, PHASES[i]
+        return None
+
+    def tooltip_text(self, obj: str, phase: str) -> str:
+        assert self._estimate is not None
+        n = self._estimate.phases[phase].objects[obj]
+        total = self._estimate.phases[phase].total_bytes
+        share = n / total * 100 if total else 0.0
+        return (f"<b>{OBJECT_LABELS[obj]}</b> — {PHASE_LABELS[phase]}<br>"
+                f"{gib(n):.3f} GiB ({share:.1f} % of the phase)<br>{n:,} bytes")
+
+    def _on_mouse_moved(self, pos: QPointF) -> None:
+        vb = self.plot.getViewBox()
+        seg = None
+        if vb.sceneBoundingRect().contains(pos):
+            p = vb.mapSceneToView(pos)
+            seg = self.segment_at(p.x(), p.y())
+        text = self.tooltip_text(*seg) if seg else ""
+        if text != self._tooltip:
+            self._tooltip = text
+            if text:
+                QToolTip.showText(QCursor.pos(), text, self)
+            else:
+                QToolTip.hideText()
+
+    # ---- palette -------------------------------------------------------------------------------
+    def _text_color(self) -> QColor:
+        return self.palette().color(QPalette.ColorRole.WindowText)
+
+    def _apply_palette(self) -> None:
+        pal = self.palette()
+        bg = pal.color(QPalette.ColorRole.Base)
+        fg = pal.color(QPalette.ColorRole.WindowText)
+        self.setBackground(bg)
+        for name in ("left", "bottom"):
+            axis = self.plot.getAxis(name)
+            axis.setPen(pg.mkPen(fg))
+            axis.setTextPen(pg.mkPen(fg))
+        dark = is_dark(pal)
+        self.peak_outline.setOpts(pen=pg.mkPen(fg, width=2.5))
+        self.peak_band.setOpts(brush=QColor(255, 210, 64, 36 if dark else 48))
+        sep = QColor(bg)
+        sep.setAlpha(200)
+        for bar in self.bars.values():
+            bar.setOpts(pen=pg.mkPen(sep, width=1))
+        cap = QColor("#FF6E6E") if dark else QColor("#C62828")
+        self.capacity_line.setPen(pg.mkPen(cap, width=2, style=Qt.PenStyle.DashLine))
+        self.capacity_label.setColor(cap)
+        self.measured.setPen(pg.mkPen(fg, width=1.5))
+        self.legend.setLabelTextColor(fg)
+        for _sample, label in self.legend.items:
+            label.setText(label.text)  # LabelItem re-renders only on setText
+        for label in self.total_labels:
+            label.setColor(fg)
+
+    def changeEvent(self, event: QEvent) -> None:
+        if event.type() in (QEvent.Type.PaletteChange, QEvent.Type.ApplicationPaletteChange) and \
+                getattr(self, "_ready", False):
+            self._apply_palette()
+        super().changeEvent(event)

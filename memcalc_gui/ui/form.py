@@ -1,0 +1,275 @@
+"""The form's state: what the user typed, as plain strings, and how it becomes a ``TrainingSetup``.
+
+:class:`FormState` is what undo/redo restores and what the settings store (a preset name or a config
+path, never the whole ``ModelSpec``). :func:`build_setup` turns it into a validated ``TrainingSetup``
+through the core's parsers; every problem comes back as an ``InputError`` naming a form field.
+No memory is computed here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from ..core.errors import ConfigError, InputError
+from ..core.model import ModelSpec, preset_names, preset_spec, spec_from_file
+from ..core.setup import (
+    DEFAULT_ALLOCATOR_RESERVE,
+    DEFAULT_CUDA_CONTEXT_BYTES,
+    GPU,
+    TrainingSetup,
+    gpu_presets,
+)
+from ..core.units import format_bytes, parse_count, parse_positive_int, parse_size
+
+MODEL_KINDS: Final = ("preset", "config", "params")
+DEFAULT_PRESET: Final = "qwen2.5-1.5b"
+DEFAULT_GPU: Final = "a100-80gb"
+
+#: Precision presets of the design: (key, label, precision, optimizer).
+RECIPES: Final = (
+    ("fp32", "fp32", "fp32", "adamw"),
+    ("mixed", "Mixed precision (6 B/param)", "mixed", "adamw"),
+    ("adam8bit", "8-bit Adam (2 B/param of state)", "mixed", "adamw-8bit"),
+)
+
+
+@dataclass(frozen=True)
+class FormState:
+    """Every input of the window as the user sees it (strings; choices by their core value)."""
+
+    model_kind: str = "preset"
+    preset: str = DEFAULT_PRESET
+    config_path: str = ""
+    params: str = "1.5B"
+    batch: str = "4"
+    seq: str = "2048"
+    grad_accum: str = "4"
+    precision: str = "mixed"
+    optimizer: str = "adamw"
+    optimizer_impl: str = "foreach"
+    attention: str = "sdpa"
+    checkpointing: str = "none"
+    gpu: str = DEFAULT_GPU  # a preset id, or "" for a custom capacity
+    capacity: str = ""
+    cuda_context: str = format_bytes(DEFAULT_CUDA_CONTEXT_BYTES, digits=0)
+    allocator_reserve: str = f"{DEFAULT_ALLOCATOR_RESERVE * 100:g} %"
+
+    def replace(self, **changes: Any) -> FormState:
+        return dataclasses.replace(self, **{k: str(v) for k, v in changes.items()})
+
+    def to_json(self) -> dict[str, str]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Any) -> FormState:
+        """Read a saved state; unknown keys are ignored, wrong types raise ``ValueError``."""
+        if not isinstance(data, dict):
+            raise ValueError("saved setup is not an object")
+        names = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in data.items() if k in names}
+        bad = [k for k, v in values.items() if not isinstance(v, str)]
+        if bad:
+            raise ValueError(f"saved setup has non-text values for {bad}")
+        state = cls(**values)
+        if state.model_kind not in MODEL_KINDS:
+            raise ValueError(f"unknown model kind {state.model_kind!r}")
+        return state
+
+    def changed_fields(self, other: FormState) -> list[str]:
+        return [f.name for f in dataclasses.fields(self) if getattr(self, f.name) != getattr(other, f.name)]
+
+
+def gpu_by_id() -> dict[str, GPU]:
+    return {g.id: g for g in _gpus()}
+
+
+_GPU_CACHE: list[GPU] = []
+
+
+def _gpus() -> list[GPU]:
+    if not _GPU_CACHE:
+        _GPU_CACHE.extend(gpu_presets())
+    return _GPU_CACHE
+
+
+def capacity_text(gpu: GPU) -> str:
+    """How a preset's capacity appears in the capacity field."""
+    return format_bytes(gpu.capacity_bytes)
+
+
+def default_state() -> FormState:
+    """The built-in default: Qwen2.5-1.5B, micro-batch 4 × seq 2048 × accumulation 4, mixed precision
+    AdamW (foreach), SDPA, no checkpointing, on an A100 80GB."""
+    gpus = gpu_by_id()
+    gpu = gpus.get(DEFAULT_GPU)
+    if gpu is None:  # a trimmed GPU table: fall back to no verdict rather than fail
+        return FormState(gpu="", capacity="")
+    return FormState(capacity=capacity_text(gpu))
+
+
+def recipe_for(precision: str, optimizer: str) -> str | None:
+    """The precision preset that ``precision`` + ``optimizer`` correspond to, if any."""
+    for key, _label, p, o in RECIPES:
+        if (p, o) == (precision, optimizer):
+            return key
+    return None
+
+
+# ---- parsing -----------------------------------------------------------------------------------
+class FormErrors(Exception):
+    """One or more fields are invalid; ``errors`` maps a form field to its reason."""
+
+    def __init__(self, errors: dict[str, str]) -> None:
+        super().__init__("; ".join(f"{k}: {v}" for k, v in errors.items()))
+        self.errors = errors
+
+
+#: InputError.field (setup field, CLI flag or config key) → the form field that shows it.
+_FIELD_MAP: Final = {
+    "model": "preset",
+    "preset": "preset",
+    "params": "params",
+    "config": "config_path",
+    "batch": "batch",
+    "seq": "seq",
+    "grad_accum": "grad_accum",
+    "precision": "precision",
+    "optimizer": "optimizer",
+    "optimizer_impl": "optimizer_impl",
+    "attention": "attention",
+    "checkpointing": "checkpointing",
+    "capacity": "capacity",
+    "gpu": "gpu",
+    "cuda_context": "cuda_context",
+    "allocator_reserve": "allocator_reserve",
+}
+
+
+def form_field(error: InputError, state: FormState) -> str:
+    """The form field an ``InputError`` belongs to (config keys belong to the config path)."""
+    if isinstance(error, ConfigError) and state.model_kind == "config" and error.field not in ("preset",):
+        return "config_path"
+    if error.field == "model":
+        return {"preset": "preset", "config": "config_path", "params": "params"}[state.model_kind]
+    return _FIELD_MAP.get(error.field, "general")
+
+
+class ModelCache:
+    """Presets by name and config files by (path, mtime, size): typing never re-reads a file."""
+
+    def __init__(self) -> None:
+        self._presets: dict[str, ModelSpec] = {}
+        self._files: dict[tuple[str, int, int], ModelSpec] = {}
+        self._names: list[str] | None = None
+
+    def names(self) -> list[str]:
+        if self._names is None:
+            self._names = preset_names()
+        return self._names
+
+    def preset(self, text: str) -> ModelSpec:
+        key = text.strip().lower()
+        if not key:
+            raise InputError("preset", "choose a preset (type to filter the list)")
+        if key not in self._presets:
+            if key not in self.names():
+                matches = [n for n in self.names() if key in n]
+                if matches:
+                    raise InputError("preset", f"{len(matches)} presets match {text.strip()!r}: choose one")
+                raise InputError("preset", f"no preset matches {text.strip()!r}")
+            self._presets[key] = preset_spec(key)
+        return self._presets[key]
+
+    def config(self, path_text: str) -> ModelSpec:
+        text = path_text.strip()
+        if not text:
+            raise InputError("config", "open a config.json (button above, Ctrl+O, or drop one on the window)")
+        path = Path(os.path.expanduser(text))
+        try:
+            st = path.stat()
+        except OSError:
+            raise InputError("config", f"{path} does not exist") from None
+        key = (str(path.resolve()), st.st_mtime_ns, st.st_size)
+        if key not in self._files:
+            if len(self._files) > 32:
+                self._files.clear()
+            self._files[key] = spec_from_file(path)
+        return self._files[key]
+
+
+def _reserve_fraction(text: str) -> float:
+    raw = text.strip().rstrip("%").strip()
+    try:
+        pct = float(raw)
+    except ValueError:
+        raise InputError("allocator_reserve", f"cannot read {text.strip()!r} as a percentage (try 10 %)") from None
+    if not math.isfinite(pct) or not 0 <= pct < 100:
+        raise InputError("allocator_reserve", f"must be a percentage in [0, 100), got {text.strip()!r}")
+    return pct / 100
+
+
+def _capacity(state: FormState) -> tuple[str | None, int | None]:
+    text = state.capacity.strip()
+    gpu = gpu_by_id().get(state.gpu) if state.gpu else None
+    if not text:
+        return (gpu.id if gpu else None), None
+    if gpu is not None and text == capacity_text(gpu):
+        return gpu.id, gpu.capacity_bytes  # the exact reported bytes, not the rounded text
+    return (gpu.id if gpu else None), parse_size(text, "capacity")
+
+
+def build_setup(state: FormState, cache: ModelCache) -> TrainingSetup:
+    """A validated ``TrainingSetup`` from the form, or :class:`FormErrors` naming every bad field."""
+    errors: dict[str, str] = {}
+    values: dict[str, Any] = {}
+
+    def attempt(name: str, fn: Any) -> None:
+        try:
+            values[name] = fn()
+        except InputError as exc:
+            errors.setdefault(form_field(exc, state), exc.reason)
+
+    if state.model_kind == "preset":
+        attempt("model", lambda: cache.preset(state.preset))
+    elif state.model_kind == "config":
+        attempt("model", lambda: cache.config(state.config_path))
+    elif state.model_kind == "params":
+        attempt("params", lambda: parse_count(state.params, "params"))
+    else:
+        errors["general"] = f"unknown model source {state.model_kind!r}"
+    attempt("batch", lambda: parse_positive_int(state.batch, "batch"))
+    attempt("seq", lambda: parse_positive_int(state.seq, "seq"))
+    attempt("grad_accum", lambda: parse_positive_int(state.grad_accum, "grad_accum"))
+    attempt("capacity", lambda: _capacity(state))
+    attempt("cuda_context_bytes", lambda: parse_size(state.cuda_context, "cuda_context", allow_zero=True))
+    attempt("allocator_reserve", lambda: _reserve_fraction(state.allocator_reserve))
+    if errors:
+        raise FormErrors(errors)
+    gpu_id, capacity = values.pop("capacity")
+    try:
+        return TrainingSetup(
+            precision=state.precision,  # type: ignore[arg-type]
+            optimizer=state.optimizer,  # type: ignore[arg-type]
+            optimizer_impl=state.optimizer_impl,  # type: ignore[arg-type]
+            attention=state.attention,  # type: ignore[arg-type]
+            checkpointing=state.checkpointing,  # type: ignore[arg-type]
+            gpu=gpu_id,
+            capacity_bytes=capacity,
+            **values,
+        )
+    except InputError as exc:
+        raise FormErrors({form_field(exc, state): exc.reason}) from None
+
+
+def state_with_changes(state: FormState, changes: dict[str, Any]) -> FormState:
+    """Apply a core ``Suggestion.changes`` (setup fields) to the form; unknown keys raise ``KeyError``."""
+    names = {f.name for f in dataclasses.fields(FormState)}
+    unknown = set(changes) - names
+    if unknown:
+        raise KeyError(f"cannot apply {sorted(unknown)} from the form")
+    return state.replace(**changes)

@@ -1,0 +1,497 @@
+"""The input panel (left): model, training step, precision & optimizer, GPU.
+
+It only edits a :class:`FormState`; the window turns that into a setup, evaluates it and shows the
+errors back here, under the field they belong to.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from PySide6.QtCore import QEvent, QObject, Qt, Signal
+from PySide6.QtGui import QKeyEvent, QKeySequence, QPalette
+from PySide6.QtWidgets import (
+    QCheckBox,
+    QComboBox,
+    QCompleter,
+    QFormLayout,
+    QGroupBox,
+    QHBoxLayout,
+    QLabel,
+    QLineEdit,
+    QPushButton,
+    QSizePolicy,
+    QStackedWidget,
+    QVBoxLayout,
+    QWidget,
+)
+
+from ..core.setup import OPTIMIZER_IMPLS, OPTIMIZERS, PRECISION_LABELS, PRECISIONS
+from .form import RECIPES, FormState, capacity_text, gpu_by_id, recipe_for
+from .theme import error_color
+from .tooltips import TOOLTIPS
+
+OPTIMIZER_LABELS = {
+    "adamw": "AdamW",
+    "adam": "Adam",
+    "adamw-8bit": "AdamW 8-bit (bitsandbytes)",
+    "sgd": "SGD",
+    "sgd-momentum": "SGD with momentum",
+    "adafactor": "Adafactor",
+    "lion": "Lion",
+}
+IMPL_LABELS = {"foreach": "foreach (CUDA default)", "single-tensor": "single-tensor", "fused": "fused"}
+ATTENTION_LABELS = {"sdpa": "SDPA (fused kernels)", "eager": "eager (stores L×L scores)"}
+PRECISION_SHORT = {"fp32": "fp32", "mixed": "Mixed (fp32 master + 16-bit)", "bf16": "bf16 (pure 16-bit)"}
+MODEL_KIND_LABELS = {"preset": "Preset", "config": "config.json", "params": "Parameter count only"}
+CUSTOM_RECIPE = "custom"
+
+
+class _KeepUndoForWindow(QObject):
+    """Lets Ctrl+Z / Ctrl+Shift+Z reach the window's undo stack instead of a line edit's own undo."""
+
+    def eventFilter(self, obj: QObject, event: QEvent) -> bool:
+        if event.type() == QEvent.Type.ShortcutOverride and isinstance(event, QKeyEvent) and (
+            event.matches(QKeySequence.StandardKey.Undo) or event.matches(QKeySequence.StandardKey.Redo)
+        ):
+            event.ignore()
+            return True
+        return False
+
+
+class IntEdit(QLineEdit):
+    """A positive-integer line edit: Up/Down step by 1, PgUp/PgDn double/halve. Invalid text is allowed
+    (the window reports it inline)."""
+
+    def keyPressEvent(self, event: QKeyEvent) -> None:
+        key = event.key()
+        steps = {Qt.Key.Key_Up: lambda v: v + 1, Qt.Key.Key_Down: lambda v: max(1, v - 1),
+                 Qt.Key.Key_PageUp: lambda v: v * 2, Qt.Key.Key_PageDown: lambda v: max(1, v // 2)}
+        if key in steps:
+            try:
+                value = int(self.text().strip())
+            except ValueError:
+                value = 0
+            if value >= 1:
+                self.setText(str(steps[key](value)))
+                event.accept()
+                return
+        super().keyPressEvent(event)
+
+
+class FieldBox(QWidget):
+    """A field with its inline error message underneath (hidden while valid)."""
+
+    def __init__(self, field: QWidget, extra: QWidget | None = None, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.field = field
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(0, 0, 0, 0)
+        lay.setSpacing(2)
+        if extra is None:
+            lay.addWidget(field)
+        else:
+            row = QHBoxLayout()
+            row.setContentsMargins(0, 0, 0, 0)
+            row.setSpacing(6)
+            row.addWidget(field, 1)
+            row.addWidget(extra)
+            lay.addLayout(row)
+        self.error = QLabel(self)
+        self.error.setWordWrap(True)
+        self.error.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.error.setVisible(False)
+        self.error.setObjectName("fieldError")
+        lay.addWidget(self.error)
+        self._message = ""
+
+    def set_error(self, message: str | None) -> None:
+        message = message or ""
+        if message == self._message:
+            return
+        self._message = message
+        self.error.setText(message)
+        self.error.setVisible(bool(message))
+        self.field.setProperty("invalid", bool(message))
+        self.field.setAccessibleDescription(message)
+        style = self.field.style()
+        style.unpolish(self.field)
+        style.polish(self.field)
+        self._color()
+
+    def message(self) -> str:
+        return self._message
+
+    def _color(self) -> None:
+        pal = self.error.palette()
+        pal.setColor(QPalette.ColorRole.WindowText, error_color(self.palette()))
+        self.error.setPalette(pal)
+
+
+def _combo(items: dict[str, str], tooltip: str) -> QComboBox:
+    combo = QComboBox()
+    for value, label in items.items():
+        combo.addItem(label, value)
+    combo.setToolTip(tooltip)
+    combo.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+    combo.setMinimumContentsLength(12)
+    return combo
+
+
+def _set_combo(combo: QComboBox, value: str, fallback: str | None = None) -> None:
+    i = combo.findData(value)
+    if i < 0 and fallback is not None:
+        i = combo.findData(fallback)
+    if i >= 0:
+        combo.setCurrentIndex(i)
+
+
+class InputPanel(QWidget):
+    """All inputs. ``edited`` fires on every user change; ``open_config_requested`` on the button."""
+
+    edited = Signal()
+    open_config_requested = Signal()
+
+    def __init__(self, preset_names: list[str], parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setObjectName("inputPanel")
+        self._undo_filter = _KeepUndoForWindow(self)
+        self._updating = False
+        self.boxes: dict[str, FieldBox] = {}
+        outer = QVBoxLayout(self)
+        outer.setContentsMargins(8, 8, 8, 8)
+        outer.setSpacing(10)
+
+        # ---- model ----
+        model_group = QGroupBox("Model")
+        mform = self._form(model_group)
+        self.model_kind = _combo(MODEL_KIND_LABELS, TOOLTIPS["model_kind"])
+        self._row(mform, "&Source:", "model_kind", self.model_kind)
+        self.model_stack = QStackedWidget()
+        self.model_stack.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Maximum)
+
+        self.preset = QComboBox()
+        self.preset.setEditable(True)
+        self.preset.setInsertPolicy(QComboBox.InsertPolicy.NoInsert)
+        self.preset.addItems(preset_names)
+        self.preset.setMaxVisibleItems(20)
+        self.preset.setToolTip(TOOLTIPS["preset"])
+        completer = QCompleter(preset_names, self.preset)
+        completer.setCaseSensitivity(Qt.CaseSensitivity.CaseInsensitive)
+        completer.setFilterMode(Qt.MatchFlag.MatchContains)
+        completer.setCompletionMode(QCompleter.CompletionMode.PopupCompletion)
+        self.preset.setCompleter(completer)
+        self.preset.lineEdit().setPlaceholderText("type to filter, e.g. qwen")
+        self.preset.lineEdit().setClearButtonEnabled(True)
+
+        self.config_path = QLineEdit()
+        self.config_path.setPlaceholderText("path to config.json")
+        self.config_path.setToolTip(TOOLTIPS["config_path"])
+        self.open_button = QPushButton("&Open config.json…")
+        self.open_button.setToolTip("Open a Hugging Face config.json (Ctrl+O). You can also drop one on the window.")
+        self.open_button.clicked.connect(self.open_config_requested)
+        config_page = QWidget()
+        cl = QVBoxLayout(config_page)
+        cl.setContentsMargins(0, 0, 0, 0)
+        cl.setSpacing(4)
+        self.boxes["config_path"] = FieldBox(self.config_path)
+        cl.addWidget(self.boxes["config_path"])
+        cl.addWidget(self.open_button, 0, Qt.AlignmentFlag.AlignLeft)
+
+        self.params = QLineEdit()
+        self.params.setPlaceholderText("1.5B, 350M or 1.5e9")
+        self.params.setToolTip(TOOLTIPS["params"])
+
+        self.boxes["preset"] = FieldBox(self.preset)
+        self.boxes["params"] = FieldBox(self.params)
+        self.model_stack.addWidget(self.boxes["preset"])
+        self.model_stack.addWidget(config_page)
+        self.model_stack.addWidget(self.boxes["params"])
+        self.model_label = QLabel("&Preset:")
+        self.model_label.setBuddy(self.preset)
+        mform.addRow(self.model_label, self.model_stack)
+        self.model_info = QLabel("")
+        self.model_info.setWordWrap(True)
+        self.model_info.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.model_info.setObjectName("modelInfo")
+        self.model_info.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        mform.addRow(self.model_info)
+        outer.addWidget(model_group)
+
+        # ---- training step ----
+        step_group = QGroupBox("Training step")
+        sform = self._form(step_group)
+        self.batch = IntEdit()
+        self._row(sform, "&Micro-batch:", "batch", self.batch)
+        self.seq = IntEdit()
+        self._row(sform, "Se&quence length:", "seq", self.seq)
+        self.grad_accum = IntEdit()
+        self._row(sform, "&Gradient accumulation:", "grad_accum", self.grad_accum)
+        self.effective = QLabel("")
+        self.effective.setObjectName("effectiveBatch")
+        self.effective.setWordWrap(True)
+        self.effective.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        self.effective.setToolTip("Sequences per optimizer step = micro-batch × gradient accumulation.")
+        sform.addRow("Effective batch:", self.effective)
+        self.checkpointing = QCheckBox("Gradient &checkpointing (full)")
+        self.checkpointing.setToolTip(TOOLTIPS["checkpointing"])
+        self.boxes["checkpointing"] = FieldBox(self.checkpointing)
+        sform.addRow(self.boxes["checkpointing"])
+        self.attention = _combo(ATTENTION_LABELS, TOOLTIPS["attention"])
+        self._row(sform, "A&ttention:", "attention", self.attention)
+        outer.addWidget(step_group)
+
+        # ---- precision & optimizer ----
+        prec_group = QGroupBox("Precision && optimizer")
+        pform = self._form(prec_group)
+        recipes = {key: label for key, label, _p, _o in RECIPES}
+        recipes[CUSTOM_RECIPE] = "Custom"
+        self.recipe = _combo(recipes, TOOLTIPS["recipe"])
+        self._row(pform, "P&reset:", "recipe", self.recipe)
+        self.precision = _combo({p: PRECISION_SHORT.get(p, p) for p in PRECISIONS}, TOOLTIPS["precision"])
+        for i in range(self.precision.count()):
+            self.precision.setItemData(i, PRECISION_LABELS.get(self.precision.itemData(i), ""),
+                                       Qt.ItemDataRole.ToolTipRole)
+        self._row(pform, "Pr&ecision:", "precision", self.precision)
+        self.optimizer = _combo({o: OPTIMIZER_LABELS.get(o, o) for o in OPTIMIZERS}, TOOLTIPS["optimizer"])
+        self._row(pform, "Optimi&zer:", "optimizer", self.optimizer)
+        self.optimizer_impl = _combo({i: IMPL_LABELS.get(i, i) for i in OPTIMIZER_IMPLS}, TOOLTIPS["optimizer_impl"])
+        self._row(pform, "&Implementation:", "optimizer_impl", self.optimizer_impl)
+        outer.addWidget(prec_group)
+
+        # ---- GPU ----
+        gpu_group = QGroupBox("GPU")
+        gform = self._form(gpu_group)
+        self.gpu = QComboBox()
+        for g in gpu_by_id().values():
+            self.gpu.addItem(f"{g.name} ({g.nominal})", g.id)
+        self.gpu.addItem("Custom capacity", "")
+        self.gpu.setToolTip(TOOLTIPS["gpu"])
+        self.gpu.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+        self.gpu.setMinimumContentsLength(12)
+        self._row(gform, "G&PU:", "gpu", self.gpu)
+        self.capacity = QLineEdit()
+        self.capacity.setPlaceholderText("e.g. 80GiB, 24GB (empty: no verdict)")
+        self.capacity.setToolTip(TOOLTIPS["capacity"])
+        self._row(gform, "Capacit&y:", "capacity", self.capacity)
+        self.cuda_context = QLineEdit()
+        self.cuda_context.setPlaceholderText("e.g. 512 MiB")
+        self.cuda_context.setToolTip(TOOLTIPS["cuda_context"])
+        self._row(gform, "CUDA conte&xt:", "cuda_context", self.cuda_context)
+        self.allocator_reserve = QLineEdit()
+        self.allocator_reserve.setPlaceholderText("e.g. 10 %")
+        self.allocator_reserve.setToolTip(TOOLTIPS["allocator_reserve"])
+        self._row(gform, "Allocator reser&ve:", "allocator_reserve", self.allocator_reserve)
+        outer.addWidget(gpu_group)
+
+        # ---- a general message (errors that belong to no single field) ----
+        self.boxes["general"] = FieldBox(QWidget())
+        outer.addWidget(self.boxes["general"])
+        outer.addStretch(1)
+
+        for edit in (self.preset.lineEdit(), self.config_path, self.params, self.batch, self.seq, self.grad_accum,
+                     self.capacity, self.cuda_context, self.allocator_reserve):
+            edit.installEventFilter(self._undo_filter)
+        self._connect()
+        self._tab_order()
+        self.setStyleSheet("*[invalid=\"true\"] { border: 1px solid #D32F2F; border-radius: 3px; }")
+
+    # ---- construction helpers -----------------------------------------------------------------
+    @staticmethod
+    def _form(group: QGroupBox) -> QFormLayout:
+        form = QFormLayout(group)
+        form.setFieldGrowthPolicy(QFormLayout.FieldGrowthPolicy.AllNonFixedFieldsGrow)
+        form.setLabelAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
+        form.setContentsMargins(8, 8, 8, 8)
+        form.setVerticalSpacing(6)
+        return form
+
+    def _row(self, form: QFormLayout, label: str, name: str, widget: QWidget) -> None:
+        if not widget.toolTip() and name in TOOLTIPS:
+            widget.setToolTip(TOOLTIPS[name])
+        box = FieldBox(widget)
+        self.boxes[name] = box
+        lab = QLabel(label)
+        lab.setBuddy(widget)
+        lab.setToolTip(widget.toolTip())
+        form.addRow(lab, box)
+
+    def _connect(self) -> None:
+        self.model_kind.currentIndexChanged.connect(self._on_kind)
+        self.preset.currentTextChanged.connect(self._changed)
+        for edit in (self.config_path, self.params, self.batch, self.seq, self.grad_accum, self.cuda_context,
+                     self.allocator_reserve):
+            edit.textChanged.connect(self._changed)
+        self.capacity.textChanged.connect(self._on_capacity)
+        self.checkpointing.toggled.connect(self._changed)
+        for combo in (self.attention, self.optimizer_impl):
+            combo.currentIndexChanged.connect(self._changed)
+        self.precision.currentIndexChanged.connect(self._on_precision_or_optimizer)
+        self.optimizer.currentIndexChanged.connect(self._on_precision_or_optimizer)
+        self.recipe.currentIndexChanged.connect(self._on_recipe)
+        self.gpu.currentIndexChanged.connect(self._on_gpu)
+
+    def _tab_order(self) -> None:
+        chain = [self.model_kind, self.preset, self.config_path, self.open_button, self.params, self.batch, self.seq,
+                 self.grad_accum, self.checkpointing, self.attention, self.recipe, self.precision, self.optimizer,
+                 self.optimizer_impl, self.gpu, self.capacity, self.cuda_context, self.allocator_reserve]
+        for a, b in itertools.pairwise(chain):
+            QWidget.setTabOrder(a, b)
+
+    @property
+    def first_widget(self) -> QWidget:
+        return self.model_kind
+
+    @property
+    def last_widget(self) -> QWidget:
+        return self.allocator_reserve
+
+    # ---- reactions ----------------------------------------------------------------------------
+    def _changed(self, *_: object) -> None:
+        if not self._updating:
+            self.edited.emit()
+
+    def _on_kind(self, *_: object) -> None:
+        self._sync_kind()
+        self._changed()
+
+    def _sync_kind(self) -> None:
+        kind = self.model_kind.currentData()
+        index = {"preset": 0, "config": 1, "params": 2}.get(kind, 0)
+        self.model_stack.setCurrentIndex(index)
+        pages = {0: ("&Preset:", self.preset), 1: ("&File:", self.config_path), 2: ("&Parameters:", self.params)}
+        label, buddy = pages[index]
+        self.model_label.setText(label)
+        self.model_label.setBuddy(buddy)
+
+    def _on_capacity(self, *_: object) -> None:
+        if self._updating:
+            return
+        gpu = gpu_by_id().get(self.gpu.currentData() or "")
+        if gpu is not None and self.capacity.text().strip() != capacity_text(gpu):
+            self._updating = True
+            try:
+                _set_combo(self.gpu, "")
+            finally:
+                self._updating = False
+        self._changed()
+
+    def _on_gpu(self, *_: object) -> None:
+        if self._updating:
+            return
+        gpu = gpu_by_id().get(self.gpu.currentData() or "")
+        if gpu is not None:
+            self._updating = True
+            try:
+                self.capacity.setText(capacity_text(gpu))
+            finally:
+                self._updating = False
+        self._changed()
+
+    def _on_recipe(self, *_: object) -> None:
+        if self._updating:
+            return
+        key = self.recipe.currentData()
+        for rkey, _label, precision, optimizer in RECIPES:
+            if rkey == key:
+                self._updating = True
+                try:
+                    _set_combo(self.precision, precision)
+                    _set_combo(self.optimizer, optimizer)
+                    if optimizer == "adamw-8bit" and self.optimizer_impl.currentData() == "fused":
+                        _set_combo(self.optimizer_impl, "foreach")
+                finally:
+                    self._updating = False
+                break
+        self._sync_recipe()
+        self._changed()
+
+    def _on_precision_or_optimizer(self, *_: object) -> None:
+        if self._updating:
+            return
+        self._sync_recipe()
+        self._changed()
+
+    def _sync_recipe(self) -> None:
+        key = recipe_for(self.precision.currentData(), self.optimizer.currentData()) or CUSTOM_RECIPE
+        was = self._updating
+        self._updating = True
+        try:
+            _set_combo(self.recipe, key)
+        finally:
+            self._updating = was
+
+    # ---- state --------------------------------------------------------------------------------
+    def state(self) -> FormState:
+        return FormState(
+            model_kind=self.model_kind.currentData(),
+            preset=self.preset.currentText().strip(),
+            config_path=self.config_path.text().strip(),
+            params=self.params.text(),
+            batch=self.batch.text(),
+            seq=self.seq.text(),
+            grad_accum=self.grad_accum.text(),
+            precision=self.precision.currentData(),
+            optimizer=self.optimizer.currentData(),
+            optimizer_impl=self.optimizer_impl.currentData(),
+            attention=self.attention.currentData(),
+            checkpointing="full" if self.checkpointing.isChecked() else "none",
+            gpu=self.gpu.currentData() or "",
+            capacity=self.capacity.text(),
+            cuda_context=self.cuda_context.text(),
+            allocator_reserve=self.allocator_reserve.text(),
+        )
+
+    def set_state(self, state: FormState) -> None:
+        """Show ``state`` without emitting ``edited``."""
+        self._updating = True
+        try:
+            _set_combo(self.model_kind, state.model_kind)
+            self._sync_kind()
+            if self.preset.currentText() != state.preset:
+                i = self.preset.findText(state.preset)
+                if i >= 0:
+                    self.preset.setCurrentIndex(i)
+                self.preset.setEditText(state.preset)
+            for name in ("config_path", "params", "batch", "seq", "grad_accum", "capacity", "cuda_context",
+                         "allocator_reserve"):
+                edit: QLineEdit = getattr(self, name)
+                value = getattr(state, name)
+                if edit.text() != value:
+                    edit.setText(value)
+            for name in ("precision", "optimizer", "optimizer_impl", "attention"):
+                _set_combo(getattr(self, name), getattr(state, name))
+            _set_combo(self.gpu, state.gpu, fallback="")  # a GPU no longer in the table: custom capacity
+            self.checkpointing.setChecked(state.checkpointing == "full")
+            self._sync_recipe()
+        finally:
+            self._updating = False
+
+    def show_errors(self, errors: dict[str, str]) -> None:
+        for name, box in self.boxes.items():
+            box.set_error(errors.get(name))
+        if "general" not in self.boxes:
+            return
+        unknown = {k: v for k, v in errors.items() if k not in self.boxes}
+        if unknown:
+            self.boxes["general"].set_error("; ".join(f"{k}: {v}" for k, v in unknown.items()))
+
+    def errors(self) -> dict[str, str]:
+        return {name: box.message() for name, box in self.boxes.items() if box.message()}
+
+    def widget_for(self, name: str) -> QWidget | None:
+        box = self.boxes.get(name)
+        return box.field if box else None
+
+    def set_model_info(self, text: str) -> None:
+        self.model_info.setText(text)
+
+    def set_effective(self, text: str) -> None:
+        self.effective.setText(text)
+
+    def changeEvent(self, event: QEvent) -> None:
+        if event.type() in (QEvent.Type.PaletteChange, QEvent.Type.ApplicationPaletteChange) and \
+                hasattr(self, "boxes"):
+            for box in self.boxes.values():
+                box._color()
+        super().changeEvent(event)

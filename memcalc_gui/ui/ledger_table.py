@@ -1,0 +1,147 @@
+"""The ledger as a table: memory objects × phases in GiB, with totals; Ctrl+C copies TSV."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import Qt
+from PySide6.QtGui import (
+    QAction,
+    QBrush,
+    QColor,
+    QFont,
+    QFontMetrics,
+    QGuiApplication,
+    QIcon,
+    QKeySequence,
+    QPixmap,
+)
+from PySide6.QtWidgets import QAbstractItemView, QHeaderView, QTableWidget, QTableWidgetItem, QWidget
+
+from ..core.ledger import Estimate
+from ..core.units import gib
+from ..core.vocab import OBJECT_LABELS, OBJECTS, PHASE_LABELS, PHASES
+from .theme import OBJECT_COLORS
+
+BYTES_ROLE = Qt.ItemDataRole.UserRole + 1
+#: Column headers (short, so four columns fit beside the object names); the full names are tooltips.
+HEADER_LABELS = {p: PHASE_LABELS[p] for p in PHASES} | {"optimizer_step": "Opt. step"}
+TOTAL_ROW = len(OBJECTS)
+
+
+def _swatch(color: str) -> QIcon:
+    pix = QPixmap(12, 12)
+    pix.fill(QColor(color))
+    return QIcon(pix)
+
+
+def _cell_text(n: int) -> str:
+    if n == 0:
+        return "–"
+    g = gib(n)
+    return f"{g:.2f}" if g >= 0.005 else "<0.01"
+
+
+class LedgerTable(QTableWidget):
+    """Rows: the nine ledger objects and the total; columns: the four phases. Values in GiB."""
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(len(OBJECTS) + 1, len(PHASES), parent)
+        self.setObjectName("ledgerTable")
+        self.setAccessibleName("Ledger: memory objects by phase, GiB")
+        self.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
+        self.setSelectionMode(QAbstractItemView.SelectionMode.ExtendedSelection)
+        self.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectItems)
+        self.setAlternatingRowColors(True)
+        self.setWordWrap(False)
+        self.setTabKeyNavigation(False)  # Tab leaves the table (keyboard users move on)
+        self.setToolTip("GiB per object and phase (hover a cell for exact bytes). Ctrl+C copies the selection "
+                        "(or the whole table) as tab-separated values.")
+        self.setVerticalHeaderLabels([OBJECT_LABELS[o] for o in OBJECTS] + ["Total"])
+        self.setHorizontalHeaderLabels([HEADER_LABELS[p] + "\n" for p in PHASES])
+        for c, p in enumerate(PHASES):
+            self.horizontalHeaderItem(c).setToolTip(PHASE_LABELS[p])
+        for r, obj in enumerate(OBJECTS):
+            self.verticalHeaderItem(r).setIcon(_swatch(OBJECT_COLORS[obj]))
+        bold = QFont(self.font())
+        bold.setBold(True)
+        self.verticalHeaderItem(TOTAL_ROW).setFont(bold)
+        hh = self.horizontalHeader()
+        hh.setSectionResizeMode(QHeaderView.ResizeMode.Stretch)
+        hh.setMinimumSectionSize(max(QFontMetrics(bold).horizontalAdvance(h) for h in HEADER_LABELS.values()) + 16)
+        vh = self.verticalHeader()
+        vh.setSectionResizeMode(QHeaderView.ResizeMode.Fixed)
+        vh.setDefaultSectionSize(max(20, self.fontMetrics().height() + 6))
+        for r in range(self.rowCount()):
+            for c in range(self.columnCount()):
+                item = QTableWidgetItem("")
+                item.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
+                item.setFlags(Qt.ItemFlag.ItemIsSelectable | Qt.ItemFlag.ItemIsEnabled)
+                if r == TOTAL_ROW:
+                    item.setFont(bold)
+                self.setItem(r, c, item)
+        copy = QAction("Copy as TSV (GiB)", self)
+        copy.setShortcut(QKeySequence.StandardKey.Copy)
+        copy.setShortcutContext(Qt.ShortcutContext.WidgetShortcut)
+        copy.triggered.connect(self.copy_selection)
+        copy_bytes = QAction("Copy as TSV (exact bytes)", self)
+        copy_bytes.triggered.connect(lambda: self.copy_selection(exact_bytes=True))
+        select_all = QAction("Select all", self)
+        select_all.triggered.connect(self.selectAll)
+        self.addActions([copy, copy_bytes, select_all])
+        self.setContextMenuPolicy(Qt.ContextMenuPolicy.ActionsContextMenu)
+        self._peak_col = -1
+
+    def set_estimate(self, estimate: Estimate) -> None:
+        peak_col = PHASES.index(estimate.peak_phase)
+        for c, phase in enumerate(PHASES):
+            ledger = estimate.phases[phase]
+            for r, obj in enumerate(OBJECTS):
+                n = ledger.objects[obj]
+                self._set(r, c, n, f"{OBJECT_LABELS[obj]}, {PHASE_LABELS[phase]}: {n:,} bytes")
+            self._set(TOTAL_ROW, c, ledger.total_bytes, f"Total, {PHASE_LABELS[phase]}: {ledger.total_bytes:,} bytes")
+        if peak_col != self._peak_col:
+            self._peak_col = peak_col
+            for c, phase in enumerate(PHASES):
+                label = HEADER_LABELS[phase] + ("\n▲ peak" if c == peak_col else "\n")
+                self.horizontalHeaderItem(c).setText(label)
+                f = QFont(self.font())
+                f.setBold(c == peak_col)
+                self.horizontalHeaderItem(c).setFont(f)
+            for r in range(self.rowCount()):
+                for c in range(self.columnCount()):
+                    self.item(r, c).setBackground(QBrush(QColor(255, 200, 0, 45)) if c == peak_col else QBrush())
+
+    def _set(self, r: int, c: int, n: int, tip: str) -> None:
+        item = self.item(r, c)
+        text = _cell_text(n)
+        if item.text() != text:
+            item.setText(text)
+        item.setData(BYTES_ROLE, n)
+        item.setToolTip(tip)
+
+    def to_tsv(self, rows: list[int] | None = None, cols: list[int] | None = None, *, exact_bytes: bool = False) -> str:
+        """Tab-separated values with a header row and the object names; GiB (4 decimals) or bytes."""
+        rows = list(range(self.rowCount())) if rows is None else rows
+        cols = list(range(self.columnCount())) if cols is None else cols
+        unit = "bytes" if exact_bytes else "GiB"
+        lines = ["\t".join([f"Object ({unit})"] + [PHASE_LABELS[PHASES[c]] for c in cols])]
+        for r in rows:
+            name = self.verticalHeaderItem(r).text()
+            cells = []
+            for c in cols:
+                n = self.item(r, c).data(BYTES_ROLE)
+                n = int(n) if n is not None else 0
+                cells.append(str(n) if exact_bytes else f"{gib(n):.4f}")
+            lines.append("\t".join([name, *cells]))
+        return "\n".join(lines) + "\n"
+
+    def copy_selection(self, exact_bytes: bool = False) -> str:
+        """Copy the selected cells' bounding rows × columns (all when nothing is selected)."""
+        indexes = self.selectedIndexes()
+        if indexes:
+            rows = sorted({i.row() for i in indexes})
+            cols = sorted({i.column() for i in indexes})
+            text = self.to_tsv(rows, cols, exact_bytes=exact_bytes)
+        else:
+            text = self.to_tsv(exact_bytes=exact_bytes)
+        QGuiApplication.clipboard().setText(text)
+        return text

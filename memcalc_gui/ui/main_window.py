@@ -1,0 +1,567 @@
+"""The main window: inputs on the left; verdict, chart, ledger and advice on the right.
+
+Flow: an edit restarts a short debounce timer; ``refresh()`` reads the form, builds a setup, calls
+``core.result.evaluate`` and updates the views in place. Every valid change is one undo command
+(consecutive typing in the same field merges into one). An invalid field shows its reason inline and
+the last valid result stays drawn.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from PySide6.QtCore import QByteArray, Qt, QTimer, Signal
+from PySide6.QtGui import QAction, QCloseEvent, QDragEnterEvent, QDropEvent, QKeySequence, QUndoCommand, QUndoStack
+from PySide6.QtWidgets import (
+    QApplication,
+    QFileDialog,
+    QFrame,
+    QGroupBox,
+    QHBoxLayout,
+    QLabel,
+    QMainWindow,
+    QPlainTextEdit,
+    QScrollArea,
+    QSplitter,
+    QTabWidget,
+    QVBoxLayout,
+    QWidget,
+)
+
+from ..core.errors import InputError
+from ..core.result import Result, evaluate
+from .about import AboutDialog
+from .assets import app_icon
+from .chart import MemoryChart
+from .form import FormErrors, FormState, ModelCache, build_setup, default_state, gpu_by_id, state_with_changes
+from .inputs import InputPanel
+from .ledger_table import LedgerTable
+from .results import METHOD_NOTES, AdvicePanel, VerdictBanner
+from .settings import (
+    KEY_GEOMETRY,
+    KEY_SPLITTERS,
+    KEY_WINDOW_STATE,
+    load_bytes,
+    load_state,
+    make_settings,
+    save_bytes,
+    save_state,
+)
+
+#: Debounce between the last keystroke and the estimate. Analytic estimates take ~1–3 ms and the redraw
+#: a few more, so the whole edit-to-redraw stays well under 50 ms.
+DEBOUNCE_MS = 15
+#: Typing in one field within this many seconds merges into one undo step.
+MERGE_WINDOW_S = 2.0
+TEXT_FIELDS = frozenset({"preset", "config_path", "params", "batch", "seq", "grad_accum", "capacity", "cuda_context",
+                         "allocator_reserve"})
+FIELD_NAMES = {
+    "model_kind": "model source", "preset": "preset", "config_path": "config.json", "params": "parameter count",
+    "batch": "micro-batch", "seq": "sequence length", "grad_accum": "gradient accumulation",
+    "precision": "precision", "optimizer": "optimizer", "optimizer_impl": "optimizer implementation",
+    "attention": "attention", "checkpointing": "checkpointing", "gpu": "GPU", "capacity": "capacity",
+    "cuda_context": "CUDA context", "allocator_reserve": "allocator reserve", "general": "input",
+}
+
+
+class SetupCommand(QUndoCommand):
+    """One change of the form, from ``old`` to ``new`` (both valid)."""
+
+    MERGE_ID = 0x6D63
+
+    def __init__(self, window: MainWindow, old: FormState, new: FormState, text: str, *,
+                 merge_key: str | None = None, already_applied: bool = True) -> None:
+        super().__init__(text)
+        self._window = window
+        self.old = old
+        self.new = new
+        self.merge_key = merge_key
+        self.stamp = time.monotonic()
+        self._skip_redo = already_applied
+
+    def id(self) -> int:
+        return self.MERGE_ID if self.merge_key else -1
+
+    def mergeWith(self, other: QUndoCommand) -> bool:
+        if not isinstance(other, SetupCommand) or other.merge_key != self.merge_key:
+            return False
+        if other.stamp - self.stamp > MERGE_WINDOW_S:
+            return False
+        self.new = other.new
+        self.stamp = other.stamp
+        if self.new == self.old:
+            self.setObsolete(True)
+        return True
+
+    def redo(self) -> None:
+        if self._skip_redo:
+            self._skip_redo = False
+            return
+        self._window.apply_state(self.new)
+
+    def undo(self) -> None:
+        self._window.apply_state(self.old)
+
+
+class MainWindow(QMainWindow):
+    """The memcalc window. ``result_changed`` fires after every successful estimate."""
+
+    result_changed = Signal(object)
+
+    def __init__(self, initial_state: FormState | None = None, *, persist: bool = True,
+                 parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setObjectName("memcalcMainWindow")
+        self.setWindowTitle("memcalc — GPU memory for one training step")
+        self.setWindowIcon(app_icon())
+        self.setAcceptDrops(True)
+        self.persist = persist
+        self.settings = make_settings() if persist else None
+        self.cache = ModelCache()
+        self.undo_stack = QUndoStack(self)
+        self.result: Result | None = None
+        self.last_refresh_ms = 0.0
+        self._committed: FormState | None = None
+        self._recording = True
+        self._closed = False
+
+        self.debounce = QTimer(self)
+        self.debounce.setObjectName("debounceTimer")
+        self.debounce.setSingleShot(True)
+        self.debounce.setInterval(DEBOUNCE_MS)
+        self.debounce.timeout.connect(self.refresh)
+
+        self._build_ui()
+        self._build_actions()
+        self._restore_layout()
+
+        message = ""
+        state = initial_state
+        if state is None and self.settings is not None:
+            state, message = self._saved_state()
+        if state is None:
+            state = default_state()
+        self.inputs.set_state(state)
+        if not self.refresh() and state != default_state():
+            reason = "; ".join(f"{FIELD_NAMES.get(k, k)}: {v}" for k, v in self.inputs.errors().items())
+            message = f"The saved setup could not be used ({reason}); using the default setup."
+            self.inputs.set_state(default_state())
+            self.refresh()
+        self.undo_stack.clear()
+        self.undo_stack.setClean()
+        if message:
+            self.statusBar().showMessage(message, 15000)
+
+    # ---- construction -------------------------------------------------------------------------
+    def _build_ui(self) -> None:
+        self.inputs = InputPanel(self.cache.names())
+        self.inputs.edited.connect(self.schedule_refresh)
+        self.inputs.open_config_requested.connect(self.choose_config)
+        left = QScrollArea()
+        left.setObjectName("inputScroll")
+        left.setWidgetResizable(True)
+        left.setFrameShape(QFrame.Shape.NoFrame)
+        left.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        left.setWidget(self.inputs)
+        left.setMinimumWidth(340)
+
+        right = QWidget()
+        rl = QVBoxLayout(right)
+        rl.setContentsMargins(6, 8, 8, 4)
+        rl.setSpacing(6)
+        self.banner = VerdictBanner()
+        rl.addWidget(self.banner)
+        # A row for actions on the result: later issues add "Precise (trace)" and "Measure on this GPU" here.
+        self.action_row = QHBoxLayout()
+        self.action_row.setSpacing(8)
+        self.method_label = QLabel("")
+        self.method_label.setObjectName("methodLabel")
+        self.action_row.addWidget(self.method_label, 1)
+        rl.addLayout(self.action_row)
+
+        self.chart = MemoryChart()
+        self.table = LedgerTable()
+        self.assumptions = QPlainTextEdit()
+        self.assumptions.setObjectName("assumptions")
+        self.assumptions.setReadOnly(True)
+        self.assumptions.setTabChangesFocus(True)
+        self.tabs = QTabWidget()
+        self.tabs.setObjectName("resultTabs")
+        self.tabs.addTab(self.table, "&Ledger")
+        self.tabs.addTab(self.assumptions, "&Assumptions")
+        self.advice = AdvicePanel()
+        self.advice.apply_changes.connect(self.apply_changes)
+        advice_box = QGroupBox("What to change")
+        al = QVBoxLayout(advice_box)
+        al.setContentsMargins(4, 4, 4, 4)
+        al.addWidget(self.advice)
+
+        self.bottom_split = QSplitter(Qt.Orientation.Horizontal)
+        self.bottom_split.setObjectName("bottomSplit")
+        self.bottom_split.addWidget(self.tabs)
+        self.bottom_split.addWidget(advice_box)
+        self.bottom_split.setStretchFactor(0, 3)
+        self.bottom_split.setStretchFactor(1, 2)
+        self.bottom_split.setChildrenCollapsible(False)
+        self.right_split = QSplitter(Qt.Orientation.Vertical)
+        self.right_split.setObjectName("rightSplit")
+        self.right_split.addWidget(self.chart)
+        self.right_split.addWidget(self.bottom_split)
+        self.right_split.setStretchFactor(0, 3)
+        self.right_split.setStretchFactor(1, 2)
+        self.right_split.setChildrenCollapsible(False)
+        rl.addWidget(self.right_split, 1)
+
+        self.main_split = QSplitter(Qt.Orientation.Horizontal)
+        self.main_split.setObjectName("mainSplit")
+        self.main_split.addWidget(left)
+        self.main_split.addWidget(right)
+        self.main_split.setStretchFactor(0, 0)
+        self.main_split.setStretchFactor(1, 1)
+        self.main_split.setChildrenCollapsible(False)
+        self.setCentralWidget(self.main_split)
+        self.resize(*self._default_size())
+        self.main_split.setSizes([390, 970])
+        self.right_split.setSizes([470, 330])
+        self.bottom_split.setSizes([560, 400])
+
+        self.timing_label = QLabel("")
+        self.timing_label.setObjectName("timingLabel")
+        self.statusBar().addPermanentWidget(self.timing_label)
+        QWidget.setTabOrder(self.inputs.last_widget, self.tabs)
+
+    def _default_size(self) -> tuple[int, int]:
+        width, height = 1360, 880
+        screen = self.screen() or QApplication.primaryScreen()
+        if screen is not None:
+            avail = screen.availableGeometry()
+            width = min(width, max(900, int(avail.width() * 0.94)))
+            height = min(height, max(600, int(avail.height() * 0.92)))
+        return width, height
+
+    def _build_actions(self) -> None:
+        menu = self.menuBar()
+        self.file_menu = menu.addMenu("&File")
+        self.open_action = QAction("&Open config.json…", self)
+        self.open_action.setShortcut(QKeySequence.StandardKey.Open)
+        self.open_action.triggered.connect(self.choose_config)
+        self.file_menu.addAction(self.open_action)
+        self.file_menu.addSeparator()
+        # Later issue: "Export report…" (Ctrl+E) goes here, before this separator.
+        self.export_separator = self.file_menu.addSeparator()
+        self.quit_action = QAction("&Quit", self)
+        self.quit_action.setShortcut(QKeySequence.StandardKey.Quit)
+        self.quit_action.setShortcutContext(Qt.ShortcutContext.ApplicationShortcut)
+        self.quit_action.triggered.connect(self.close)
+        self.file_menu.addAction(self.quit_action)
+
+        edit = menu.addMenu("&Edit")
+        self.undo_action = QAction("&Undo", self)
+        self.undo_action.setShortcuts([QKeySequence.StandardKey.Undo])
+        self.undo_action.triggered.connect(self.undo)
+        self.redo_action = QAction("&Redo", self)
+        self.redo_action.setShortcuts([QKeySequence("Ctrl+Shift+Z"), QKeySequence.StandardKey.Redo])
+        self.redo_action.triggered.connect(self.redo)
+        for a in (self.undo_action, self.redo_action):
+            a.setShortcutContext(Qt.ShortcutContext.WindowShortcut)
+            edit.addAction(a)
+        self.undo_stack.canUndoChanged.connect(self._update_undo_actions)
+        self.undo_stack.canRedoChanged.connect(self._update_undo_actions)
+        self.undo_stack.undoTextChanged.connect(self._update_undo_actions)
+        self.undo_stack.redoTextChanged.connect(self._update_undo_actions)
+        edit.addSeparator()
+        self.copy_ledger_action = QAction("&Copy ledger as TSV", self)
+        self.copy_ledger_action.triggered.connect(lambda: self._copy_ledger())
+        edit.addAction(self.copy_ledger_action)
+        edit.addSeparator()
+        self.reset_action = QAction("Reset to &defaults", self)
+        self.reset_action.triggered.connect(self.reset_to_defaults)
+        edit.addAction(self.reset_action)
+
+        view = menu.addMenu("&View")
+        for text, key, target in (("Go to &inputs", "Ctrl+1", lambda: self.inputs.first_widget.setFocus()),
+                                  ("Go to the &ledger", "Ctrl+2", self._focus_ledger),
+                                  ("Go to the &suggestions", "Ctrl+3", self._focus_advice)):
+            a = QAction(text, self)
+            a.setShortcut(QKeySequence(key))
+            a.triggered.connect(target)
+            view.addAction(a)
+            self.addAction(a)
+
+        help_menu = menu.addMenu("&Help")
+        self.about_action = QAction("&About memcalc", self)
+        self.about_action.triggered.connect(self.show_about)
+        help_menu.addAction(self.about_action)
+        about_qt = QAction("About &Qt", self)
+        about_qt.triggered.connect(QApplication.aboutQt)
+        help_menu.addAction(about_qt)
+        self._update_undo_actions()
+
+    def _restore_layout(self) -> None:
+        if self.settings is None:
+            return
+        geometry = load_bytes(self.settings, KEY_GEOMETRY)
+        if geometry is not None:
+            self.restoreGeometry(geometry)
+        state = load_bytes(self.settings, KEY_WINDOW_STATE)
+        if state is not None:
+            self.restoreState(state)
+        splits = self.settings.value(KEY_SPLITTERS)
+        if isinstance(splits, list) and len(splits) == 3:
+            for splitter, data in zip((self.main_split, self.right_split, self.bottom_split), splits, strict=True):
+                if isinstance(data, QByteArray):
+                    splitter.restoreState(data)
+
+    def _saved_state(self) -> tuple[FormState | None, str]:
+        assert self.settings is not None
+        saved = load_state(self.settings)
+        if saved is None:
+            return None, ""
+        if saved.model_kind == "config" and not Path(saved.config_path).expanduser().is_file():
+            return None, f"The saved config.json ({saved.config_path}) no longer exists; using the default setup."
+        return saved, ""
+
+    # ---- estimating ---------------------------------------------------------------------------
+    def schedule_refresh(self) -> None:
+        if not self._closed:
+            self.debounce.start()
+            self._update_undo_actions()
+
+    def refresh(self) -> bool:
+        """Estimate the form now; ``False`` (and inline errors, old result kept) when an input is invalid."""
+        self.debounce.stop()
+        if self._closed:
+            return False
+        t0 = time.perf_counter()
+        state = self.inputs.state()
+        try:
+            setup = build_setup(state, self.cache)
+            result = evaluate(setup)
+        except FormErrors as exc:
+            return self._invalid(exc.errors)
+        except InputError as exc:
+            return self._invalid({"general": str(exc)})
+        except Exception as exc:  # never crash on input: report and keep the last result
+            traceback.print_exc()
+            return self._invalid({"general": f"unexpected error: {exc}"})
+        self.inputs.show_errors({})
+        self.banner.set_stale(False)
+        self._show(result)
+        if self._committed is not None and state != self._committed and self._recording:
+            changed = self._committed.changed_fields(state)
+            key = changed[0] if len(changed) == 1 and changed[0] in TEXT_FIELDS else None
+            text = "Change " + ", ".join(FIELD_NAMES.get(c, c) for c in changed)
+            self.undo_stack.push(SetupCommand(self, self._committed, state, text, merge_key=key))
+        self._committed = state
+        self.last_refresh_ms = (time.perf_counter() - t0) * 1000
+        self.timing_label.setText(f"{result.estimate.method} · {self.last_refresh_ms:.1f} ms")
+        self._update_undo_actions()
+        self.result_changed.emit(result)
+        return True
+
+    def _invalid(self, errors: dict[str, str]) -> bool:
+        self.inputs.show_errors(errors)
+        names = ", ".join(FIELD_NAMES.get(k, k) for k in errors)
+        first = next(iter(errors.items()))
+        self.banner.set_stale(True, f"{FIELD_NAMES.get(first[0], first[0])}: {first[1]}")
+        self.statusBar().showMessage(f"Check {names}: the chart shows the last valid setup.", 8000)
+        self._update_undo_actions()
+        return False
+
+    def _show(self, result: Result) -> None:
+        self.result = result
+        setup = result.setup
+        est = result.estimate
+        gpu = gpu_by_id().get(setup.gpu or "")
+        self.chart.set_estimate(est, setup.capacity_bytes, gpu.name if gpu else "")
+        self.table.set_estimate(est)
+        self.banner.set_result(result)
+        self.advice.set_result(result)
+        self.assumptions.setPlainText("\n".join(f"• {a}" for a in est.assumptions))
+        self.method_label.setText(f"Method: {METHOD_NOTES.get(est.method, est.method)}")
+        if setup.model is not None:
+            m = setup.model
+            self.inputs.set_model_info(
+                f"<b>{m.family}</b> · <b>{m.num_params:,}</b> parameters · {m.num_layers} layers × "
+                f"hidden {m.hidden_size}, vocab {m.vocab_size:,}<br>Source: {m.source or 'config.json'}")
+        else:
+            self.inputs.set_model_info(
+                f"<b>{setup.num_params:,}</b> parameters, no architecture.<br>Method <b>quick</b>: a rough "
+                "heuristic (seed 000) that overestimates activations; open a config.json or pick a preset "
+                "for the analytic method.")
+        self.inputs.set_effective(f"{setup.effective_batch:,} sequences per step ({setup.batch} × {setup.grad_accum})"
+                                  f" = {setup.effective_batch * setup.seq:,} tokens")
+
+    # ---- undo / redo --------------------------------------------------------------------------
+    def apply_state(self, state: FormState) -> None:
+        """Show ``state`` and estimate it without recording an undo step (undo/redo use this)."""
+        self.debounce.stop()
+        self.inputs.set_state(state)
+        self._recording = False
+        try:
+            if not self.refresh():
+                self._committed = state
+        finally:
+            self._recording = True
+
+    def _dirty(self) -> bool:
+        return self._committed is not None and self.inputs.state() != self._committed
+
+    def undo(self) -> None:
+        if self._dirty() and not self.refresh():
+            # The pending edit is invalid: the first undo reverts it to the last valid setup.
+            assert self._committed is not None
+            self.apply_state(self._committed)
+            self.statusBar().showMessage("Reverted the invalid entry.", 5000)
+            return
+        if self.undo_stack.canUndo():
+            text = self.undo_stack.undoText()
+            self.undo_stack.undo()
+            self.statusBar().showMessage(f"Undid: {text}", 5000)
+        self._update_undo_actions()
+
+    def redo(self) -> None:
+        if self._dirty():
+            self.refresh()
+        if self.undo_stack.canRedo():
+            text = self.undo_stack.redoText()
+            self.undo_stack.redo()
+            self.statusBar().showMessage(f"Redid: {text}", 5000)
+        self._update_undo_actions()
+
+    def _update_undo_actions(self, *_: Any) -> None:
+        if not hasattr(self, "undo_action"):
+            return
+        dirty = self._dirty() if self._committed is not None else False
+        self.undo_action.setEnabled(self.undo_stack.canUndo() or dirty)
+        self.redo_action.setEnabled(self.undo_stack.canRedo())
+        self.undo_action.setText(f"&Undo {self.undo_stack.undoText()}".rstrip() if self.undo_stack.canUndo()
+                                 else "&Undo")
+        self.redo_action.setText(f"&Redo {self.undo_stack.redoText()}".rstrip() if self.undo_stack.canRedo()
+                                 else "&Redo")
+
+    def push_state(self, new: FormState, text: str) -> bool:
+        """Apply ``new`` as one undoable step (suggestions, reset, opened files)."""
+        if self._dirty():
+            self.refresh()
+        assert self._committed is not None
+        old = self._committed
+        if new == old:
+            return True
+        self.undo_stack.push(SetupCommand(self, old, new, text, already_applied=False))
+        return self.result is not None and self._committed == new
+
+    def apply_changes(self, title: str, changes: dict[str, Any]) -> None:
+        """Apply a core suggestion (``Suggestion.changes``) as one undoable step."""
+        if self._dirty():
+            self.refresh()
+        assert self._committed is not None
+        try:
+            new = state_with_changes(self._committed, changes)
+        except KeyError as exc:
+            self.statusBar().showMessage(f"Cannot apply {title!r}: {exc}", 8000)
+            return
+        self.push_state(new, title)
+        self.statusBar().showMessage(f"Applied: {title} (Ctrl+Z undoes)", 8000)
+
+    def reset_to_defaults(self) -> None:
+        self.push_state(default_state(), "Reset to defaults")
+        self.statusBar().showMessage("Reset to the default setup (Ctrl+Z undoes).", 6000)
+
+    # ---- files --------------------------------------------------------------------------------
+    def choose_config(self) -> None:
+        start = str(Path(self.inputs.config_path.text()).expanduser().parent) if self.inputs.config_path.text() else ""
+        path, _ = QFileDialog.getOpenFileName(self, "Open a model config.json", start,
+                                              "Model configs (*.json);;All files (*)")
+        if path:
+            self.open_config(path)
+
+    def open_config(self, path: str | Path) -> bool:
+        """Use a config.json as the model; a broken one is reported inline and the old result stays."""
+        if self._dirty():
+            self.refresh()
+        base = self._committed or default_state()
+        self.inputs.set_state(base.replace(model_kind="config", config_path=str(path)))
+        ok = self.refresh()
+        if ok:
+            self.statusBar().showMessage(f"Opened {path}", 6000)
+        else:
+            reason = self.inputs.errors().get("config_path", "")
+            self.statusBar().showMessage(f"Could not use {Path(path).name}: {reason}", 10000)
+        return ok
+
+    def dragEnterEvent(self, event: QDragEnterEvent) -> None:
+        if self._dropped_path(event) is not None:
+            event.acceptProposedAction()
+        else:
+            event.ignore()
+
+    def dragMoveEvent(self, event: Any) -> None:
+        if self._dropped_path(event) is not None:
+            event.acceptProposedAction()
+
+    def dropEvent(self, event: QDropEvent) -> None:
+        path = self._dropped_path(event)
+        if path is None:
+            event.ignore()
+            return
+        event.acceptProposedAction()
+        self.open_config(path)
+
+    @staticmethod
+    def _dropped_path(event: Any) -> str | None:
+        mime = event.mimeData()
+        if not mime.hasUrls():
+            return None
+        for url in mime.urls():
+            if url.isLocalFile() and url.toLocalFile().lower().endswith(".json"):
+                return url.toLocalFile()
+        return None
+
+    # ---- misc ---------------------------------------------------------------------------------
+    def _copy_ledger(self) -> str:
+        text = self.table.to_tsv()
+        QApplication.clipboard().setText(text)
+        self.statusBar().showMessage("Copied the ledger as tab-separated values (GiB).", 5000)
+        return text
+
+    def _focus_ledger(self) -> None:
+        self.tabs.setCurrentWidget(self.table)
+        self.table.setFocus()
+
+    def _focus_advice(self) -> None:
+        for b in [self.advice.use_max, *self.advice.buttons]:
+            if b.isVisible():
+                b.setFocus()
+                return
+
+    def show_about(self) -> AboutDialog:
+        dialog = AboutDialog(self)
+        dialog.open()
+        return dialog
+
+    def headline(self) -> str:
+        return self.result.headline() if self.result else ""
+
+    def save_settings(self) -> None:
+        if self.settings is None:
+            return
+        if self._committed is not None:
+            save_state(self.settings, self._committed)
+        save_bytes(self.settings, KEY_GEOMETRY, self.saveGeometry())
+        save_bytes(self.settings, KEY_WINDOW_STATE, self.saveState())
+        self.settings.setValue(KEY_SPLITTERS, [s.saveState() for s in (self.main_split, self.right_split,
+                                                                      self.bottom_split)])
+        self.settings.sync()
+
+    def closeEvent(self, event: QCloseEvent) -> None:
+        # Later issues: stop and wait for worker threads (measurement, trace) here, before saving.
+        self.debounce.stop()
+        if self._dirty():
+            self.refresh()
+        self.save_settings()
+        self._closed = True
+        super().closeEvent(event)

@@ -1,0 +1,283 @@
+"""The verdict banner and the "what to change" panel (largest micro-batch and the core's suggestions)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtGui import QKeyEvent, QMouseEvent
+from PySide6.QtWidgets import (
+    QFrame,
+    QHBoxLayout,
+    QLabel,
+    QPushButton,
+    QScrollArea,
+    QSizePolicy,
+    QVBoxLayout,
+    QWidget,
+)
+
+from ..core.result import Result
+from ..core.solver import Suggestion
+from ..core.units import format_bytes
+from ..core.vocab import OBJECT_LABELS
+from .theme import FIT_COLOR, NEUTRAL_COLOR, OVER_COLOR, tinted
+
+MAX_SUGGESTIONS = 8
+
+METHOD_NOTES = {
+    "analytic": "analytic: the model's blocks counted tensor by tensor",
+    "quick": "quick: a rough heuristic from the parameter count (seed 000); activations are overestimated",
+    "trace": "trace: measured by tracing one step on fake tensors",
+}
+
+
+class VerdictBanner(QFrame):
+    """One sentence from ``Result.headline()`` on a green (fits), red (over) or neutral background."""
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setObjectName("verdictBanner")
+        self.setFrameShape(QFrame.Shape.StyledPanel)
+        lay = QHBoxLayout(self)
+        lay.setContentsMargins(12, 8, 12, 8)
+        lay.setSpacing(10)
+        self.mark = QLabel("")
+        self.mark.setObjectName("verdictMark")
+        f = self.mark.font()
+        f.setPointSizeF(max(f.pointSizeF(), 9.0) * 1.8)
+        f.setBold(True)
+        self.mark.setFont(f)
+        self.mark.setAlignment(Qt.AlignmentFlag.AlignCenter)
+        self.mark.setMinimumWidth(self.mark.fontMetrics().horizontalAdvance("✗") + 8)
+        lay.addWidget(self.mark, 0, Qt.AlignmentFlag.AlignTop)
+        col = QVBoxLayout()
+        col.setSpacing(2)
+        self.text = QLabel("")
+        self.text.setObjectName("verdictText")
+        self.text.setWordWrap(True)
+        self.text.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        tf = self.text.font()
+        tf.setPointSizeF(max(tf.pointSizeF(), 9.0) * 1.15)
+        tf.setBold(True)
+        self.text.setFont(tf)
+        self.detail = QLabel("")
+        self.detail.setObjectName("verdictDetail")
+        self.detail.setWordWrap(True)
+        self.detail.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.stale_note = QLabel("")
+        self.stale_note.setObjectName("verdictStale")
+        self.stale_note.setWordWrap(True)
+        sf = self.stale_note.font()
+        sf.setItalic(True)
+        self.stale_note.setFont(sf)
+        self.stale_note.setVisible(False)
+        col.addWidget(self.text)
+        col.addWidget(self.detail)
+        col.addWidget(self.stale_note)
+        lay.addLayout(col, 1)
+        self.setAccessibleName("Verdict")
+        self._state = "neutral"
+        self._stale = False
+        self._restyle()
+
+    def set_result(self, result: Result) -> None:
+        v = result.verdict
+        self._state = "neutral" if v.fits is None else ("fits" if v.fits else "over")
+        self.mark.setText({"fits": "✓", "over": "✗", "neutral": "?"}[self._state])
+        self.text.setText(result.headline())
+        est = result.estimate
+        self.detail.setText(f"Largest object at the peak: {OBJECT_LABELS[est.dominant_object].lower()} "
+                            f"({format_bytes(est.peak.objects[est.dominant_object])}). Tensor peak, what "
+                            f"max_memory_allocated would show: {format_bytes(est.peak_tensor_bytes)}.")
+        self._restyle()
+
+    def set_stale(self, stale: bool, reason: str = "") -> None:
+        """Mark the drawn result as belonging to the last valid inputs (an input is invalid now)."""
+        if stale == self._stale and (not stale or reason == self.toolTip()):
+            return
+        self._stale = stale
+        self.setToolTip(reason if stale else "")
+        self.stale_note.setText(f"Showing the last valid setup — {reason}" if stale else "")
+        self.stale_note.setVisible(stale)
+        self._restyle()
+
+    def state(self) -> str:
+        return self._state
+
+    def _restyle(self) -> None:
+        color = {"fits": FIT_COLOR, "over": OVER_COLOR, "neutral": NEUTRAL_COLOR}[self._state]
+        border = "dashed" if self._stale else "solid"
+        css = (f"#verdictBanner {{ background: {tinted(color, 46)}; border: 2px {border} {color}; "
+               f"border-radius: 6px; }} #verdictMark {{ color: {color}; }}")
+        if css != self.styleSheet():
+            self.setStyleSheet(css)
+
+
+class SuggestionCard(QFrame):
+    """A clickable, focusable card: a word-wrapped title and description. Enter/Space/click emit ``clicked``."""
+
+    clicked = Signal()
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setObjectName("suggestionCard")
+        self.setFocusPolicy(Qt.FocusPolicy.StrongFocus)
+        self.setCursor(Qt.CursorShape.PointingHandCursor)
+        self.setAttribute(Qt.WidgetAttribute.WA_Hover, True)
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(8, 5, 8, 6)
+        lay.setSpacing(1)
+        self.title = QLabel("")
+        self.title.setWordWrap(True)
+        f = self.title.font()
+        f.setBold(True)
+        self.title.setFont(f)
+        self.description = QLabel("")
+        self.description.setWordWrap(True)
+        lay.addWidget(self.title)
+        lay.addWidget(self.description)
+        self.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Minimum)
+        self.setStyleSheet(
+            "#suggestionCard { border: 1px solid palette(mid); border-radius: 5px; }"
+            "#suggestionCard:hover { border: 1px solid palette(highlight); background: palette(alternate-base); }"
+            "#suggestionCard:focus { border: 2px solid palette(highlight); }"
+        )
+
+    def set_content(self, title: str, description: str, fits: bool | None) -> None:
+        mark = "" if fits is None else ("✓ " if fits else "")
+        self.title.setText(mark + title)
+        self.description.setText(description)
+        self.setAccessibleName(title)
+        self.setAccessibleDescription(description)
+
+    def text(self) -> str:
+        return self.title.text()
+
+    def click(self) -> None:
+        self.clicked.emit()
+
+    def mouseReleaseEvent(self, event: QMouseEvent) -> None:
+        if event.button() == Qt.MouseButton.LeftButton and self.rect().contains(event.position().toPoint()):
+            self.clicked.emit()
+            event.accept()
+            return
+        super().mouseReleaseEvent(event)
+
+    def keyPressEvent(self, event: QKeyEvent) -> None:
+        if event.key() in (Qt.Key.Key_Space, Qt.Key.Key_Return, Qt.Key.Key_Enter):
+            self.clicked.emit()
+            event.accept()
+            return
+        super().keyPressEvent(event)
+
+
+class AdvicePanel(QWidget):
+    """The largest micro-batch that fits and the ranked suggestions; clicking one applies it."""
+
+    apply_changes = Signal(str, dict)  # title, setup changes
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setObjectName("advicePanel")
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(6, 6, 6, 6)
+        lay.setSpacing(6)
+        row = QHBoxLayout()
+        self.max_batch = QLabel("")
+        self.max_batch.setObjectName("maxMicroBatch")
+        self.max_batch.setWordWrap(True)
+        row.addWidget(self.max_batch, 1)
+        self.use_max = QPushButton("Use it")
+        self.use_max.setObjectName("useMaxBatch")
+        self.use_max.setToolTip("Set the micro-batch to the largest that fits (Ctrl+Z undoes)")
+        self.use_max.clicked.connect(self._use_max)
+        row.addWidget(self.use_max)
+        lay.addLayout(row)
+        self.heading = QLabel("<b>Suggestions</b> (click to apply; Ctrl+Z undoes)")
+        lay.addWidget(self.heading)
+        area = QScrollArea()
+        area.setWidgetResizable(True)
+        area.setFrameShape(QFrame.Shape.NoFrame)
+        area.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        inner = QWidget()
+        self._list = QVBoxLayout(inner)
+        self._list.setContentsMargins(0, 0, 0, 0)
+        self._list.setSpacing(4)
+        self.buttons: list[SuggestionCard] = []
+        for _ in range(MAX_SUGGESTIONS):
+            b = SuggestionCard()
+            b.setVisible(False)
+            b.clicked.connect(self._clicked)
+            self._list.addWidget(b)
+            self.buttons.append(b)
+        self.empty = QLabel("")
+        self.empty.setWordWrap(True)
+        self._list.addWidget(self.empty)
+        self._list.addStretch(1)
+        area.setWidget(inner)
+        lay.addWidget(area, 1)
+        self._suggestions: tuple[Suggestion, ...] = ()
+        self._max: int | None = None
+        self._batch = 0
+
+    def set_result(self, result: Result) -> None:
+        v = result.verdict
+        setup = result.setup
+        self._batch = setup.batch
+        self._max = v.max_micro_batch
+        if v.capacity_bytes is None or v.max_micro_batch is None:
+            self.max_batch.setText("Largest micro-batch that fits: choose a GPU or a capacity.")
+            self.use_max.setVisible(False)
+        elif v.max_micro_batch == 0:
+            self.max_batch.setText(f"Largest micro-batch that fits: none — even micro-batch 1 at sequence length "
+                                   f"{setup.seq} is over {format_bytes(v.capacity_bytes)}.")
+            self.use_max.setVisible(False)
+        else:
+            note = " (the current one)" if v.max_micro_batch == setup.batch else ""
+            self.max_batch.setText(f"Largest micro-batch that fits: <b>{v.max_micro_batch}</b>{note} "
+                                   f"at sequence length {setup.seq}.")
+            self.use_max.setText(f"Use micro-batch {v.max_micro_batch}")
+            self.use_max.setVisible(v.max_micro_batch != setup.batch)
+        self._suggestions = v.suggestions[:MAX_SUGGESTIONS]
+        for i, b in enumerate(self.buttons):
+            if i < len(self._suggestions):
+                s = self._suggestions[i]
+                b.set_content(s.title, describe(s), s.fits)
+                b.setToolTip(f"Applies: {format_changes(s.changes)}")
+                b.setVisible(True)
+            else:
+                b.setVisible(False)
+        if not self._suggestions:
+            self.empty.setText("No single change lowers the peak." if v.fits is not False
+                               else "No single change the core knows lowers the peak; try a smaller model, "
+                                    "a shorter sequence or a larger GPU.")
+            self.empty.setVisible(True)
+        else:
+            self.empty.setVisible(False)
+
+    def suggestions(self) -> tuple[Suggestion, ...]:
+        return self._suggestions
+
+    def apply(self, index: int) -> None:
+        s = self._suggestions[index]
+        self.apply_changes.emit(s.title, dict(s.changes))
+
+    def _clicked(self) -> None:
+        sender = self.sender()
+        if sender in self.buttons:
+            self.apply(self.buttons.index(sender))
+
+    def _use_max(self) -> None:
+        if self._max:
+            self.apply_changes.emit(f"Use micro-batch {self._max}", {"batch": self._max})
+
+
+def describe(s: Suggestion) -> str:
+    fits = "" if s.fits is None else (", fits" if s.fits else ", still over")
+    trade = f" Trade-off: {s.tradeoff}." if s.tradeoff else ""
+    return f"Saves {format_bytes(s.saves_bytes)} → peak {format_bytes(s.peak_bytes)}{fits}.{trade}"
+
+
+def format_changes(changes: dict[str, Any]) -> str:
+    return ", ".join(f"{k} = {v}" for k, v in changes.items())

@@ -1,0 +1,85 @@
+"""What each input changes in the ledger, and the seed formula behind it (shown as tooltips)."""
+
+from __future__ import annotations
+
+from typing import Final
+
+TOOLTIPS: Final[dict[str, str]] = {
+    "model_kind": (
+        "Where the architecture comes from. A preset or a config.json gives the analytic method "
+        "(the block counted tensor by tensor); a bare parameter count gives the quick method, "
+        "a rough heuristic from seed 000."
+    ),
+    "preset": (
+        "A built-in Hugging Face config. Decides N (parameters = N × P bytes, seed 000: Model Memory = N·P), "
+        "the activations each layer keeps and the logits. Type to filter the list."
+    ),
+    "config_path": (
+        "A Hugging Face config.json (open it, paste its path, or drop it on the window). The exact parameter "
+        "count and per-layer activations come from its sizes; supported families are listed in the error "
+        "if it is not one of them."
+    ),
+    "params": (
+        "Only a parameter count N (1.5B, 350M or 1.5e9): method quick, seed 000's rough heuristic\n"
+        "Total = N·P + 2·N·P + max(2·N·P, A·B·L·P), A = 4.6894e-4·N + 1.8494e6 activations per token.\n"
+        "It overestimates activations (≈ +70 % at 1.5B, several × on small models)."
+    ),
+    "batch": (
+        "Micro-batch B: sequences per forward/backward pass. Scales activations, temporaries and inputs "
+        "(seed 000: Activations = A·B·L·P); parameters, gradients and optimizer state do not change. "
+        "Up/Down change it by 1, PgUp/PgDn double or halve it."
+    ),
+    "seq": (
+        "Sequence length L in tokens. Activations and inputs grow with B·L (seed 000: A·B·L·P); eager "
+        "attention adds B·heads·L² score matrices per layer (Korthikanti et al. 2022, the 5as/h term)."
+    ),
+    "grad_accum": (
+        "Micro-batches per optimizer step. Gradients accumulate in place, so memory does not change; "
+        "only the effective batch = micro-batch × accumulation does (seed 004: micro-batch vs accumulation)."
+    ),
+    "checkpointing": (
+        "Gradient checkpointing keeps only each layer's input and recomputes the rest during backward: "
+        "activations shrink to one saved input per layer (seed 003: checkpointing saves 40–60 % of "
+        "activations), and backward runs one extra forward."
+    ),
+    "attention": (
+        "sdpa (flash / memory-efficient kernels) keeps no L×L score matrix; eager stores the softmax "
+        "scores and dropout mask, B·heads·L² per layer (Korthikanti et al. 2022: sbh(34 + 5as/h))."
+    ),
+    "recipe": (
+        "Precision presets of the design. Choosing one fills precision and optimizer; both stay editable.\n"
+        "fp32: 4 B/param weights + 4 B grads + 8 B Adam state.\n"
+        "Mixed precision: 6 B/param weights (fp32 master + 16-bit copy, seed 002), fp32 grads, Adam 8 B/param.\n"
+        "8-bit Adam: mixed precision with quantised optimizer state, 2 B/param (seed 002)."
+    ),
+    "precision": (
+        "fp32: weights, gradients and activations in 4 bytes (seed 000: P = 4).\n"
+        "Mixed: fp32 master weights + 16-bit copies of matmul weights (6 B/param, seed 002), fp32 gradients, "
+        "16-bit activations.\nbf16: pure 16-bit weights, gradients and optimizer state (2 B/param each)."
+    ),
+    "optimizer": (
+        "Optimizer state per parameter (green in the chart): AdamW/Adam keep two moments, 2·N·P "
+        "(seed 000; 8 B/param in fp32, seed 002); 8-bit AdamW ≈ 2 B/param (seed 002); SGD none; "
+        "SGD-momentum and Lion one buffer; Adafactor factored second moments (rows + columns)."
+    ),
+    "optimizer_impl": (
+        "Optimizer temporaries during the step (red in the chart): foreach ≈ one more copy of all "
+        "parameters (seed 000: intermediates = N·P); single-tensor ≈ the largest tensor or two; fused ≈ 0."
+    ),
+    "gpu": (
+        "GPU preset: fills the capacity with what the device reports to PyTorch (total_memory), "
+        "a little below the marketing size (a \"24 GB\" card reports ~23.6–23.99 GiB)."
+    ),
+    "capacity": (
+        "Device memory the verdict compares the peak phase with. Units: GiB, GB, MiB, MB or bytes "
+        "(80GiB, 80GB, 24e9). Empty: no verdict."
+    ),
+    "cuda_context": (
+        "Memory the CUDA context holds outside PyTorch's tensors, added to every phase (grey). "
+        "Seed 001 measured 1.35–1.64 GB with older CUDA; lazy loading on CUDA 12 is ~0.5 GiB."
+    ),
+    "allocator_reserve": (
+        "Memory the caching allocator reserves but cannot use (fragmentation), as a percentage of each "
+        "phase's tensor bytes (light grey). Seed 003: 5–20 %."
+    ),
+}

@@ -1,0 +1,577 @@
+"""The main window (pytest-qt, offscreen): live estimates, inline errors, undo, files, settings."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+from PySide6.QtCore import QMimeData, QPointF, QSettings, Qt, QThreadPool, QTimer, QUrl
+from PySide6.QtGui import QColor, QDropEvent, QGuiApplication, QPalette
+from PySide6.QtWidgets import QApplication
+
+from memcalc_gui import __version__
+from memcalc_gui.core.resources import load_json
+from memcalc_gui.core.result import evaluate
+from memcalc_gui.core.units import gib
+from memcalc_gui.core.vocab import OBJECTS, PHASES
+from memcalc_gui.ui.form import FormState, ModelCache, build_setup, default_state
+from memcalc_gui.ui.main_window import DEBOUNCE_MS, MainWindow
+from memcalc_gui.ui.settings import KEY_SETUP, SETTINGS_ENV, make_settings
+
+OVER = dict(preset="qwen2.5-7b", batch="4", seq="2048", precision="mixed", gpu="a100-80gb")
+
+
+@pytest.fixture(autouse=True)
+def private_settings(tmp_path, monkeypatch):
+    """Never the user's settings: an env var for the window, QSettings paths for anything else."""
+    folder = tmp_path / "settings"
+    monkeypatch.setenv(SETTINGS_ENV, str(folder))
+    QSettings.setDefaultFormat(QSettings.Format.IniFormat)
+    QSettings.setPath(QSettings.Format.IniFormat, QSettings.Scope.UserScope, str(tmp_path / "qsettings"))
+    QSettings.setPath(QSettings.Format.NativeFormat, QSettings.Scope.UserScope, str(tmp_path / "qsettings"))
+    return folder
+
+
+@pytest.fixture
+def window(qtbot):
+    w = MainWindow()
+    qtbot.addWidget(w)
+    w.resize(1200, 800)
+    w.show()
+    return w
+
+
+def set_fields(w: MainWindow, **fields: str) -> bool:
+    """Apply form fields as a user would (through the widgets) and estimate now."""
+    state = w.inputs.state().replace(**fields)
+    if "gpu" in fields and "capacity" not in fields:
+        from memcalc_gui.ui.form import capacity_text, gpu_by_id
+
+        state = state.replace(capacity=capacity_text(gpu_by_id()[fields["gpu"]]))
+    w.inputs.set_state(state)
+    return w.refresh()
+
+
+def assert_chart_matches_result(w: MainWindow) -> None:
+    est = w.result.estimate
+    drawn = w.chart.heights()
+    for o in OBJECTS:
+        assert drawn[o] == pytest.approx([gib(est.phases[p].objects[o]) for p in PHASES]), o
+
+
+# ---- drawing ---------------------------------------------------------------------------------
+def test_default_window_draws_the_core_estimate(window):
+    w = window
+    assert w.result is not None
+    assert w.inputs.state() == default_state()
+    expected = evaluate(build_setup(default_state(), ModelCache()))
+    assert w.result.estimate.phases == expected.estimate.phases
+    assert_chart_matches_result(w)
+    assert w.banner.text.text() == expected.headline()
+    assert w.banner.state() == "fits"
+    total = w.table.item(len(OBJECTS), PHASES.index(expected.estimate.peak_phase))
+    assert total.data(Qt.ItemDataRole.UserRole + 1) == expected.estimate.peak_bytes
+    assert "(peak)" in dict(w.chart.plot.getAxis("bottom")._tickLevels[0][0:4])[
+        float(PHASES.index(expected.estimate.peak_phase))]
+    assert w.chart.capacity_line.isVisible()
+    assert not w.chart.plot.getAxis("left").autoSIPrefix
+
+
+def test_typing_changes_chart_and_verdict_in_place(window, qtbot):
+    w = window
+    bars_before = dict(w.chart.bars)
+    acts_before = w.chart.heights()["activations"]
+    headline_before = w.headline()
+    w.inputs.batch.selectAll()
+    with qtbot.waitSignal(w.result_changed, timeout=2000):
+        qtbot.keyClicks(w.inputs.batch, "32")
+    assert w.inputs.state().batch == "32"
+    assert w.chart.heights()["activations"][1] > acts_before[1] * 4
+    assert w.headline() != headline_before
+    assert w.banner.state() == "over"
+    assert w.headline().startswith("Does not fit")
+    assert w.chart.bars == bars_before  # the same plot items, updated in place
+    assert all(w.chart.bars[o] is bars_before[o] for o in OBJECTS)
+    assert_chart_matches_result(w)
+
+
+def test_edit_to_redraw_is_fast(window, qtbot):
+    """Keystroke → debounce → estimate → items updated → window painted, for analytic estimates."""
+    w = window
+    w.inputs.seq.setFocus()
+    work, total = [], []
+    for i in range(10):
+        w.inputs.seq.selectAll()
+        t0 = time.perf_counter()
+        with qtbot.waitSignal(w.result_changed, timeout=2000):
+            qtbot.keyClicks(w.inputs.seq, str(512 * (1 + i % 4)))
+        w.repaint()  # paint synchronously, like the next frame would
+        total.append((time.perf_counter() - t0) * 1000)
+        work.append(w.last_refresh_ms)
+    assert w.result.estimate.method == "analytic"
+    print(f"edit-to-redraw median {statistics.median(total):.1f} ms (max {max(total):.1f}); "
+          f"estimate + item updates median {statistics.median(work):.1f} ms; debounce {DEBOUNCE_MS} ms")
+    assert statistics.median(total) < 50
+    assert statistics.median(work) < 20
+
+
+def test_capacity_and_gpu(window):
+    w = window
+    assert set_fields(w, gpu="h100-80gb")
+    assert w.result.verdict.capacity_bytes == w.result.setup.capacity_bytes
+    assert "H100" in w.chart.capacity_label.format
+    assert set_fields(w, gpu="", capacity="24GB")
+    assert w.result.verdict.capacity_bytes == 24 * 10**9
+    assert set_fields(w, capacity="")
+    assert w.result.verdict.fits is None
+    assert w.banner.state() == "neutral"
+    assert not w.chart.capacity_line.isVisible()
+
+
+def test_editing_capacity_switches_gpu_to_custom(window, qtbot):
+    w = window
+    w.inputs.capacity.setText("40 GiB")
+    assert w.inputs.state().gpu == ""
+    w.inputs.gpu.setCurrentIndex(w.inputs.gpu.findData("rtx-4090"))
+    assert w.inputs.state().capacity.endswith("GiB") and w.inputs.state().gpu == "rtx-4090"
+
+
+# ---- invalid input ---------------------------------------------------------------------------
+@pytest.mark.parametrize(("field", "text", "words"), [
+    ("batch", "abc", "positive integer"),
+    ("seq", "0", "positive integer"),
+    ("grad_accum", "1.5", "positive integer"),
+    ("capacity", "80 parsecs", "unit"),
+    ("cuda_context", "lots", "size"),
+    ("allocator_reserve", "150 %", "percentage"),
+])
+def test_invalid_entry_is_marked_inline_and_keeps_the_result(window, field, text, words):
+    w = window
+    result = w.result
+    heights = w.chart.heights()
+    getattr(w.inputs, field).setText(text)
+    assert w.refresh() is False
+    errors = w.inputs.errors()
+    assert set(errors) == {field}
+    assert words in errors[field]
+    box = w.inputs.boxes[field]
+    assert box.error.isVisible() and box.field.property("invalid") is True
+    assert w.result is result
+    assert w.chart.heights() == heights
+    assert "last valid" in w.statusBar().currentMessage()
+    getattr(w.inputs, field).setText(getattr(default_state(), field))
+    assert w.refresh() is True
+    assert w.inputs.errors() == {}
+    assert not box.error.isVisible()
+
+
+def test_cross_field_error_from_the_core_names_its_field(window):
+    w = window
+    assert set_fields(w, optimizer="adamw-8bit", optimizer_impl="foreach")
+    w.inputs.optimizer_impl.setCurrentIndex(w.inputs.optimizer_impl.findData("fused"))
+    assert w.refresh() is False
+    assert "8-bit" in w.inputs.errors()["optimizer_impl"]
+
+
+def test_preset_filter_text_is_not_a_crash(window):
+    w = window
+    w.inputs.preset.setEditText("qwen")
+    assert w.refresh() is False
+    assert "presets match" in w.inputs.errors()["preset"]
+    w.inputs.preset.setEditText("no-such-model")
+    assert w.refresh() is False
+    w.inputs.preset.setEditText("gpt2")
+    assert w.refresh() is True
+    assert w.result.setup.model.family == "gpt2"
+
+
+def test_params_only_uses_quick_method(window):
+    w = window
+    assert set_fields(w, model_kind="params", params="350M")
+    assert w.result.estimate.method == "quick"
+    assert w.result.setup.num_params == 350_000_000
+    assert "quick" in w.inputs.model_info.text() and "rough" in w.inputs.model_info.text()
+    assert "quick" in w.method_label.text()
+    for text in ("1.5B", "1.5e9"):
+        assert set_fields(w, params=text)
+        assert w.result.setup.num_params == 1_500_000_000
+    w.inputs.params.setText("lots")
+    assert w.refresh() is False and "params" in w.inputs.errors()
+
+
+# ---- precision presets -----------------------------------------------------------------------
+def test_precision_recipe_fills_fields_that_stay_editable(window):
+    w = window
+    inputs = w.inputs
+    inputs.recipe.setCurrentIndex(inputs.recipe.findData("adam8bit"))
+    s = inputs.state()
+    assert (s.precision, s.optimizer) == ("mixed", "adamw-8bit")
+    inputs.recipe.setCurrentIndex(inputs.recipe.findData("fp32"))
+    assert (inputs.state().precision, inputs.state().optimizer) == ("fp32", "adamw")
+    inputs.optimizer.setCurrentIndex(inputs.optimizer.findData("sgd"))
+    assert inputs.recipe.currentData() == "custom"
+    assert w.refresh()
+    assert w.result.setup.optimizer == "sgd"
+    inputs.precision.setCurrentIndex(inputs.precision.findData("bf16"))
+    assert w.refresh() and w.result.setup.precision == "bf16"
+
+
+def test_every_field_has_a_tooltip_and_is_keyboard_reachable(window):
+    w = window
+    for name, box in w.inputs.boxes.items():
+        if name == "general":
+            continue
+        assert box.field.toolTip(), name
+        assert box.field.focusPolicy() & Qt.FocusPolicy.TabFocus, name
+    # Tab order runs through the inputs top to bottom.
+    widget = w.inputs.model_kind
+    seen = []
+    for _ in range(60):
+        widget = widget.nextInFocusChain()
+        if widget in (w.inputs.batch, w.inputs.seq, w.inputs.grad_accum, w.inputs.capacity):
+            seen.append(widget)
+    assert seen[:4] == [w.inputs.batch, w.inputs.seq, w.inputs.grad_accum, w.inputs.capacity]
+
+
+# ---- suggestions and undo ----------------------------------------------------------------------
+def test_suggestion_applies_and_undoes(window, qtbot):
+    w = window
+    assert set_fields(w, **OVER)
+    before = w.inputs.state()
+    assert w.banner.state() == "over"
+    suggestions = w.advice.suggestions()
+    assert suggestions
+    first = suggestions[0]
+    card = w.advice.buttons[0]
+    assert card.isVisible() and first.title in card.text()
+    with qtbot.waitSignal(w.result_changed, timeout=2000):
+        qtbot.mouseClick(card, Qt.MouseButton.LeftButton)
+    after = w.inputs.state()
+    for key, value in first.changes.items():
+        assert getattr(after, key) == str(value)
+    assert w.result.estimate.peak_bytes == first.peak_bytes
+    assert w.undo_stack.undoText() == first.title
+    w.undo()
+    assert w.inputs.state() == before
+    assert w.result.setup == build_setup(before, ModelCache())
+    w.redo()
+    assert w.inputs.state() == after
+
+
+def test_use_largest_micro_batch(window, qtbot):
+    w = window
+    assert set_fields(w, batch="1")
+    best = w.result.verdict.max_micro_batch
+    assert best and best > 1
+    assert w.advice.use_max.isVisible()
+    qtbot.mouseClick(w.advice.use_max, Qt.MouseButton.LeftButton)
+    assert w.result.setup.batch == best
+    assert w.result.verdict.fits
+    w.undo()
+    assert w.result.setup.batch == 1
+
+
+def test_typing_in_one_field_is_one_undo_step(window, qtbot):
+    w = window
+    w.inputs.batch.selectAll()
+    for ch in "16":
+        with qtbot.waitSignal(w.result_changed, timeout=2000):
+            qtbot.keyClicks(w.inputs.batch, ch)
+    assert w.inputs.state().batch == "16"
+    assert w.undo_stack.count() == 1
+    w.inputs.checkpointing.setChecked(True)
+    w.refresh()
+    assert w.undo_stack.count() == 2
+    w.undo()
+    assert w.inputs.state().checkpointing == "none"
+    w.undo()
+    assert w.inputs.state().batch == "4"
+    assert not w.undo_stack.canUndo()
+
+
+def test_ctrl_z_reaches_the_window_from_a_line_edit(window, qtbot):
+    w = window
+    w.activateWindow()
+    w.inputs.seq.setFocus()
+    w.inputs.seq.setText("4096")
+    w.refresh()
+    assert w.result.setup.seq == 4096
+    qtbot.keyClick(w.inputs.seq, Qt.Key.Key_Z, Qt.KeyboardModifier.ControlModifier)
+    assert w.inputs.state().seq == "2048"
+    assert w.result.setup.seq == 2048
+    qtbot.keyClick(w.inputs.seq, Qt.Key.Key_Z, Qt.KeyboardModifier.ControlModifier | Qt.KeyboardModifier.ShiftModifier)
+    assert w.result.setup.seq == 4096
+
+
+def test_undo_first_reverts_an_invalid_entry(window):
+    w = window
+    w.inputs.batch.setText("x")
+    w.undo()
+    assert w.inputs.state().batch == "4"
+    assert w.inputs.errors() == {}
+
+
+def test_reset_to_defaults_is_undoable(window):
+    w = window
+    assert set_fields(w, batch="2", seq="512", attention="eager")
+    changed = w.inputs.state()
+    w.reset_action.trigger()
+    assert w.inputs.state() == default_state()
+    w.undo()
+    assert w.inputs.state() == changed
+
+
+def test_up_down_keys_step_the_micro_batch(window, qtbot):
+    w = window
+    qtbot.keyClick(w.inputs.batch, Qt.Key.Key_Up)
+    assert w.inputs.batch.text() == "5"
+    qtbot.keyClick(w.inputs.batch, Qt.Key.Key_PageUp)
+    assert w.inputs.batch.text() == "10"
+    qtbot.keyClick(w.inputs.batch, Qt.Key.Key_PageDown)
+    qtbot.keyClick(w.inputs.batch, Qt.Key.Key_Down)
+    assert w.inputs.batch.text() == "4"
+
+
+# ---- config.json -----------------------------------------------------------------------------
+def write_config(folder: Path, name: str, cfg: object) -> Path:
+    path = folder / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(cfg if isinstance(cfg, str) else json.dumps(cfg), encoding="utf-8")
+    return path
+
+
+def test_open_config_and_a_broken_one(window, tmp_path):
+    w = window
+    good = write_config(tmp_path / "good", "config.json", load_json("models/qwen2.5-0.5b.json"))
+    assert w.open_config(good)
+    assert w.result.setup.model.source == str(good)
+    assert w.result.estimate.method == "analytic"
+    assert str(good) in w.inputs.model_info.text()
+    assert w.inputs.state().model_kind == "config"
+    result = w.result
+
+    broken = write_config(tmp_path / "broken", "config.json", "{ not json")
+    assert not w.open_config(broken)
+    assert "not valid JSON" in w.inputs.errors()["config_path"]
+    assert w.result is result
+    assert "Could not use" in w.statusBar().currentMessage()
+
+    cfg = dict(load_json("models/qwen2.5-0.5b.json"), model_type="t5")
+    unsupported = write_config(tmp_path / "t5", "config.json", cfg)
+    assert not w.open_config(unsupported)
+    assert "unsupported" in w.inputs.errors()["config_path"]
+
+    cfg = dict(load_json("models/qwen2.5-0.5b.json"), hidden_size=-3)
+    bad_key = write_config(tmp_path / "bad", "config.json", cfg)
+    assert not w.open_config(bad_key)
+    assert "positive integer" in w.inputs.errors()["config_path"]
+    assert w.result is result
+    w.undo()  # reverts the invalid entry to the last valid (the good config)
+    assert w.inputs.state().config_path == str(good)
+
+
+def test_drop_a_config_json(window, tmp_path):
+    w = window
+    good = write_config(tmp_path, "config.json", load_json("models/gpt2.json"))
+    mime = QMimeData()
+    mime.setUrls([QUrl.fromLocalFile(str(good))])
+    event = QDropEvent(QPointF(10, 10), Qt.DropAction.CopyAction, mime, Qt.MouseButton.LeftButton,
+                       Qt.KeyboardModifier.NoModifier)
+    w.dropEvent(event)
+    assert w.result.setup.model.family == "gpt2"
+    assert w.inputs.state().config_path == str(good)
+
+
+# ---- ledger, chart details, about --------------------------------------------------------------
+def test_ledger_copies_tsv(window, qtbot):
+    w = window
+    w.table.clearSelection()
+    text = w.table.copy_selection()
+    lines = text.strip().split("\n")
+    assert lines[0].split("\t") == ["Object (GiB)", "Load", "Forward", "Backward", "Optimizer step"]
+    assert len(lines) == 1 + len(OBJECTS) + 1
+    assert lines[-1].startswith("Total\t")
+    peak = w.result.estimate
+    assert float(lines[-1].split("\t")[1 + PHASES.index(peak.peak_phase)]) == pytest.approx(gib(peak.peak_bytes),
+                                                                                          abs=1e-4)
+    assert QGuiApplication.clipboard().text() == text
+    w.activateWindow()
+    w.tabs.setCurrentWidget(w.table)
+    w.table.setFocus()
+    w.table.setCurrentCell(0, 0)
+    w.table.selectRow(0)
+    QGuiApplication.clipboard().clear()
+    qtbot.keyClick(w.table, Qt.Key.Key_C, Qt.KeyboardModifier.ControlModifier)  # Ctrl+C: TSV of the selection
+    copied = QGuiApplication.clipboard().text().strip().split("\n")
+    assert len(copied) == 2 and copied[1].startswith("Parameters\t") and copied[1].count("\t") == 4
+    exact = w.table.copy_selection(exact_bytes=True)
+    assert exact.split("\n")[1].split("\t")[1] == str(peak.phases["load"].objects["parameters"])
+
+
+def test_chart_hover_tooltip_names_object_phase_and_bytes(window):
+    w = window
+    est = w.result.estimate
+    params = gib(est.phases["load"].objects["parameters"])
+    ctx = gib(est.phases["load"].objects["cuda_context"])
+    hit = w.chart.segment_at(0.05, ctx + params / 2)
+    assert hit == ("parameters", "load")
+    text = w.chart.tooltip_text(*hit)
+    assert "Parameters" in text and "Load" in text
+    assert f"{est.phases['load'].objects['parameters']:,} bytes" in text
+    assert w.chart.segment_at(0.5, 1.0) is None  # between bars
+    # A mouse move over the segment shows the tooltip without errors.
+    vb = w.chart.plot.getViewBox()
+    scene_pos = vb.mapViewToScene(QPointF(0.0, ctx + params / 2))
+    w.chart._on_mouse_moved(scene_pos)
+    assert "Parameters" in w.chart._tooltip
+
+
+def test_measured_markers_stub(window):
+    w = window
+    w.chart.set_measured({"backward": 10 * 2**30})
+    assert w.chart.measured.isVisible()
+    w.chart.set_measured(None)
+    assert not w.chart.measured.isVisible()
+
+
+def test_about_dialog_lists_version_licences_and_sources(window):
+    dialog = window.show_about()
+    html = dialog.browser.toPlainText()
+    for words in (__version__, "LGPL", "pyqtgraph", "MIT", "DejaVu", "Korthikanti", "ZeRO",
+                  "Visualize and understand GPU memory in PyTorch", "GPU memory", "Zhihu", "DeepHub", "ledger"):
+        assert words in html, words
+    dialog.close()
+
+
+def test_dark_palette_is_applied_to_the_chart(window):
+    w = window
+    pal = QPalette()
+    pal.setColor(QPalette.ColorRole.Window, QColor("#202124"))
+    pal.setColor(QPalette.ColorRole.Base, QColor("#17181a"))
+    pal.setColor(QPalette.ColorRole.WindowText, QColor("#e8eaed"))
+    pal.setColor(QPalette.ColorRole.Text, QColor("#e8eaed"))
+    w.setPalette(pal)
+    QApplication.processEvents()
+    assert w.chart.backgroundBrush().color().name() == "#17181a"
+    assert w.refresh()
+
+
+# ---- settings ----------------------------------------------------------------------------------
+def test_settings_round_trip_in_a_temporary_location(qtbot, private_settings):
+    w1 = MainWindow()
+    qtbot.addWidget(w1)
+    w1.show()
+    w1.resize(790, 590)
+    size = (w1.width(), w1.height())
+    assert set_fields(w1, batch="8", gpu="h100-80gb", checkpointing="full")
+    saved = w1.inputs.state()
+    w1.close()
+    assert (private_settings / "memcalc.ini").is_file()
+    w2 = MainWindow()
+    qtbot.addWidget(w2)
+    assert w2.inputs.state() == saved
+    assert w2.result.setup.batch == 8 and w2.result.setup.checkpointing == "full"
+    assert (w2.width(), w2.height()) == size
+    assert not w2.undo_stack.canUndo()
+    w2.close()
+
+
+def test_a_saved_config_path_that_vanished_falls_back_to_the_default(qtbot, tmp_path):
+    settings = make_settings()
+    gone = tmp_path / "gone" / "config.json"
+    state = default_state().replace(model_kind="config", config_path=str(gone), batch="2")
+    settings.setValue(KEY_SETUP, json.dumps(state.to_json()))
+    settings.sync()
+    w = MainWindow()
+    qtbot.addWidget(w)
+    assert w.inputs.state() == default_state()
+    assert "no longer exists" in w.statusBar().currentMessage()
+    w.close()
+
+
+def test_a_corrupt_saved_setup_falls_back_to_the_default(qtbot):
+    settings = make_settings()
+    settings.setValue(KEY_SETUP, json.dumps(default_state().replace(batch="-3").to_json()))
+    settings.sync()
+    w = MainWindow()
+    qtbot.addWidget(w)
+    assert w.inputs.state() == default_state()
+    assert "could not be used" in w.statusBar().currentMessage()
+    w.close()
+    settings.setValue(KEY_SETUP, "{ nonsense")
+    settings.sync()
+    w = MainWindow()
+    qtbot.addWidget(w)
+    assert w.inputs.state() == default_state()
+    w.close()
+
+
+def test_a_saved_gpu_missing_from_the_table_keeps_its_capacity(qtbot):
+    settings = make_settings()
+    state = default_state().replace(gpu="retired-gpu", capacity="40 GiB")
+    settings.setValue(KEY_SETUP, json.dumps(state.to_json()))
+    settings.sync()
+    w = MainWindow()
+    qtbot.addWidget(w)
+    assert w.inputs.state() == state.replace(gpu="")
+    assert w.result.verdict.capacity_bytes == 40 * 2**30
+    assert not w.undo_stack.canUndo()
+    w.close()
+
+
+def test_unpersisted_window_writes_no_settings(qtbot, private_settings):
+    w = MainWindow(initial_state=FormState(capacity=""), persist=False)
+    qtbot.addWidget(w)
+    w.close()
+    assert not (private_settings / "memcalc.ini").exists()
+
+
+# ---- lifecycle ---------------------------------------------------------------------------------
+def test_no_leaked_timers_or_threads(qtbot):
+    threads_before = threading.active_count()
+    w = MainWindow()
+    qtbot.addWidget(w)
+    w.show()
+    w.inputs.batch.setText("6")  # leaves the debounce timer running
+    assert w.debounce.isActive()
+    w.close()
+    QApplication.processEvents()
+    active = [t for t in w.findChildren(QTimer) if t.isActive()]
+    assert active == []
+    assert QThreadPool.globalInstance().activeThreadCount() == 0
+    assert threading.active_count() == threads_before
+    assert w.result.setup.batch == 6  # the pending edit was estimated (and saved) on close
+
+
+def test_state_json_round_trip():
+    s = default_state().replace(batch="7", model_kind="params", params="350M")
+    assert FormState.from_json(json.loads(json.dumps(s.to_json()))) == s
+    with pytest.raises(ValueError):
+        FormState.from_json({"batch": 3})
+    with pytest.raises(ValueError):
+        FormState.from_json({"model_kind": "weights"})
+    assert FormState.from_json({"unknown": "x"}) == FormState()
+
+
+def test_drag_enter_accepts_only_json(window):
+    mime = QMimeData()
+    mime.setUrls([QUrl.fromLocalFile("/tmp/readme.txt")])
+    assert window._dropped_path(_FakeDrop(mime)) is None
+    mime.setUrls([QUrl.fromLocalFile("/tmp/config.json")])
+    assert window._dropped_path(_FakeDrop(mime)) == "/tmp/config.json"
+
+
+class _FakeDrop:
+    def __init__(self, mime: QMimeData) -> None:
+        self._mime = mime
+
+    def mimeData(self) -> QMimeData:
+        return self._mime
