@@ -79,6 +79,8 @@ class PhaseMeasurement:
     live_bytes: int
     objects: dict[str, int]
     compute_copy_bytes: int = 0
+    #: Activations alive at the peak by the module that created them, largest first (when tracked).
+    modules: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -127,13 +129,30 @@ def measure_training_step(
     seed: int = 0,
     num_threads: int | None = 1,
     on_phase: Callable[[str, int, int], None] | None = None,
+    fake: bool = False,
+    round_to: int = 1,
+    module_names: bool = False,
 ) -> StepMeasurement:
     """Build the model from ``config`` and measure ``iterations`` training steps on CPU.
 
     ``num_threads`` sets torch's intra-op threads for the run (restored after; ``None`` keeps
     the current value): byte counts do not depend on it and tiny models run fastest on one.
     ``on_phase(phase, iteration, micro)`` is called before each phase (progress; it may raise to cancel).
+    ``fake=True`` runs everything under ``FakeTensorMode`` (device "cpu"): the same ledger without
+    allocating or computing. ``round_to`` rounds every storage up (512 for the CUDA allocator) in the
+    reported compositions; ``module_names`` attributes each storage to the module that created it.
     """
+    if fake:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            return measure_training_step(
+                config, batch=batch, seq=seq, precision=precision, optimizer=optimizer,
+                optimizer_impl=optimizer_impl, attention=attention, checkpointing=checkpointing,
+                grad_accum=grad_accum, iterations=iterations, seed=seed, num_threads=None,
+                on_phase=on_phase, fake=False, round_to=round_to, module_names=module_names,
+            )
+
     def announce(phase: str, it: int, micro: int = 0) -> None:
         if on_phase is not None:
             on_phase(phase, it, micro)
@@ -177,6 +196,8 @@ def measure_training_step(
                     tracker.track(param.grad, "gradients")
 
             hooks.extend(p.register_post_accumulate_grad_hook(tag_grad) for p in params)
+            if module_names:
+                hooks.extend(_module_hooks(model, tracker))
             vocab_size = int(model.config.vocab_size)
             input_ids = torch.randint(0, vocab_size, (batch, seq), dtype=torch.long)
             tracker.track(input_ids, "inputs")
@@ -207,7 +228,7 @@ def measure_training_step(
                     opt.zero_grad(set_to_none=True)
                 gc.collect()
                 live_end.append(tracker.live_bytes)
-        return _summarize(tracker, iterations, grad_accum, n_params, live_end)
+        return _summarize(tracker, iterations, grad_accum, n_params, live_end, round_to)
     finally:
         torch.set_num_threads(threads)
         for h in hooks:
@@ -364,8 +385,13 @@ def _summarize(
     grad_accum: int,
     n_params: int,
     live_end: list[int],
+    round_to: int = 1,
 ) -> StepMeasurement:
     category_of, is_compute_copy = make_classifier(tracker)
+
+    def rounded(n: int) -> int:
+        return -(-n // round_to) * round_to if round_to > 1 else n
+
     windows = tracker.windows()
 
     def phase_windows(phase: str, it: int) -> list[tuple[int, int]]:
@@ -393,13 +419,20 @@ def _summarize(
         live = tracker.live_at(peak.index)
         objects = dict.fromkeys(TENSOR_OBJECTS, 0)
         copies = 0
+        by_module: dict[str, int] = {}
         for sid, nbytes in live.items():
             rec = tracker.records[sid]
-            objects[category_of(rec)] += nbytes
+            size = rounded(nbytes)
+            category = category_of(rec)
+            objects[category] += size
             if is_compute_copy(rec):
-                copies += nbytes
+                copies += size
+            elif category == "activations" and rec.module is not None:
+                by_module[rec.module] = by_module.get(rec.module, 0) + size
         end_live = tracker.events[wins[-1][1]].live_bytes
-        phases[ph] = PhaseMeasurement(peak.bytes, end_live, objects, copies)
+        peak_bytes = sum(objects.values()) if round_to > 1 else peak.bytes
+        modules = tuple(sorted(by_module.items(), key=lambda kv: -kv[1]))
+        phases[ph] = PhaseMeasurement(peak_bytes, end_live, objects, copies, modules)
         rows = [
             _live_storage(tracker.records[sid], n, category_of, is_compute_copy)
             for sid, n in live.items()
@@ -415,6 +448,24 @@ def _summarize(
                 kept.append(row)
         top[ph] = tuple(kept)
     return StepMeasurement("cpu", phases, records, n_params, top)
+
+
+def _module_hooks(model: Any, tracker: LiveStorageTracker) -> list[Any]:
+    """Forward pre/post hooks that keep ``tracker.module_stack`` on the running module's name."""
+    names = {id(m): name or type(m).__name__ for name, m in model.named_modules()}
+
+    def push(module: Any, *_: Any) -> None:
+        tracker.module_stack.append(names.get(id(module), type(module).__name__))
+
+    def pop(module: Any, *_: Any) -> None:
+        if tracker.module_stack:
+            tracker.module_stack.pop()
+
+    handles = []
+    for module in model.modules():
+        handles.append(module.register_forward_pre_hook(push))
+        handles.append(module.register_forward_hook(pop, always_call=True))
+    return handles
 
 
 def _live_storage(

@@ -53,6 +53,8 @@ class StorageRecord:
     tags: set[str] = field(default_factory=set)
     #: For cast ops: the storage id of the tensor that was cast.
     source_sid: int | None = None
+    #: The innermost module running when the storage was created (when module names are tracked).
+    module: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +98,8 @@ class LiveStorageTracker:
         self._finalizers: dict[int, weakref.finalize[Any, Any]] = {}
         self._next_sid = 1
         self.phase_name: str | None = None
+        #: Names of the modules whose forward is running, innermost last (see ``module_hooks``).
+        self.module_stack: list[str] = []
         self.iteration = 0
         self.micro = 0
         self._mode: Any = None
@@ -186,6 +190,7 @@ class LiveStorageTracker:
                 shape=tuple(int(s) for s in tensor.shape),
                 alloc_index=len(self.events),
                 source_sid=source_sid,
+                module=self.module_stack[-1] if self.module_stack else None,
             )
             if tag is not None:
                 rec.tags.add(tag)

@@ -1,0 +1,178 @@
+"""Method ``trace``: run the real training step on fake tensors and read its exact tensor ledger.
+
+The model is built from its config with transformers under ``FakeTensorMode`` on device "cpu" (not the
+meta device, which changes the attention kernel), in the target dtype, with the setup's attention
+implementation, ``use_cache=False``, checkpointing and optimizer implementation. Two iterations of
+forward, backward and step run under the live-storage tracker: nothing is allocated or computed, so a
+70B model traces on a laptop. The CUDA rules a CPU trace cannot see are applied on top and listed:
+512-byte rounding of every allocation, the CUDA context and the allocator reserve.
+
+torch and transformers are imported inside functions only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import re
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..core.errors import InputError, MemcalcError
+from ..core.estimate import estimate
+from ..core.ledger import Estimate, with_overheads
+from ..core.result import Result
+from ..core.setup import TrainingSetup
+from ..core.solver import solve
+from ..core.vocab import PHASES
+
+#: The CUDA caching allocator rounds every block up to 512 bytes (seed 001, NOTES.md).
+CUDA_ROUNDING = 512
+TOP_MODULES = 10
+
+
+class TraceError(MemcalcError):
+    """The trace could not run; the analytic estimate stays valid."""
+
+
+class TraceCancelled(MemcalcError):
+    """The user cancelled the trace."""
+
+
+@dataclass
+class TraceResult:
+    estimate: Estimate
+    modules: list[tuple[str, int]]  # activations alive at the forward peak, by module, largest first
+    seconds: float
+    analytic: Estimate | None = None
+    rules: list[str] = field(default_factory=list)
+
+    def result(self) -> Result:
+        """The trace's ledger with a verdict; what-ifs (max micro-batch, suggestions) use the analytic method."""
+        setup = self.estimate.setup
+        return Result(self.estimate, solve(setup, estimate, self.estimate))
+
+    def difference_pct(self) -> dict[str, float]:
+        """(trace − analytic) / analytic per phase, tensor bytes."""
+        if self.analytic is None:
+            return {}
+        out = {}
+        for p in PHASES:
+            a = self.analytic.phases[p].tensor_bytes
+            if a:
+                out[p] = (self.estimate.phases[p].tensor_bytes - a) / a * 100
+        return out
+
+
+@contextlib.contextmanager
+def _unpacked_sequences() -> Iterator[None]:
+    """Tell transformers the batch holds no packed sequences, as a real run finds from the data.
+
+    Under fake tensors transformers cannot read ``position_ids`` and assumes packing, which materialises
+    a 4D mask and turns GQA into repeated k/v copies; real steps on unpacked batches do neither.
+    """
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        yield
+        return
+    original = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if original is None:
+        yield
+        return
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
+
+
+def trace_available() -> bool:
+    return all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers"))
+
+
+def trace_estimate(
+    setup: TrainingSetup,
+    config: dict[str, Any] | None = None,
+    progress: Callable[[str], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+) -> TraceResult:
+    """The ``trace`` ledger of ``setup`` (``config`` overrides the setup's model config)."""
+    if config is None:
+        if setup.model is None:
+            raise InputError("model", "the trace needs an architecture: a preset or a config.json")
+        config = dict(setup.model.raw)
+    if not trace_available():
+        raise TraceError("the trace needs PyTorch and transformers: pip install 'memcalc-gui[measure]'")
+    cfg = {k: v for k, v in config.items() if not k.startswith("_")}
+    if not isinstance(cfg.get("model_type"), str):
+        raise InputError("model_type", "missing from config.json")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from ..measure.cpu_step import UnsupportedOptimizerError, measure_training_step
+
+    def on_phase(phase: str, it: int, micro: int) -> None:
+        if should_stop is not None and should_stop():
+            raise TraceCancelled("trace cancelled")
+        if progress is not None:
+            progress("building the model on fake tensors" if phase == "load"
+                     else f"iteration {it} of 2: {phase.replace('_', ' ')}")
+
+    t0 = time.perf_counter()
+    try:
+        with _unpacked_sequences():
+            m = measure_training_step(
+                cfg, batch=setup.batch, seq=setup.seq, precision=setup.precision, optimizer=setup.optimizer,
+                optimizer_impl=setup.optimizer_impl, attention=setup.attention, checkpointing=setup.checkpointing,
+                grad_accum=setup.grad_accum, iterations=2, fake=True, round_to=CUDA_ROUNDING, module_names=True,
+                on_phase=on_phase,
+            )
+    except (TraceCancelled, MemcalcError):
+        raise
+    except UnsupportedOptimizerError as exc:
+        raise TraceError(str(exc)) from None
+    except (ValueError, KeyError) as exc:
+        raise TraceError(f"transformers cannot build model_type {cfg.get('model_type')!r}: {exc}") from None
+    except Exception as exc:  # an op fake tensors cannot run, or a model that fails to build
+        raise TraceError(f"the trace failed ({type(exc).__name__}: {exc}); the analytic estimate still holds") \
+            from None
+    seconds = time.perf_counter() - t0
+
+    phases = {}
+    for name in PHASES:
+        ph = m.phases[name]
+        if name == "load":
+            # resident parameters (a tied model briefly builds an untied head while loading)
+            objects = {"parameters": -(-ph.live_bytes // CUDA_ROUNDING) * CUDA_ROUNDING}
+        else:
+            objects = {k: v for k, v in ph.objects.items() if v}
+        phases[name] = with_overheads(objects, name, setup)
+    rules = [
+        "Traced on fake tensors (device cpu): every tensor storage of two real training iterations, "
+        "the second reported",
+        f"CUDA allocator rounding: each allocation rounded up to {CUDA_ROUNDING} B",
+        f"CUDA context {setup.cuda_context_bytes / 2**20:.0f} MiB and allocator reserve "
+        f"{setup.allocator_reserve:.0%} added (a CPU trace cannot see them)",
+    ]
+    modules = group_modules(m.phases["forward"].modules)[:TOP_MODULES]
+    est = Estimate(setup=setup, method="trace", phases=phases, assumptions=tuple(rules),
+                   details={"seconds": seconds, "modules": modules})
+    analytic = estimate(setup) if setup.model is not None else None
+    return TraceResult(est, modules, seconds, analytic, rules)
+
+
+def group_modules(modules: tuple[tuple[str, int], ...] | list[tuple[str, int]]) -> list[tuple[str, int]]:
+    """Sum a module's activations over the repeated layers (``layers.3.mlp`` → ``layers.*.mlp``).
+
+    The root module's own tensors are the logits and the loss (the causal-LM head computes them).
+    """
+    grouped: dict[str, int] = {}
+    for name, nbytes in modules:
+        if "." not in name and name[:1].isupper():
+            key = f"loss and logits ({name})"
+        else:
+            key = re.sub(r"\.\d+(?=\.|$)", ".*", name)
+        grouped[key] = grouped.get(key, 0) + nbytes
+    return sorted(grouped.items(), key=lambda kv: -kv[1])
