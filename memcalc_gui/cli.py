@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from . import __version__
+from .core.distributed import OFFLOADS, STRATEGIES, Parallelism
 from .core.errors import InputError, MemcalcError, UnsupportedFamilyError
 from .core.model import ModelSpec, load_config_file, preset_config, preset_names, preset_spec, spec_from_config
 from .core.result import Result, evaluate
@@ -55,6 +56,10 @@ FLAGS = {
     "device": "--device",
     "time_budget": "--time-budget",
     "model": "--preset/--config",
+    "gpus": "--gpus",
+    "strategy": "--strategy",
+    "node_size": "--node-size",
+    "offload": "--offload",
 }
 
 
@@ -89,7 +94,12 @@ def _add_setup_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cuda-context", metavar="SIZE", default=None,
                    help=f"CUDA context outside PyTorch (default {format_bytes(DEFAULT_CUDA_CONTEXT_BYTES)})")
     p.add_argument("--allocator-reserve", metavar="FRACTION", default=None,
-                   help=f"cached-but-unusable memory as a fraction of tensor bytes (default {DEFAULT_ALLOCATOR_RESERVE})")
+                   help="cached-but-unusable memory as a fraction of tensor bytes "
+                        f"(default {DEFAULT_ALLOCATOR_RESERVE})")
+    p.add_argument("--gpus", default="1", metavar="N", help="data-parallel GPUs (default 1); the ledger is per GPU")
+    p.add_argument("--strategy", default="ddp", choices=STRATEGIES, help="how the model state is sharded")
+    p.add_argument("--node-size", default="8", metavar="N", help="GPUs per node (fsdp-hybrid, host memory)")
+    p.add_argument("--offload", default="none", choices=OFFLOADS, help="offload to CPU (ZeRO-Offload, FSDP CPUOffload)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,8 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     est = sub.add_parser("estimate", help="estimate the memory of one training step")
     _add_model_args(est)
     _add_setup_args(est)
-    est.add_argument("--method", choices=("quick", "analytic"), default=None,
-                     help="quick (seed heuristic) or analytic (default: analytic for an architecture)")
+    est.add_argument("--method", choices=("quick", "analytic", "trace"), default=None,
+                     help="quick (seed heuristic), analytic (default for an architecture) or trace (the real step "
+                          "on fake tensors; needs torch and transformers)")
     est.add_argument("--json", action="store_true", help="print one JSON object (schema 1)")
 
     mea = sub.add_parser("measure", help="run a real training step on this machine and compare with the estimate")
@@ -169,6 +180,8 @@ def setup_from_args(args: argparse.Namespace) -> tuple[TrainingSetup, list[str]]
         kw.update(gpu=gpu.id, capacity_bytes=gpu.capacity_bytes)
     elif args.capacity:
         kw.update(capacity_bytes=parse_size(args.capacity, "capacity"))
+    kw["parallel"] = Parallelism(gpus=parse_positive_int(args.gpus, "gpus"), strategy=args.strategy,
+                                 node_size=parse_positive_int(args.node_size, "node_size"), offload=args.offload)
     if args.cuda_context is not None:
         kw["cuda_context_bytes"] = parse_size(args.cuda_context, "cuda_context", allow_zero=True)
     if args.allocator_reserve is not None:
@@ -193,7 +206,12 @@ def format_ledger(result: Result) -> str:
     lines.append(f"Setup      micro-batch {setup.batch} × seq {setup.seq} × accumulation {setup.grad_accum} "
                  f"(effective batch {setup.effective_batch}); {setup.precision}; {setup.optimizer} "
                  f"({setup.optimizer_impl}); {setup.attention} attention; checkpointing {setup.checkpointing}")
-    label = {"quick": "quick (rough seed 000 heuristic)", "analytic": "analytic (tensor by tensor)"}
+    par = setup.parallel
+    if par.is_distributed:
+        lines.append(f"GPUs       {par.gpus} × {par.strategy}" + (f", offload {par.offload}" if par.offload != "none"
+                                                                 else "") + " — the ledger is per GPU")
+    label = {"quick": "quick (rough seed 000 heuristic)", "analytic": "analytic (tensor by tensor)",
+             "trace": "trace (the real step on fake tensors)"}
     lines.append(f"Method     {label.get(est.method, est.method)}")
     lines.append("")
     width = 22
@@ -219,6 +237,13 @@ def format_ledger(result: Result) -> str:
     lines.append(f"Verdict    {result.headline()}")
     if verdict.max_micro_batch is not None:
         lines.append(f"Largest micro-batch that fits: {verdict.max_micro_batch}")
+    host = int(est.details.get("host_bytes", 0))
+    if host:
+        lines.append(f"Host memory for offload: {format_bytes(host)} per node")
+    if result.plan is not None:
+        mins = ", ".join(f"{k} {v if v is not None else '—'}" for k, v in result.plan.min_gpus.items())
+        lines.append(f"Fewest GPUs of this kind per strategy: {mins}")
+        lines.append(f"Best strategy with {par.gpus} GPUs: {result.plan.best_strategy or 'none fits'}")
     if verdict.suggestions:
         lines.append("")
         lines.append("What would change it (peak after the change):")
@@ -233,16 +258,34 @@ def format_ledger(result: Result) -> str:
 
 def cmd_estimate(args: argparse.Namespace) -> int:
     setup, notes = setup_from_args(args)
-    result = evaluate(setup, args.method)
+    modules: list[tuple[str, int]] = []
+    if args.method == "trace":
+        from .trace.fake import trace_estimate
+
+        config = setup.model.raw if setup.model is not None else (load_config_file(args.config)
+                                                                  if args.config else None)
+        if config is None:
+            raise InputError("method", "trace needs an architecture: give --preset or --config")
+        traced = trace_estimate(setup, config=config)
+        result = traced.result()
+        modules = traced.modules
+    else:
+        result = evaluate(setup, args.method)
     if args.json:
         data = result.to_json()
         if notes:
             data["assumptions"] = notes + data["assumptions"]
+        if args.method == "trace":
+            data["modules"] = [{"module": name, "bytes": nbytes} for name, nbytes in modules]
         print(json.dumps(data, indent=2))
     else:
         for note in notes:
             print(f"Note: {note}")
         print(format_ledger(result))
+        if modules:
+            print("\nActivations at the forward peak by module (top 10):")
+            for name, nbytes in modules:
+                print(f"  {format_bytes(nbytes):>12}  {name}")
     return 0
 
 

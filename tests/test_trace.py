@@ -13,7 +13,7 @@ from memcalc_gui.core.vocab import PHASES
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from memcalc_gui.trace.fake import TraceCancelled, TraceError, group_modules, trace_estimate  # noqa: E402
+from memcalc_gui.trace.fake import TraceCancelled, TraceError, group_modules, trace_estimate
 
 CASES = [("llama", "mixed", "sdpa", "none"), ("gpt2", "fp32", "eager", "none"), ("qwen3", "bf16", "sdpa", "full"),
          ("phi3", "mixed", "sdpa", "none"), ("gpt_neox", "mixed", "sdpa", "none")]

@@ -17,6 +17,7 @@ The step is followed as PyTorch runs it (seed 000's phases, seed 004's ledger):
 from __future__ import annotations
 
 from .activations import Dtypes, layer_saved, norm_saved, residual_saved
+from .distributed import ModelStates, Parallelism, model_states
 from .ledger import Estimate, with_overheads
 from .model import ModelSpec
 from .optimizer import optimizer_cost
@@ -151,20 +152,30 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
     emb_tmp = grad_stream + (2 * v * h * p if spec.tied_embeddings else v * h * p if accumulating else 0)
     moments.append(_objects(parameters=params, optimizer_state=state, inputs=inputs, gradients=grads_all,
                             temporaries=emb_tmp))
-    backward = max(moments, key=lambda m: sum(m.values()))
-
     # ---- optimizer step ---------------------------------------------------------------------
     step = _objects(parameters=params, gradients=grads_all, optimizer_state=state, inputs=inputs,
                     optimizer_temporaries=opt.step_temporary_bytes)
+    load = {"parameters": params}
+    notes: tuple[str, ...] = ()
+    host_bytes = 0
+    par = setup.parallel
+    if par.is_distributed:
+        states = model_states(par, n_params, spec.largest_module_params if par.strategy == "zero3"
+                              else spec.layer_params, setup.precision, state, opt.step_temporary_bytes,
+                              copies, spec.root_unit_params)
+        load, forward, moments, step = _per_gpu(states, par, load, forward, moments, step)
+        notes, host_bytes = states.notes, states.host_bytes
+    backward = max(moments, key=lambda m: sum(m.values()))
 
     phases = {
-        "load": with_overheads({"parameters": params}, "load", setup),
+        "load": with_overheads(load, "load", setup),
         "forward": with_overheads(forward, "forward", setup),
         "backward": with_overheads(backward, "backward", setup),
         "optimizer_step": with_overheads(step, "optimizer_step", setup),
     }
-    assumptions = _assumptions(spec, setup, opt.note)
+    assumptions = _assumptions(spec, setup, opt.note) + notes
     details = {
+        "host_bytes": host_bytes,
         "activations_per_layer_bytes": s_layer,
         "activations_per_layer": per_layer,
         "saved_activations_bytes": acts_fwd,
@@ -173,6 +184,35 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
         "lm_head_copy_bytes": lm_copy,
     }
     return Estimate(setup=setup, method="analytic", phases=phases, assumptions=assumptions, details=details)
+
+
+def _per_gpu(
+    states: ModelStates, par: Parallelism, load: dict[str, int], forward: dict[str, int],
+    moments: list[dict[str, int]], step: dict[str, int],
+) -> tuple[dict[str, int], dict[str, int], list[dict[str, int]], dict[str, int]]:
+    """Replace the model-state objects of the single-GPU ledger by the strategy's per-GPU ones.
+
+    DDP replicates the model, so the single-GPU moments stay (gradients appear layer by layer) and its
+    buckets are added; the sharded strategies hold their partitions and gathered units throughout.
+    """
+    def replace(m: dict[str, int], phase: str) -> dict[str, int]:
+        out = dict(m)
+        if par.strategy == "ddp":
+            out["gradients"] = out.get("gradients", 0) + states.gradients[phase] - (
+                states.gradients["backward"] - states.gradients["forward"] if phase == "backward" else 0)
+        else:
+            out["parameters"] = states.parameters[phase]
+            out["gradients"] = states.gradients[phase]
+        out["optimizer_state"] = states.optimizer_state
+        if phase == "optimizer_step":
+            out["optimizer_temporaries"] = states.optimizer_temporaries
+            out["gradients"] = states.gradients[phase]
+            out["parameters"] = states.parameters[phase]
+        return _objects(**out)
+
+    load = dict(load) if par.strategy == "ddp" else {"parameters": states.parameters["load"]}
+    return (load, replace(forward, "forward"), [replace(m, "backward") for m in moments],
+            replace(step, "optimizer_step"))
 
 
 def _assumptions(spec: ModelSpec, setup: TrainingSetup, opt_note: str) -> tuple[str, ...]:

@@ -142,6 +142,17 @@ class ModelSpec:
         per_layer = h * (q + 2 * kv) + q * h + (3 if self.gated_mlp else 2) * h * i
         return self.num_layers * per_layer + self.vocab_size * h
 
+    @property
+    def largest_module_params(self) -> int:
+        """Parameters of the largest single module (DeepSpeed's ``largest_layer_params``, ZeRO-3's gather unit)."""
+        before, layer, after = self.param_layout()
+        return max(r * c for r, c in before + layer + after)
+
+    @property
+    def root_unit_params(self) -> int:
+        """FSDP's root unit when every decoder layer is wrapped: embeddings, final norm, LM head."""
+        return self.num_params - self.num_layers * self.layer_params
+
     def param_layout(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]]:
         """Parameter tensors in ``model.parameters()`` order: ``(before, one_layer, after)``.
 

@@ -7,6 +7,7 @@ overestimates activations by ~70 % at 1.5B and by several hundred % on small mod
 
 from __future__ import annotations
 
+from .errors import InputError
 from .ledger import Estimate, with_overheads
 from .setup import TrainingSetup
 
@@ -34,6 +35,8 @@ def precision_bytes(setup: TrainingSetup) -> tuple[int, int]:
 
 def estimate_quick(setup: TrainingSetup) -> Estimate:
     """The seed 000 formula as a ledger: forward holds activations, the step holds grads + intermediates."""
+    if setup.parallel.is_distributed:
+        raise InputError("strategy", "multi-GPU budgets need an architecture: give --preset or --config")
     n = setup.num_params
     p, p_act = precision_bytes(setup)
     model = n * p

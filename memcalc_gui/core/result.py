@@ -12,7 +12,7 @@ from typing import Any
 from .estimate import estimate
 from .ledger import SCHEMA, Estimate
 from .setup import TrainingSetup
-from .solver import Verdict, solve
+from .solver import GpuPlan, Verdict, gpu_plan, solve
 from .units import format_bytes
 from .vocab import OBJECT_LABELS, PHASE_LABELS, PHASES
 
@@ -21,6 +21,7 @@ from .vocab import OBJECT_LABELS, PHASE_LABELS, PHASES
 class Result:
     estimate: Estimate
     verdict: Verdict
+    plan: GpuPlan | None = None
 
     @property
     def setup(self) -> TrainingSetup:
@@ -63,6 +64,12 @@ class Result:
             "suggestions": [s.to_json() for s in v.suggestions],
             "assumptions": list(est.assumptions),
             "verdict": self.headline(),
+            "per_gpu": est.setup.parallel.is_distributed,
+            "strategy": est.setup.parallel.strategy,
+            "gpus": est.setup.parallel.gpus,
+            "offload": est.setup.parallel.offload,
+            "host_bytes": int(est.details.get("host_bytes", 0)),
+            "gpu_plan": self.plan.to_json() if self.plan is not None else None,
         }
 
 
@@ -72,4 +79,5 @@ def evaluate(setup: TrainingSetup, method: str | None = None) -> Result:
         return estimate(s, method)
 
     est = estimator(setup)
-    return Result(est, solve(setup, estimator, est))
+    plan = gpu_plan(setup, estimator) if setup.parallel.is_distributed else None
+    return Result(est, solve(setup, estimator, est), plan)

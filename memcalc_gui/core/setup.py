@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Final, Literal, get_args
 
+from .distributed import Parallelism
 from .errors import InputError
 from .model import ModelSpec
 from .resources import load_json
@@ -100,6 +101,7 @@ class TrainingSetup:
     capacity_bytes: int | None = None
     cuda_context_bytes: int = DEFAULT_CUDA_CONTEXT_BYTES
     allocator_reserve: float = DEFAULT_ALLOCATOR_RESERVE
+    parallel: Parallelism = field(default_factory=Parallelism)
     extras: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -122,6 +124,8 @@ class TrainingSetup:
         r = self.allocator_reserve
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or not 0 <= r < 1:
             raise InputError("allocator_reserve", f"must be a fraction in [0, 1), got {r!r}")
+        if not isinstance(self.parallel, Parallelism):
+            raise InputError("strategy", "parallel must be a Parallelism")
         if self.optimizer == "adamw-8bit" and self.optimizer_impl == "fused":
             raise InputError("optimizer_impl", "8-bit AdamW has its own kernels; use foreach or single-tensor")
 
@@ -158,11 +162,19 @@ class TrainingSetup:
             "capacity_bytes": self.capacity_bytes,
             "cuda_context_bytes": self.cuda_context_bytes,
             "allocator_reserve": self.allocator_reserve,
+            "gpus": self.parallel.gpus,
+            "strategy": self.parallel.strategy,
+            "node_size": self.parallel.node_size,
+            "offload": self.parallel.offload,
         }
 
     def summary(self) -> str:
         """One line: model, shape and options."""
         model = self.model.name if self.model else f"{self.num_params:,} params"
         cap = f", {format_bytes(self.capacity_bytes)}" if self.capacity_bytes else ""
+        par = self.parallel
+        gpus = f", {par.gpus} GPUs {par.strategy}" if par.is_distributed else ""
+        gpus += f", offload {par.offload}" if par.offload != "none" else ""
         return (f"{model}: batch {self.batch} × seq {self.seq} × accum {self.grad_accum}, {self.precision}, "
-                f"{self.optimizer} ({self.optimizer_impl}), {self.attention}, checkpointing {self.checkpointing}{cap}")
+                f"{self.optimizer} ({self.optimizer_impl}), {self.attention}, checkpointing {self.checkpointing}"
+                f"{gpus}{cap}")

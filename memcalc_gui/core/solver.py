@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from .distributed import PREFERENCE
 from .errors import InputError
 from .ledger import Estimate
 from .setup import TrainingSetup
@@ -172,3 +173,66 @@ def solve(setup: TrainingSetup, estimator: Estimator, estimate: Estimate | None 
         max_micro_batch=max_micro_batch(setup, estimator, cap),
         suggestions=suggestions(setup, estimator, cap),
     )
+
+
+# ---- multi-GPU ------------------------------------------------------------------------------
+MAX_GPUS = 4096
+
+
+@dataclass(frozen=True)
+class GpuPlan:
+    """The fewest GPUs each strategy needs, and the best strategy at the current count."""
+
+    min_gpus: dict[str, int | None]  # None: does not fit even on MAX_GPUS
+    best_strategy: str | None  # at setup.parallel.gpus; None if nothing fits
+    best_peak_bytes: int | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"min_gpus": dict(self.min_gpus), "best_strategy": self.best_strategy,
+                "best_peak_bytes": self.best_peak_bytes}
+
+
+def _with_parallel(setup: TrainingSetup, **changes: Any) -> TrainingSetup | None:
+    try:
+        return setup.with_changes(parallel=replace(setup.parallel, **changes))
+    except InputError:
+        return None
+
+
+def gpu_plan(setup: TrainingSetup, estimator: Estimator) -> GpuPlan | None:
+    """Minimum GPU count per strategy (per-GPU memory never grows with more GPUs) and the best strategy.
+
+    The best strategy at the current count is the first that fits in order of least communication
+    (DDP, ZeRO-1, ZeRO-2, FSDP SHARD_GRAD_OP, HYBRID, ZeRO-3, FULL_SHARD), keeping the chosen offload.
+    """
+    cap = setup.capacity_bytes
+    if cap is None or setup.model is None:
+        return None
+
+    def peak(strategy: str, gpus: int) -> int | None:
+        trial = _with_parallel(setup, strategy=strategy, gpus=gpus)
+        return None if trial is None else estimator(trial).peak_bytes
+
+    mins: dict[str, int | None] = {}
+    for strategy in PREFERENCE:
+        p = peak(strategy, MAX_GPUS)
+        if p is None or p > cap:
+            mins[strategy] = None
+            continue
+        lo, hi = 0, MAX_GPUS  # peak(lo) > cap (or lo == 0), peak(hi) <= cap
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            pm = peak(strategy, mid)
+            if pm is not None and pm <= cap:
+                hi = mid
+            else:
+                lo = mid
+        mins[strategy] = hi
+    best: str | None = None
+    best_peak: int | None = None
+    for strategy in PREFERENCE:
+        p = peak(strategy, setup.parallel.gpus)
+        if p is not None and p <= cap:
+            best, best_peak = strategy, p
+            break
+    return GpuPlan(mins, best, best_peak)

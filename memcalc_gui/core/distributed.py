@@ -1,0 +1,255 @@
+"""Per-GPU memory under data parallelism: DDP, DeepSpeed ZeRO-1/2/3 and PyTorch FSDP, with CPU offload.
+
+Activations and their temporaries are per micro-batch, so they stay those of the single-GPU ledger;
+what changes is the model state each GPU keeps and the buffers each engine adds. Ψ is the parameter
+count, N the number of GPUs the state is sharded over, L the parameters of the largest unit that is
+gathered at once (a decoder layer, or the embedding/LM-head root unit).
+
+Model states per GPU, mixed precision with Adam (bytes per parameter):
+
+=====================  ===========================  ============================  ======================
+strategy               parameters                   gradients                     optimizer state
+=====================  ===========================  ============================  ======================
+ddp                    4 (fp32) + 16-bit copies     4 + 4 (DDP buckets)           8
+zero1                  2 + 4/N (fp32 master)        2 + 4/N (fp32 partition)      8/N
+zero2                  2 + 4/N                      2/N + 4/N + reduce bucket     8/N
+zero3                  2/N + 4/N + gathered unit    4/N + 2/N + unit grads        8/N
+fsdp-full-shard        4/N + gathered units (16b)   4/N + unit grads              8/N
+fsdp-shard-grad-op     4/N + all params (16-bit)    4/N + unit grads              8/N
+fsdp-hybrid            as full-shard over a node    as full-shard over a node     8/node
+=====================  ===========================  ============================  ======================
+
+Sources: Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models"
+(2020), the (2 + 2 + K)Ψ family and Figure 1 (Ψ = 7.5B, N = 64, K = 12: 120 / 31.4 / 16.6 / 1.9 GB);
+DeepSpeed's ``estimate_zero2_model_states_mem_needs`` (4Ψ + 16Ψ/N) and
+``estimate_zero3_model_states_mem_needs`` (18Ψ/N + 4·L, host buffers ×1.5) in
+deepspeed/runtime/zero/stage_1_and_2.py and stage3.py; the PyTorch FSDP docs (sharding strategies,
+MixedPrecision, CPUOffload; limit_all_gathers keeps at most two units gathered). Where the paper and the
+code disagree the code wins: DeepSpeed keeps an fp32 gradient partition (4Ψ/N) the paper's K = 12
+omits, and its estimator counts the full 16-bit gradients for stage 2 as well (4Ψ + 16Ψ/N), while the
+stage-2 engine reduces them into a bucket and keeps only its partition — the ledger follows the engine
+and ``deepspeed_zero2_estimate`` reproduces the estimator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final, Literal, get_args
+
+from .errors import InputError
+
+Strategy = Literal["ddp", "zero1", "zero2", "zero3", "fsdp-full-shard", "fsdp-shard-grad-op", "fsdp-hybrid"]
+Offload = Literal["none", "optimizer", "params", "both"]
+STRATEGIES: Final = get_args(Strategy)
+OFFLOADS: Final = get_args(Offload)
+
+#: DeepSpeed's reduce_bucket_size / allgather_bucket_size default: 5e8 elements.
+DS_BUCKET_ELEMENTS: Final = 500_000_000
+#: DDP's default bucket_cap_mb (25 MiB); buckets together hold every gradient once.
+DDP_BUCKET_BYTES: Final = 25 * 2**20
+#: DeepSpeed's additional_buffer_factor for host memory.
+HOST_BUFFER_FACTOR: Final = 1.5
+
+STRATEGY_LABELS: Final = {
+    "ddp": "DDP (replicated)",
+    "zero1": "ZeRO-1 (optimizer state sharded)",
+    "zero2": "ZeRO-2 (+ gradients sharded)",
+    "zero3": "ZeRO-3 (+ parameters sharded)",
+    "fsdp-full-shard": "FSDP FULL_SHARD",
+    "fsdp-shard-grad-op": "FSDP SHARD_GRAD_OP",
+    "fsdp-hybrid": "FSDP HYBRID_SHARD",
+}
+#: Preference when several strategies fit: least communication first.
+PREFERENCE: Final = ("ddp", "zero1", "zero2", "fsdp-shard-grad-op", "fsdp-hybrid", "zero3", "fsdp-full-shard")
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """How a training step is spread over GPUs."""
+
+    gpus: int = 1
+    strategy: Strategy = "ddp"
+    node_size: int = 8
+    offload: Offload = "none"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.gpus, bool) or not isinstance(self.gpus, int) or self.gpus < 1:
+            raise InputError("gpus", f"must be a positive integer, got {self.gpus!r}")
+        if self.strategy not in STRATEGIES:
+            raise InputError("strategy", f"must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
+        if isinstance(self.node_size, bool) or not isinstance(self.node_size, int) or self.node_size < 1:
+            raise InputError("node_size", f"must be a positive integer, got {self.node_size!r}")
+        if self.offload not in OFFLOADS:
+            raise InputError("offload", f"must be one of {', '.join(OFFLOADS)}, got {self.offload!r}")
+        if self.offload in ("params", "both") and self.strategy not in ("zero3", "fsdp-full-shard", "fsdp-hybrid"):
+            raise InputError("offload", "parameter offload needs a strategy that shards parameters "
+                                        "(zero3, fsdp-full-shard or fsdp-hybrid)")
+        if self.offload != "none" and self.strategy == "ddp":
+            raise InputError("offload", "DDP cannot offload; use zero1/2/3 or FSDP")
+
+    @property
+    def shards(self) -> int:
+        """Over how many GPUs the sharded state is split."""
+        if self.strategy == "ddp":
+            return 1
+        if self.strategy == "fsdp-hybrid":
+            return min(self.gpus, self.node_size)
+        return self.gpus
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.gpus > 1 or self.strategy != "ddp" or self.offload != "none"
+
+    @property
+    def gpus_per_node(self) -> int:
+        return min(self.gpus, self.node_size)
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    """Per-GPU bytes of the model state in each phase, and host memory for offload."""
+
+    parameters: dict[str, int]
+    gradients: dict[str, int]
+    optimizer_state: int
+    optimizer_temporaries: int
+    host_bytes: int
+    notes: tuple[str, ...]
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def model_states(
+    par: Parallelism,
+    num_params: int,
+    largest_unit: int,
+    precision: str,
+    state_bytes_single: int,
+    step_temporaries_single: int,
+    matmul_copy_bytes: int,
+    root_unit: int,
+) -> ModelStates:
+    """Per-GPU parameters, gradients (per phase), optimizer state and host bytes under ``par``.
+
+    ``state_bytes_single`` and ``step_temporaries_single`` are the single-GPU optimizer costs;
+    ``matmul_copy_bytes`` the autocast 16-bit weight copies (mixed, DDP only); ``root_unit`` the
+    parameters of FSDP's root unit (embeddings, final norm, LM head), which stays gathered.
+    """
+    psi, n, s = num_params, par.shards, par.strategy
+    mixed = precision == "mixed"
+    full_bytes = 2 if precision == "bf16" else 4  # single-GPU weights and gradients (autocast keeps fp32)
+    w = 2 if precision in ("mixed", "bf16") else 4  # weights as ZeRO/FSDP kernels read them
+    g = w  # gradients as backward produces them under ZeRO/FSDP
+    notes: list[str] = []
+    c = {"w_full": 0, "w_part": 0, "master_part": 0, "gathered": 0, "copies": 0,
+         "g_full": 0, "g_part": 0, "g_bucket": 0, "g_fp32_part": 0, "unit_grads": 0, "ddp_buckets": 0}
+    state = _ceil_div(state_bytes_single, n)
+    temps = _ceil_div(step_temporaries_single, n)
+    if s == "ddp":
+        c["w_full"], c["g_full"], c["copies"] = psi * full_bytes, psi * full_bytes, matmul_copy_bytes
+        if par.gpus > 1:
+            c["ddp_buckets"] = psi * full_bytes
+            notes.append("DDP keeps every gradient once more in its communication buckets "
+                         "(gradient_as_bucket_view=False, the default)")
+    elif s in ("zero1", "zero2"):
+        c["w_full"] = psi * w
+        c["master_part"] = _ceil_div(psi * 4, n) if mixed else 0
+        c["g_fp32_part"] = _ceil_div(psi * 4, n) if mixed else 0
+        if s == "zero1":
+            c["g_full"] = psi * g
+        else:
+            c["g_part"] = _ceil_div(psi * g, n)
+            c["g_bucket"] = min(psi, DS_BUCKET_ELEMENTS) * g
+            notes.append("ZeRO-2 reduces gradients through a 5e8-element bucket and keeps its partition; "
+                         "DeepSpeed's estimator counts all 16-bit gradients (4Ψ + 16Ψ/N)")
+    else:  # zero3 and FSDP shard the parameters
+        fsdp = s.startswith("fsdp")
+        shard_bytes = 4 if (fsdp and mixed) else w  # FSDP shards fp32 flat parameters; ZeRO-3 16-bit ones
+        c["w_part"] = _ceil_div(psi * shard_bytes, n)
+        c["master_part"] = _ceil_div(psi * 4, n) if (mixed and not fsdp) else 0
+        c["g_part"] = _ceil_div(psi * (4 if mixed else g), n)
+        if s == "fsdp-shard-grad-op":
+            c["gathered"] = psi * w  # not resharded after forward: every unit stays gathered until backward
+        elif fsdp:
+            c["gathered"] = root_unit * w + 2 * largest_unit * w  # root unit + current and prefetched unit
+        else:
+            c["gathered"] = 2 * largest_unit * w  # current and prefetched unit
+        c["unit_grads"] = largest_unit * g
+        notes.append(f"{STRATEGY_LABELS[s]}: the largest unit gathered at once has {largest_unit:,} parameters")
+    host = 0
+    if par.offload != "none":
+        if s.startswith("fsdp"):
+            # FSDP's CPUOffload moves the parameter and gradient shards; the step then runs on the host.
+            host += c["w_part"] + c["g_part"] + state
+            c["w_part"] = c["g_part"] = 0
+            notes.append("FSDP CPUOffload: parameter and gradient shards and the optimizer step on the host")
+        else:
+            host += state + c["master_part"] + c["g_fp32_part"]
+            c["master_part"] = c["g_fp32_part"] = 0
+            notes.append("ZeRO-Offload: optimizer state, fp32 master and gradient partitions on the host; "
+                         "the step runs on the CPU")
+            if par.offload in ("params", "both"):
+                host += c["w_part"]
+                c["w_part"] = 0
+                notes.append("ZeRO-Infinity parameter offload: only the gathered units live on the GPU")
+        state = temps = 0
+    params = {}
+    grads = {}
+    for ph in ("load", "forward", "backward", "optimizer_step"):
+        active = ph in ("forward", "backward")
+        params[ph] = c["w_full"] + c["w_part"] + (c["master_part"] if ph != "load" else 0) \
+            + (c["gathered"] + c["copies"] if active else 0)
+        grads[ph] = 0 if ph == "load" else c["ddp_buckets"]
+    grads["forward"] += c["g_bucket"]
+    grads["backward"] += c["g_full"] + c["g_part"] + c["g_bucket"] + c["unit_grads"]
+    grads["optimizer_step"] += c["g_full"] + c["g_part"] + c["g_fp32_part"]
+    host_bytes = int(host * par.gpus_per_node * HOST_BUFFER_FACTOR)
+    return ModelStates(params, grads, state, temps, host_bytes, tuple(notes))
+
+
+# ---- the engines' own formulas, for reference and tests -----------------------------------------
+def zero_paper_model_states(num_params: int, gpus: int, stage: int, k: int = 12) -> float:
+    """ZeRO paper, Figure 1: bytes per GPU for model states at stage 0 (DDP) to 3 (Pos+g+p)."""
+    psi = num_params
+    if stage == 0:
+        return (2 + 2 + k) * psi
+    if stage == 1:
+        return 2 * psi + 2 * psi + k * psi / gpus
+    if stage == 2:
+        return 2 * psi + (2 + k) * psi / gpus
+    return (2 + 2 + k) * psi / gpus
+
+
+def deepspeed_zero2_estimate(num_params: int, gpus_per_node: int = 1, nodes: int = 1,
+                             cpu_offload: bool = False, buffer_factor: float = HOST_BUFFER_FACTOR) -> tuple[int, int]:
+    """DeepSpeed's ``estimate_zero2_model_states_mem_needs``: (host bytes, GPU bytes)."""
+    total = gpus_per_node * nodes
+    if cpu_offload:
+        gpu = 2 * num_params
+        cpu = num_params * max(4 * total, 16) * buffer_factor
+    else:
+        gpu = 4 * num_params + int(16 * num_params / total)
+        cpu = num_params * 4 * gpus_per_node * buffer_factor
+    return int(cpu), int(gpu)
+
+
+def deepspeed_zero3_estimate(num_params: int, largest_layer: int, gpus_per_node: int = 1, nodes: int = 1,
+                             cpu_offload: bool = False, offload_params: bool = False, zero_init: bool = True,
+                             buffer_factor: float = HOST_BUFFER_FACTOR) -> tuple[int, int]:
+    """DeepSpeed's ``estimate_zero3_model_states_mem_needs``: (host bytes, GPU bytes)."""
+    total = gpus_per_node * nodes
+    per_node = 1 / nodes
+    largest = 4 * largest_layer
+    if cpu_offload:
+        if offload_params:
+            gpu = largest
+            cpu = num_params * (18 * per_node if zero_init else max(4 * gpus_per_node, 18 * per_node)) * buffer_factor
+        else:
+            gpu = largest + int(2 * num_params / total)
+            cpu = num_params * (16 * per_node if zero_init else max(4 * gpus_per_node, 16 * per_node)) * buffer_factor
+    else:
+        gpu = largest + int(18 * num_params / total)
+        cpu = (largest_layer if zero_init else num_params) * 4 * gpus_per_node * buffer_factor
+    return int(cpu), int(gpu)

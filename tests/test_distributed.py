@@ -1,0 +1,128 @@
+"""Multi-GPU budgets: published figures, the engines' estimators, and monotonicity properties."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from memcalc_gui.cli import main
+from memcalc_gui.core.distributed import (
+    STRATEGIES,
+    Parallelism,
+    deepspeed_zero2_estimate,
+    deepspeed_zero3_estimate,
+    zero_paper_model_states,
+)
+from memcalc_gui.core.errors import InputError
+from memcalc_gui.core.estimate import estimate
+from memcalc_gui.core.model import preset_names, preset_spec
+from memcalc_gui.core.result import evaluate
+from memcalc_gui.core.setup import TrainingSetup, find_gpu
+
+GB = 1e9
+
+
+def test_zero_paper_figure_1() -> None:
+    """Ψ = 7.5B, N_d = 64, K = 12: 120 GB, 31.4 GB, 16.6 GB, 1.9 GB per GPU."""
+    psi, n = 7_500_000_000, 64
+    assert zero_paper_model_states(psi, n, 0) / GB == pytest.approx(120)
+    assert zero_paper_model_states(psi, n, 1) / GB == pytest.approx(31.4, abs=0.05)
+    assert zero_paper_model_states(psi, n, 2) / GB == pytest.approx(16.6, abs=0.05)
+    assert zero_paper_model_states(psi, n, 3) / GB == pytest.approx(1.9, abs=0.05)
+
+
+def _states_at_step(setup: TrainingSetup) -> int:
+    o = estimate(setup).phases["optimizer_step"].objects
+    return o["parameters"] + o["gradients"] + o["optimizer_state"]
+
+
+def test_ledger_follows_deepspeed_code_where_it_differs_from_the_paper() -> None:
+    """The engine keeps an fp32 gradient partition (4Ψ/N) the paper's K = 12 leaves out."""
+    spec = preset_spec("llama-2-7b")
+    psi, n = spec.num_params, 64
+    base = TrainingSetup(model=spec, precision="mixed", optimizer="adam")
+    zero1 = _states_at_step(base.with_changes(parallel=Parallelism(gpus=n, strategy="zero1")))
+    zero3 = _states_at_step(base.with_changes(parallel=Parallelism(gpus=n, strategy="zero3")))
+    # DeepSpeed's estimate_zero2_model_states_mem_needs: 4Ψ + 16Ψ/N (it does not tell stage 1 from 2)
+    assert zero1 == pytest.approx(deepspeed_zero2_estimate(psi, gpus_per_node=8, nodes=8)[1], rel=1e-6)
+    # estimate_zero3_model_states_mem_needs: 18Ψ/N (+ 4·largest layer for the gathered unit, not a state)
+    ds3 = deepspeed_zero3_estimate(psi, spec.largest_module_params, gpus_per_node=8, nodes=8)[1]
+    assert zero3 == pytest.approx(ds3 - 4 * spec.largest_module_params, rel=1e-6)
+    assert zero3 > zero_paper_model_states(psi, n, 3)  # +4Ψ/N of fp32 gradients
+
+
+def test_deepspeed_estimators_reproduce_their_printouts() -> None:
+    """DeepSpeed's memory docs, bigscience/T0_3B on 1 node × 8 GPUs (2851M params, largest layer 32.9M):
+    71.71/0.12, 127.48/0.12, 63.74/0.79, 127.48/0.79, 1.47/6.10, 127.48/6.10 GB per CPU / per GPU."""
+    psi, largest = 2_851_773_440, 32_899_072
+    rows = [(True, True, True, 71.71, 0.12), (True, True, False, 127.48, 0.12),
+            (True, False, True, 63.74, 0.79), (True, False, False, 127.48, 0.79),
+            (False, False, True, 1.47, 6.10), (False, False, False, 127.48, 6.10)]
+    for offload_opt, offload_params, zero_init, cpu_gb, gpu_gb in rows:
+        cpu, gpu = deepspeed_zero3_estimate(psi, largest, gpus_per_node=8, cpu_offload=offload_opt,
+                                            offload_params=offload_params, zero_init=zero_init)
+        assert round(cpu / 2**30, 2) == cpu_gb and round(gpu / 2**30, 2) == gpu_gb
+
+
+@pytest.mark.parametrize("bad", [dict(gpus=0), dict(strategy="zero4"), dict(node_size=0), dict(offload="disk"),
+                                 dict(strategy="zero2", offload="params"), dict(strategy="ddp", offload="optimizer")])
+def test_bad_parallelism(bad: dict) -> None:
+    with pytest.raises(InputError):
+        Parallelism(**bad)
+
+
+SPECS = {n: preset_spec(n) for n in preset_names()}
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.sampled_from(sorted(SPECS)), st.sampled_from([s for s in STRATEGIES if s != "ddp"]),
+       st.integers(1, 256), st.integers(1, 256), st.sampled_from(["mixed", "fp32", "bf16"]),
+       st.sampled_from(["none", "optimizer"]), st.integers(1, 8), st.integers(128, 4096))
+def test_per_gpu_memory_never_grows_with_more_gpus(name: str, strategy: str, a: int, b: int, precision: str,
+                                                    offload: str, batch: int, seq: int) -> None:
+    lo, hi = sorted((a, b))
+    base = TrainingSetup(model=SPECS[name], batch=batch, seq=seq, precision=precision)
+    small = estimate(base.with_changes(parallel=Parallelism(gpus=lo, strategy=strategy, offload=offload)))
+    big = estimate(base.with_changes(parallel=Parallelism(gpus=hi, strategy=strategy, offload=offload)))
+    for phase in small.phases:
+        assert big.phases[phase].total_bytes <= small.phases[phase].total_bytes
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.sampled_from(sorted(SPECS)), st.integers(2, 1024), st.sampled_from(["mixed", "fp32", "bf16"]),
+       st.sampled_from(["adamw", "adamw-8bit", "sgd-momentum"]))
+def test_zero3_le_zero2_le_zero1_le_ddp_for_model_states(name: str, gpus: int, precision: str, opt: str) -> None:
+    base = TrainingSetup(model=SPECS[name], precision=precision, optimizer=opt)
+    states = [_states_at_step(base.with_changes(parallel=Parallelism(gpus=gpus, strategy=s)))
+              for s in ("zero3", "zero2", "zero1", "ddp")]
+    assert states == sorted(states)
+
+
+def test_min_gpus_and_best_strategy() -> None:
+    spec = preset_spec("llama-3.1-70b")
+    cap = find_gpu("h100-80gb").capacity_bytes
+    setup = TrainingSetup(model=spec, seq=4096, checkpointing="full", capacity_bytes=cap,
+                          parallel=Parallelism(gpus=32, strategy="zero3"))
+    r = evaluate(setup)
+    assert r.plan is not None and r.plan.best_strategy is not None
+    n = r.plan.min_gpus["zero3"]
+    assert n is not None and n <= 32
+    at = lambda g: estimate(setup.with_changes(parallel=Parallelism(gpus=g, strategy="zero3"))).peak_bytes  # noqa: E731
+    assert at(n) <= cap < at(n - 1)
+    assert r.plan.min_gpus["ddp"] is None  # a replicated 70B model never fits an 80 GB card
+
+
+def test_cli_json_per_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["estimate", "--preset", "llama-3.1-8b", "--gpus", "8", "--strategy", "zero2", "--offload",
+                 "optimizer", "--gpu", "a100-80gb", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0 and data["per_gpu"] is True and data["strategy"] == "zero2" and data["gpus"] == 8
+    assert data["host_bytes"] > 0
+    assert data["phases"]["optimizer_step"]["objects"]["optimizer_state"] == 0  # offloaded
+    assert set(data["gpu_plan"]["min_gpus"]) == set(STRATEGIES)
+    with pytest.raises(SystemExit) as info:
+        main(["estimate", "--params", "7B", "--gpus", "8", "--strategy", "zero3"])
+    assert info.value.code == 2
