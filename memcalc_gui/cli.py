@@ -56,6 +56,8 @@ FLAGS = {
     "device": "--device",
     "time_budget": "--time-budget",
     "model": "--preset/--config",
+    "out": "--out",
+    "page": "--page",
     "gpus": "--gpus",
     "strategy": "--strategy",
     "node_size": "--node-size",
@@ -124,6 +126,16 @@ def build_parser() -> argparse.ArgumentParser:
     mea.add_argument("--full-size", action="store_true", help="never scale the setup down")
     mea.add_argument("--time-budget", default="30", metavar="SECONDS", help="plan a measurement this long at most")
     mea.add_argument("--json", action="store_true")
+
+    rep = sub.add_parser("report", help="write the estimate as a PDF or PNG report")
+    _add_model_args(rep)
+    _add_setup_args(rep)
+    rep.add_argument("--method", choices=("quick", "analytic"), default=None,
+                     help="quick (seed heuristic) or analytic (default: analytic for an architecture)")
+    rep.add_argument("--out", required=True, metavar="FILE",
+                     help="report.pdf (A4/Letter, selectable text) or report.png (1600×1000, for a slide or chat)")
+    rep.add_argument("--page", choices=("a4", "letter"), default=None,
+                     help="PDF paper size (default from the locale: Letter in the US, Canada, Mexico, …; else A4)")
 
     pre = sub.add_parser("presets", help="list model and GPU presets")
     pre.add_argument("--json", action="store_true")
@@ -317,6 +329,24 @@ def cmd_measure(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    import os
+
+    from .report.export import ReportWriteError, report_format, write_report
+
+    report_format(args.out)  # a bad extension fails before any estimate or Qt start-up
+    setup, notes = setup_from_args(args)
+    result = evaluate(setup, args.method)
+    os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")  # a command never shows a window
+    try:
+        written = write_report(result, args.out, page=args.page, notes=notes)
+    except ReportWriteError as exc:
+        _fail(f"--out: {exc}")
+    print(f"Wrote {written.describe()}")
+    print(result.headline())
+    return 0
+
+
 def cmd_presets(args: argparse.Namespace) -> int:
     models = []
     for name in preset_names():
@@ -345,6 +375,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_estimate(args)
         if args.command == "measure":
             return cmd_measure(args)
+        if args.command == "report":
+            return cmd_report(args)
         return cmd_presets(args)
     except InputError as exc:
         _field_error(exc)

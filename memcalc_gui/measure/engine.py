@@ -117,7 +117,9 @@ class MeasureResult:
             return []
         allocated = self.measured_peak_bytes
         reserved = max(self.peak_reserved_bytes or allocated, allocated)
-        capacity = self.requested.capacity_bytes or self.device.total_bytes
+        # on a CPU the GPU's capacity says nothing about this run: judge against the machine's memory
+        capacity = self.device.total_bytes if self.device.kind == "cpu" else \
+            (self.requested.capacity_bytes or self.device.total_bytes)
         capacity = max(capacity, reserved)
         return list(reconcile(self.estimate.estimate.peak_tensor_bytes, allocated, reserved, capacity).signals)
 
@@ -134,10 +136,13 @@ class MeasureResult:
             return self.oom
         err = self.error_pct
         worst = max(err, key=lambda k: abs(err[k])) if err else None
-        where = f"; largest phase error {err[worst]:+.1f} % in {worst.replace('_', ' ')}" if worst else ""
+        where = ""
+        if worst:
+            value = err[worst] if abs(err[worst]) >= 0.05 else 0.0
+            where = f"; largest phase error {value:+.1f} % in {worst.replace('_', ' ')}"
         kind = "CPU tensor measurement" if self.device.kind == "cpu" else "CUDA allocator"
-        scaled = " (scaled-down setup)" if self.scaled else ""
-        return f"Measured {self.device.label} ({kind}){scaled}{where}."
+        scaled = ", scaled-down setup" if self.scaled else ""
+        return f"Measured {self.device.label} ({kind}{scaled}){where}."
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -275,7 +280,8 @@ def plan(setup: TrainingSetup, device: DeviceInfo, time_budget_s: float) -> tupl
         changes.append(f"vocabulary {vocab:,} instead of {setup.model.vocab_size:,}")
     if not fits_memory(current):
         raise MeasureError("even the smallest scaled-down setup would not fit this device's memory")
-    slow = "" if ok(current) else f" (expect about {3 * _step_seconds(current, flops):.0f} s)"
+    expected = 3 * _step_seconds(current, flops)
+    slow = "" if ok(current) or expected < 1 else f" (expect about {expected:.0f} s)"
     return current, "Measured a scaled-down setup: " + ", ".join(changes) + \
         "; the comparison is with the estimate of exactly that setup" + slow + "."
 

@@ -22,6 +22,9 @@ from .theme import OBJECT_COLORS, STACK_ORDER, is_dark
 
 BAR_WIDTH = 0.6
 X = np.arange(len(PHASES), dtype=float)
+#: Where the estimate of a scaled-down measured setup is drawn: a narrow outlined bar right of each phase.
+REF_DX = 0.38
+REF_WIDTH = 0.1
 
 
 class _StaticSample(ItemSample):
@@ -91,12 +94,21 @@ class MemoryChart(pg.GraphicsLayoutWidget):
             self.plot.addItem(label)
             self.total_labels.append(label)
 
-        # Measured markers (a later issue fills them; hidden until then).
+        # Measured markers ("Measure on this GPU"; hidden until a measurement) and, when the measured setup
+        # was scaled down, that setup's estimate as narrow outlined bars beside each phase.
         self.measured = pg.ScatterPlotItem(x=[], y=[], symbol="d", size=14,
                                            pen=pg.mkPen("k", width=1.5), brush=pg.mkBrush("#FFFFFF"))
         self.measured.setZValue(12)
         self.measured.setVisible(False)
         self.plot.addItem(self.measured)
+        self.measured_ref = pg.BarGraphItem(x=X + REF_DX, height=zeros, y0=zeros, width=REF_WIDTH,
+                                            brush=QColor(0, 0, 0, 0),
+                                            pen=pg.mkPen("k", width=1.5, style=Qt.PenStyle.DashLine))
+        self.measured_ref.setZValue(11)
+        self.measured_ref.setVisible(False)
+        self.plot.addItem(self.measured_ref)
+        self._measured: dict[str, int] = {}
+        self._measured_ref: dict[str, int] = {}
 
         self.legend = pg.LegendItem(offset=None, sampleType=_StaticSample, labelTextSize="9pt",
                                     verSpacing=-2, frame=False)
@@ -106,6 +118,8 @@ class MemoryChart(pg.GraphicsLayoutWidget):
         side.addLabel("", row=1, col=0)
         width = max(self.fontMetrics().horizontalAdvance(OBJECT_LABELS[o]) for o in OBJECTS)
         side.setMaximumWidth(width + 48)
+        self._legend_side = side
+        self._legend_width = width + 48
         self.ci.layout.setColumnStretchFactor(0, 1)
         for obj in reversed(STACK_ORDER):  # read top-down like the bars
             self.legend.addItem(self.bars[obj], OBJECT_LABELS[obj])
@@ -160,17 +174,66 @@ class MemoryChart(pg.GraphicsLayoutWidget):
         self.plot.getAxis("bottom").setTicks([ticks])
         self.plot.setYRange(0.0, ymax, padding=0)
         self.plot.setXRange(-0.55, len(PHASES) - 0.45, padding=0)
+        self._layout_measured()
 
-    def set_measured(self, measured: Mapping[str, int] | None) -> None:
-        """Overlay measured peaks (phase → bytes) as markers; ``None`` or empty hides them."""
-        if not measured:
+    def set_measured(self, measured: Mapping[str, int] | None, *, label: str = "Measured",
+                     reference: Mapping[str, int] | None = None) -> None:
+        """Overlay measured tensor peaks (phase → bytes) as markers; ``None`` or empty hides them.
+
+        Without ``reference`` the markers sit on the drawn bars, at the CUDA context plus the measured
+        tensor peak: level with the top of the estimated tensors, below the allocator reserve. With
+        ``reference`` (phase → estimated tensor bytes of a scaled-down setup that was measured instead),
+        that estimate is drawn as narrow outlined bars beside each phase and the markers sit on them.
+        ``label`` is the legend entry, e.g. "Measured (NVIDIA H100 80GB HBM3)".
+        """
+        self._measured = {p: int(b) for p, b in (measured or {}).items() if p in PHASES}
+        self._measured_ref = {p: int(b) for p, b in (reference or {}).items() if p in PHASES} \
+            if self._measured else {}
+        for item in (self.measured, self.measured_ref):
+            self.legend.removeItem(item)
+        width = self._legend_width
+        if self._measured:
+            self.legend.addItem(self.measured, label)
+            width = max(width, self.fontMetrics().horizontalAdvance(label) + 48)
+            if self._measured_ref:
+                ref_label = "Estimate of the measured setup"
+                self.legend.addItem(self.measured_ref, ref_label)
+                width = max(width, self.fontMetrics().horizontalAdvance(ref_label) + 48)
+        self._legend_side.setMaximumWidth(width)
+        self._layout_measured()
+
+    def measured_points(self) -> list[tuple[float, float]]:
+        """The drawn markers as (x, GiB) pairs (tests)."""
+        if not self.measured.isVisible():
+            return []
+        return [(float(p.pos().x()), float(p.pos().y())) for p in self.measured.points()]
+
+    def _layout_measured(self) -> None:
+        if not self._measured:
             self.measured.setData(x=[], y=[])
             self.measured.setVisible(False)
+            self.measured_ref.setVisible(False)
             return
-        xs = [float(PHASES.index(p)) for p in measured if p in PHASES]
-        ys = [gib(b) for p, b in measured.items() if p in PHASES]
+        phases = [p for p in PHASES if p in self._measured]
+        ys = [gib(self._measured[p]) for p in phases]
+        if self._measured_ref:
+            xs = [PHASES.index(p) + REF_DX for p in phases]
+            ref = [gib(self._measured_ref.get(p, 0)) for p in phases]
+            self.measured_ref.setOpts(x=xs, y0=[0.0] * len(xs), height=ref, width=REF_WIDTH)
+            self.measured_ref.setVisible(True)
+            tops = ys + ref
+        else:
+            xs = [float(PHASES.index(p)) for p in phases]
+            if self._estimate is not None:
+                est = self._estimate
+                ys = [y + gib(est.phases[p].objects["cuda_context"]) for p, y in zip(phases, ys, strict=True)]
+            self.measured_ref.setVisible(False)
+            tops = ys
         self.measured.setData(x=xs, y=ys)
         self.measured.setVisible(True)
+        ymax = self.plot.getViewBox().viewRange()[1][1]
+        if tops and max(tops) * 1.04 > ymax:
+            self.plot.setYRange(0.0, max(tops) * 1.12, padding=0)
 
     # ---- queries (also used by tests) ------------------------------------------------------------
     def heights(self) -> dict[str, list[float]]:
@@ -237,6 +300,7 @@ class MemoryChart(pg.GraphicsLayoutWidget):
         self.capacity_line.setPen(pg.mkPen(cap, width=2, style=Qt.PenStyle.DashLine))
         self.capacity_label.setColor(cap)
         self.measured.setPen(pg.mkPen(fg, width=1.5))
+        self.measured_ref.setOpts(pen=pg.mkPen(fg, width=1.5, style=Qt.PenStyle.DashLine))
         self.legend.setLabelTextColor(fg)
         for _sample, label in self.legend.items:
             label.setText(label.text)  # LabelItem re-renders only on setText

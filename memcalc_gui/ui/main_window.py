@@ -39,6 +39,7 @@ from .chart import MemoryChart
 from .form import FormErrors, FormState, ModelCache, build_setup, default_state, gpu_by_id, state_with_changes
 from .inputs import InputPanel
 from .ledger_table import LedgerTable
+from .measure_panel import MeasurePanel
 from .results import METHOD_NOTES, AdvicePanel, VerdictBanner
 from .settings import (
     KEY_GEOMETRY,
@@ -179,6 +180,7 @@ class MainWindow(QMainWindow):
         self.action_row.setSpacing(8)
         self.method_label = QLabel("")
         self.method_label.setObjectName("methodLabel")
+        self.method_label.setWordWrap(True)  # wraps rather than widening the window when the row fills
         self.action_row.addWidget(self.method_label, 1)
         rl.addLayout(self.action_row)
 
@@ -232,6 +234,8 @@ class MainWindow(QMainWindow):
         self.timing_label.setObjectName("timingLabel")
         self.statusBar().addPermanentWidget(self.timing_label)
         QWidget.setTabOrder(self.inputs.last_widget, self.tabs)
+        # "Measure on this GPU": button, progress and Cancel in the action row, the Measured tab, chart markers.
+        self.measure_panel = MeasurePanel(self)
 
     def _default_size(self) -> tuple[int, int]:
         width, height = 1360, 880
@@ -250,7 +254,11 @@ class MainWindow(QMainWindow):
         self.open_action.triggered.connect(self.choose_config)
         self.file_menu.addAction(self.open_action)
         self.file_menu.addSeparator()
-        # Later issue: "Export report…" (Ctrl+E) goes here, before this separator.
+        self.export_action = QAction("&Export report…", self)
+        self.export_action.setShortcut(QKeySequence("Ctrl+E"))
+        self.export_action.setStatusTip("Write the estimate, verdict, suggestions and sources as a PDF or a PNG")
+        self.export_action.triggered.connect(lambda: self.export_report())
+        self.file_menu.addAction(self.export_action)
         self.export_separator = self.file_menu.addSeparator()
         self.quit_action = QAction("&Quit", self)
         self.quit_action.setShortcut(QKeySequence.StandardKey.Quit)
@@ -538,6 +546,14 @@ class MainWindow(QMainWindow):
                 b.setFocus()
                 return
 
+    def export_report(self, path: str | Path | None = None) -> Path | None:
+        """File → Export report…: a PDF or PNG of the current result (``path`` skips the file chooser)."""
+        from ..report.dialog import export_from_window  # Qt's PDF/report code loads on first use
+
+        if self._dirty():
+            self.refresh()
+        return export_from_window(self, path)
+
     def show_about(self) -> AboutDialog:
         dialog = AboutDialog(self)
         dialog.open()
@@ -558,7 +574,8 @@ class MainWindow(QMainWindow):
         self.settings.sync()
 
     def closeEvent(self, event: QCloseEvent) -> None:
-        # Later issues: stop and wait for worker threads (measurement, trace) here, before saving.
+        # Stop and wait for worker threads (measurement; later: trace) before saving.
+        self.measure_panel.shutdown()
         self.debounce.stop()
         if self._dirty():
             self.refresh()

@@ -1,0 +1,502 @@
+"""What a report says, as plain text and rows (no Qt): the PDF and the PNG renderers draw from this.
+
+Every number comes from the core (:func:`memcalc_gui.core.result.evaluate`) or from a measurement or
+trace result; this module only formats them (binary units, labelled GiB/MiB) and attaches the source
+of each assumption and formula.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import TYPE_CHECKING
+
+from .. import __version__
+from ..core.result import Result
+from ..core.setup import PRECISION_LABELS, TrainingSetup, gpu_presets
+from ..core.solver import MAX_SEARCH_BATCH
+from ..core.units import format_bytes, format_count
+from ..core.vocab import OBJECT_LABELS, OBJECTS, PHASE_LABELS, PHASES
+
+if TYPE_CHECKING:  # the measurement engine is optional input; never import torch here
+    from ..measure.engine import MeasureResult
+
+#: Keys of :data:`SOURCES`, in the order the reference list prints them.
+SEED_000 = "seed 000"
+SEED_001 = "seed 001"
+SEED_002 = "seed 002"
+SEED_003 = "seed 003"
+SEED_004 = "seed 004"
+KORTHIKANTI = "Korthikanti 2022"
+MEMCALC = "memcalc"
+
+SOURCES: dict[str, str] = {
+    SEED_000: "Hugging Face blog, “Visualize and understand GPU memory in PyTorch” — phases, colours, "
+              "the peak formula Total = Model + OptState + max(Grad + OptIntermediates, Activations).",
+    SEED_001: "Zhihu article on PyTorch’s GPU memory mechanics — byte-exact steps of nn.Linear + AdamW, "
+              "CUDA context, 512 B allocator rounding, memory_allocated / max_memory_allocated / memory_reserved.",
+    SEED_002: "Hugging Face Transformers documentation, “GPU memory” — bytes per parameter: mixed precision 6 B "
+              "weights, Adam 8 B state, 4 B gradients, quantised Adam 2 B.",
+    SEED_003: "DeepHub IMBA, PyTorch GPU memory profiling guide — the seven consumers, fragmentation 5–20 %, "
+              "gradient checkpointing saves 40–60 % of activations.",
+    SEED_004: "“Memory Profiling and Optimization” (memory-ledger chapter) — objects × lifetimes × phases, the "
+              "candidate peak, micro-batch vs accumulation, estimate vs allocated / reserved / capacity.",
+    KORTHIKANTI: "Korthikanti et al. 2022, “Reducing Activation Recomputation in Large Transformer Models” "
+                 "(arXiv:2205.05198) — activations per layer sbh(34 + 5as/h) for GPT-3 blocks.",
+    MEMCALC: "memcalc’s own measurements — a live-storage tracker on CPU, exact to the byte against the PyTorch "
+             "profiler (tests/test_analytic_vs_measured.py).",
+}
+
+METHOD_LABELS = {
+    "analytic": "analytic — the model’s blocks counted tensor by tensor",
+    "quick": "quick — a rough heuristic from the parameter count (seed 000); activations are overestimated",
+    "trace": "trace — one step traced on fake tensors",
+}
+
+UNITS_TEXT = ("All sizes are binary and labelled so: 1 GiB = 2³⁰ B = 1,073,741,824 bytes; 1 MiB = 2²⁰ B = "
+              "1,048,576 bytes. A GPU’s capacity is what the device reports to PyTorch (a card sold as "
+              "“80 GB”, decimal, reports about 79.2 GiB). Phase totals include the CUDA context and the "
+              "allocator reserve; “tensors” is what torch.cuda.max_memory_allocated shows.")
+
+#: Rows of a long per-module table beyond this are summed into one row.
+MAX_MODULE_ROWS = 150
+
+_SEED_RE = re.compile(r"seed (00[0-4])", re.IGNORECASE)
+_KEYWORD_SOURCES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("Steady-state", (SEED_004, SEED_000)),
+    ("counted tensor by tensor", (KORTHIKANTI, MEMCALC)),
+    ("Loss:", (MEMCALC, SEED_000)),
+    ("CUDA context", (SEED_001, SEED_003)),
+    ("Rough heuristic", (SEED_000,)),
+    ("P = ", (SEED_000, SEED_002)),
+    ("fp32:", (SEED_002,)),
+    ("bf16:", (SEED_002,)),
+    ("Adam", (SEED_002, SEED_001)),
+    ("SGD", (SEED_002,)),
+    ("Adafactor", (SEED_002,)),
+    ("Lion", (SEED_002,)),
+    ("full gradient checkpointing", (SEED_003,)),
+)
+
+
+def sources_for(text: str) -> tuple[str, ...]:
+    """The sources an assumption cites (``seed 00N`` in its text) plus those its subject implies."""
+    found: list[str] = [f"seed {m}" for m in _SEED_RE.findall(text)]
+    for needle, keys in _KEYWORD_SOURCES:
+        if needle.lower() in text.lower():
+            found.extend(keys)
+    if not found:
+        found.append(MEMCALC)
+    return tuple(dict.fromkeys(found))
+
+
+@dataclass(frozen=True)
+class Row:
+    """One table row; ``strong`` rows (totals) are bold, ``highlight`` marks the peak/verdict cells."""
+
+    cells: tuple[str, ...]
+    strong: bool = False
+    color: str = ""  # a swatch colour for the first cell (ledger objects)
+    highlight: bool = False
+
+
+@dataclass(frozen=True)
+class Table:
+    header: tuple[str, ...]
+    rows: tuple[Row, ...]
+    #: Column index → alignment ("left"/"right"); default left.
+    align: dict[int, str] = field(default_factory=dict)
+    #: Relative column widths (percent); empty → automatic.
+    widths: tuple[int, ...] = ()
+    highlight_column: int | None = None
+
+
+@dataclass(frozen=True)
+class MeasurementSection:
+    device: str
+    headline: str
+    notes: tuple[str, ...]
+    table: Table
+    signals: tuple[str, ...]
+    extra: tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True)
+class ReportContent:
+    title: str
+    subtitle: str
+    date: str
+    version: str
+    method: str
+    fits: bool | None
+    headline: str
+    verdict: tuple[tuple[str, str], ...]
+    setup: tuple[tuple[str, str], ...]
+    ledger: Table
+    suggestions: Table | None
+    suggestions_note: str
+    measurement: MeasurementSection | None
+    modules: Table | None
+    modules_note: str
+    assumptions: Table
+    formulas: Table
+    units: str
+    references: tuple[tuple[str, str], ...]
+    notes: tuple[str, ...] = ()
+    chart_caption: str = ""
+    measured_peaks: dict[str, int] = field(default_factory=dict)
+    measured_reference: dict[str, int] = field(default_factory=dict)
+    measured_label: str = ""
+
+    def plain_text(self) -> str:
+        """Everything as text (tests, and a fallback for a reader without PDF support)."""
+        out = [self.title, self.subtitle, f"{self.date} · memcalc {self.version}", self.headline]
+        out += [f"{k}: {v}" for k, v in self.verdict]
+        out += [f"{k}: {v}" for k, v in self.setup]
+        tables = [self.ledger, self.suggestions, self.modules, self.assumptions, self.formulas]
+        if self.measurement is not None:
+            tables.append(self.measurement.table)
+            out += list(self.measurement.signals)
+        for t in tables:
+            if t is None:
+                continue
+            out.append(" | ".join(t.header))
+            out += [" | ".join(r.cells) for r in t.rows]
+        out.append(self.units)
+        return "\n".join(out)
+
+
+def _bytes_cell(n: int) -> str:
+    return format_bytes(n) if n else "—"
+
+
+def _gpu_name(setup_gpu: str | None) -> tuple[str, str]:
+    for g in gpu_presets():
+        if g.id == setup_gpu:
+            return g.name, g.nominal
+    return "", ""
+
+
+def gpu_label(result: Result) -> str:
+    """``NVIDIA A100 80GB (79.15 GiB)`` or ``79.15 GiB capacity`` or ``no GPU chosen``."""
+    setup = result.setup
+    if setup.capacity_bytes is None:
+        return "no GPU chosen"
+    name, _nominal = _gpu_name(setup.gpu)
+    cap = format_bytes(setup.capacity_bytes)
+    return f"{name} ({cap})" if name else f"{cap} capacity"
+
+
+def _setup_rows(result: Result) -> list[tuple[str, str]]:
+    s = result.setup
+    rows: list[tuple[str, str]] = []
+    if s.model is not None:
+        m = s.model
+        rows += [
+            ("Model", m.name or "config.json"),
+            ("Family", m.family),
+            ("Parameters", f"{m.num_params:,} (exact count, {format_count(m.num_params)})"),
+            ("Config from", m.source or "config.json"),
+            ("Architecture", f"{m.num_layers} layers, hidden {m.hidden_size:,}, {m.num_heads} attention heads "
+                             f"({m.num_kv_heads} key/value), head dim {m.head_dim}, MLP {m.intermediate_size:,}"
+                             f"{' (gated)' if m.gated_mlp else ''}, vocabulary {m.vocab_size:,}, "
+                             f"{'tied' if m.tied_embeddings else 'separate'} embeddings / LM head, {m.norm}"),
+        ]
+    else:
+        rows += [
+            ("Model", "a bare parameter count (no architecture)"),
+            ("Family", "unknown"),
+            ("Parameters", f"{s.num_params:,} ({format_count(s.num_params)})"),
+            ("Config from", "parameter count typed by the user"),
+        ]
+    rows += [
+        ("Micro-batch", f"{s.batch:,}"),
+        ("Sequence length", f"{s.seq:,} tokens"),
+        ("Gradient accumulation", f"{s.grad_accum:,} micro-batches per optimizer step"),
+        ("Effective batch", f"{s.effective_batch:,} sequences = {s.effective_batch * s.seq:,} tokens per step"),
+        ("Precision", PRECISION_LABELS.get(s.precision, s.precision)),
+        ("Optimizer", f"{s.optimizer} ({s.optimizer_impl} step)"),
+        ("Attention", s.attention),
+        ("Gradient checkpointing", s.checkpointing),
+    ]
+    if s.capacity_bytes is not None:
+        name, nominal = _gpu_name(s.gpu)
+        label = f"{name} (sold as {nominal}), " if name else "custom capacity, "
+        rows.append(("GPU", f"{label}{format_bytes(s.capacity_bytes)} = {s.capacity_bytes:,} bytes as reported "
+                            "to PyTorch"))
+    else:
+        rows.append(("GPU", "none chosen (no verdict)"))
+    rows += [
+        ("CUDA context", f"{format_bytes(s.cuda_context_bytes)} outside PyTorch"),
+        ("Allocator reserve", f"{s.allocator_reserve:.0%} of the tensor bytes of each phase"),
+        ("Method", METHOD_LABELS.get(result.estimate.method, result.estimate.method)),
+    ]
+    return rows
+
+
+def _max_batch_text(result: Result) -> str:
+    v = result.verdict
+    if v.max_micro_batch is None:
+        return "— (choose a GPU)"
+    if v.max_micro_batch == 0:
+        return "none (not even 1)"
+    if v.max_micro_batch >= MAX_SEARCH_BATCH:
+        return f"{MAX_SEARCH_BATCH:,} or more"
+    extra = ""
+    if v.max_micro_batch >= result.setup.batch:
+        extra = f" (this setup uses {result.setup.batch})"
+    return f"{v.max_micro_batch:,}{extra}"
+
+
+def _verdict_rows(result: Result) -> list[tuple[str, str]]:
+    """Six facts: peak, largest object, GPU (left column in the PDF); tensor peak, headroom or excess,
+    largest micro-batch that fits (right column)."""
+    est, v = result.estimate, result.verdict
+    peak = PHASE_LABELS[est.peak_phase]
+    rows = [
+        ("Peak", f"{format_bytes(est.peak_bytes)} in the {peak.lower()} phase"),
+        ("Largest object", f"{OBJECT_LABELS[est.dominant_object]} "
+                           f"({format_bytes(est.peak.objects[est.dominant_object])})"),
+        ("GPU", gpu_label(result)),
+        ("Tensor peak", f"{format_bytes(est.peak_tensor_bytes)} (allocated)"),
+    ]
+    if v.capacity_bytes is not None and v.headroom_bytes is not None:
+        if v.headroom_bytes >= 0:
+            rows.append(("Headroom", f"{format_bytes(v.headroom_bytes)} free"))
+        else:
+            rows.append(("Over by", format_bytes(-v.headroom_bytes)))
+    else:
+        rows.append(("Headroom", "— (no GPU)"))
+    rows.append(("Largest micro-batch that fits", _max_batch_text(result)))
+    return rows
+
+
+def _ledger_table(result: Result) -> Table:
+    est = result.estimate
+    rows = []
+    for obj in OBJECTS:
+        cells = (OBJECT_LABELS[obj], *(_bytes_cell(est.phases[p].objects[obj]) for p in PHASES))
+        rows.append(Row(cells, color=obj))
+    rows.append(Row(("Total", *(format_bytes(est.phases[p].total_bytes) for p in PHASES)), strong=True))
+    rows.append(Row(("Tensors (allocated)", *(format_bytes(est.phases[p].tensor_bytes) for p in PHASES))))
+    header = ("Object", *(PHASE_LABELS[p] + (" (peak)" if p == est.peak_phase else "") for p in PHASES))
+    return Table(header, tuple(rows), align={i: "right" for i in range(1, len(PHASES) + 1)},
+                 widths=(28, 18, 18, 18, 18), highlight_column=1 + PHASES.index(est.peak_phase))
+
+
+def _suggestions_table(result: Result) -> tuple[Table | None, str]:
+    v = result.verdict
+    if not v.suggestions:
+        note = ("No single change lowers the peak." if v.fits is not False
+                else "No change the calculator knows lowers the peak enough; consider a larger GPU or sharding.")
+        return None, note
+    rows = []
+    for i, s in enumerate(v.suggestions, 1):
+        fit = "—" if s.fits is None else ("fits" if s.fits else "still over")
+        rows.append(Row((str(i), s.title, format_bytes(s.peak_bytes), format_bytes(s.saves_bytes), fit, s.tradeoff),
+                        highlight=bool(s.fits)))
+    table = Table(("#", "Change", "Peak after", "Saves", "Result", "Trade-off"), tuple(rows),
+                  align={0: "right", 2: "right", 3: "right"}, widths=(4, 34, 13, 12, 10, 27))
+    if v.fits:
+        note = "Ranked by the bytes they save at the peak (the setup already fits)."
+    elif v.fits is None:
+        note = "Ranked by the bytes they save at the peak."
+    else:
+        note = "Ranked: changes that make the step fit first, then by the bytes they save at the peak."
+    return table, note
+
+
+#: The setup fields that decide the tensors (the GPU and the overheads do not).
+TENSOR_FIELDS = ("model", "params", "batch", "seq", "grad_accum", "precision", "optimizer", "optimizer_impl",
+                 "attention", "checkpointing")
+
+
+def same_tensors(a: TrainingSetup, b: TrainingSetup) -> bool:
+    """Whether two setups have the same tensors (a measurement of ``a`` can be drawn on ``b``'s chart)."""
+    return all(getattr(a, f) == getattr(b, f) for f in TENSOR_FIELDS)
+
+
+def _pct(value: float | None) -> str:
+    if value is None:
+        return "—"
+    return f"{round(value, 1) or 0.0:+.1f} %"  # never "-0.0 %"
+
+
+def _measurement_section(m: MeasureResult) -> MeasurementSection:
+    kind = "CUDA allocator (torch.cuda.max_memory_allocated)" if m.device.kind == "cuda" \
+        else "CPU tensor measurement (live-storage tracker; no GPU found)"
+    device = f"{m.device.name} — {kind}"
+    notes: list[str] = []
+    if m.scale_note:
+        notes.append(m.scale_note)
+    if m.scaled:
+        notes.append("The estimates in this table are of exactly the measured (scaled-down) setup.")
+    if m.oom:
+        notes.append(f"Out of memory: {m.oom}")
+    notes += list(m.notes)
+    err = m.error_pct
+    rows = []
+    est_phases = m.estimate.estimate.phases
+    for p in PHASES:
+        reading = m.phases.get(p)
+        if reading is None:
+            continue
+        e = err.get(p)
+        rows.append(Row((PHASE_LABELS[p], format_bytes(est_phases[p].tensor_bytes), format_bytes(reading.peak_bytes),
+                         _pct(e))))
+    table = Table(("Phase", "Estimated (tensors)", "Measured peak", "Estimate − measured"), tuple(rows),
+                  align={1: "right", 2: "right", 3: "right"}, widths=(28, 24, 24, 24))
+    extra: list[tuple[str, str]] = [("Measured setup", m.setup.summary())]
+    if m.context_bytes is not None:
+        extra.append(("CUDA context measured", format_bytes(m.context_bytes)))
+    if m.peak_reserved_bytes:
+        extra.append(("Peak reserved", format_bytes(m.peak_reserved_bytes)))
+    leak = m.leak
+    live = ", ".join(format_bytes(b) for b in leak.get("live_bytes_per_iteration", []))
+    if live:
+        verdict = "growing from iteration to iteration (a leak: seed 004)" if leak.get("growing") else "steady"
+        extra.append(("Live bytes per iteration", f"{live} — {verdict}"))
+    if m.seconds:
+        extra.append(("Time", f"{m.seconds:.1f} s"))
+    return MeasurementSection(device, m.headline(), tuple(notes), table, tuple(m.signals), tuple(extra))
+
+
+def _modules_table(modules: Sequence[tuple[str, int]]) -> tuple[Table | None, str]:
+    items = [(str(name), int(n)) for name, n in modules]
+    if not items:
+        return None, ""
+    items.sort(key=lambda t: -t[1])
+    total = sum(n for _, n in items)
+    shown = items[:MAX_MODULE_ROWS]
+    rows = [Row((name, format_bytes(n), f"{n / total * 100:.1f} %" if total else "—")) for name, n in shown]
+    rest = items[MAX_MODULE_ROWS:]
+    if rest:
+        n_rest = sum(n for _, n in rest)
+        rows.append(Row((f"{len(rest):,} more modules", format_bytes(n_rest),
+                         f"{n_rest / total * 100:.1f} %" if total else "—")))
+    rows.append(Row(("Total", format_bytes(total), "100.0 %" if total else "—"), strong=True))
+    note = f"{len(items):,} modules from the trace, largest first."
+    return Table(("Module", "Memory", "Share"), tuple(rows), align={1: "right", 2: "right"},
+                 widths=(64, 20, 16)), note
+
+
+def _formulas(result: Result, measured: bool) -> list[tuple[str, tuple[str, ...]]]:
+    s, method = result.setup, result.estimate.method
+    rows: list[tuple[str, tuple[str, ...]]] = [
+        ("Phases load → forward → backward → optimizer step; the object colours of the chart.", (SEED_000,)),
+        ("Phase total = the sum of the objects live at that phase’s peak; the peak is the largest phase total; "
+         "the dominant object is the largest object of the peak phase.", (SEED_004,)),
+    ]
+    if method == "quick":
+        rows.append(("Total = N·P + 2·N·P + max(2·N·P, A·B·L·P), A = 4.6894e-4·N + 1.8494e6 (N parameters, "
+                     "P bytes per value, B micro-batch, L sequence length).", (SEED_000,)))
+    else:
+        rows += [
+            ("Weights N·4 B (fp32), N·6 B (mixed: fp32 master + 16-bit compute copy of the matmul weights), "
+             "N·2 B (bf16); gradients in the weight dtype.", (SEED_002,)),
+            ("Adam/AdamW state 8 B/param in fp32 (exp_avg + exp_avg_sq); 8-bit AdamW ≈ 2 B/param.", (SEED_002,)),
+            ("AdamW step temporaries: foreach ≈ 1× the parameters, single-tensor ≈ max over tensors of "
+             "size[i−1] + 2·size[i], fused ≈ 0.", (SEED_001, MEMCALC)),
+            ("Activations: the tensors autograd saves, counted per op of the actual block (SDPA keeps q, k, v, the "
+             "output and a logsumexp; eager attention adds B·heads·L² scores); for a GPT-3 block this reduces to "
+             "sbh(34 + 5as/h).", (KORTHIKANTI, MEMCALC)),
+            ("Loss: B·L·V logits in the compute dtype, an fp32 copy and the log-softmax kept for backward.",
+             (MEMCALC,)),
+        ]
+        if s.checkpointing == "full":
+            rows.append(("Full checkpointing keeps each layer’s input (B·L·h) and recomputes the block in backward "
+                         "(seed 003: 40–60 % less activation memory).", (SEED_003,)))
+    rows += [
+        ("Effective batch = micro-batch × accumulation steps; only the micro-batch moves activations; with "
+         "accumulation the gradients live through forward and backward.", (SEED_004,)),
+        ("Tensor peak = parameters + gradients + optimizer state and temporaries + activations + temporaries + "
+         "inputs (what torch.cuda.max_memory_allocated reports).", (SEED_001, SEED_000)),
+        (f"CUDA context: a fixed {format_bytes(s.cuda_context_bytes)} outside PyTorch (1.35–1.64 GB measured with "
+         "older CUDA; lazy loading needs less).", (SEED_001,)),
+        (f"Allocator reserve = {s.allocator_reserve:.0%} × the phase’s tensor bytes (fragmentation 5–20 %).",
+         (SEED_003,)),
+        ("Largest micro-batch: exponential, then binary search on this estimate (the peak never decreases with "
+         "the micro-batch).", (SEED_004, MEMCALC)),
+    ]
+    if measured:
+        rows.append(("Error = (estimate − measured) / measured, per phase; three signals compare the estimate with "
+                     "allocated, reserved and the capacity.", (SEED_004, SEED_001)))
+    return rows
+
+
+def build_content(result: Result, *, measurement: MeasureResult | None = None,
+                  modules: Sequence[tuple[str, int]] | None = None, notes: Sequence[str] = (),
+                  when: datetime | None = None) -> ReportContent:
+    """The report of ``result`` (and of a measurement or a trace's per-module breakdown, when given)."""
+    setup, est, v = result.setup, result.estimate, result.verdict
+    when = when or datetime.now().astimezone()
+    model = setup.model.name if setup.model is not None and setup.model.name else (
+        "config.json model" if setup.model is not None else f"{format_count(setup.num_params)} parameters")
+    title = f"GPU memory report: {model}"
+    subtitle = (f"Micro-batch {setup.batch} × sequence {setup.seq:,} × accumulation {setup.grad_accum}, "
+                f"{setup.precision}, {setup.optimizer} — "
+                + (f"on {gpu_label(result)}" if setup.capacity_bytes is not None else "no GPU chosen"))
+    ledger = _ledger_table(result)
+    suggestions, suggestions_note = _suggestions_table(result)
+    modules_table, modules_note = _modules_table(modules or [])
+
+    assumption_rows = [Row((a, "; ".join(sources_for(a)))) for a in (*notes, *est.assumptions)]
+    assumptions = Table(("Assumption", "Source"), tuple(assumption_rows), widths=(76, 24))
+    formula_rows = [Row((text, "; ".join(keys))) for text, keys in _formulas(result, measurement is not None)]
+    formulas = Table(("Formula", "Source"), tuple(formula_rows), widths=(76, 24))
+    cited = {k for r in (*assumption_rows, *formula_rows) for k in r.cells[1].split("; ")}
+    references = tuple((k, SOURCES[k]) for k in SOURCES if k in cited)
+
+    measured_peaks: dict[str, int] = {}
+    measured_reference: dict[str, int] = {}
+    measured_label = ""
+    measurement_section = None
+    caption = "Memory per phase, stacked by object (GiB); the outlined bar is the peak" + (
+        ", the dashed line the GPU capacity." if setup.capacity_bytes is not None else ".")
+    if measurement is not None:
+        measurement_section = _measurement_section(measurement)
+        if same_tensors(measurement.requested, setup) and measurement.phases and not measurement.oom:
+            measured_peaks = {p: r.peak_bytes for p, r in measurement.phases.items() if p in PHASES}
+            where = measurement.device.name if measurement.device.kind == "cuda" else "CPU"
+            measured_label = f"Measured ({where}{', scaled-down setup' if measurement.scaled else ''})"
+            if measurement.scaled:
+                measured_reference = {p: measurement.estimate.estimate.phases[p].tensor_bytes
+                                      for p in measured_peaks}
+                caption += (" Diamonds: measured tensor peaks of the scaled-down setup, on narrow dashed bars "
+                            "that are its estimate.")
+            else:
+                caption += " Diamonds: measured tensor peaks (allocated), drawn above the CUDA context."
+        else:
+            measurement_section = MeasurementSection(
+                measurement_section.device, measurement_section.headline,
+                ("This measurement is of a different setup than the estimate above.", *measurement_section.notes),
+                measurement_section.table, measurement_section.signals, measurement_section.extra)
+    return ReportContent(
+        title=title,
+        subtitle=subtitle,
+        date=when.strftime("%Y-%m-%d %H:%M %Z").strip(),
+        version=__version__,
+        method=est.method,
+        fits=v.fits,
+        headline=result.headline(),
+        verdict=tuple(_verdict_rows(result)),
+        setup=tuple(_setup_rows(result)),
+        ledger=ledger,
+        suggestions=suggestions,
+        suggestions_note=suggestions_note,
+        measurement=measurement_section,
+        modules=modules_table,
+        modules_note=modules_note,
+        assumptions=assumptions,
+        formulas=formulas,
+        units=UNITS_TEXT,
+        references=references,
+        notes=tuple(notes),
+        chart_caption=caption,
+        measured_peaks=measured_peaks,
+        measured_reference=measured_reference,
+        measured_label=measured_label,
+    )
+
