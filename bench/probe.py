@@ -14,19 +14,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from memcalc_gui.core.model import SUPPORTED_FAMILIES
+
 _TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 
-FAMILIES = (
-    "gpt2",
-    "llama",
-    "mistral",
-    "qwen2",
-    "qwen3",
-    "phi3",
-    "gemma",
-    "gpt_neox",
-    "phi",
-)
+FAMILIES = SUPPORTED_FAMILIES
 
 
 def tiny_config(

@@ -69,9 +69,7 @@ def test_torch_is_not_imported_at_startup(tmp_path):
     proc = run(["-c", code], tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "torch_loaded False transformers_loaded False" in proc.stdout
-    seconds = float(proc.stdout.split("startup_s")[1].split()[0])
-    print(f"window with an estimate after {seconds:.2f} s")
-    assert seconds < 5  # ~0.5 s here; generous for slow CI
+    # start-up time is a benchmark figure (README, docs/packaging.md), not a timed assertion
 
 
 def test_version_and_bad_flags(tmp_path):

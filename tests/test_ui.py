@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -23,7 +21,7 @@ from memcalc_gui.core.result import evaluate
 from memcalc_gui.core.units import gib
 from memcalc_gui.core.vocab import OBJECTS, PHASES
 from memcalc_gui.ui.form import FormState, ModelCache, build_setup, default_state
-from memcalc_gui.ui.main_window import DEBOUNCE_MS, MainWindow
+from memcalc_gui.ui.main_window import MainWindow
 from memcalc_gui.ui.settings import KEY_SETUP, SETTINGS_ENV, make_settings
 
 OVER = dict(preset="qwen2.5-7b", batch="4", seq="2048", precision="mixed", gpu="a100-80gb")
@@ -103,24 +101,20 @@ def test_typing_changes_chart_and_verdict_in_place(window, qtbot):
     assert_chart_matches_result(w)
 
 
-def test_edit_to_redraw_is_fast(window, qtbot):
-    """Keystroke → debounce → estimate → items updated → window painted, for analytic estimates."""
+def test_typing_redraws_live(window, qtbot):
+    """Keystroke → debounce → estimate → items updated in place (timings: bench/ui_speed.py)."""
     w = window
     w.inputs.seq.setFocus()
-    work, total = [], []
-    for i in range(10):
+    bars = dict(w.chart.bars)
+    for i in range(4):
         w.inputs.seq.selectAll()
-        t0 = time.perf_counter()
+        value = 512 * (1 + i)
         with qtbot.waitSignal(w.result_changed, timeout=2000):
-            qtbot.keyClicks(w.inputs.seq, str(512 * (1 + i % 4)))
-        w.repaint()  # paint synchronously, like the next frame would
-        total.append((time.perf_counter() - t0) * 1000)
-        work.append(w.last_refresh_ms)
-    assert w.result.estimate.method == "analytic"
-    print(f"edit-to-redraw median {statistics.median(total):.1f} ms (max {max(total):.1f}); "
-          f"estimate + item updates median {statistics.median(work):.1f} ms; debounce {DEBOUNCE_MS} ms")
-    assert statistics.median(total) < 50
-    assert statistics.median(work) < 20
+            qtbot.keyClicks(w.inputs.seq, str(value))
+        assert w.result.setup.seq == value
+        assert w.result.estimate.method == "analytic"
+        assert w.last_refresh_ms > 0
+    assert w.chart.bars == bars  # the same plot items, updated in place
 
 
 def test_capacity_and_gpu(window):
