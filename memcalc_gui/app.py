@@ -11,14 +11,160 @@ torch is never imported here: the window opens in well under a second.
 from __future__ import annotations
 
 import argparse
+import datetime
+import os
 import sys
+import threading
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from . import __version__
 
 SMOKE_OK = "memcalc-gui smoke ok"
 SCREENSHOT_SIZE = (1360, 880)
+
+# ---------------------------------------------------------------------------------------------- uncaught errors
+#: Set to a folder to write the error log there instead of the user's log directory (tests, CI, portable use).
+LOG_ENV = "MEMCALC_LOG_DIR"
+LOG_NAME = "memcalc-gui.log"
+
+
+class _Crashes:
+    """Uncaught errors seen while :func:`main` runs (any thread)."""
+
+    scripted = True  # --smoke-test / --screenshot (or not decided yet): no dialog, the exit status says it
+    errors: list[str] = []  # noqa: RUF012
+    bridge: Any = None  # QObject in the GUI thread that shows the dialog (signals cross threads)
+    box: Any = None  # the dialog on screen, reused while it is open
+
+
+def log_dir() -> Path:
+    """``QStandardPaths.AppLocalDataLocation/logs`` (``MEMCALC_LOG_DIR`` overrides).
+
+    Linux ``~/.local/share/memcalc/memcalc/logs``, macOS ``~/Library/Application Support/memcalc/memcalc/logs``,
+    Windows ``%LOCALAPPDATA%\\memcalc\\memcalc\\logs``.
+    """
+    override = os.environ.get(LOG_ENV)
+    if override:
+        return Path(override).expanduser()
+    try:
+        from PySide6.QtCore import QCoreApplication, QStandardPaths
+
+        if not QCoreApplication.organizationName():
+            QCoreApplication.setOrganizationName("memcalc")
+        if QCoreApplication.instance() is None or not QCoreApplication.applicationName():
+            QCoreApplication.setApplicationName("memcalc")
+        location = QStandardPaths.writableLocation(QStandardPaths.StandardLocation.AppLocalDataLocation)
+        if location:
+            return Path(location) / "logs"
+    except Exception:  # the fallback below is the same place, computed by hand
+        pass
+    if sys.platform == "win32":
+        base = Path(os.environ.get("LOCALAPPDATA") or Path.home() / "AppData" / "Local")
+    elif sys.platform == "darwin":
+        base = Path.home() / "Library" / "Application Support"
+    else:
+        base = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share")
+    return base / "memcalc" / "memcalc" / "logs"
+
+
+def _write_log(text: str) -> Path | None:
+    try:
+        folder = log_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / LOG_NAME
+        if path.is_file() and path.stat().st_size > 1_000_000:
+            path.replace(path.with_name(LOG_NAME + ".1"))
+        build = "frozen" if getattr(sys, "frozen", False) else "python"
+        stamp = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+        with path.open("a", encoding="utf-8") as fh:
+            fh.write(f"=== {stamp} memcalc-gui {__version__} ({build}, {sys.platform}) pid {os.getpid()}\n{text}\n")
+        return path
+    except OSError:
+        return None
+
+
+def _report_uncaught(exc_type: Any, exc: Any, tb: Any, thread: str | None = None, fatal: bool = False) -> None:
+    """Log an uncaught error, print it, and show it in a dialog (never a silent exit)."""
+    if exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
+        sys.__excepthook__(exc_type, exc, tb)
+        return
+    where = f" in thread {thread!r}" if thread else ""
+    text = f"uncaught error{where}:\n" + "".join(traceback.format_exception(exc_type, exc, tb))
+    _Crashes.errors.append(text)
+    path = _write_log(text)
+    note = f"details written to {path}" if path else f"could not write the log in {log_dir()}"
+    if sys.stderr is not None:  # None in a windowed (no console) frozen app on Windows/macOS
+        try:
+            sys.stderr.write(f"memcalc-gui: {text}memcalc-gui: {note}\n")
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
+    if _Crashes.scripted:
+        return
+    summary = f"{exc_type.__name__}: {exc}" if exc_type is not None else "unknown error"
+    if fatal:
+        _crash_dialog(summary, text, note, fatal=True)
+    elif _Crashes.bridge is not None:
+        _Crashes.bridge.raised.emit(summary, text, note)  # queued to the GUI thread when raised elsewhere
+
+
+def _excepthook(exc_type: Any, exc: Any, tb: Any) -> None:
+    _report_uncaught(exc_type, exc, tb)
+
+
+def _thread_excepthook(args: threading.ExceptHookArgs) -> None:
+    if args.exc_type is SystemExit:
+        return
+    name = args.thread.name if args.thread is not None else None
+    _report_uncaught(args.exc_type, args.exc_value, args.exc_traceback, thread=name or "?")
+
+
+def _crash_dialog(summary: str, details: str, note: str, fatal: bool = False) -> None:
+    """The error dialog (GUI thread only): non-modal while the window runs, modal before a fatal exit."""
+    try:
+        from PySide6.QtWidgets import QApplication, QMessageBox
+
+        app = QApplication.instance()
+        if app is None and fatal:
+            app = QApplication([sys.argv[0] if sys.argv else "memcalc-gui"])
+        if app is None or QApplication.platformName() in ("offscreen", "minimal"):
+            return
+        box = _Crashes.box
+        if box is not None and box.isVisible():  # one dialog at a time: count the rest
+            box.setInformativeText(f"{len(_Crashes.errors)} errors so far; {note}.")
+            return
+        box = QMessageBox(QMessageBox.Icon.Critical, "memcalc — unexpected error",
+                          f"memcalc hit an unexpected error:\n{summary}" + (
+                              "\n\nmemcalc has to close." if fatal else
+                              "\n\nThe window keeps running, but results may be stale; restarting is safest."))
+        box.setInformativeText(f"{note}.")
+        box.setDetailedText(details)
+        if fatal:
+            box.exec()
+        else:
+            _Crashes.box = box
+            box.open()
+    except Exception:  # the error is already logged and printed; never fail while reporting
+        pass
+
+
+def _install_crash_bridge(app: Any) -> None:
+    """A GUI-thread object whose signal shows the dialog, so errors from worker threads reach it safely."""
+    from PySide6.QtCore import QObject, Signal, Slot
+
+    class CrashBridge(QObject):
+        raised = Signal(str, str, str)
+
+        @Slot(str, str, str)
+        def show_dialog(self, summary: str, details: str, note: str) -> None:
+            _crash_dialog(summary, details, note)
+
+    bridge = CrashBridge(app)
+    bridge.raised.connect(bridge.show_dialog)  # a bound slot of a GUI-thread object: queued from other threads
+    _Crashes.bridge = bridge
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,7 +244,7 @@ def create_application(argv: Sequence[str] | None = None):  # -> QApplication
     app.setOrganizationName(ORGANIZATION)
     app.setApplicationName(APPLICATION)
     app.setApplicationVersion(__version__)
-    app.setDesktopFileName("memcalc-gui")
+    app.setDesktopFileName("memcalc")
     register_fonts(app)
     app.setWindowIcon(app_icon())
     return app
@@ -121,17 +267,39 @@ def screenshot(window, path: str | Path, size: tuple[int, int] = SCREENSHOT_SIZE
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the window or a scripted mode; uncaught errors (any thread) are logged to :func:`log_dir`, printed,
+    and shown in a dialog — and make ``--smoke-test`` / ``--screenshot`` exit 1."""
+    previous = sys.excepthook, threading.excepthook
+    sys.excepthook, threading.excepthook = _excepthook, _thread_excepthook
+    _Crashes.scripted, _Crashes.errors, _Crashes.bridge, _Crashes.box = True, [], None, None
+    try:
+        status = _main(argv)
+    except Exception:
+        _report_uncaught(*sys.exc_info(), fatal=True)
+        return 1
+    finally:
+        sys.excepthook, threading.excepthook = previous
+    if _Crashes.errors and _Crashes.scripted:
+        print(f"memcalc-gui: FAILED: {len(_Crashes.errors)} uncaught error(s), see {log_dir() / LOG_NAME}",
+              file=sys.stderr)
+        return 1
+    return status
+
+
+def _main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, qt_args = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
     unknown = [a for a in qt_args if a.startswith("--")]
     if unknown:  # Qt's own options have one dash (-platform, -style); a typo of ours should not pass silently
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    _Crashes.scripted = bool(args.screenshot or args.smoke_test)
     try:
         initial = _state_from_args(args)
     except SystemExit as exc:
         print(exc, file=sys.stderr)
         return 2
     app = create_application(qt_args)
+    _install_crash_bridge(app)
 
     from .ui.main_window import MainWindow
 

@@ -1,0 +1,5 @@
+"""PyInstaller entry point of the ``memcalc`` executable (the command line)."""
+
+from memcalc_gui.cli import main
+
+raise SystemExit(main())
