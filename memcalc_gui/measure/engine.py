@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .. import install_hint
 from ..core.errors import InputError, MemcalcError
 from ..core.model import spec_from_config
 from ..core.reconcile import reconcile
@@ -176,7 +177,7 @@ def _import_torch() -> Any:
     try:
         import torch
     except ImportError:
-        raise MeasureError("measuring needs PyTorch: pip install 'memcalc-gui[measure]'") from None
+        raise MeasureError(f"measuring needs PyTorch: {install_hint()}") from None
     return torch
 
 
@@ -333,8 +334,7 @@ def measure(
     except MemcalcError:
         raise
     except ImportError as exc:
-        raise MeasureError(f"measuring needs transformers to build the model: pip install 'memcalc-gui[measure]' "
-                           f"({exc})") from None
+        raise MeasureError(f"measuring needs transformers to build the model: {install_hint()} ({exc})") from None
     finally:
         gc.collect()
     result.seconds = time.perf_counter() - t0

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import install_hint
 from ..core.errors import InputError, MemcalcError
 from ..core.estimate import estimate
 from ..core.ledger import Estimate, with_overheads
@@ -106,7 +107,7 @@ def trace_estimate(
             raise InputError("model", "the trace needs an architecture: a preset or a config.json")
         config = dict(setup.model.raw)
     if not trace_available():
-        raise TraceError("the trace needs PyTorch and transformers: pip install 'memcalc-gui[measure]'")
+        raise TraceError(f"the trace needs PyTorch and transformers: {install_hint()}")
     cfg = {k: v for k, v in config.items() if not k.startswith("_")}
     if not isinstance(cfg.get("model_type"), str):
         raise InputError("model_type", "missing from config.json")
