@@ -263,6 +263,72 @@ def test_measurement_and_trace_sections(fits, tmp_path):
     assert QImage(str(png)).width() == 1600
 
 
+# ---- multi-GPU and trace --------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def distributed() -> Result:
+    """The brief's distributed case: llama-3.1-70b, seq 4096, full checkpointing, 32 GPUs ZeRO-3 on H100s."""
+    from memcalc_gui.core.distributed import Parallelism
+
+    return evaluate(setup_on("llama-3.1-70b", "h100-80gb", batch=1, seq=4096, checkpointing="full",
+                             parallel=Parallelism(gpus=32, strategy="zero3")))
+
+
+def test_distributed_content_says_per_gpu_and_has_the_plan(distributed):
+    from memcalc_gui.core.distributed import PREFERENCE
+
+    content = build_content(distributed)
+    assert content.per_gpu.startswith("32 × NVIDIA H100 80GB HBM3, ZeRO-3")
+    assert "per GPU" in content.headline and "per GPU" in content.subtitle
+    verdict = dict(content.verdict)
+    assert verdict["Peak"].startswith(f"{format_bytes(distributed.estimate.peak_bytes)} per GPU")
+    assert verdict["GPU"].startswith("32 × NVIDIA H100")
+    setup = dict(content.setup)
+    assert setup["Strategy"].startswith("ZeRO-3") and setup["GPUs"].startswith("32")
+    assert setup["Offload"] == "none"
+    plan = distributed.plan
+    assert content.plan is not None and len(content.plan.rows) == len(PREFERENCE)
+    best = [r for r in content.plan.rows if r.highlight]
+    assert len(best) == 1 and best[0].cells[0].startswith("ZeRO-3") and best[0].cells[1] == str(plan.min_gpus["zero3"])
+    assert any("Best strategy with 32 GPUs: ZeRO-3" in n for n in content.plan_notes)
+    cited = {k for k, _ in content.references}
+    assert {"ZeRO 2020", "DeepSpeed", "PyTorch FSDP"} <= cited
+    for table in (content.assumptions, content.formulas):
+        for row in table.rows:
+            assert all(k in SOURCES for k in row.cells[1].split("; ")), row
+
+
+@needs_poppler
+def test_distributed_pdf_and_png_say_per_gpu_strategy_and_host_memory(distributed, tmp_path):
+    from memcalc_gui.core.distributed import Parallelism
+
+    one = flat(pdf_text(export_report(distributed, tmp_path / "dist.pdf", page="a4")))
+    for text in ("per GPU", "Memory per GPU per phase", "ZeRO-3 (+ parameters sharded)", "GPU plan", "Fewest GPUs",
+                 "FSDP FULL_SHARD", "Best strategy with 32 GPUs: ZeRO-3", "Rajbhandari"):
+        assert text in one, text
+    offloaded = evaluate(distributed.setup.with_changes(parallel=Parallelism(gpus=16, strategy="zero3",
+                                                                             offload="optimizer")))
+    host = format_bytes(offloaded.estimate.details["host_bytes"])
+    one = flat(pdf_text(export_report(offloaded, tmp_path / "offload.pdf", page="a4")))
+    assert f"{host} per node" in one and "optimizer state offloaded to the CPU" in one
+    png = export_report(offloaded, tmp_path / "offload.png")
+    assert QImage(str(png)).width() == 1600
+
+
+@needs_poppler
+def test_trace_result_report_lists_modules_and_the_difference(fits, tmp_path):
+    import dataclasses
+
+    est = dataclasses.replace(fits.estimate, method="trace")
+    traced = Result(est, fits.verdict)
+    modules = [("model.layers.*.mlp.gate_proj", 3 * 2**20), ("loss and logits (Qwen2ForCausalLM)", 2**20)]
+    path = export_report(traced, tmp_path / "trace.pdf", page="a4", modules=modules,
+                         notes=["Trace vs analytic, tensor bytes per phase (traced in 1.0 s): Load +0.0 %"])
+    one = flat(pdf_text(path))
+    assert "method trace" in one and "Per-module breakdown (trace)" in one
+    assert "model.layers.*.mlp.gate_proj" in one and "75.0 %" in one
+    assert "Trace vs analytic" in one
+
+
 # ---- failures -------------------------------------------------------------------------------------
 def test_bad_extension_page_and_modules_are_input_errors(over, tmp_path):
     for name in ("report.txt", "report", "report.pdf.bak"):

@@ -14,11 +14,24 @@ from datetime import datetime
 from typing import TYPE_CHECKING
 
 from .. import __version__
+from ..core.distributed import STRATEGY_LABELS
 from ..core.result import Result
 from ..core.setup import PRECISION_LABELS, TrainingSetup, gpu_presets
 from ..core.solver import MAX_SEARCH_BATCH
 from ..core.units import format_bytes, format_count
 from ..core.vocab import OBJECT_LABELS, OBJECTS, PHASE_LABELS, PHASES
+from ..ui.plan_text import (
+    BEST_MARK,
+    OFFLOAD_TEXT,
+    host_bytes,
+    host_text,
+    is_per_gpu,
+    parallel_label,
+    per_gpu_headline,
+    plan_rows,
+    plan_sentences,
+    strategy_text,
+)
 
 if TYPE_CHECKING:  # the measurement engine is optional input; never import torch here
     from ..measure.engine import MeasureResult
@@ -30,6 +43,10 @@ SEED_002 = "seed 002"
 SEED_003 = "seed 003"
 SEED_004 = "seed 004"
 KORTHIKANTI = "Korthikanti 2022"
+ZERO = "ZeRO 2020"
+DEEPSPEED = "DeepSpeed"
+FSDP = "PyTorch FSDP"
+DDP = "PyTorch DDP"
 MEMCALC = "memcalc"
 
 SOURCES: dict[str, str] = {
@@ -45,6 +62,15 @@ SOURCES: dict[str, str] = {
               "candidate peak, micro-batch vs accumulation, estimate vs allocated / reserved / capacity.",
     KORTHIKANTI: "Korthikanti et al. 2022, “Reducing Activation Recomputation in Large Transformer Models” "
                  "(arXiv:2205.05198) — activations per layer sbh(34 + 5as/h) for GPT-3 blocks.",
+    ZERO: "Rajbhandari et al. 2020, “ZeRO: Memory Optimizations Toward Training Trillion Parameter Models” "
+          "(arXiv:1910.02054) — model states (2 + 2 + K)Ψ per GPU and their partitioning in stages 1–3.",
+    DEEPSPEED: "DeepSpeed, estimate_zero2_model_states_mem_needs and estimate_zero3_model_states_mem_needs "
+               "(deepspeed/runtime/zero/stage_1_and_2.py, stage3.py) — fp32 gradient partitions, reduce "
+               "buckets, the largest layer gathered (4·L), host memory × 1.5 buffer factor.",
+    FSDP: "PyTorch documentation, FullyShardedDataParallel — sharding strategies FULL_SHARD, SHARD_GRAD_OP, "
+          "HYBRID_SHARD, MixedPrecision, CPUOffload; limit_all_gathers keeps at most two units gathered.",
+    DDP: "PyTorch documentation, DistributedDataParallel — gradient buckets (bucket_cap_mb = 25, "
+         "gradient_as_bucket_view = False keeps a second copy of every gradient).",
     MEMCALC: "memcalc’s own measurements — a live-storage tracker on CPU, exact to the byte against the PyTorch "
              "profiler (tests/test_analytic_vs_measured.py).",
 }
@@ -78,6 +104,10 @@ _KEYWORD_SOURCES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Adafactor", (SEED_002,)),
     ("Lion", (SEED_002,)),
     ("full gradient checkpointing", (SEED_003,)),
+    ("ZeRO", (ZERO, DEEPSPEED)),
+    ("FSDP", (FSDP,)),
+    ("DDP", (DDP,)),
+    ("largest unit gathered", (DEEPSPEED, FSDP)),
 )
 
 
@@ -149,13 +179,21 @@ class ReportContent:
     measured_peaks: dict[str, int] = field(default_factory=dict)
     measured_reference: dict[str, int] = field(default_factory=dict)
     measured_label: str = ""
+    #: A distributed setup: the parallelism in words (every ledger number is per GPU); "" for one GPU.
+    per_gpu: str = ""
+    plan: Table | None = None
+    plan_notes: tuple[str, ...] = ()
+    host: str = ""
 
     def plain_text(self) -> str:
         """Everything as text (tests, and a fallback for a reader without PDF support)."""
         out = [self.title, self.subtitle, f"{self.date} · memcalc {self.version}", self.headline]
         out += [f"{k}: {v}" for k, v in self.verdict]
         out += [f"{k}: {v}" for k, v in self.setup]
-        tables = [self.ledger, self.suggestions, self.modules, self.assumptions, self.formulas]
+        out += list(self.plan_notes)
+        if self.host:
+            out.append(self.host)
+        tables = [self.ledger, self.suggestions, self.plan, self.modules, self.assumptions, self.formulas]
         if self.measurement is not None:
             tables.append(self.measurement.table)
             out += list(self.measurement.signals)
@@ -228,6 +266,16 @@ def _setup_rows(result: Result) -> list[tuple[str, str]]:
                             "to PyTorch"))
     else:
         rows.append(("GPU", "none chosen (no verdict)"))
+    par = s.parallel
+    rows.append(("GPUs", f"{par.gpus:,}" + (" — the ledger, the chart and the verdict are per GPU"
+                                             if par.is_distributed else "")))
+    if par.is_distributed:
+        rows.append(("Strategy", STRATEGY_LABELS.get(par.strategy, par.strategy)))
+        rows.append(("Offload", "none" if par.offload == "none" else OFFLOAD_TEXT[par.offload]))
+        if par.strategy == "fsdp-hybrid" or par.offload != "none":
+            rows.append(("GPUs per node", f"{par.node_size:,}"))
+        if par.offload != "none":
+            rows.append(("Host memory", f"{format_bytes(host_bytes(result))} per node for the offloaded state"))
     rows += [
         ("CUDA context", f"{format_bytes(s.cuda_context_bytes)} outside PyTorch"),
         ("Allocator reserve", f"{s.allocator_reserve:.0%} of the tensor bytes of each phase"),
@@ -255,12 +303,16 @@ def _verdict_rows(result: Result) -> list[tuple[str, str]]:
     largest micro-batch that fits (right column)."""
     est, v = result.estimate, result.verdict
     peak = PHASE_LABELS[est.peak_phase]
+    each = " per GPU" if is_per_gpu(result) else ""
+    gpu = gpu_label(result)
+    if is_per_gpu(result):
+        gpu = f"{result.setup.parallel.gpus:,} × {gpu}, {strategy_text(result.setup)}"
     rows = [
-        ("Peak", f"{format_bytes(est.peak_bytes)} in the {peak.lower()} phase"),
+        ("Peak", f"{format_bytes(est.peak_bytes)}{each} in the {peak.lower()} phase"),
         ("Largest object", f"{OBJECT_LABELS[est.dominant_object]} "
                            f"({format_bytes(est.peak.objects[est.dominant_object])})"),
-        ("GPU", gpu_label(result)),
-        ("Tensor peak", f"{format_bytes(est.peak_tensor_bytes)} (allocated)"),
+        ("GPU", gpu),
+        ("Tensor peak", f"{format_bytes(est.peak_tensor_bytes)}{each} (allocated)"),
     ]
     if v.capacity_bytes is not None and v.headroom_bytes is not None:
         if v.headroom_bytes >= 0:
@@ -270,7 +322,19 @@ def _verdict_rows(result: Result) -> list[tuple[str, str]]:
     else:
         rows.append(("Headroom", "— (no GPU)"))
     rows.append(("Largest micro-batch that fits", _max_batch_text(result)))
+    if result.setup.parallel.offload != "none":
+        rows.append(("Host memory", f"{format_bytes(host_bytes(result))} per node (offload)"))
     return rows
+
+
+def _plan_table(result: Result) -> Table | None:
+    rows = plan_rows(result)
+    if not rows:
+        return None
+    gpus = result.setup.parallel.gpus
+    return Table(("Strategy", "Fewest GPUs", f"Peak per GPU with {gpus:,}", "Result"),
+                 tuple(Row(r, highlight=r[0].endswith(BEST_MARK)) for r in rows),
+                 align={1: "right", 2: "right"}, widths=(40, 18, 24, 18))
 
 
 def _ledger_table(result: Result) -> Table:
@@ -377,7 +441,8 @@ def _modules_table(modules: Sequence[tuple[str, int]]) -> tuple[Table | None, st
         rows.append(Row((f"{len(rest):,} more modules", format_bytes(n_rest),
                          f"{n_rest / total * 100:.1f} %" if total else "—")))
     rows.append(Row(("Total", format_bytes(total), "100.0 %" if total else "—"), strong=True))
-    note = f"{len(items):,} modules from the trace, largest first."
+    note = (f"{len(items):,} modules from the trace, largest first: the activations each holds at the forward "
+            "peak (repeated layers summed as layers.*); shares are of the modules listed.")
     return Table(("Module", "Memory", "Share"), tuple(rows), align={1: "right", 2: "right"},
                  widths=(64, 20, 16)), note
 
@@ -408,6 +473,21 @@ def _formulas(result: Result, measured: bool) -> list[tuple[str, tuple[str, ...]
         if s.checkpointing == "full":
             rows.append(("Full checkpointing keeps each layer’s input (B·L·h) and recomputes the block in backward "
                          "(seed 003: 40–60 % less activation memory).", (SEED_003,)))
+    if s.parallel.is_distributed:
+        rows += [
+            ("Per GPU, mixed precision + Adam: DDP keeps (2 + 2 + K)Ψ with K = 12 on every GPU; ZeRO-1 2Ψ + 2Ψ + "
+             "KΨ/N, ZeRO-2 2Ψ + (2 + K)Ψ/N, ZeRO-3 (2 + 2 + K)Ψ/N (Ψ parameters, N GPUs); activations stay those "
+             "of one micro-batch.", (ZERO,)),
+            ("DeepSpeed's engines add an fp32 gradient partition (4Ψ/N), a reduce bucket of up to 5e8 elements "
+             "(stage 2) and the largest layer gathered (stage 3: 18Ψ/N + 4·L); offloaded state needs host memory "
+             "× GPUs per node × 1.5.", (DEEPSPEED,)),
+            ("FSDP FULL_SHARD shards fp32 flat parameters, gradients and optimizer state over N and gathers the "
+             "root unit and at most two units; SHARD_GRAD_OP keeps parameters gathered from forward to backward; "
+             "HYBRID_SHARD shards within a node. CPUOffload moves the shards and the step to the host.", (FSDP,)),
+            ("Fewest GPUs per strategy: binary search on the GPU count (the per-GPU peak never grows with more "
+             "GPUs); best strategy: the least communication that fits (DDP, ZeRO-1, ZeRO-2, FSDP shard-grad-op, "
+             "hybrid, ZeRO-3, FSDP full shard).", (MEMCALC, ZERO)),
+        ]
     rows += [
         ("Effective batch = micro-batch × accumulation steps; only the micro-batch moves activations; with "
          "accumulation the gradients live through forward and backward.", (SEED_004,)),
@@ -435,9 +515,14 @@ def build_content(result: Result, *, measurement: MeasureResult | None = None,
     model = setup.model.name if setup.model is not None and setup.model.name else (
         "config.json model" if setup.model is not None else f"{format_count(setup.num_params)} parameters")
     title = f"GPU memory report: {model}"
+    per_gpu = parallel_label(setup) if is_per_gpu(result) else ""
+    where = f"on {gpu_label(result)}" if setup.capacity_bytes is not None else "no GPU chosen"
+    if per_gpu:
+        n = setup.parallel.gpus
+        gpus = f"{n:,} × {gpu_label(result)}" if setup.capacity_bytes is not None else f"{n:,} GPUs"
+        where = f"per GPU on {gpus}, {strategy_text(setup)}"
     subtitle = (f"Micro-batch {setup.batch} × sequence {setup.seq:,} × accumulation {setup.grad_accum}, "
-                f"{setup.precision}, {setup.optimizer} — "
-                + (f"on {gpu_label(result)}" if setup.capacity_bytes is not None else "no GPU chosen"))
+                f"{setup.precision}, {setup.optimizer} — {where}")
     ledger = _ledger_table(result)
     suggestions, suggestions_note = _suggestions_table(result)
     modules_table, modules_note = _modules_table(modules or [])
@@ -453,7 +538,8 @@ def build_content(result: Result, *, measurement: MeasureResult | None = None,
     measured_reference: dict[str, int] = {}
     measured_label = ""
     measurement_section = None
-    caption = "Memory per phase, stacked by object (GiB); the outlined bar is the peak" + (
+    caption = ("Memory per GPU per phase" if per_gpu else "Memory per phase") + \
+        ", stacked by object (GiB); the outlined bar is the peak" + (
         ", the dashed line the GPU capacity." if setup.capacity_bytes is not None else ".")
     if measurement is not None:
         measurement_section = _measurement_section(measurement)
@@ -480,7 +566,7 @@ def build_content(result: Result, *, measurement: MeasureResult | None = None,
         version=__version__,
         method=est.method,
         fits=v.fits,
-        headline=result.headline(),
+        headline=per_gpu_headline(result),
         verdict=tuple(_verdict_rows(result)),
         setup=tuple(_setup_rows(result)),
         ledger=ledger,
@@ -498,5 +584,9 @@ def build_content(result: Result, *, measurement: MeasureResult | None = None,
         measured_peaks=measured_peaks,
         measured_reference=measured_reference,
         measured_label=measured_label,
+        per_gpu=per_gpu,
+        plan=_plan_table(result),
+        plan_notes=tuple(plan_sentences(result)),
+        host=host_text(result),
     )
 

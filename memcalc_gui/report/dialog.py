@@ -16,6 +16,7 @@ from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QApplication, QFileDialog, QMessageBox, QWidget
 
 from ..core.errors import MemcalcError
+from ..core.vocab import PHASE_LABELS
 from .export import FORMATS, ReportFile, write_report
 
 KEY_LAST_FOLDER = "report/last_folder"
@@ -79,11 +80,33 @@ def current_measurement(window: QWidget) -> Any:
     return result
 
 
-def current_modules(window: QWidget) -> list[tuple[str, int]] | None:
-    """A trace's per-module breakdown, when the window has one (a later issue adds the trace)."""
+def _drawn_trace(window: QWidget) -> Any:
+    """The window's TraceResult when the drawn result is that trace (None otherwise)."""
     trace = getattr(window, "trace_result", None)
-    modules = getattr(trace, "modules", None)
+    result = getattr(window, "result", None)
+    if trace is None or result is None or result.estimate.method != "trace":
+        return None
+    if getattr(trace, "estimate", None) is not result.estimate:
+        return None
+    return trace
+
+
+def current_modules(window: QWidget) -> list[tuple[str, int]] | None:
+    """The per-module breakdown of the trace drawn in the window (None when the analytic result is drawn)."""
+    modules = getattr(_drawn_trace(window), "modules", None)
     return list(modules) if modules else None
+
+
+def current_notes(window: QWidget) -> list[str]:
+    """For a drawn trace: how it differs from the analytic estimate, per phase (a note in the report)."""
+    trace = _drawn_trace(window)
+    if trace is None:
+        return []
+    diffs = trace.difference_pct()
+    if not diffs:
+        return []
+    phases = ", ".join(f"{PHASE_LABELS[p]} {round(d, 1) or 0.0:+.1f} %" for p, d in diffs.items())
+    return [f"Trace vs analytic, tensor bytes per phase (traced in {trace.seconds:.1f} s): {phases}"]
 
 
 def choose_path(window: QWidget, result: Any) -> Path | None:
@@ -113,7 +136,7 @@ def export_from_window(window: QWidget, path: str | Path | None = None) -> Path 
     QApplication.setOverrideCursor(Qt.CursorShape.WaitCursor)
     try:
         written = write_report(result, target, measurement=current_measurement(window),
-                               modules=current_modules(window))
+                               modules=current_modules(window), notes=current_notes(window))
     except MemcalcError as exc:
         QApplication.restoreOverrideCursor()
         QMessageBox.critical(window, TITLE, f"The report was not exported.\n\n{exc}")

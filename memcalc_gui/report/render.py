@@ -37,9 +37,11 @@ from PySide6.QtGui import (
 )
 
 from ..core.result import Result
+from ..core.solver import MAX_GPUS
 from ..core.units import gib
 from ..core.vocab import OBJECT_LABELS, OBJECTS, PHASE_LABELS, PHASES
 from ..ui.assets import BUNDLED_FAMILY
+from ..ui.plan_text import chart_scope, is_per_gpu
 from ..ui.theme import FIT_COLOR, NEUTRAL_COLOR, OBJECT_COLORS, OVER_COLOR
 from .content import ReportContent, Row, Table, gpu_label
 
@@ -123,7 +125,8 @@ def render_chart(result: Result, width: int, height: int, ratio: float, content:
         QApplication.processEvents()
         setup = result.setup
         name = gpu_label(result).split(" (")[0] if setup.gpu else ""
-        chart.set_estimate(result.estimate, setup.capacity_bytes, name)
+        chart.set_estimate(result.estimate, setup.capacity_bytes, name,
+                           per_gpu=chart_scope(setup) if is_per_gpu(result) else None)
         if content is not None and content.measured_peaks:
             chart.set_measured(content.measured_peaks, label=content.measured_label,
                                reference=content.measured_reference or None)
@@ -285,13 +288,14 @@ class ReportHtml:
             f'</p><p style="font-size:10.5pt; font-weight:600; margin-top:3px; margin-bottom:6px">'
             f"{_e(_headline_rest(c.headline, word))}</p>"
             + _facts_html(c.verdict) + "</td></tr></table>",
-            self.h2("Memory per phase"),
+            self.h2("Memory per GPU per phase" if c.per_gpu else "Memory per phase"),
             f'<p align="center" style="margin:0px"><img src="{CHART_URL}" width="{self.chart_w}" '
             f'height="{self.chart_h}"></p>',
             _note(c.chart_caption),
             self.h2("Ledger: memory objects × phases"),
             self.table(c.ledger),
-            _note("Each cell: bytes live at that phase’s peak (binary units). The peak phase is shaded. "
+            _note("Each cell: bytes live at that phase’s peak" + (" on each GPU" if c.per_gpu else "")
+                  + " (binary units). The peak phase is shaded. "
                   "“Tensors (allocated)” leaves out the CUDA context and the allocator reserve."),
             self.h2("Suggestions"),
         ]
@@ -299,6 +303,19 @@ class ReportHtml:
             parts += [self.table(c.suggestions, font_pt=8.5), _note(c.suggestions_note)]
         else:
             parts.append(_note(c.suggestions_note))
+        if c.per_gpu:
+            parts.append(self.h2("GPU plan"))
+            parts += [f'<p style="margin-top:0px; margin-bottom:4px">{_e(n)}</p>' for n in c.plan_notes]
+            if c.plan is not None:
+                shaded = (" The shaded row is the strategy with the least communication that fits."
+                          if any(r.highlight for r in c.plan.rows) else "")
+                parts += [self.table(c.plan, font_pt=8.5),
+                          _note("Fewest GPUs of the chosen kind each strategy needs with this micro-batch and "
+                                f"offload (“never”: not even with {MAX_GPUS:,}, or not with this offload); the peak "
+                                "column changes only the strategy."
+                                + shaded)]
+            if c.host:
+                parts.append(_note(c.host + "."))
         parts += [self.h2("Setup"), self.table(_pairs(("Input", "Value"), c.setup))]
         parts += [_note(f"Note: {n}") for n in c.notes]
         if c.measurement is not None:
@@ -585,11 +602,16 @@ def _png_ledger_html(result: Result, px: int) -> str:
 def _png_side_html(content: ReportContent, result: Result) -> str:
     v = result.verdict
     parts = [_png_ledger_html(result, 15)]
-    facts = [(k, val) for k, val in content.verdict if k in ("Largest object", "Tensor peak",
-                                                             "Largest micro-batch that fits")]
+    keys = ("Largest object", "Tensor peak", "Largest micro-batch that fits")
+    if content.per_gpu:
+        keys = ("GPU", *keys, "Host memory")
+    facts = [(k, val) for k, val in content.verdict if k in keys]
     parts.append('<table width="100%" border="0" cellspacing="0" cellpadding="3" style="font-size:15px; '
                  'margin-top:14px">' + "".join(f'<tr><td width="44%" style="color:{MUTED}">{_e(k)}</td>'
                                                f"<td>{_e(val)}</td></tr>" for k, val in facts) + "</table>")
+    if content.plan_notes:
+        parts.append('<p style="font-size:14px; margin-top:10px; margin-bottom:0px">'
+                     + "<br>".join(_e(n) for n in content.plan_notes) + "</p>")
     if v.suggestions:
         items = "".join(
             f"<li>{_e(s.title)} — peak {_e(_fmt(s.peak_bytes))}"

@@ -12,7 +12,7 @@ import numpy as np
 import pyqtgraph as pg
 from pyqtgraph.graphicsItems.LegendItem import ItemSample
 from PySide6.QtCore import QEvent, QPointF, Qt
-from PySide6.QtGui import QColor, QCursor, QFont, QPalette
+from PySide6.QtGui import QColor, QCursor, QFont, QFontMetrics, QPalette
 from PySide6.QtWidgets import QToolTip, QWidget
 
 from ..core.ledger import Estimate
@@ -25,6 +25,16 @@ X = np.arange(len(PHASES), dtype=float)
 #: Where the estimate of a scaled-down measured setup is drawn: a narrow outlined bar right of each phase.
 REF_DX = 0.38
 REF_WIDTH = 0.1
+#: How far (px) a phase name may run past the ends of the bottom axis before pyqtgraph hides it.
+OVERFLOW_PX = 48
+#: Phase names from the longest to the shortest; the chart uses the first whose names fit one bar's slot.
+TICK_VARIANTS = (
+    dict(PHASE_LABELS),
+    dict(PHASE_LABELS) | {"optimizer_step": "Opt. step"},
+    {"load": "Load", "forward": "Fwd.", "backward": "Bwd.", "optimizer_step": "Opt."},
+)
+AXIS_LABEL = "Memory (GiB)"
+AXIS_LABEL_PER_GPU = "Memory per GPU (GiB)"
 
 
 class _StaticSample(ItemSample):
@@ -52,11 +62,15 @@ class MemoryChart(pg.GraphicsLayoutWidget):
         vb.setDefaultPadding(0.0)
         left = self.plot.getAxis("left")
         left.enableAutoSIPrefix(False)
-        left.setLabel("Memory (GiB)")
+        left.setLabel(AXIS_LABEL)
         left.setWidth(64)
         bottom = self.plot.getAxis("bottom")
         bottom.enableAutoSIPrefix(False)
-        bottom.setStyle(tickLength=0)
+        # "(peak)" goes on a second line, and the outer names may run a little past the plot's edge rather
+        # than vanish (pyqtgraph drops a tick label that does not fit its axis' rectangle)
+        bottom.setStyle(tickLength=0, hideOverlappingLabels=OVERFLOW_PX)
+        self._fit_bottom_axis()
+        self.plot.setTitle(None)
         self.plot.setXRange(-0.55, len(PHASES) - 0.45, padding=0)
 
         # Peak highlight: a pale band behind the peak bar and an outline around it.
@@ -82,7 +96,7 @@ class MemoryChart(pg.GraphicsLayoutWidget):
         self.capacity_line = pg.InfiniteLine(angle=0, movable=False,
                                              pen=pg.mkPen("#C62828", width=2, style=Qt.PenStyle.DashLine))
         self.capacity_label = pg.InfLineLabel(self.capacity_line, text="", position=0.02, anchors=[(0, 1), (0, 1)],
-                                              color="#C62828")
+                                              color="#C62828", fill=pg.mkBrush(255, 255, 255, 220))
         self.capacity_line.setZValue(10)
         self.plot.addItem(self.capacity_line)
 
@@ -125,18 +139,28 @@ class MemoryChart(pg.GraphicsLayoutWidget):
             self.legend.addItem(self.bars[obj], OBJECT_LABELS[obj])
 
         self._estimate: Estimate | None = None
+        self._scope: str | None = None
+        self._peak_i = 0
+        self._ticks: list[tuple[float, str]] = []
+        self._capacity_texts: tuple[str, str] | None = None
         self._capacity: int | None = None
         self._stack: dict[str, np.ndarray] = {}
         self._y0: dict[str, np.ndarray] = {}
         self._tooltip = ""
         self.plot.scene().sigMouseMoved.connect(self._on_mouse_moved)
+        vb.sigResized.connect(self._fit_labels)
         self._ready = True
         self._apply_palette()
 
     # ---- data ----------------------------------------------------------------------------------
-    def set_estimate(self, estimate: Estimate, capacity_bytes: int | None, capacity_name: str = "") -> None:
-        """Draw ``estimate`` (updates the existing items in place)."""
+    def set_estimate(self, estimate: Estimate, capacity_bytes: int | None, capacity_name: str = "", *,
+                     per_gpu: str | None = None) -> None:
+        """Draw ``estimate`` (updates the existing items in place).
+
+        ``per_gpu``: the ledger is one GPU's of several (a distributed setup); the text (e.g. "32 × H100,
+        ZeRO-3") becomes the chart's title and the axis says "per GPU". ``None``: a single GPU."""
         self._estimate = estimate
+        self._set_scope(per_gpu)
         self._capacity = capacity_bytes
         base = np.zeros(len(PHASES))
         for obj in STACK_ORDER:
@@ -153,10 +177,8 @@ class MemoryChart(pg.GraphicsLayoutWidget):
         self.peak_band.setOpts(x=[float(peak_i)], y0=[0.0], height=[ymax], width=0.86)
         self.peak_outline.setOpts(x=[float(peak_i)], y0=[0.0], height=[peak_total], width=BAR_WIDTH + 0.04)
 
-        text_color = self._text_color()
+        self._peak_i = peak_i
         for i, label in enumerate(self.total_labels):
-            total_bytes = estimate.phases[PHASES[i]].total_bytes
-            label.setText(f"{gib(total_bytes):.2f} GiB", color=text_color)
             font = QFont(self.font())
             font.setBold(i == peak_i)
             label.setFont(font)
@@ -165,16 +187,97 @@ class MemoryChart(pg.GraphicsLayoutWidget):
         if capacity_bytes:
             self.capacity_line.setPos(gib(capacity_bytes))
             name = f"{capacity_name} capacity" if capacity_name else "Capacity"
-            self.capacity_label.setFormat(f"{name}: {format_bytes(capacity_bytes)}")
+            if per_gpu is not None:
+                name += " per GPU"
+            self._capacity_texts = (f"{name}: {format_bytes(capacity_bytes)}",
+                                    f"Capacity: {format_bytes(capacity_bytes)}")
             self.capacity_line.setVisible(True)
         else:
             self.capacity_line.setVisible(False)
 
-        ticks = [(float(i), PHASE_LABELS[p] + (" (peak)" if i == peak_i else "")) for i, p in enumerate(PHASES)]
-        self.plot.getAxis("bottom").setTicks([ticks])
+        self._fit_labels()
         self.plot.setYRange(0.0, ymax, padding=0)
         self.plot.setXRange(-0.55, len(PHASES) - 0.45, padding=0)
         self._layout_measured()
+
+    def _fit_labels(self, *_: object) -> None:
+        """Phase names, totals and the capacity text that fit the plot's current width.
+
+        A narrow plot (a narrow window, a wide legend) gets shorter phase names ("Opt. step") and totals
+        without the unit, so nothing runs into a neighbour or past the plot's edge."""
+        est = self._estimate
+        if est is None:
+            return
+        vb = self.plot.getViewBox()
+        width = float(vb.width()) or float(self.width()) * 0.6
+        slot = width / (len(PHASES) + 0.1)
+        axis = self.plot.getAxis("bottom")
+        fm = QFontMetrics(axis.style.get("tickFont") or self.font())
+        names = TICK_VARIANTS[-1]
+        for variant in TICK_VARIANTS:
+            if max(fm.horizontalAdvance(n) for n in variant.values()) <= slot - 6:
+                names = variant
+                break
+        ticks = [(float(i), names[p] + ("\n(peak)" if i == self._peak_i else "")) for i, p in enumerate(PHASES)]
+        if ticks != self._ticks:
+            self._ticks = ticks
+            axis.setTicks([ticks])
+        color = self._text_color()
+        for i, label in enumerate(self.total_labels):
+            value = gib(est.phases[PHASES[i]].total_bytes)
+            bold = QFontMetrics(label.textItem.font())
+            text = f"{value:.2f} GiB"
+            for candidate in (f"{value:.2f} GiB", f"{value:.2f}", f"{value:.0f}"):
+                text = candidate
+                if bold.horizontalAdvance(candidate) <= slot * 1.05:
+                    break
+            if label.toPlainText() != text:
+                label.setText(text, color=color)
+        if self.capacity_line.isVisible() and self._capacity_texts:
+            full, short = self._capacity_texts
+            text = full if QFontMetrics(self.font()).horizontalAdvance(full) + 12 <= width * 0.96 else short
+            if self.capacity_label.format != text:
+                self.capacity_label.setFormat(text)
+
+    def tick_labels(self) -> list[str]:
+        """The phase names drawn under the bars (tests)."""
+        return [t for _x, t in self._ticks]
+
+    def _set_scope(self, per_gpu: str | None) -> None:
+        if per_gpu == self._scope:
+            return
+        self._scope = per_gpu
+        self.plot.getAxis("left").setLabel(AXIS_LABEL if per_gpu is None else AXIS_LABEL_PER_GPU)
+        if per_gpu is None:
+            self.plot.setTitle(None)
+        else:
+            self._show_title(self._text_color())
+        self.setAccessibleName("Memory per GPU per phase chart" if per_gpu is not None else "Memory per phase chart")
+
+    def _show_title(self, color: QColor) -> None:
+        self.plot.setTitle(f"Per GPU — {self._scope}" if self._scope else "Per GPU", size="9pt", color=color)
+        # a long title must not widen the plot past the legend: let it be clipped instead
+        label = self.plot.titleLabel
+        label.setMinimumWidth(0)
+        hints = getattr(label, "_sizeHint", None)
+        if isinstance(hints, dict):
+            for key in (Qt.SizeHint.MinimumSize, Qt.SizeHint.PreferredSize):
+                if key in hints:
+                    hints[key] = (0, hints[key][1])
+            label.updateGeometry()
+
+    def title_text(self) -> str:
+        """The chart's title ("" when hidden; tests)."""
+        return self.plot.titleLabel.text if self.plot.titleLabel.isVisible() else ""
+
+    def axis_label(self) -> str:
+        return str(self.plot.getAxis("left").labelText)
+
+    def _fit_bottom_axis(self) -> None:
+        """Room for two lines of phase names (the peak's "(peak)" is the second)."""
+        axis = self.plot.getAxis("bottom")
+        font = axis.style.get("tickFont") or self.font()
+        axis.setHeight(2 * QFontMetrics(font).height() + 8)
 
     def set_measured(self, measured: Mapping[str, int] | None, *, label: str = "Measured",
                      reference: Mapping[str, int] | None = None) -> None:
@@ -299,6 +402,14 @@ class MemoryChart(pg.GraphicsLayoutWidget):
         cap = QColor("#FF6E6E") if dark else QColor("#C62828")
         self.capacity_line.setPen(pg.mkPen(cap, width=2, style=Qt.PenStyle.DashLine))
         self.capacity_label.setColor(cap)
+        # an opaque-ish plate under the capacity text keeps it readable where it crosses the bars
+        plate = QColor(bg)
+        plate.setAlpha(225)
+        self.capacity_label.fill = pg.mkBrush(plate)
+        self.capacity_label.border = pg.mkPen(QColor(cap.red(), cap.green(), cap.blue(), 110), width=1)
+        self.capacity_label.update()
+        if self._scope is not None:
+            self._show_title(fg)
         self.measured.setPen(pg.mkPen(fg, width=1.5))
         self.measured_ref.setOpts(pen=pg.mkPen(fg, width=1.5, style=Qt.PenStyle.DashLine))
         self.legend.setLabelTextColor(fg)
@@ -311,4 +422,6 @@ class MemoryChart(pg.GraphicsLayoutWidget):
         if event.type() in (QEvent.Type.PaletteChange, QEvent.Type.ApplicationPaletteChange) and \
                 getattr(self, "_ready", False):
             self._apply_palette()
+        if event.type() == QEvent.Type.FontChange and getattr(self, "_ready", False):
+            self._fit_bottom_axis()
         super().changeEvent(event)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from ..core.distributed import OFFLOADS, STRATEGIES, Parallelism
 from ..core.errors import ConfigError, InputError
 from ..core.model import ModelSpec, preset_names, preset_spec, spec_from_file
 from ..core.setup import (
@@ -58,6 +59,11 @@ class FormState:
     capacity: str = ""
     cuda_context: str = format_bytes(DEFAULT_CUDA_CONTEXT_BYTES, digits=0)
     allocator_reserve: str = f"{DEFAULT_ALLOCATOR_RESERVE * 100:g} %"
+    # multi-GPU (core.distributed.Parallelism); the defaults are one GPU, no sharding
+    gpus: str = "1"
+    strategy: str = "ddp"
+    node_size: str = "8"
+    offload: str = "none"
 
     def replace(self, **changes: Any) -> FormState:
         return dataclasses.replace(self, **{k: str(v) for k, v in changes.items()})
@@ -78,6 +84,10 @@ class FormState:
         state = cls(**values)
         if state.model_kind not in MODEL_KINDS:
             raise ValueError(f"unknown model kind {state.model_kind!r}")
+        if state.strategy not in STRATEGIES:
+            raise ValueError(f"unknown strategy {state.strategy!r}")
+        if state.offload not in OFFLOADS:
+            raise ValueError(f"unknown offload {state.offload!r}")
         return state
 
     def changed_fields(self, other: FormState) -> list[str]:
@@ -147,6 +157,11 @@ _FIELD_MAP: Final = {
     "gpu": "gpu",
     "cuda_context": "cuda_context",
     "allocator_reserve": "allocator_reserve",
+    "gpus": "gpus",
+    "strategy": "strategy",
+    "node_size": "node_size",
+    "offload": "offload",
+    "parallel": "strategy",
 }
 
 
@@ -248,8 +263,19 @@ def build_setup(state: FormState, cache: ModelCache) -> TrainingSetup:
     attempt("capacity", lambda: _capacity(state))
     attempt("cuda_context_bytes", lambda: parse_size(state.cuda_context, "cuda_context", allow_zero=True))
     attempt("allocator_reserve", lambda: _reserve_fraction(state.allocator_reserve))
+    attempt("gpus", lambda: parse_positive_int(state.gpus, "gpus"))
+    attempt("node_size", lambda: parse_positive_int(state.node_size, "node_size"))
     if errors:
         raise FormErrors(errors)
+    try:
+        values["parallel"] = Parallelism(
+            gpus=values.pop("gpus"),
+            strategy=state.strategy,  # type: ignore[arg-type]
+            node_size=values.pop("node_size"),
+            offload=state.offload,  # type: ignore[arg-type]
+        )
+    except InputError as exc:
+        raise FormErrors({form_field(exc, state): exc.reason}) from None
     gpu_id, capacity = values.pop("capacity")
     try:
         return TrainingSetup(

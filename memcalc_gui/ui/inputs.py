@@ -26,6 +26,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from ..core.distributed import OFFLOADS, STRATEGIES, STRATEGY_LABELS
 from ..core.setup import OPTIMIZER_IMPLS, OPTIMIZERS, PRECISION_LABELS, PRECISIONS
 from .form import RECIPES, FormState, capacity_text, gpu_by_id, recipe_for
 from .theme import error_color
@@ -45,6 +46,14 @@ ATTENTION_LABELS = {"sdpa": "SDPA (fused kernels)", "eager": "eager (stores L×L
 PRECISION_SHORT = {"fp32": "fp32", "mixed": "Mixed (fp32 master + 16-bit)", "bf16": "bf16 (pure 16-bit)"}
 MODEL_KIND_LABELS = {"preset": "Preset", "config": "config.json", "params": "Parameter count only"}
 CUSTOM_RECIPE = "custom"
+OFFLOAD_LABELS = {
+    "none": "None",
+    "optimizer": "Optimizer state → CPU",
+    "params": "Parameters → CPU (+ optimizer state)",
+    "both": "Optimizer state and parameters → CPU",
+}
+#: Strategies whose node size matters without offload (HYBRID_SHARD shards within a node).
+NODE_SIZE_STRATEGIES = ("fsdp-hybrid",)
 
 
 class _KeepUndoForWindow(QObject):
@@ -158,6 +167,7 @@ class InputPanel(QWidget):
         self._undo_filter = _KeepUndoForWindow(self)
         self._updating = False
         self.boxes: dict[str, FieldBox] = {}
+        self.labels: dict[str, QLabel] = {}
         outer = QVBoxLayout(self)
         outer.setContentsMargins(8, 8, 8, 8)
         outer.setSpacing(10)
@@ -274,6 +284,16 @@ class InputPanel(QWidget):
         self.capacity.setPlaceholderText("e.g. 80GiB, 24GB (empty: no verdict)")
         self.capacity.setToolTip(TOOLTIPS["capacity"])
         self._row(gform, "Capacit&y:", "capacity", self.capacity)
+        self.gpus = IntEdit()
+        self.gpus.setPlaceholderText("1")
+        self._row(gform, "Number of GP&Us:", "gpus", self.gpus)
+        self.strategy = _combo({k: STRATEGY_LABELS.get(k, k) for k in STRATEGIES}, TOOLTIPS["strategy"])
+        self._row(gform, "Str&ategy:", "strategy", self.strategy)
+        self.node_size = IntEdit()
+        self.node_size.setPlaceholderText("8")
+        self._row(gform, "GPUs per &node:", "node_size", self.node_size)
+        self.offload = _combo({k: OFFLOAD_LABELS.get(k, k) for k in OFFLOADS}, TOOLTIPS["offload"])
+        self._row(gform, "Offloa&d:", "offload", self.offload)
         self.cuda_context = QLineEdit()
         self.cuda_context.setPlaceholderText("e.g. 512 MiB")
         self.cuda_context.setToolTip(TOOLTIPS["cuda_context"])
@@ -290,7 +310,7 @@ class InputPanel(QWidget):
         outer.addStretch(1)
 
         for edit in (self.preset.lineEdit(), self.config_path, self.params, self.batch, self.seq, self.grad_accum,
-                     self.capacity, self.cuda_context, self.allocator_reserve):
+                     self.capacity, self.gpus, self.node_size, self.cuda_context, self.allocator_reserve):
             edit.installEventFilter(self._undo_filter)
         self._connect()
         self._tab_order()
@@ -314,18 +334,21 @@ class InputPanel(QWidget):
         lab = QLabel(label)
         lab.setBuddy(widget)
         lab.setToolTip(widget.toolTip())
+        self.labels[name] = lab
         form.addRow(lab, box)
 
     def _connect(self) -> None:
         self.model_kind.currentIndexChanged.connect(self._on_kind)
         self.preset.currentTextChanged.connect(self._changed)
         for edit in (self.config_path, self.params, self.batch, self.seq, self.grad_accum, self.cuda_context,
-                     self.allocator_reserve):
+                     self.allocator_reserve, self.gpus, self.node_size):
             edit.textChanged.connect(self._changed)
         self.capacity.textChanged.connect(self._on_capacity)
         self.checkpointing.toggled.connect(self._changed)
         for combo in (self.attention, self.optimizer_impl):
             combo.currentIndexChanged.connect(self._changed)
+        for combo in (self.strategy, self.offload):
+            combo.currentIndexChanged.connect(self._on_parallel)
         self.precision.currentIndexChanged.connect(self._on_precision_or_optimizer)
         self.optimizer.currentIndexChanged.connect(self._on_precision_or_optimizer)
         self.recipe.currentIndexChanged.connect(self._on_recipe)
@@ -334,7 +357,8 @@ class InputPanel(QWidget):
     def _tab_order(self) -> None:
         chain = [self.model_kind, self.preset, self.config_path, self.open_button, self.params, self.batch, self.seq,
                  self.grad_accum, self.checkpointing, self.attention, self.recipe, self.precision, self.optimizer,
-                 self.optimizer_impl, self.gpu, self.capacity, self.cuda_context, self.allocator_reserve]
+                 self.optimizer_impl, self.gpu, self.capacity, self.gpus, self.strategy, self.node_size, self.offload,
+                 self.cuda_context, self.allocator_reserve]
         for a, b in itertools.pairwise(chain):
             QWidget.setTabOrder(a, b)
 
@@ -388,6 +412,17 @@ class InputPanel(QWidget):
                 self._updating = False
         self._changed()
 
+    def _on_parallel(self, *_: object) -> None:
+        self._sync_node_size()
+        self._changed()
+
+    def _sync_node_size(self) -> None:
+        """GPUs per node matters for HYBRID_SHARD and, with offload, for the host memory per node."""
+        used = self.strategy.currentData() in NODE_SIZE_STRATEGIES or self.offload.currentData() != "none"
+        self.node_size.setEnabled(used)
+        if "node_size" in self.labels:
+            self.labels["node_size"].setEnabled(used)
+
     def _on_recipe(self, *_: object) -> None:
         if self._updating:
             return
@@ -440,6 +475,10 @@ class InputPanel(QWidget):
             capacity=self.capacity.text(),
             cuda_context=self.cuda_context.text(),
             allocator_reserve=self.allocator_reserve.text(),
+            gpus=self.gpus.text(),
+            strategy=self.strategy.currentData(),
+            node_size=self.node_size.text(),
+            offload=self.offload.currentData(),
         )
 
     def set_state(self, state: FormState) -> None:
@@ -454,13 +493,14 @@ class InputPanel(QWidget):
                     self.preset.setCurrentIndex(i)
                 self.preset.setEditText(state.preset)
             for name in ("config_path", "params", "batch", "seq", "grad_accum", "capacity", "cuda_context",
-                         "allocator_reserve"):
+                         "allocator_reserve", "gpus", "node_size"):
                 edit: QLineEdit = getattr(self, name)
                 value = getattr(state, name)
                 if edit.text() != value:
                     edit.setText(value)
-            for name in ("precision", "optimizer", "optimizer_impl", "attention"):
+            for name in ("precision", "optimizer", "optimizer_impl", "attention", "strategy", "offload"):
                 _set_combo(getattr(self, name), getattr(state, name))
+            self._sync_node_size()
             _set_combo(self.gpu, state.gpu, fallback="")  # a GPU no longer in the table: custom capacity
             self.checkpointing.setChecked(state.checkpointing == "full")
             self._sync_recipe()

@@ -36,10 +36,20 @@ from ..core.result import Result, evaluate
 from .about import AboutDialog
 from .assets import app_icon
 from .chart import MemoryChart
-from .form import FormErrors, FormState, ModelCache, build_setup, default_state, gpu_by_id, state_with_changes
+from .form import (
+    FormErrors,
+    FormState,
+    ModelCache,
+    build_setup,
+    default_state,
+    form_field,
+    gpu_by_id,
+    state_with_changes,
+)
 from .inputs import InputPanel
 from .ledger_table import LedgerTable
 from .measure_panel import MeasurePanel
+from .plan_text import chart_scope, is_per_gpu, per_gpu_headline
 from .results import METHOD_NOTES, AdvicePanel, VerdictBanner
 from .settings import (
     KEY_GEOMETRY,
@@ -51,6 +61,8 @@ from .settings import (
     save_bytes,
     save_state,
 )
+from .trace_panel import KEY_ENABLED as KEY_TRACE_ENABLED
+from .trace_panel import TracePanel, difference_text
 
 #: Debounce between the last keystroke and the estimate. Analytic estimates take ~1–3 ms and the redraw
 #: a few more, so the whole edit-to-redraw stays well under 50 ms.
@@ -58,14 +70,21 @@ DEBOUNCE_MS = 15
 #: Typing in one field within this many seconds merges into one undo step.
 MERGE_WINDOW_S = 2.0
 TEXT_FIELDS = frozenset({"preset", "config_path", "params", "batch", "seq", "grad_accum", "capacity", "cuda_context",
-                         "allocator_reserve"})
+                         "allocator_reserve", "gpus", "node_size"})
 FIELD_NAMES = {
     "model_kind": "model source", "preset": "preset", "config_path": "config.json", "params": "parameter count",
     "batch": "micro-batch", "seq": "sequence length", "grad_accum": "gradient accumulation",
     "precision": "precision", "optimizer": "optimizer", "optimizer_impl": "optimizer implementation",
     "attention": "attention", "checkpointing": "checkpointing", "gpu": "GPU", "capacity": "capacity",
-    "cuda_context": "CUDA context", "allocator_reserve": "allocator reserve", "general": "input",
+    "cuda_context": "CUDA context", "allocator_reserve": "allocator reserve", "gpus": "number of GPUs",
+    "strategy": "strategy", "node_size": "GPUs per node", "offload": "offload", "general": "input",
 }
+
+
+def window_wording(reason: str) -> str:
+    """A core message written for the command line, in the window's words."""
+    return (reason.replace("give --preset or --config, not --params", "choose a preset or open a config.json")
+            .replace("give --preset or --config", "choose a preset or open a config.json"))
 
 
 class SetupCommand(QUndoCommand):
@@ -123,7 +142,9 @@ class MainWindow(QMainWindow):
         self.settings = make_settings() if persist else None
         self.cache = ModelCache()
         self.undo_stack = QUndoStack(self)
-        self.result: Result | None = None
+        self.result: Result | None = None  # what is drawn: the analytic result, or the trace's
+        self.analytic_result: Result | None = None  # the latest analytic (or quick) result
+        self.trace_result: Any = None  # the TraceResult drawn, when the drawn result is a trace
         self.last_refresh_ms = 0.0
         self._committed: FormState | None = None
         self._recording = True
@@ -153,6 +174,9 @@ class MainWindow(QMainWindow):
             self.refresh()
         self.undo_stack.clear()
         self.undo_stack.setClean()
+        if self.settings is not None and str(self.settings.value(KEY_TRACE_ENABLED, "false")).lower() == "true":
+            self.trace_panel.restore_enabled()
+            self.trace_action.setChecked(self.trace_panel.toggle.isChecked())
         if message:
             self.statusBar().showMessage(message, 15000)
 
@@ -175,7 +199,7 @@ class MainWindow(QMainWindow):
         rl.setSpacing(6)
         self.banner = VerdictBanner()
         rl.addWidget(self.banner)
-        # A row for actions on the result: later issues add "Precise (trace)" and "Measure on this GPU" here.
+        # A row for actions on the result: "Precise (trace)" and "Measure on this GPU" (with their progress).
         self.action_row = QHBoxLayout()
         self.action_row.setSpacing(8)
         self.method_label = QLabel("")
@@ -236,6 +260,8 @@ class MainWindow(QMainWindow):
         QWidget.setTabOrder(self.inputs.last_widget, self.tabs)
         # "Measure on this GPU": button, progress and Cancel in the action row, the Measured tab, chart markers.
         self.measure_panel = MeasurePanel(self)
+        # "Precise (trace)": a toggle, progress and Cancel before the measure button, the Trace tab.
+        self.trace_panel = TracePanel(self)
 
     def _default_size(self) -> tuple[int, int]:
         width, height = 1360, 880
@@ -299,6 +325,17 @@ class MainWindow(QMainWindow):
             view.addAction(a)
             self.addAction(a)
 
+        view.addSeparator()
+        self.trace_action = QAction("&Precise (trace)", self)
+        self.trace_action.setCheckable(True)
+        self.trace_action.setShortcut(QKeySequence("Ctrl+T"))
+        self.trace_action.setStatusTip("Trace one training step on fake tensors and draw that ledger (needs PyTorch)")
+        self.trace_action.setEnabled(self.trace_panel.available)
+        self.trace_action.toggled.connect(self.trace_panel.set_enabled)
+        self.trace_panel.toggle.toggled.connect(self.trace_action.setChecked)
+        view.addAction(self.trace_action)
+        self.addAction(self.trace_action)
+
         help_menu = menu.addMenu("&Help")
         self.about_action = QAction("&About memcalc", self)
         self.about_action.triggered.connect(self.show_about)
@@ -350,13 +387,15 @@ class MainWindow(QMainWindow):
             result = evaluate(setup)
         except FormErrors as exc:
             return self._invalid(exc.errors)
-        except InputError as exc:
-            return self._invalid({"general": str(exc)})
+        except InputError as exc:  # a cross-field rule of the core (e.g. a sharded strategy without architecture)
+            return self._invalid({form_field(exc, state): window_wording(exc.reason)})
         except Exception as exc:  # never crash on input: report and keep the last result
             traceback.print_exc()
             return self._invalid({"general": f"unexpected error: {exc}"})
         self.inputs.show_errors({})
         self.banner.set_stale(False)
+        self.analytic_result = result
+        self.trace_result = None
         self._show(result)
         if self._committed is not None and state != self._committed and self._recording:
             changed = self._committed.changed_fields(state)
@@ -384,12 +423,14 @@ class MainWindow(QMainWindow):
         setup = result.setup
         est = result.estimate
         gpu = gpu_by_id().get(setup.gpu or "")
-        self.chart.set_estimate(est, setup.capacity_bytes, gpu.name if gpu else "")
+        self.chart.set_estimate(est, setup.capacity_bytes, gpu.name if gpu else "",
+                                per_gpu=chart_scope(setup) if is_per_gpu(result) else None)
         self.table.set_estimate(est)
         self.banner.set_result(result)
         self.advice.set_result(result)
         self.assumptions.setPlainText("\n".join(f"• {a}" for a in est.assumptions))
-        self.method_label.setText(f"Method: {METHOD_NOTES.get(est.method, est.method)}")
+        per_gpu = " · per GPU" if is_per_gpu(result) else ""
+        self.method_label.setText(f"Method: {METHOD_NOTES.get(est.method, est.method)}{per_gpu}")
         if setup.model is not None:
             m = setup.model
             self.inputs.set_model_info(
@@ -402,6 +443,20 @@ class MainWindow(QMainWindow):
                 "for the analytic method.")
         self.inputs.set_effective(f"{setup.effective_batch:,} sequences per step ({setup.batch} × {setup.grad_accum})"
                                   f" = {setup.effective_batch * setup.seq:,} tokens")
+
+    def show_trace(self, result: Result, traced: Any) -> None:
+        """Draw a trace's result (same setup as the analytic one) with its difference from the analytic."""
+        self._show(result)
+        self.trace_result = traced
+        self.method_label.setText(f"Method: {METHOD_NOTES['trace']} — {difference_text(traced)}")
+        self.timing_label.setText(f"trace · {traced.seconds:.1f} s")
+
+    def show_analytic(self) -> None:
+        """Draw the latest analytic result again (the trace was turned off)."""
+        if self.analytic_result is not None:
+            self.trace_result = None
+            self._show(self.analytic_result)
+            self.timing_label.setText(f"{self.analytic_result.estimate.method} · {self.last_refresh_ms:.1f} ms")
 
     # ---- undo / redo --------------------------------------------------------------------------
     def apply_state(self, state: FormState) -> None:
@@ -560,7 +615,7 @@ class MainWindow(QMainWindow):
         return dialog
 
     def headline(self) -> str:
-        return self.result.headline() if self.result else ""
+        return per_gpu_headline(self.result) if self.result else ""
 
     def save_settings(self) -> None:
         if self.settings is None:
@@ -574,7 +629,8 @@ class MainWindow(QMainWindow):
         self.settings.sync()
 
     def closeEvent(self, event: QCloseEvent) -> None:
-        # Stop and wait for worker threads (measurement; later: trace) before saving.
+        # Stop and wait for worker threads (measurement, trace) before saving.
+        self.trace_panel.shutdown()
         self.measure_panel.shutdown()
         self.debounce.stop()
         if self._dirty():

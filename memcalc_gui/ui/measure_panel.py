@@ -40,6 +40,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from .. import install_hint
 from ..core.result import Result
 from ..core.setup import TrainingSetup
 from ..core.units import format_bytes
@@ -56,8 +57,10 @@ DETECT_DELAY_MS = 2000
 #: Passed to ``engine.measure``: a larger setup is scaled down to stay near this.
 TIME_BUDGET_S = 30.0
 ITERATIONS = 3
-INSTALL_HINT = "pip install 'memcalc-gui[measure]'"
-NO_TORCH_MESSAGE = f"Measuring needs PyTorch, which is not installed. Install it with:  {INSTALL_HINT}"
+INSTALL_HINT = install_hint()
+NO_TORCH_MESSAGE = "Measuring needs PyTorch, which is not installed. " + (
+    f"Install it with:  {INSTALL_HINT}" if INSTALL_HINT.startswith("pip") else
+    INSTALL_HINT[:1].upper() + INSTALL_HINT[1:] + ".")
 BUTTON_UNKNOWN = "Measure on this machine…"
 BUTTON_NO_TORCH = "Measure… (needs PyTorch)"
 #: An error above this (in %) is drawn in the warning colour.

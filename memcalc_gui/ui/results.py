@@ -21,6 +21,7 @@ from ..core.result import Result
 from ..core.solver import Suggestion
 from ..core.units import format_bytes
 from ..core.vocab import OBJECT_LABELS
+from .plan_text import host_text, is_per_gpu, parallel_label, per_gpu_headline, plan_action, plan_sentences
 from .theme import FIT_COLOR, NEUTRAL_COLOR, OVER_COLOR, tinted
 
 MAX_SUGGESTIONS = 8
@@ -85,11 +86,17 @@ class VerdictBanner(QFrame):
         v = result.verdict
         self._state = "neutral" if v.fits is None else ("fits" if v.fits else "over")
         self.mark.setText({"fits": "✓", "over": "✗", "neutral": "?"}[self._state])
-        self.text.setText(result.headline())
+        self.text.setText(per_gpu_headline(result))
         est = result.estimate
-        self.detail.setText(f"Largest object at the peak: {OBJECT_LABELS[est.dominant_object].lower()} "
-                            f"({format_bytes(est.peak.objects[est.dominant_object])}). Tensor peak, what "
-                            f"max_memory_allocated would show: {format_bytes(est.peak_tensor_bytes)}.")
+        detail = (f"Largest object at the peak: {OBJECT_LABELS[est.dominant_object].lower()} "
+                  f"({format_bytes(est.peak.objects[est.dominant_object])}). Tensor peak, what "
+                  f"max_memory_allocated would show: {format_bytes(est.peak_tensor_bytes)}.")
+        if is_per_gpu(result):
+            detail = f"Per GPU: {parallel_label(result.setup)}. {detail}"
+            host = host_text(result)
+            if host:
+                detail += f" {host}."
+        self.detail.setText(detail)
         self._restyle()
 
     def set_stale(self, stale: bool, reason: str = "") -> None:
@@ -194,6 +201,23 @@ class AdvicePanel(QWidget):
         self.use_max.clicked.connect(self._use_max)
         row.addWidget(self.use_max)
         lay.addLayout(row)
+        # the GPU plan of a distributed setup (core.solver.gpu_plan): fewest GPUs per strategy, best strategy
+        self.plan = QLabel("")
+        self.plan.setObjectName("gpuPlan")
+        self.plan.setWordWrap(True)
+        self.plan.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.plan.setToolTip("The fewest GPUs of the chosen kind each strategy needs (same micro-batch, offload "
+                             "and GPU), and the strategy with the least communication that fits at the current "
+                             "GPU count (order: DDP, ZeRO-1, ZeRO-2, FSDP shard-grad-op, hybrid, ZeRO-3, FSDP "
+                             "full shard).")
+        lay.addWidget(self.plan)
+        self.use_plan = QPushButton("")
+        self.use_plan.setObjectName("usePlan")
+        self.use_plan.clicked.connect(self._use_plan)
+        lay.addWidget(self.use_plan, 0, Qt.AlignmentFlag.AlignLeft)
+        self.plan.setVisible(False)
+        self.use_plan.setVisible(False)
+        self._plan_action: tuple[str, dict[str, Any]] | None = None
         self.heading = QLabel("<b>Suggestions</b> (click to apply; Ctrl+Z undoes)")
         lay.addWidget(self.heading)
         area = QScrollArea()
@@ -239,6 +263,7 @@ class AdvicePanel(QWidget):
                                    f"at sequence length {setup.seq}.")
             self.use_max.setText(f"Use micro-batch {v.max_micro_batch}")
             self.use_max.setVisible(v.max_micro_batch != setup.batch)
+        self._set_plan(result)
         self._suggestions = v.suggestions[:MAX_SUGGESTIONS]
         for i, b in enumerate(self.buttons):
             if i < len(self._suggestions):
@@ -255,6 +280,28 @@ class AdvicePanel(QWidget):
             self.empty.setVisible(True)
         else:
             self.empty.setVisible(False)
+
+    def _set_plan(self, result: Result) -> None:
+        sentences = plan_sentences(result)
+        host = host_text(result)
+        if host:
+            sentences.append(host + ".")
+        self.plan.setText(" ".join(sentences))
+        self.plan.setVisible(bool(sentences))
+        self._plan_action = plan_action(result)
+        if self._plan_action is not None:
+            title, changes = self._plan_action
+            self.use_plan.setText(title)
+            self.use_plan.setToolTip(f"Applies: {format_changes(changes)} (Ctrl+Z undoes)")
+        self.use_plan.setVisible(self._plan_action is not None)
+
+    def plan_text(self) -> str:
+        return self.plan.text() if self.plan.isVisibleTo(self) else ""
+
+    def _use_plan(self) -> None:
+        if self._plan_action is not None:
+            title, changes = self._plan_action
+            self.apply_changes.emit(title, dict(changes))
 
     def suggestions(self) -> tuple[Suggestion, ...]:
         return self._suggestions

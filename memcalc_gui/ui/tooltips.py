@@ -82,4 +82,30 @@ TOOLTIPS: Final[dict[str, str]] = {
         "Memory the caching allocator reserves but cannot use (fragmentation), as a percentage of each "
         "phase's tensor bytes (light grey). Seed 003: 5–20 %."
     ),
+    "gpus": (
+        "Data-parallel GPUs of the chosen kind. With more than one GPU (or a sharding strategy) the chart, "
+        "the ledger and the verdict are per GPU: activations stay those of one micro-batch, the model state "
+        "is replicated (DDP) or sharded over the GPUs (ZeRO, FSDP). Up/Down change it by 1, PgUp/PgDn double "
+        "or halve it."
+    ),
+    "strategy": (
+        "How the model state is spread over the GPUs (mixed precision + Adam, bytes per parameter Ψ):\n"
+        "DDP: every GPU holds everything, 16Ψ plus DDP's gradient buckets.\n"
+        "ZeRO-1/2/3 (Rajbhandari et al. 2020, \"ZeRO\"): (2 + 2 + K)Ψ with K = 12 → 2Ψ + 2Ψ + KΨ/N (stage 1), "
+        "2Ψ + (2 + K)Ψ/N (stage 2), (2 + 2 + K)Ψ/N (stage 3); DeepSpeed's estimate_zero2/zero3_model_states_"
+        "mem_needs add an fp32 gradient partition, reduce buckets and the largest layer gathered (4·L).\n"
+        "FSDP (PyTorch FSDP docs): FULL_SHARD ≈ ZeRO-3 with the root unit and two units gathered "
+        "(limit_all_gathers); SHARD_GRAD_OP keeps parameters gathered from forward to backward (≈ ZeRO-2); "
+        "HYBRID_SHARD shards within a node and replicates across nodes."
+    ),
+    "node_size": (
+        "GPUs per node. FSDP HYBRID_SHARD shards the state over one node's GPUs only; with offload the host "
+        "memory is needed once per node (DeepSpeed's estimators: host bytes × GPUs per node × 1.5 buffer factor)."
+    ),
+    "offload": (
+        "Move model state to CPU memory; the chart then shows less on the GPU and the host memory needed per "
+        "node is listed.\nOptimizer: ZeRO-Offload (optimizer state, fp32 master and gradient partitions; the "
+        "step runs on the CPU) or FSDP CPUOffload.\nParameters / both: ZeRO-Infinity parameter offload (needs "
+        "ZeRO-3, FSDP FULL_SHARD or HYBRID_SHARD; only the gathered units stay on the GPU). DDP cannot offload."
+    ),
 }

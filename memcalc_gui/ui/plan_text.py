@@ -1,0 +1,186 @@
+"""How a multi-GPU result is worded, in the window and in the report (plain text; no Qt).
+
+With ``setup.parallel.is_distributed`` every ledger number is per GPU; these helpers say so, name the
+strategy, the host memory offload needs and the core's GPU plan (``Result.plan``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Final
+
+from ..core.distributed import PREFERENCE, STRATEGY_LABELS
+from ..core.errors import InputError
+from ..core.estimate import estimate
+from ..core.result import Result
+from ..core.setup import TrainingSetup, gpu_presets
+from ..core.units import format_bytes
+
+#: Short strategy names for running text (the combo shows :data:`STRATEGY_LABELS`).
+STRATEGY_SHORT: Final = {
+    "ddp": "DDP",
+    "zero1": "ZeRO-1",
+    "zero2": "ZeRO-2",
+    "zero3": "ZeRO-3",
+    "fsdp-full-shard": "FSDP full shard",
+    "fsdp-shard-grad-op": "FSDP shard-grad-op",
+    "fsdp-hybrid": "FSDP hybrid shard",
+}
+#: Appended to the best strategy's label in :func:`plan_rows`.
+BEST_MARK: Final = " — best"
+OFFLOAD_TEXT: Final = {
+    "none": "no offload",
+    "optimizer": "optimizer state offloaded to the CPU",
+    "params": "parameters and optimizer state offloaded to the CPU",
+    "both": "parameters and optimizer state offloaded to the CPU",
+}
+
+
+def is_per_gpu(result: Result) -> bool:
+    return result.setup.parallel.is_distributed
+
+
+def gpu_name(setup: TrainingSetup) -> str:
+    for g in gpu_presets():
+        if g.id == setup.gpu:
+            return g.name
+    return "GPUs" if setup.capacity_bytes is None else "custom GPUs"
+
+
+def strategy_text(setup: TrainingSetup) -> str:
+    """``ZeRO-3 (+ parameters sharded)[ (8 GPUs per node)][, optimizer state offloaded to the CPU]``."""
+    par = setup.parallel
+    text = STRATEGY_LABELS.get(par.strategy, par.strategy)
+    if par.strategy == "fsdp-hybrid":
+        text += f" ({par.node_size} GPUs per node)"
+    if par.offload != "none":
+        text += f", {OFFLOAD_TEXT[par.offload]}"
+    return text
+
+
+def parallel_label(setup: TrainingSetup) -> str:
+    """``32 × NVIDIA H100 80GB HBM3, ZeRO-3 (+ parameters sharded)[, optimizer state offloaded …]``."""
+    par = setup.parallel
+    gpus = f"{par.gpus} × {gpu_name(setup)}" if setup.gpu else f"{par.gpus} GPU{'s' if par.gpus != 1 else ''}"
+    return f"{gpus}, {strategy_text(setup)}"
+
+
+def chart_scope(setup: TrainingSetup) -> str:
+    """The chart's short title: ``32 GPUs, ZeRO-3, optimizer offload``."""
+    par = setup.parallel
+    text = f"{par.gpus:,} GPU{'s' if par.gpus != 1 else ''}, {STRATEGY_SHORT.get(par.strategy, par.strategy)}"
+    if par.offload != "none":
+        text += f", {'optimizer' if par.offload == 'optimizer' else 'parameter'} offload"
+    return text
+
+
+def per_gpu_headline(result: Result) -> str:
+    """The core's headline, with "per GPU" after the peak when the setup is distributed."""
+    headline = result.headline()
+    if not is_per_gpu(result):
+        return headline
+    needs = f"needs {format_bytes(result.estimate.peak_bytes)}"
+    if needs in headline:
+        return headline.replace(needs, needs + " per GPU", 1)
+    return "Per GPU: " + headline
+
+
+def host_bytes(result: Result) -> int:
+    return int(result.estimate.details.get("host_bytes", 0) or 0)
+
+
+def host_text(result: Result) -> str:
+    """``Host (CPU) memory for offload: 1.2 TiB per node (8 GPUs per node)``, or "" without offload."""
+    par = result.setup.parallel
+    if par.offload == "none":
+        return ""
+    n = host_bytes(result)
+    return (f"Host (CPU) memory for offload: {format_bytes(n)} per node ({par.gpus_per_node} GPU"
+            f"{'s' if par.gpus_per_node != 1 else ''} per node, DeepSpeed's 1.5× buffer factor)")
+
+
+def min_gpus_items(result: Result) -> list[tuple[str, int | None]]:
+    """(strategy, fewest GPUs) from the plan, fewest first; strategies that never fit last."""
+    plan = result.plan
+    if plan is None:
+        return []
+    order = {s: i for i, s in enumerate(PREFERENCE)}
+    items = list(plan.min_gpus.items())
+    return sorted(items, key=lambda kv: (kv[1] is None, kv[1] or 0, order.get(kv[0], 99)))
+
+
+def plan_sentences(result: Result) -> list[str]:
+    """The solver's answer in two sentences (empty for a single-GPU setup)."""
+    if not is_per_gpu(result):
+        return []
+    plan = result.plan
+    setup = result.setup
+    if plan is None:
+        if setup.capacity_bytes is None:
+            return ["Choose a GPU or a capacity to find the fewest GPUs each strategy needs."]
+        return []
+    kind = f"GPUs ({gpu_name(setup)})" if setup.gpu else "GPUs of this capacity"
+    fitting = [f"{STRATEGY_SHORT.get(s, s)} {n:,}" for s, n in min_gpus_items(result) if n is not None]
+    never = [STRATEGY_SHORT.get(s, s) for s, n in min_gpus_items(result) if n is None]
+    first = f"Fewest {kind} per strategy: " + (", ".join(fitting) if fitting else "none fits")
+    if never:
+        first += f" ({', '.join(never)}: never)" if fitting else ""
+    gpus = setup.parallel.gpus
+    if plan.best_strategy is None:
+        second = f"No strategy fits with {gpus:,} GPU{'s' if gpus != 1 else ''}"
+    else:
+        peak = f" ({format_bytes(plan.best_peak_bytes)} per GPU)" if plan.best_peak_bytes else ""
+        second = (f"Best strategy with {gpus:,} GPU{'s' if gpus != 1 else ''}: "
+                  f"{STRATEGY_SHORT.get(plan.best_strategy, plan.best_strategy)}{peak}")
+    return [first + ".", second + "."]
+
+
+def plan_action(result: Result) -> tuple[str, dict[str, object]] | None:
+    """One change the plan suggests: the best strategy at this count, or else the fewest GPUs that fit —
+    unless a smaller micro-batch or another suggestion already fits on the GPUs at hand."""
+    plan = result.plan
+    if plan is None:
+        return None
+    par = result.setup.parallel
+    if plan.best_strategy is not None:
+        if plan.best_strategy == par.strategy:
+            return None
+        return (f"Use {STRATEGY_SHORT.get(plan.best_strategy, plan.best_strategy)}",
+                {"strategy": plan.best_strategy})
+    fitting = [(s, n) for s, n in min_gpus_items(result) if n is not None]
+    v = result.verdict
+    if not fitting or v.max_micro_batch or any(s.fits for s in v.suggestions):
+        return None
+    strategy, n = fitting[0]
+    return (f"Use {n:,} GPUs with {STRATEGY_SHORT.get(strategy, strategy)}", {"gpus": n, "strategy": strategy})
+
+
+def plan_rows(result: Result) -> list[tuple[str, str, str, str]]:
+    """The GPU plan as table rows: strategy, fewest GPUs, peak per GPU at the current count, fits there.
+
+    The per-strategy peaks are analytic estimates of the same setup with only the strategy changed."""
+    plan = result.plan
+    if plan is None:
+        return []
+    setup = result.setup
+    cap = setup.capacity_bytes
+    rows = []
+    for strategy in PREFERENCE:
+        if strategy not in plan.min_gpus:
+            continue
+        n = plan.min_gpus[strategy]
+        try:
+            trial = setup.with_changes(parallel=replace(setup.parallel, strategy=strategy))
+            peak: int | None = estimate(trial).peak_bytes
+        except InputError:
+            peak = None
+        if peak is None:
+            peak_text, fit = "—", f"not with {setup.parallel.offload} offload"
+        else:
+            peak_text = format_bytes(peak)
+            fit = "—" if cap is None else ("fits" if peak <= cap else "over")
+        label = STRATEGY_LABELS.get(strategy, strategy)
+        if strategy == plan.best_strategy:
+            label += BEST_MARK
+        rows.append((label, f"{n:,}" if n is not None else "never", peak_text, fit))
+    return rows

@@ -1,0 +1,226 @@
+"""Multi-GPU in the window (pytest-qt, offscreen): GPUs, strategy, node size and offload as inputs; the
+per-GPU chart, banner and plan; inline errors for invalid combinations; settings and undo."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+from PySide6.QtCore import Qt
+
+from memcalc_gui.core.distributed import STRATEGIES, STRATEGY_LABELS, Parallelism
+from memcalc_gui.core.result import evaluate
+from memcalc_gui.core.units import format_bytes, gib
+from memcalc_gui.core.vocab import OBJECTS, PHASES
+from memcalc_gui.ui import measure_panel
+from memcalc_gui.ui.chart import AXIS_LABEL, AXIS_LABEL_PER_GPU
+from memcalc_gui.ui.form import FormState, ModelCache, build_setup, capacity_text, default_state, gpu_by_id
+from memcalc_gui.ui.main_window import MainWindow
+from memcalc_gui.ui.settings import SETTINGS_ENV
+from memcalc_gui.ui.tooltips import TOOLTIPS
+
+H100 = capacity_text(gpu_by_id()["h100-80gb"])
+BIG = dict(preset="llama-3.1-70b", batch="1", seq="4096", grad_accum="1", checkpointing="full", gpu="h100-80gb",
+           capacity=H100)
+
+
+@pytest.fixture(autouse=True)
+def private_settings(tmp_path, monkeypatch):
+    monkeypatch.setenv(SETTINGS_ENV, str(tmp_path / "settings"))
+    monkeypatch.setattr(measure_panel, "DETECT_DELAY_MS", None)
+    return tmp_path / "settings"
+
+
+@pytest.fixture
+def window(qtbot):
+    w = MainWindow(initial_state=default_state().replace(**BIG), persist=False)
+    qtbot.addWidget(w)
+    w.resize(1300, 860)
+    w.show()
+    return w
+
+
+def set_fields(w: MainWindow, **fields: str) -> bool:
+    w.inputs.set_state(w.inputs.state().replace(**fields))
+    return w.refresh()
+
+
+def assert_chart_matches(w: MainWindow) -> None:
+    est = w.result.estimate
+    drawn = w.chart.heights()
+    for o in OBJECTS:
+        assert drawn[o] == pytest.approx([gib(est.phases[p].objects[o]) for p in PHASES]), o
+
+
+def test_inputs_exist_with_sources_in_their_tooltips(window):
+    w = window
+    inputs = w.inputs
+    assert [inputs.strategy.itemData(i) for i in range(inputs.strategy.count())] == list(STRATEGIES)
+    assert inputs.strategy.itemText(STRATEGIES.index("zero3")) == STRATEGY_LABELS["zero3"]
+    assert "(2 + 2 + K)Ψ" in TOOLTIPS["strategy"] and "DeepSpeed" in TOOLTIPS["strategy"]
+    assert "FSDP" in TOOLTIPS["strategy"] and "estimate_zero2" in TOOLTIPS["strategy"]
+    for name in ("gpus", "strategy", "node_size", "offload"):
+        assert inputs.widget_for(name).toolTip(), name
+    assert inputs.state().gpus == "1" and inputs.state().strategy == "ddp"
+    # a single GPU: nothing says "per GPU" and there is no plan
+    assert w.chart.axis_label() == AXIS_LABEL and w.chart.title_text() == ""
+    assert "per GPU" not in w.banner.text.text() and w.advice.plan_text() == ""
+    assert not inputs.node_size.isEnabled()  # only HYBRID_SHARD or offload use it
+
+
+def test_gpus_and_strategy_change_the_per_gpu_chart_banner_and_plan(window, qtbot):
+    w = window
+    single = w.chart.heights()["parameters"]
+    assert w.banner.state() == "over"
+    w.inputs.gpus.selectAll()
+    with qtbot.waitSignal(w.result_changed, timeout=2000):
+        qtbot.keyClicks(w.inputs.gpus, "32")
+    assert w.inputs.state().gpus == "32"
+    w.inputs.strategy.setCurrentIndex(STRATEGIES.index("zero3"))
+    qtbot.waitUntil(lambda: w.result.setup.parallel.strategy == "zero3", timeout=2000)
+    setup = w.result.setup
+    assert setup.parallel == Parallelism(gpus=32, strategy="zero3")
+    assert_chart_matches(w)
+    assert w.chart.heights()["parameters"][1] < single[1] / 10  # sharded over 32 GPUs
+    assert w.chart.axis_label() == AXIS_LABEL_PER_GPU
+    assert "32 GPUs" in w.chart.title_text() and "ZeRO-3" in w.chart.title_text()
+    assert "per GPU" in w.chart.capacity_label.format
+    assert w.banner.state() == "fits"
+    assert "per GPU" in w.banner.text.text() and "per GPU" in w.headline()
+    assert "32 × NVIDIA H100" in w.banner.detail.text()
+    assert "per GPU" in w.method_label.text()
+    plan = w.advice.plan_text()
+    expected = w.result.plan
+    assert expected is not None and expected.best_strategy == "zero3"
+    assert f"ZeRO-3 {expected.min_gpus['zero3']}" in plan
+    assert f"FSDP full shard {expected.min_gpus['fsdp-full-shard']}" in plan
+    assert "Best strategy with 32 GPUs: ZeRO-3" in plan
+    assert not w.advice.use_plan.isVisible()  # the current strategy is the best one
+
+    # ZeRO-2 is over: the chart follows and the plan offers ZeRO-3 (one undoable step)
+    zero3_peak = w.result.estimate.peak_bytes
+    w.inputs.strategy.setCurrentIndex(STRATEGIES.index("zero2"))
+    qtbot.waitUntil(lambda: w.result.setup.parallel.strategy == "zero2", timeout=2000)
+    assert w.result.estimate.peak_bytes > zero3_peak and w.banner.state() == "over"
+    assert_chart_matches(w)
+    assert w.advice.use_plan.isVisible() and w.advice.use_plan.text() == "Use ZeRO-3"
+    qtbot.mouseClick(w.advice.use_plan, Qt.MouseButton.LeftButton)
+    assert w.result.setup.parallel.strategy == "zero3" and w.inputs.state().strategy == "zero3"
+    w.undo()
+    assert w.inputs.state().strategy == "zero2"
+
+    # more GPUs: fewer bytes per GPU
+    assert set_fields(w, gpus="64", strategy="zero3")
+    assert w.result.estimate.peak_bytes < zero3_peak
+    assert "Best strategy with 64 GPUs" in w.advice.plan_text()
+
+
+def test_offload_shows_host_memory_and_enables_node_size(window):
+    w = window
+    assert set_fields(w, gpus="16", strategy="zero3", offload="optimizer")
+    host = w.result.estimate.details["host_bytes"]
+    assert host > 0
+    assert w.inputs.node_size.isEnabled()
+    text = f"Host (CPU) memory for offload: {format_bytes(host)} per node"
+    assert text in w.banner.detail.text() and text in w.advice.plan_text()
+    assert set_fields(w, offload="none", strategy="fsdp-hybrid", node_size="4")
+    assert w.inputs.node_size.isEnabled() and w.result.setup.parallel.node_size == 4
+    assert set_fields(w, strategy="zero3")
+    assert not w.inputs.node_size.isEnabled()
+
+
+@pytest.mark.parametrize(("fields", "field", "words"), [
+    (dict(strategy="ddp", offload="optimizer", gpus="8"), "offload", "DDP cannot offload"),
+    (dict(strategy="zero2", offload="params", gpus="8"), "offload", "parameter offload"),
+    (dict(gpus="0"), "gpus", "positive"),
+    (dict(gpus="many"), "gpus", "positive"),
+    (dict(node_size="-2", strategy="fsdp-hybrid", gpus="16"), "node_size", "positive"),
+    (dict(model_kind="params", params="7B", strategy="zero3", gpus="8"), "strategy", "architecture"),
+])
+def test_invalid_combination_is_marked_inline_and_the_last_result_stays(window, fields, field, words):
+    w = window
+    assert set_fields(w, gpus="32", strategy="zero3")
+    before = w.result
+    heights = w.chart.heights()
+    assert not set_fields(w, **fields)
+    errors = w.inputs.errors()
+    assert field in errors and words in errors[field], errors
+    assert w.result is before and w.chart.heights() == heights
+    assert w.inputs.widget_for(field).property("invalid") is True
+    assert w.banner.stale_note.isVisible()
+    w.undo()  # the first undo reverts the invalid entry
+    assert w.inputs.errors() == {} and w.result.setup.parallel == Parallelism(gpus=32, strategy="zero3")
+
+
+def test_each_parallel_edit_is_one_undo_step(window, qtbot):
+    w = window
+    w.inputs.gpus.selectAll()
+    for key in "128":
+        qtbot.keyClicks(w.inputs.gpus, key)
+        qtbot.wait(5)
+    qtbot.waitUntil(lambda: w.result.setup.parallel.gpus == 128, timeout=2000)
+    w.inputs.strategy.setCurrentIndex(STRATEGIES.index("fsdp-full-shard"))
+    qtbot.waitUntil(lambda: w.result.setup.parallel.strategy == "fsdp-full-shard", timeout=2000)
+    w.inputs.offload.setCurrentIndex(w.inputs.offload.findData("optimizer"))
+    qtbot.waitUntil(lambda: w.result.setup.parallel.offload == "optimizer", timeout=2000)
+    assert "offload" in w.undo_action.text()
+    w.undo()
+    assert w.result.setup.parallel == Parallelism(gpus=128, strategy="fsdp-full-shard")
+    w.undo()
+    assert w.result.setup.parallel == Parallelism(gpus=128)
+    w.undo()  # the typing of "128" merged into one step
+    assert w.result.setup.parallel == Parallelism() and w.inputs.state().gpus == "1"
+    w.redo()
+    w.redo()
+    assert w.inputs.state().strategy == "fsdp-full-shard" and w.inputs.state().gpus == "128"
+
+
+def test_settings_round_trip_of_the_parallel_fields(qtbot, private_settings):
+    w = MainWindow()
+    qtbot.addWidget(w)
+    assert set_fields(w, **BIG, gpus="24", strategy="fsdp-hybrid", node_size="4", offload="optimizer")
+    w.close()
+    assert (private_settings / "memcalc.ini").is_file()
+    again = MainWindow()
+    qtbot.addWidget(again)
+    state = again.inputs.state()
+    assert (state.gpus, state.strategy, state.node_size, state.offload) == ("24", "fsdp-hybrid", "4", "optimizer")
+    assert again.result.setup.parallel == Parallelism(gpus=24, strategy="fsdp-hybrid", node_size=4,
+                                                      offload="optimizer")
+    again.close()
+
+
+def test_form_state_reads_old_and_rejects_bad_saved_values():
+    old = {k: v for k, v in default_state().to_json().items() if k not in ("gpus", "strategy", "node_size", "offload")}
+    state = FormState.from_json(old)
+    assert (state.gpus, state.strategy, state.node_size, state.offload) == ("1", "ddp", "8", "none")
+    with pytest.raises(ValueError):
+        FormState.from_json(dict(old, strategy="zero9"))
+    with pytest.raises(ValueError):
+        FormState.from_json(dict(old, offload="disk"))
+    setup = build_setup(default_state().replace(**BIG, gpus="8", strategy="zero1"), ModelCache())
+    assert setup.parallel == Parallelism(gpus=8, strategy="zero1")
+    assert evaluate(setup).plan is not None
+
+
+def test_chart_labels_fit_a_narrow_plot_and_the_capacity_text_has_a_plate(window, qtbot):
+    w = window  # the single-GPU 70B step peaks in the optimizer step
+    assert w.result.estimate.peak_phase == "optimizer_step"
+    assert w.chart.tick_labels()[-1] == "Optimizer step\n(peak)"
+    assert w.chart.capacity_label.fill.style() != Qt.BrushStyle.NoBrush
+    w.main_split.setSizes([900, 400])  # a narrow chart
+    qtbot.waitUntil(lambda: w.chart.tick_labels()[-1] != "Optimizer step\n(peak)", timeout=2000)
+    assert w.chart.tick_labels()[-1].endswith("\n(peak)")
+    axis = w.chart.plot.getAxis("bottom")
+    from PySide6.QtGui import QImage, QPainter
+
+    image = QImage(8, 8, QImage.Format.Format_ARGB32)
+    painter = QPainter(image)
+    try:
+        drawn = [spec[2] for spec in axis.generateDrawSpecs(painter)[2]]
+    finally:
+        painter.end()
+    assert drawn == w.chart.tick_labels()  # every phase name is drawn (none dropped at the edge)
