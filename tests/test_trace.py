@@ -79,3 +79,18 @@ def test_module_grouping() -> None:
     rows = group_modules([("model.layers.0.mlp", 10), ("model.layers.1.mlp", 10), ("LlamaForCausalLM", 5),
                           ("lm_head", 7)])
     assert rows == [("model.layers.*.mlp", 20), ("lm_head", 7), ("loss and logits (LlamaForCausalLM)", 5)]
+
+
+def test_trace_of_a_sharded_setup_is_per_gpu() -> None:
+    from memcalc_gui.core.distributed import Parallelism
+    from memcalc_gui.core.model import preset_spec
+
+    setup = TrainingSetup(model=preset_spec("qwen2.5-0.5b"), batch=2, seq=256,
+                          parallel=Parallelism(gpus=8, strategy="zero3", offload="optimizer"))
+    traced = trace_estimate(setup)
+    single = estimate(setup.with_changes(parallel=Parallelism()))
+    assert traced.estimate.peak_tensor_bytes < single.peak_tensor_bytes
+    assert traced.estimate.phases["optimizer_step"].objects["optimizer_state"] == 0  # offloaded
+    for phase, diff in traced.difference_pct().items():
+        assert abs(diff) < 1, phase
+    assert traced.result().plan is not None or setup.capacity_bytes is None

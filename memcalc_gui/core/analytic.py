@@ -160,10 +160,8 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
     host_bytes = 0
     par = setup.parallel
     if par.is_distributed:
-        states = model_states(par, n_params, spec.largest_module_params if par.strategy == "zero3"
-                              else spec.layer_params, setup.precision, state, opt.step_temporary_bytes,
-                              copies, spec.root_unit_params)
-        load, forward, moments, step = _per_gpu(states, par, load, forward, moments, step)
+        states = states_for(spec, setup, state, opt.step_temporary_bytes, copies)
+        load, forward, moments, step = per_gpu_ledger(states, par, load, forward, moments, step)
         notes, host_bytes = states.notes, states.host_bytes
     backward = max(moments, key=lambda m: sum(m.values()))
 
@@ -186,7 +184,16 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
     return Estimate(setup=setup, method="analytic", phases=phases, assumptions=assumptions, details=details)
 
 
-def _per_gpu(
+def states_for(spec: ModelSpec, setup: TrainingSetup, state_bytes: int, step_temporaries: int,
+               copies: int) -> ModelStates:
+    """The strategy's per-GPU model states for this architecture (see ``distributed.model_states``)."""
+    par = setup.parallel
+    unit = spec.largest_module_params if par.strategy == "zero3" else spec.layer_params
+    return model_states(par, spec.num_params, unit, setup.precision, state_bytes, step_temporaries, copies,
+                        spec.root_unit_params)
+
+
+def per_gpu_ledger(
     states: ModelStates, par: Parallelism, load: dict[str, int], forward: dict[str, int],
     moments: list[dict[str, int]], step: dict[str, int],
 ) -> tuple[dict[str, int], dict[str, int], list[dict[str, int]], dict[str, int]]:

@@ -186,9 +186,12 @@ def model_states(
             c["w_part"] = c["g_part"] = 0
             notes.append("FSDP CPUOffload: parameter and gradient shards and the optimizer step on the host")
         else:
-            host += state + c["master_part"] + c["g_fp32_part"]
-            c["master_part"] = c["g_fp32_part"] = 0
-            notes.append("ZeRO-Offload: optimizer state, fp32 master and gradient partitions on the host; "
+            # ZeRO-Offload streams each reduced gradient partition to the host as fp32, where the step runs;
+            # the GPU keeps the 16-bit weights and the reduce bucket (DeepSpeed's estimators: 2Ψ for stage 2,
+            # 2Ψ/N + 4·L for stage 3).
+            host += state + c["master_part"] + _ceil_div(psi * 4, n)
+            c["master_part"] = c["g_fp32_part"] = c["g_part"] = 0
+            notes.append("ZeRO-Offload: optimizer state, fp32 master weights and gradient partitions on the host; "
                          "the step runs on the CPU")
             if par.offload in ("params", "both"):
                 host += c["w_part"]
@@ -204,7 +207,7 @@ def model_states(
         grads[ph] = 0 if ph == "load" else c["ddp_buckets"]
     grads["forward"] += c["g_bucket"]
     grads["backward"] += c["g_full"] + c["g_part"] + c["g_bucket"] + c["unit_grads"]
-    grads["optimizer_step"] += c["g_full"] + c["g_part"] + c["g_fp32_part"]
+    grads["optimizer_step"] += (0 if par.offload != "none" else c["g_full"]) + c["g_part"] + c["g_fp32_part"]
     host_bytes = int(host * par.gpus_per_node * HOST_BUFFER_FACTOR)
     return ModelStates(params, grads, state, temps, host_bytes, tuple(notes))
 

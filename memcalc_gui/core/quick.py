@@ -35,19 +35,21 @@ def precision_bytes(setup: TrainingSetup) -> tuple[int, int]:
 
 def estimate_quick(setup: TrainingSetup) -> Estimate:
     """The seed 000 formula as a ledger: forward holds activations, the step holds grads + intermediates."""
-    if setup.parallel.is_distributed:
-        raise InputError("strategy", "multi-GPU budgets need an architecture: give --preset or --config")
+    par = setup.parallel
+    if par.strategy != "ddp" or par.offload != "none":
+        raise InputError("strategy", "sharded strategies and offload need an architecture (a preset or a config.json)")
     n = setup.num_params
     p, p_act = precision_bytes(setup)
+    buckets = n * p if par.gpus > 1 else 0  # DDP keeps every gradient once more in its buckets
     model = n * p
     state = round(_STATE_FACTOR[setup.optimizer] * n * p)
-    grads = n * p
+    grads = n * p + buckets
     intermediates = n * p
     acts = round(activations_per_token(n) * setup.batch * setup.seq * p_act)
     phases = {
         "load": with_overheads({"parameters": model}, "load", setup),
-        "forward": with_overheads({"parameters": model, "optimizer_state": state, "activations": acts},
-                                  "forward", setup),
+        "forward": with_overheads({"parameters": model, "optimizer_state": state, "activations": acts,
+                                   "gradients": buckets}, "forward", setup),
         "backward": with_overheads({"parameters": model, "optimizer_state": state, "gradients": grads},
                                    "backward", setup),
         "optimizer_step": with_overheads({"parameters": model, "optimizer_state": state, "gradients": grads,

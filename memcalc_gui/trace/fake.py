@@ -22,12 +22,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import install_hint
+from ..core.analytic import per_gpu_ledger, states_for
 from ..core.errors import InputError, MemcalcError
 from ..core.estimate import estimate
 from ..core.ledger import Estimate, with_overheads
 from ..core.result import Result
 from ..core.setup import TrainingSetup
-from ..core.solver import solve
+from ..core.solver import gpu_plan, solve
 from ..core.vocab import PHASES
 
 #: The CUDA caching allocator rounds every block up to 512 bytes (seed 001, NOTES.md).
@@ -52,9 +53,11 @@ class TraceResult:
     rules: list[str] = field(default_factory=list)
 
     def result(self) -> Result:
-        """The trace's ledger with a verdict; what-ifs (max micro-batch, suggestions) use the analytic method."""
+        """The trace's ledger with a verdict; what-ifs (max micro-batch, suggestions, GPU plan) use the analytic
+        method."""
         setup = self.estimate.setup
-        return Result(self.estimate, solve(setup, estimate, self.estimate))
+        plan = gpu_plan(setup, estimate) if setup.parallel.is_distributed else None
+        return Result(self.estimate, solve(setup, estimate, self.estimate), plan)
 
     def difference_pct(self) -> dict[str, float]:
         """(trace − analytic) / analytic per phase, tensor bytes."""
@@ -141,15 +144,26 @@ def trace_estimate(
             from None
     seconds = time.perf_counter() - t0
 
-    phases = {}
+    objects: dict[str, dict[str, int]] = {}
     for name in PHASES:
         ph = m.phases[name]
         if name == "load":
             # resident parameters (a tied model briefly builds an untied head while loading)
-            objects = {"parameters": -(-ph.live_bytes // CUDA_ROUNDING) * CUDA_ROUNDING}
+            objects[name] = {"parameters": -(-ph.live_bytes // CUDA_ROUNDING) * CUDA_ROUNDING}
         else:
-            objects = {k: v for k, v in ph.objects.items() if v}
-        phases[name] = with_overheads(objects, name, setup)
+            objects[name] = {k: v for k, v in ph.objects.items() if v}
+    notes: tuple[str, ...] = ()
+    host_bytes = 0
+    if setup.parallel.is_distributed and setup.model is not None:
+        # The trace runs one replica; the strategy's per-GPU model states replace the traced ones.
+        step = objects["optimizer_step"]
+        states = states_for(setup.model, setup, step.get("optimizer_state", 0), step.get("optimizer_temporaries", 0),
+                            m.phases["forward"].compute_copy_bytes)
+        load, fwd, (bwd,), stp = per_gpu_ledger(states, setup.parallel, objects["load"], objects["forward"],
+                                               [objects["backward"]], step)
+        objects = {"load": load, "forward": fwd, "backward": bwd, "optimizer_step": stp}
+        notes, host_bytes = states.notes, states.host_bytes
+    phases = {name: with_overheads(objects[name], name, setup) for name in PHASES}
     rules = [
         "Traced on fake tensors (device cpu): every tensor storage of two real training iterations, "
         "the second reported",
@@ -158,8 +172,8 @@ def trace_estimate(
         f"{setup.allocator_reserve:.0%} added (a CPU trace cannot see them)",
     ]
     modules = group_modules(m.phases["forward"].modules)[:TOP_MODULES]
-    est = Estimate(setup=setup, method="trace", phases=phases, assumptions=tuple(rules),
-                   details={"seconds": seconds, "modules": modules})
+    est = Estimate(setup=setup, method="trace", phases=phases, assumptions=tuple(rules) + notes,
+                   details={"seconds": seconds, "modules": modules, "host_bytes": host_bytes})
     analytic = estimate(setup) if setup.model is not None else None
     return TraceResult(est, modules, seconds, analytic, rules)
 

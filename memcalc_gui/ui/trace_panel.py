@@ -9,8 +9,8 @@ thread, and the trace's ledger then replaces the drawn one (chart, banner, ledge
 "trace"). An edit cancels a running trace and starts the next one; a failure is reported and the
 analytic result stays. Traces of recent setups are kept, so undo back to a traced setup shows it at once.
 
-The trace runs one GPU's step without sharding, so a multi-GPU (distributed) setup keeps its analytic
-per-GPU ledger; a bare parameter count has no architecture to trace. torch and transformers are
+For a multi-GPU setup the trace runs one replica's step and the strategy's per-GPU model states replace
+the traced ones (as in the analytic ledger); a bare parameter count has no architecture to trace. torch and transformers are
 imported on the worker thread only (``trace_available`` looks for them without importing).
 """
 
@@ -65,9 +65,6 @@ TOGGLE_TIP = ("Trace one training step of this setup on fake tensors (PyTorch + 
 NO_TORCH_TIP = ("The trace needs PyTorch and transformers, which are not installed. "
                 + (f"Install them with:  {INSTALL_HINT}" if INSTALL_HINT.startswith("pip") else
                    INSTALL_HINT[:1].upper() + INSTALL_HINT[1:] + "."))
-NOT_DISTRIBUTED = ("The trace runs one GPU's training step without sharding, so it cannot check a multi-GPU "
-                   "ledger: the chart keeps the analytic per-GPU estimate. Set the number of GPUs to 1 and the "
-                   "strategy to DDP to trace.")
 NO_ARCHITECTURE = ("A bare parameter count has no architecture to trace: choose a preset or open a config.json.")
 #: A difference above this (in %) is drawn in the warning colour.
 DIFF_WARN_PCT = 10.0
@@ -95,8 +92,6 @@ def skip_reason(setup: TrainingSetup) -> str:
     """Why this setup is not traced ("" when it is)."""
     if setup.model is None:
         return NO_ARCHITECTURE
-    if setup.parallel.is_distributed:
-        return NOT_DISTRIBUTED
     return ""
 
 
