@@ -49,6 +49,7 @@ _PHASE_CATEGORY = {
     "optimizer_step": "optimizer_temporaries",
 }
 _TAGS = ("gradients", "optimizer_state", "parameters", "inputs")
+_STATE_CATEGORIES = frozenset(_TAGS)
 _TOP_N = 20
 
 
@@ -81,6 +82,9 @@ class PhaseMeasurement:
     compute_copy_bytes: int = 0
     #: Activations alive at the peak by the module that created them, largest first (when tracked).
     modules: tuple[tuple[str, int], ...] = ()
+    #: Composition at the peak of everything but the model state (parameters with their 16-bit copies,
+    #: gradients, optimizer state, inputs): what a sharded multi-GPU ledger adds to its own model state.
+    transient_objects: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -432,7 +436,15 @@ def _summarize(
         end_live = tracker.events[wins[-1][1]].live_bytes
         peak_bytes = sum(objects.values()) if round_to > 1 else peak.bytes
         modules = tuple(sorted(by_module.items(), key=lambda kv: -kv[1]))
-        phases[ph] = PhaseMeasurement(peak_bytes, end_live, objects, copies, modules)
+
+        def is_state(sid: int) -> bool:
+            return category_of(tracker.records[sid]) in _STATE_CATEGORIES
+
+        transient_peak = max((tracker.peak_excluding(s, e, is_state) for s, e in wins), key=lambda p: p.bytes)
+        transient = dict.fromkeys(TENSOR_OBJECTS, 0)
+        for sid, nbytes in tracker.live_at(transient_peak.index).items():
+            transient[category_of(tracker.records[sid])] += rounded(nbytes)
+        phases[ph] = PhaseMeasurement(peak_bytes, end_live, objects, copies, modules, transient)
         rows = [
             _live_storage(tracker.records[sid], n, category_of, is_compute_copy)
             for sid, n in live.items()

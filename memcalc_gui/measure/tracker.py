@@ -268,6 +268,21 @@ class LiveStorageTracker:
                 best = ev
         return Peak(best.index, best.live_bytes)
 
+    def peak_excluding(self, start: int, end: int, excluded: Callable[[int], bool]) -> Peak:
+        """The first event in ``[start, end]`` where the live bytes of storages *not* ``excluded(sid)`` peak.
+
+        Used to find a phase's peak of transient memory (activations and temporaries) when the model
+        state is accounted separately (sharded multi-GPU ledgers).
+        """
+        held = 0
+        best_index, best = start, -1
+        for ev in self.events[: end + 1]:
+            if ev.sid and excluded(ev.sid):
+                held += ev.delta
+            if ev.index >= start and ev.live_bytes - held > best:
+                best_index, best = ev.index, ev.live_bytes - held
+        return Peak(best_index, best)
+
     def live_at(self, index: int) -> dict[int, int]:
         """Live storages (sid → nbytes) just after event ``index``."""
         live: dict[int, int] = {}

@@ -155,7 +155,11 @@ def trace_estimate(
     notes: tuple[str, ...] = ()
     host_bytes = 0
     if setup.parallel.is_distributed and setup.model is not None:
-        # The trace runs one replica; the strategy's per-GPU model states replace the traced ones.
+        # The trace runs one replica; the strategy's per-GPU model states replace the traced ones. Sharded
+        # strategies hold their state throughout, so each phase peaks where the transient memory does.
+        if setup.parallel.strategy != "ddp":
+            for name in ("forward", "backward"):
+                objects[name] = {k: v for k, v in m.phases[name].transient_objects.items() if v}
         step = objects["optimizer_step"]
         states = states_for(setup.model, setup, step.get("optimizer_state", 0), step.get("optimizer_temporaries", 0),
                             m.phases["forward"].compute_copy_bytes)
