@@ -14,10 +14,10 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from memcalc_gui.core.model import preset_spec  # noqa: E402
-from memcalc_gui.core.setup import TrainingSetup  # noqa: E402
-from memcalc_gui.core.units import format_bytes  # noqa: E402
-from memcalc_gui.measure.engine import detect_device, measure  # noqa: E402
+from memcalc_gui.core.model import preset_spec
+from memcalc_gui.core.setup import TrainingSetup
+from memcalc_gui.core.units import format_bytes
+from memcalc_gui.measure.engine import detect_device, measure
 
 SETUPS = [
     dict(preset="gpt2", batch=8, seq=1024, precision="mixed", optimizer_impl="foreach"),

@@ -12,11 +12,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from memcalc_gui.core.estimate import estimate  # noqa: E402
-from memcalc_gui.core.model import preset_spec  # noqa: E402
-from memcalc_gui.core.result import evaluate  # noqa: E402
-from memcalc_gui.core.setup import TrainingSetup, find_gpu  # noqa: E402
-from memcalc_gui.core.solver import max_micro_batch  # noqa: E402
+from memcalc_gui.core.estimate import estimate
+from memcalc_gui.core.model import preset_spec
+from memcalc_gui.core.result import evaluate
+from memcalc_gui.core.setup import TrainingSetup, find_gpu
+from memcalc_gui.core.solver import max_micro_batch
 
 
 def timeit(fn, repeat: int) -> float:  # type: ignore[no-untyped-def]

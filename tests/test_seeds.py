@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from memcalc_gui.core.estimate import estimate
 from memcalc_gui.core.errors import InputError
+from memcalc_gui.core.estimate import estimate
 from memcalc_gui.core.ledger import LedgerError, PhaseLedger
 from memcalc_gui.core.model import preset_spec, spec_from_config
 from memcalc_gui.core.optimizer import optimizer_cost
