@@ -71,7 +71,7 @@ def test_max_micro_batch_is_the_boundary(capsys: pytest.CaptureFixture[str]) -> 
 
 
 def test_presets_lists_models_and_gpus(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run(capsys, "presets", "--json")
+    _, out, _ = run(capsys, "presets", "--json")
     data = json.loads(out)
     names = {m["name"] for m in data["models"]}
     assert {"gpt2", "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b",

@@ -9,7 +9,8 @@ from memcalc_gui.core.model import preset_config, preset_names, preset_spec, spe
 
 # Several shapes per family, covering tied/untied embeddings, GQA, explicit head_dim, biases,
 # gated vs plain MLP, LayerNorm vs RMSNorm, learned vs rotary positions and parallel residual.
-SMALL = dict(vocab_size=1000, pad_token_id=0, bos_token_id=1, eos_token_id=2, hidden_size=128, intermediate_size=344, num_hidden_layers=2,
+SMALL = dict(vocab_size=1000, pad_token_id=0, bos_token_id=1, eos_token_id=2, hidden_size=128,
+             intermediate_size=344, num_hidden_layers=2,
              num_attention_heads=8, max_position_embeddings=256)
 CONFIGS: list[dict] = [
     dict(model_type="gpt2", vocab_size=1000, n_embd=128, n_layer=2, n_head=4, n_positions=256),
@@ -106,5 +107,5 @@ def test_bad_configs_name_the_field(cfg: object, field: str) -> None:
 
 
 def test_unknown_preset_lists_presets() -> None:
-    with pytest.raises(ConfigError, match="qwen2.5-1.5b"):
+    with pytest.raises(ConfigError, match=r"qwen2\.5-1\.5b"):
         preset_spec("no-such-model")

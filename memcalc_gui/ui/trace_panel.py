@@ -9,9 +9,9 @@ thread, and the trace's ledger then replaces the drawn one (chart, banner, ledge
 "trace"). An edit cancels a running trace and starts the next one; a failure is reported and the
 analytic result stays. Traces of recent setups are kept, so undo back to a traced setup shows it at once.
 
-For a multi-GPU setup the trace runs one replica's step and the strategy's per-GPU model states replace
-the traced ones (as in the analytic ledger); a bare parameter count has no architecture to trace. torch and transformers are
-imported on the worker thread only (``trace_available`` looks for them without importing).
+For a multi-GPU setup the trace runs one replica's step and the strategy's per-GPU model states
+replace the traced ones (as in the analytic ledger); a bare parameter count has no architecture to
+trace. torch and transformers are imported on the worker thread only (``trace_available`` looks for them without importing).
 """
 
 from __future__ import annotations
