@@ -11,7 +11,8 @@ analytic result stays. Traces of recent setups are kept, so undo back to a trace
 
 For a multi-GPU setup the trace runs one replica's step and the strategy's per-GPU model states
 replace the traced ones (as in the analytic ledger); a bare parameter count has no architecture to
-trace. torch and transformers are imported on the worker thread only (``trace_available`` looks for them without importing).
+trace. torch and transformers are imported on the worker thread only (``trace_available`` looks
+for them without importing).
 """
 
 from __future__ import annotations
