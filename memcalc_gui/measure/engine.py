@@ -391,6 +391,9 @@ def _measure_cuda(result: MeasureResult, config: dict[str, Any], setup: Training
     if snapshot:
         torch.cuda.memory._record_memory_history(max_entries=200_000)
     model = opt = input_ids = loss = None
+    params: list[Any] = []
+    # bf16 autocast where the GPU has it (Ampere and later), fp16 otherwise: the same bytes either way
+    half = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     phase_name = "load"
     peaks: dict[str, PhaseReading] = {}
     max_reserved = 0
@@ -446,7 +449,7 @@ def _measure_cuda(result: MeasureResult, config: dict[str, Any], setup: Training
                          "gradients": grad_bytes}
                 begin("forward", it, micro)
                 if setup.precision == "mixed":
-                    with torch.autocast("cuda", dtype=torch.bfloat16):
+                    with torch.autocast("cuda", dtype=half):
                         loss = model(input_ids=input_ids, labels=input_ids).loss
                 else:
                     loss = model(input_ids=input_ids, labels=input_ids).loss
@@ -482,6 +485,7 @@ def _measure_cuda(result: MeasureResult, config: dict[str, Any], setup: Training
                 result.snapshot = str(snapshot)
             finally:
                 torch.cuda.memory._record_memory_history(enabled=None)
+        params.clear()  # the last references to the weights: let the cache be emptied below
         del model, opt, input_ids, loss
         gc.collect()
         torch.cuda.empty_cache()
