@@ -24,6 +24,7 @@ CONFIGS: list[dict] = [
     dict(SMALL, model_type="qwen2", num_key_value_heads=2),
     dict(SMALL, model_type="qwen2", num_key_value_heads=4, tie_word_embeddings=True),
     dict(SMALL, model_type="qwen3", num_key_value_heads=2, head_dim=32),
+    dict(SMALL, model_type="qwen3", num_key_value_heads=4),  # head_dim defaults to 128, not hidden/heads
     dict(SMALL, model_type="qwen3", num_key_value_heads=4, head_dim=16, attention_bias=True,
          tie_word_embeddings=True),
     dict(SMALL, model_type="phi3"),

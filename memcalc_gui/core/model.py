@@ -288,9 +288,10 @@ def spec_from_config(cfg: Any, *, name: str = "", source: str = "") -> ModelSpec
     h = _get_int(cfg, "hidden_size")
     heads = _get_int(cfg, "num_attention_heads")
     kv = _get_int(cfg, "num_key_value_heads", default=heads)
-    default_head_dim = 256 if family == "gemma" else h // heads
+    # transformers' GemmaConfig and Qwen3Config default head_dim to 256 and 128, not hidden/heads
+    default_head_dim = {"gemma": 256, "qwen3": 128}.get(family, h // heads)
     head_dim = _get_int(cfg, "head_dim", default=default_head_dim)
-    if family != "gemma" and "head_dim" not in cfg and h % heads:
+    if family not in ("gemma", "qwen3") and "head_dim" not in cfg and h % heads:
         raise ConfigError("num_attention_heads", f"{heads} does not divide hidden_size {h}")
     layers = _get_int(cfg, "num_hidden_layers")
     inter = _get_int(cfg, "intermediate_size")

@@ -27,6 +27,7 @@ Measurement conventions (decisions, keep them in mind when comparing with an est
 from __future__ import annotations
 
 import gc
+import importlib.util
 import os
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ PRECISIONS = ("fp32", "mixed", "bf16")
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "lion", "adamw-8bit")
 OPTIMIZER_IMPLS = ("foreach", "single-tensor", "fused")
 CHECKPOINTING = ("none", "full")
+BUILDERS = ("auto", "transformers", "reference")
 _PHASE_CATEGORY = {
     "load": "parameters",
     "forward": "activations",
@@ -136,6 +138,7 @@ def measure_training_step(
     fake: bool = False,
     round_to: int = 1,
     module_names: bool = False,
+    builder: str = "auto",
 ) -> StepMeasurement:
     """Build the model from ``config`` and measure ``iterations`` training steps on CPU.
 
@@ -145,6 +148,7 @@ def measure_training_step(
     ``fake=True`` runs everything under ``FakeTensorMode`` (device "cpu"): the same ledger without
     allocating or computing. ``round_to`` rounds every storage up (512 for the CUDA allocator) in the
     reported compositions; ``module_names`` attributes each storage to the module that created it.
+    ``builder`` chooses how the model is built (see :func:`build_model`).
     """
     if fake:
         from torch._subclasses.fake_tensor import FakeTensorMode
@@ -155,6 +159,7 @@ def measure_training_step(
                 optimizer_impl=optimizer_impl, attention=attention, checkpointing=checkpointing,
                 grad_accum=grad_accum, iterations=iterations, seed=seed, num_threads=None,
                 on_phase=on_phase, fake=False, round_to=round_to, module_names=module_names,
+                builder=builder,
             )
 
     def announce(phase: str, it: int, micro: int = 0) -> None:
@@ -184,7 +189,7 @@ def measure_training_step(
         with tracker:
             announce("load", 0)
             with tracker.phase("load", 0):
-                model = build_model(config, precision=precision, attention=attention)
+                model = build_model(config, precision=precision, attention=attention, builder=builder)
                 if checkpointing == "full":
                     enable_checkpointing(model)
                 params = list(model.parameters())
@@ -241,9 +246,20 @@ def measure_training_step(
 
 
 def build_model(
-    config: dict[str, Any], *, precision: str = "fp32", attention: str = "sdpa"
+    config: dict[str, Any], *, precision: str = "fp32", attention: str = "sdpa", builder: str = "auto"
 ) -> Any:
-    """A randomly initialised causal LM from a HF config dict, dropout 0, train mode, on CPU."""
+    """A randomly initialised causal LM from a HF config dict, dropout 0, train mode, on CPU.
+
+    ``builder``: ``"transformers"`` (``AutoModelForCausalLM.from_config``), ``"reference"`` (the built-in
+    modules of :mod:`memcalc_gui.measure.reference`, llama-like families only) or ``"auto"``
+    (transformers when it is importable, else the reference modules).
+    """
+    if builder not in BUILDERS:
+        raise ValueError(f"builder must be one of {BUILDERS}, not {builder!r}")
+    if builder == "reference" or (builder == "auto" and importlib.util.find_spec("transformers") is None):
+        from memcalc_gui.measure.reference import build_reference_model
+
+        return build_reference_model(config, precision=precision, attention=attention, dropout=0.0)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -334,7 +334,7 @@ def measure(
     except MemcalcError:
         raise
     except ImportError as exc:
-        raise MeasureError(f"measuring needs transformers to build the model: {install_hint()} ({exc})") from None
+        raise MeasureError(f"measuring this model needs transformers: {install_hint()} ({exc})") from None
     finally:
         gc.collect()
     result.seconds = time.perf_counter() - t0
@@ -347,7 +347,7 @@ def _oom_message(phase: str, setup: TrainingSetup) -> str:
 
 def _measure_cpu(result: MeasureResult, config: dict[str, Any], setup: TrainingSetup, iterations: int,
                  on_phase: Callable[[str, int, int], None]) -> None:
-    from .cpu_step import UnsupportedOptimizerError, measure_training_step
+    from .cpu_step import measure_training_step
 
     current = {"phase": "load"}
 
@@ -361,7 +361,7 @@ def _measure_cpu(result: MeasureResult, config: dict[str, Any], setup: TrainingS
             optimizer_impl=setup.optimizer_impl, attention=setup.attention, checkpointing=setup.checkpointing,
             grad_accum=setup.grad_accum, iterations=iterations, num_threads=None, on_phase=track_phase,
         )
-    except UnsupportedOptimizerError as exc:
+    except NotImplementedError as exc:  # an optimizer torch lacks, or a family without a reference module
         raise MeasureError(str(exc)) from None
     except MemoryError:
         result.oom = _oom_message(current["phase"], setup)
