@@ -85,7 +85,7 @@ def test_trace_of_a_sharded_setup_is_per_gpu() -> None:
     from memcalc_gui.core.distributed import Parallelism
     from memcalc_gui.core.model import preset_spec
 
-    setup = TrainingSetup(model=preset_spec("qwen2.5-0.5b"), batch=2, seq=256,
+    setup = TrainingSetup(model=preset_spec("qwen2.5-0.5b"), batch=2, seq=256, capacity_bytes=16 * 2**30,
                           parallel=Parallelism(gpus=8, strategy="zero3", offload="optimizer"))
     traced = trace_estimate(setup)
     single = estimate(setup.with_changes(parallel=Parallelism()))
@@ -93,4 +93,5 @@ def test_trace_of_a_sharded_setup_is_per_gpu() -> None:
     assert traced.estimate.phases["optimizer_step"].objects["optimizer_state"] == 0  # offloaded
     for phase, diff in traced.difference_pct().items():
         assert abs(diff) < 1, phase
-    assert traced.result().plan is not None or setup.capacity_bytes is None
+    plan = traced.result().plan
+    assert plan is not None and plan.min_gpus["zero3"] is not None
