@@ -11,6 +11,7 @@ torch is never imported here: the window opens in well under a second.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import sys
@@ -329,7 +330,37 @@ def _main(argv: Sequence[str] | None = None) -> int:
         print(SMOKE_OK)
         return 0
     window.show()
-    return app.exec()
+    _close_on_signals(window)
+    status = app.exec()
+    from .ui.workers import running_orphans
+
+    if running_orphans():  # a job that could not stop within a second: leave now rather than wait or abort
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(status)
+    return status
+
+
+def _close_on_signals(window: Any) -> None:
+    """Ctrl+C (SIGINT) and SIGTERM close the window as its close button does (settings saved, workers stopped).
+
+    Python runs signal handlers only between bytecodes, so a timer wakes the interpreter while Qt waits.
+    """
+    import signal
+
+    from PySide6.QtCore import QTimer
+
+    def close(*_: Any) -> None:
+        window.close()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(ValueError, OSError):  # not the main thread, or a platform without it
+            signal.signal(sig, close)
+    timer = QTimer(window)
+    timer.setInterval(200)
+    timer.timeout.connect(lambda: None)
+    timer.start()
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -6,7 +6,9 @@ Every invalid input prints one line naming the field and exits with status 2 (no
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -14,7 +16,7 @@ from typing import Any, NoReturn
 
 from . import __version__
 from .core.distributed import OFFLOADS, STRATEGIES, Parallelism
-from .core.errors import InputError, MemcalcError, UnsupportedFamilyError
+from .core.errors import InputError, MemcalcError, UnsupportedFamilyError, one_line
 from .core.model import ModelSpec, load_config_file, preset_config, preset_names, preset_spec, spec_from_config
 from .core.result import Result, evaluate
 from .core.setup import (
@@ -33,6 +35,9 @@ from .core.units import format_bytes, format_count, parse_count, parse_positive_
 from .core.vocab import OBJECT_LABELS, OBJECTS, PHASE_LABELS, PHASES
 
 EXIT_INPUT = 2
+EXIT_INTERRUPTED = 130
+#: Set to 1 to let unexpected errors raise with their traceback (for debugging memcalc itself).
+DEBUG_ENV = "MEMCALC_DEBUG"
 
 #: Setup field → the flag a user typed (errors name what the user can change).
 FLAGS = {
@@ -69,7 +74,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse that reports errors in one line and exits 2."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_INPUT, f"memcalc: error: {message}\n")
+        self.exit(EXIT_INPUT, f"memcalc: error: {one_line(message)}\n")
 
 
 def _add_model_args(p: argparse.ArgumentParser, *, params: bool = True) -> None:
@@ -143,8 +148,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _fail(message: str) -> NoReturn:
-    print(f"memcalc: error: {message}", file=sys.stderr)
+    _say(f"memcalc: error: {one_line(message)}")
     raise SystemExit(EXIT_INPUT)
+
+
+def _say(line: str) -> None:
+    """One line on stderr; a closed or full stderr is not worth a traceback."""
+    with contextlib.suppress(OSError, ValueError):
+        print(line, file=sys.stderr, flush=True)
+
+
+class _OutputError(Exception):
+    """Writing to stdout failed (a full disk, a closed pipe)."""
+
+
+def _out(text: str = "") -> None:
+    """Print ``text`` to stdout; failures become :class:`_OutputError` (one line, exit 2)."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        raise
+    except OSError as exc:
+        raise _OutputError(exc.strerror or str(exc)) from None
 
 
 def _field_error(exc: InputError) -> NoReturn:
@@ -289,15 +314,15 @@ def cmd_estimate(args: argparse.Namespace) -> int:
             data["assumptions"] = notes + data["assumptions"]
         if args.method == "trace":
             data["modules"] = [{"module": name, "bytes": nbytes} for name, nbytes in modules]
-        print(json.dumps(data, indent=2))
+        _out(json.dumps(data, indent=2))
     else:
         for note in notes:
-            print(f"Note: {note}")
-        print(format_ledger(result))
+            _out(f"Note: {note}")
+        _out(format_ledger(result))
         if modules:
-            print("\nActivations at the forward peak by module (top 10):")
+            _out("\nActivations at the forward peak by module (top 10):")
             for name, nbytes in modules:
-                print(f"  {format_bytes(nbytes):>12}  {name}")
+                _out(f"  {format_bytes(nbytes):>12}  {name}")
     return 0
 
 
@@ -315,7 +340,7 @@ def cmd_measure(args: argparse.Namespace) -> int:
 
     def progress(text: str) -> None:
         if not args.json:
-            print(f"  … {text}", file=sys.stderr, flush=True)
+            _say(f"  … {one_line(text)}")
 
     try:
         result = measure(setup, device=args.device, iterations=iterations, snapshot=args.snapshot,
@@ -323,27 +348,25 @@ def cmd_measure(args: argparse.Namespace) -> int:
     except Cancelled:
         return 130
     if args.json:
-        print(json.dumps(result.to_json(), indent=2))
+        _out(json.dumps(result.to_json(), indent=2))
     else:
-        print(format_measurement(result))
+        _out(format_measurement(result))
     return 0
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    import os
-
     from .report.export import ReportWriteError, report_format, write_report
 
     report_format(args.out)  # a bad extension fails before any estimate or Qt start-up
     setup, notes = setup_from_args(args)
     result = evaluate(setup, args.method)
-    os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")  # a command never shows a window
+    os.environ["QT_QPA_PLATFORM"] = "offscreen"  # a command never shows a window (nor needs a display)
     try:
         written = write_report(result, args.out, page=args.page, notes=notes)
     except ReportWriteError as exc:
         _fail(f"--out: {exc}")
-    print(f"Wrote {written.describe()}")
-    print(result.headline())
+    _out(f"Wrote {written.describe()}")
+    _out(result.headline())
     return 0
 
 
@@ -356,18 +379,46 @@ def cmd_presets(args: argparse.Namespace) -> int:
     gpus = [{"id": g.id, "name": g.name, "nominal": g.nominal, "capacity_bytes": g.capacity_bytes}
             for g in gpu_presets()]
     if args.json:
-        print(json.dumps({"schema": 1, "models": models, "gpus": gpus}, indent=2))
+        _out(json.dumps({"schema": 1, "models": models, "gpus": gpus}, indent=2))
         return 0
-    print("Models")
+    _out("Models")
     for m in models:
-        print(f"  {m['name']:<16} {m['family']:<10} {m['params']:>15,} params   {m['source']}")
-    print("\nGPUs (capacity as reported to PyTorch)")
+        _out(f"  {m['name']:<16} {m['family']:<10} {m['params']:>15,} params   {m['source']}")
+    _out("\nGPUs (capacity as reported to PyTorch)")
     for g in gpus:
-        print(f"  {g['id']:<12} {g['name']:<26} {format_bytes(g['capacity_bytes']):>12}  ({g['nominal']})")
+        _out(f"  {g['id']:<12} {g['name']:<26} {format_bytes(g['capacity_bytes']):>12}  ({g['nominal']})")
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command. Exit 0 on success, 2 with one line on stderr for any bad input or unwritable output,
+    130 on Ctrl+C; never a traceback (unless ``MEMCALC_DEBUG=1``)."""
+    for stream in (sys.stdout, sys.stderr):  # an ASCII-only terminal gets '?' for '×' rather than a crash
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            with contextlib.suppress(OSError, ValueError):
+                reconfigure(errors="replace")
+    try:
+        return _run(argv)
+    except KeyboardInterrupt:
+        _say("memcalc: interrupted")
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:  # `memcalc ... | head`: the reader left; stay quiet at exit too
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except _OutputError as exc:
+        _say(f"memcalc: error: cannot write the output: {one_line(exc)}")
+        return EXIT_INPUT
+    except RecursionError:
+        _say("memcalc: error: the input nests too deeply to be read")
+        return EXIT_INPUT
+    except MemoryError:
+        _say("memcalc: error: out of memory while reading the input")
+        return EXIT_INPUT
+
+
+def _run(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -382,8 +433,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         _field_error(exc)
     except MemcalcError as exc:
         _fail(str(exc))
-    except BrokenPipeError:
-        return 0
+    except (KeyboardInterrupt, BrokenPipeError, _OutputError, SystemExit, RecursionError, MemoryError):
+        raise
+    except Exception as exc:
+        if os.environ.get(DEBUG_ENV) == "1":
+            raise
+        _say(f"memcalc: internal error: {one_line(f'{type(exc).__name__}: {exc}')} (please report this; "
+             f"{DEBUG_ENV}=1 shows the traceback)")
+        return 1
 
 
 if __name__ == "__main__":

@@ -138,4 +138,11 @@ def test_icon_png_is_rendered_from_the_svg(qapp, tmp_path):
 
     out = tmp_path / "icon.png"
     assert render_svg_png(icon_path("svg"), out, 256)
-    assert QImage(str(out)) == QImage(str(icon_path("png")))
+    got, want = QImage(str(out)), QImage(str(icon_path("png")))
+    assert got.size() == want.size()
+    # Qt releases round anti-aliased edges differently by one level; the shapes and colours must match
+    worst = max(
+        max(abs(a - b) for a, b in zip(got.pixelColor(x, y).getRgb(), want.pixelColor(x, y).getRgb(), strict=True))
+        for y in range(want.height()) for x in range(want.width())
+    )
+    assert worst <= 2

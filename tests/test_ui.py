@@ -75,8 +75,7 @@ def test_default_window_draws_the_core_estimate(window):
     assert_chart_matches_result(w)
     assert w.banner.text.text() == expected.headline()
     assert w.banner.state() == "fits"
-    total = w.table.item(len(OBJECTS), PHASES.index(expected.estimate.peak_phase))
-    assert total.data(Qt.ItemDataRole.UserRole + 1) == expected.estimate.peak_bytes
+    assert w.table.bytes_at(len(OBJECTS), PHASES.index(expected.estimate.peak_phase)) == expected.estimate.peak_bytes
     assert "(peak)" in dict(w.chart.plot.getAxis("bottom")._tickLevels[0][0:4])[
         float(PHASES.index(expected.estimate.peak_phase))]
     assert w.chart.capacity_line.isVisible()

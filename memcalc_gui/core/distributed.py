@@ -63,6 +63,10 @@ STRATEGY_LABELS: Final = {
 PREFERENCE: Final = ("ddp", "zero1", "zero2", "fsdp-shard-grad-op", "fsdp-hybrid", "zero3", "fsdp-full-shard")
 
 
+#: The most GPUs a layout may name (the largest clusters trained on have ~10^5).
+MAX_PARALLEL_GPUS: Final = 2**20
+
+
 @dataclass(frozen=True)
 class Parallelism:
     """How a training step is spread over GPUs."""
@@ -73,12 +77,14 @@ class Parallelism:
     offload: Offload = "none"
 
     def __post_init__(self) -> None:
-        if isinstance(self.gpus, bool) or not isinstance(self.gpus, int) or self.gpus < 1:
-            raise InputError("gpus", f"must be a positive integer, got {self.gpus!r}")
+        for name in ("gpus", "node_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InputError(name, f"must be a positive integer, got {value!r}")
+            if value > MAX_PARALLEL_GPUS:
+                raise InputError(name, f"must be at most {MAX_PARALLEL_GPUS:,}, got {value:,}")
         if self.strategy not in STRATEGIES:
             raise InputError("strategy", f"must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
-        if isinstance(self.node_size, bool) or not isinstance(self.node_size, int) or self.node_size < 1:
-            raise InputError("node_size", f"must be a positive integer, got {self.node_size!r}")
         if self.offload not in OFFLOADS:
             raise InputError("offload", f"must be one of {', '.join(OFFLOADS)}, got {self.offload!r}")
         if self.offload in ("params", "both") and self.strategy not in ("zero3", "fsdp-full-shard", "fsdp-hybrid"):

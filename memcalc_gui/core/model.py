@@ -8,12 +8,12 @@ config leaves out follow each family's transformers ``*Config`` class.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from .configfile import read_config
 from .errors import ConfigError, UnsupportedFamilyError
 from .resources import load_json, resources_dir
 
@@ -30,6 +30,22 @@ SUPPORTED_FAMILIES: tuple[str, ...] = (
 )
 
 Norm = Literal["rmsnorm", "layernorm"]
+
+#: The largest size a config dimension may have (int32, as the kernels index tensors) and the most layers:
+#: beyond them no model exists, and the numbers would stop being meaningful sizes.
+MAX_DIM = 2**31 - 1
+MAX_LAYERS = 100_000
+
+#: Activation names transformers knows (``transformers.activations.ACT2FN``, 5.x); an unknown name cannot be
+#: built, so every path refuses it the same way.
+ACTIVATIONS: frozenset[str] = frozenset({
+    "gelu", "gelu_10", "gelu_accurate", "gelu_fast", "gelu_new", "gelu_python", "gelu_python_tanh",
+    "gelu_pytorch_tanh", "hardswish", "laplace", "leaky_relu", "linear", "mish", "prelu", "quick_gelu", "relu",
+    "relu2", "relu6", "sigmoid", "silu", "sqrtsoftplus", "swish", "tanh", "xielu",
+})
+#: RoPE scaling types transformers implements (``modeling_rope_utils``; ``su`` is longrope's old name).
+ROPE_TYPES: frozenset[str] = frozenset({"default", "linear", "dynamic", "yarn", "longrope", "llama3", "su",
+                                        "proportional", "mrope"})
 
 
 @dataclass(frozen=True)
@@ -224,10 +240,15 @@ def _get_int(cfg: dict[str, Any], *keys: str, default: int | None = None, requir
     for key in keys:
         value = cfg.get(key)
         if value is not None:
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                    (isinstance(value, float) and not math.isfinite(value)):
                 raise ConfigError(key, f"must be a positive integer, got {value!r}")
             if int(value) != value or value < 1:
                 raise ConfigError(key, f"must be a positive integer, got {value!r}")
+            limit = MAX_LAYERS if "layer" in key else MAX_DIM
+            if value > limit:
+                shown = f"{value:.6g}" if isinstance(value, float) or value < 10**15 else f"a {len(str(value))}-digit number"
+                raise ConfigError(key, f"must be at most {limit:,}, got {shown}")
             return int(value)
     if default is not None:
         return default
@@ -254,6 +275,24 @@ def _get_float(cfg: dict[str, Any], key: str, default: float) -> float:
     return float(value)
 
 
+def _check_names(cfg: dict[str, Any]) -> None:
+    """Activation and RoPE names must be ones transformers can build (else every path fails the same way)."""
+    for key in ("hidden_act", "hidden_activation", "activation_function"):
+        value = cfg.get(key)
+        if value is not None and (not isinstance(value, str) or value not in ACTIVATIONS):
+            raise ConfigError(key, f"unknown activation {value!r}; transformers knows {', '.join(sorted(ACTIVATIONS))}")
+    for key in ("rope_scaling", "rope_parameters"):
+        value = cfg.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, dict):
+            raise ConfigError(key, f"must be an object, got {type(value).__name__}")
+        kind = value.get("rope_type", value.get("type", "default"))
+        if not isinstance(kind, str) or kind not in ROPE_TYPES:
+            raise ConfigError(f"{key}.rope_type", f"unknown RoPE type {kind!r}; transformers knows "
+                                                  f"{', '.join(sorted(ROPE_TYPES))}")
+
+
 def spec_from_config(cfg: Any, *, name: str = "", source: str = "") -> ModelSpec:
     """Build a :class:`ModelSpec` from a parsed ``config.json`` dictionary."""
     if not isinstance(cfg, dict):
@@ -261,9 +300,10 @@ def spec_from_config(cfg: Any, *, name: str = "", source: str = "") -> ModelSpec
     model_type = cfg.get("model_type")
     if not isinstance(model_type, str) or not model_type:
         raise ConfigError("model_type", "missing from config.json")
-    family = model_type.lower()
+    family = model_type.strip().lower()
     if family not in SUPPORTED_FAMILIES:
         raise UnsupportedFamilyError(model_type, SUPPORTED_FAMILIES)
+    _check_names(cfg)
     name = name or str(cfg.get("_name_or_path") or family)
     common: dict[str, Any] = {"family": family, "name": name, "source": source, "raw": cfg}
 
@@ -344,19 +384,8 @@ def spec_from_config(cfg: Any, *, name: str = "", source: str = "") -> ModelSpec
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
-    """Read a ``config.json`` file; errors name the ``config`` field and the reason."""
-    p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError("config", f"cannot read {p}: {exc.strerror or exc}") from None
-    try:
-        cfg = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError("config", f"{p.name} is not valid JSON (line {exc.lineno}: {exc.msg})") from None
-    if not isinstance(cfg, dict):
-        raise ConfigError("config", f"{p.name} must hold a JSON object")
-    return cfg
+    """Read a user's ``config.json`` through the one validated reader (:func:`.configfile.read_config`)."""
+    return read_config(path)
 
 
 def spec_from_file(path: str | Path) -> ModelSpec:

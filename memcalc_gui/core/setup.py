@@ -13,7 +13,7 @@ from .distributed import Parallelism
 from .errors import InputError
 from .model import ModelSpec
 from .resources import load_json
-from .units import format_bytes
+from .units import MAX_COUNT, MAX_SIZE_BYTES, format_bytes
 
 Precision = Literal["fp32", "mixed", "bf16"]
 Optimizer = Literal["adamw", "adam", "adamw-8bit", "sgd", "sgd-momentum", "adafactor", "lion"]
@@ -78,9 +78,16 @@ def _choice(field_name: str, value: object, options: tuple[str, ...]) -> None:
         raise InputError(field_name, f"must be one of {', '.join(options)}, got {value!r}")
 
 
-def _positive_int(field_name: str, value: object) -> None:
+def _positive_int(field_name: str, value: object, limit: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise InputError(field_name, f"must be a positive integer, got {value!r}")
+    if limit is not None and value > limit:
+        raise InputError(field_name, f"must be at most {limit:,}, got {value:,}")
+
+
+#: Upper bounds of the shape fields: far past any real run (a million sequences per micro-batch, 16M-token
+#: sequences), and they keep every search and sum the estimator does bounded.
+LIMITS: Final = {"batch": 2**20, "seq": 2**24, "grad_accum": 2**20}
 
 
 @dataclass(frozen=True)
@@ -108,18 +115,18 @@ class TrainingSetup:
         if self.model is None and self.params is None:
             raise InputError("model", "give a preset, a config.json or a parameter count")
         if self.params is not None:
-            _positive_int("params", self.params)
-        for name in ("batch", "seq", "grad_accum"):
-            _positive_int(name, getattr(self, name))
+            _positive_int("params", self.params, MAX_COUNT)
+        for name, limit in LIMITS.items():
+            _positive_int(name, getattr(self, name), limit)
         _choice("precision", self.precision, PRECISIONS)
         _choice("optimizer", self.optimizer, OPTIMIZERS)
         _choice("optimizer_impl", self.optimizer_impl, OPTIMIZER_IMPLS)
         _choice("attention", self.attention, ATTENTIONS)
         _choice("checkpointing", self.checkpointing, CHECKPOINTINGS)
         if self.capacity_bytes is not None:
-            _positive_int("capacity", self.capacity_bytes)
+            _positive_int("capacity", self.capacity_bytes, MAX_SIZE_BYTES)
         if isinstance(self.cuda_context_bytes, bool) or not isinstance(self.cuda_context_bytes, int) \
-                or self.cuda_context_bytes < 0:
+                or not 0 <= self.cuda_context_bytes <= MAX_SIZE_BYTES:
             raise InputError("cuda_context", f"must be a non-negative size, got {self.cuda_context_bytes!r}")
         r = self.allocator_reserve
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or not 0 <= r < 1:

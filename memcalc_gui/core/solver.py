@@ -104,14 +104,48 @@ def _candidates(setup: TrainingSetup, estimator: Estimator, capacity: int | None
                     "no L×L score matrices kept"))
     effective = setup.effective_batch
     if setup.batch > 1 and capacity is not None:
-        for b in sorted((d for d in range(1, setup.batch) if effective % d == 0), reverse=True):
-            trial = setup.with_changes(batch=b, grad_accum=effective // b)
-            if estimator(trial).peak_bytes <= capacity or b == 1:
-                out.append(("micro-batch", f"Micro-batch {b} × {effective // b} accumulation steps "
-                            f"(same effective batch {effective})", {"batch": b, "grad_accum": effective // b},
-                            "more forward/backward passes per optimizer step"))
-                break
+        b = _smaller_micro_batch(setup, estimator, capacity)
+        out.append(("micro-batch", f"Micro-batch {b} × {effective // b} accumulation steps "
+                    f"(same effective batch {effective})", {"batch": b, "grad_accum": effective // b},
+                    "more forward/backward passes per optimizer step"))
     return out
+
+
+def _largest_divisor_at_most(n: int, limit: int) -> int:
+    """The largest divisor of ``n`` that is ``<= limit`` (``n`` ≤ 2^40, so at most 2^20 trial divisions)."""
+    for d in range(limit, max(0, limit - 4096), -1):  # divisors are dense near small limits: try those first
+        if n % d == 0:
+            return d
+    best, i = 1, 1
+    while i * i <= n:
+        if n % i == 0:
+            for d in (i, n // i):
+                if best < d <= limit:
+                    best = d
+        i += 1
+    return best
+
+
+def _smaller_micro_batch(setup: TrainingSetup, estimator: Estimator, capacity: int) -> int:
+    """The largest micro-batch below the current one that divides the effective batch and fits (else 1).
+
+    Bisection over the micro-batch (at accumulation > 1 the peak grows with the micro-batch alone), then the
+    largest divisor of the effective batch at or below it: a few dozen estimates for any input.
+    """
+    effective = setup.effective_batch
+
+    def ok(b: int) -> bool:
+        d = _largest_divisor_at_most(effective, b)
+        return estimator(setup.with_changes(batch=d, grad_accum=effective // d)).peak_bytes <= capacity
+
+    lo, hi = 0, setup.batch  # ok(lo) or lo == 0; not tested at hi (the current micro-batch)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid
+    return _largest_divisor_at_most(effective, max(1, lo))
 
 
 def _peak_after(setup: TrainingSetup, estimator: Estimator, changes: dict[str, Any]) -> int | None:

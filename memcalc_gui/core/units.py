@@ -26,6 +26,25 @@ _SIZE_UNITS = {
 _COUNT_SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}
 _NUMBER = r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?"
 _SIZE_RE = re.compile(rf"^\s*({_NUMBER})\s*([a-zA-Z]*)\s*$")
+#: Largest size or count accepted anywhere (1 EiB; 10^18 parameters): far beyond any device or model, and
+#: small enough that every byte count stays an exact integer well inside float range.
+MAX_SIZE_BYTES = 2**60
+MAX_COUNT = 10**18
+#: Longest text a number field is read from (a pasted megabyte is not a number).
+MAX_NUMBER_CHARS = 64
+
+
+def _bounded(field: str, value: float, limit: int, what: str) -> int:
+    if not math.isfinite(value) or value > limit:
+        raise InputError(field, f"must be at most {what}")
+    return round(value)
+
+
+def _text(text: object, field: str) -> str:
+    s = str(text)
+    if len(s) > MAX_NUMBER_CHARS:
+        raise InputError(field, f"is {len(s):,} characters long; expected a number")
+    return s
 
 
 def _finite_positive(field: str, value: float, *, allow_zero: bool = False) -> float:
@@ -41,15 +60,18 @@ def parse_size(text: str | float | int, field: str = "size", *, allow_zero: bool
     if isinstance(text, bool):
         raise InputError(field, "must be a size such as 80GiB, 80GB or 24e9")
     if isinstance(text, (int, float)):
-        return round(_finite_positive(field, float(text), allow_zero=allow_zero))
-    m = _SIZE_RE.match(str(text))
+        if isinstance(text, int) and text > MAX_SIZE_BYTES:
+            raise InputError(field, "must be at most 1 EiB (2^60 bytes)")
+        return _bounded(field, _finite_positive(field, float(text), allow_zero=allow_zero), MAX_SIZE_BYTES,
+                        "1 EiB (2^60 bytes)")
+    m = _SIZE_RE.match(_text(text, field))
     if not m:
         raise InputError(field, f"cannot read {text!r} as a size (try 80GiB, 80GB or 24e9)")
     number, unit = m.group(1), m.group(2).lower()
     if unit not in _SIZE_UNITS:
         raise InputError(field, f"unknown unit {m.group(2)!r} (use B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
     value = _finite_positive(field, float(number), allow_zero=allow_zero) * _SIZE_UNITS[unit]
-    return round(value)
+    return _bounded(field, value, MAX_SIZE_BYTES, "1 EiB (2^60 bytes)")
 
 
 def parse_count(text: str | float | int, field: str = "params") -> int:
@@ -57,28 +79,30 @@ def parse_count(text: str | float | int, field: str = "params") -> int:
     if isinstance(text, bool):
         raise InputError(field, "must be a count such as 1.5B, 350M or 1.5e9")
     if isinstance(text, (int, float)):
+        if isinstance(text, int) and text > MAX_COUNT:
+            raise InputError(field, "must be at most 10^18")
         value = _finite_positive(field, float(text))
     else:
-        m = _SIZE_RE.match(str(text))
+        m = _SIZE_RE.match(_text(text, field))
         suffix = m.group(2).lower() if m else ""
         if not m or suffix not in _COUNT_SUFFIXES:
             raise InputError(field, f"cannot read {text!r} as a count (try 1.5B, 350M or 1.5e9)")
         value = _finite_positive(field, float(m.group(1))) * _COUNT_SUFFIXES[suffix]
-    count = round(value)
+    count = _bounded(field, value, MAX_COUNT, "10^18")
     if count < 1:
         raise InputError(field, f"must be at least 1, got {text!r}")
     return count
 
 
-def parse_positive_int(text: str | int | float, field: str) -> int:
-    """Parse a strictly positive integer (batch, sequence length, accumulation steps)."""
+def parse_positive_int(text: str | int | float, field: str, limit: int | None = None) -> int:
+    """Parse a strictly positive integer (batch, sequence length, accumulation steps), at most ``limit``."""
     if isinstance(text, bool):
         raise InputError(field, "must be a positive integer")
     if isinstance(text, int):
         value = text
     else:
         try:
-            f = float(str(text).strip())
+            f = float(_text(text, field).strip())
         except ValueError:
             raise InputError(field, f"must be a positive integer, got {text!r}") from None
         if math.isnan(f) or math.isinf(f) or f != int(f):
@@ -86,6 +110,8 @@ def parse_positive_int(text: str | int | float, field: str) -> int:
         value = int(f)
     if value < 1:
         raise InputError(field, f"must be a positive integer, got {text!r}")
+    if limit is not None and value > limit:
+        raise InputError(field, f"must be at most {limit:,}, got {str(text).strip()}")
     return value
 
 

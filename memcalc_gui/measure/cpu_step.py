@@ -264,8 +264,9 @@ def build_model(
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    kwargs = dict(config)
-    model_type = kwargs.pop("model_type")
+    from ..core.configfile import transformers_kwargs
+
+    model_type, kwargs = transformers_kwargs(config)  # no auto_map or location keys: nothing a config names runs
     cfg = AutoConfig.for_model(model_type, **kwargs)
     cfg.use_cache = False
     for key, value in cfg.to_dict().items():
@@ -277,7 +278,7 @@ def build_model(
             setattr(cfg, key, 0.0)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
-        cfg, attn_implementation=attention, dtype=dtype
+        cfg, attn_implementation=attention, dtype=dtype, trust_remote_code=False
     )
     model.train()
     return model

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import install_hint
-from ..core.errors import InputError, MemcalcError
+from ..core.errors import InputError, MemcalcError, one_line
 from ..core.model import spec_from_config
 from ..core.reconcile import reconcile
 from ..core.result import Result, evaluate
@@ -329,16 +329,27 @@ def measure(
             _measure_cpu(result, config, measured, iterations, on_phase)
             if snapshot:
                 result.notes.append("memory snapshots need CUDA; none was written")
-    except Cancelled:
-        raise
-    except MemcalcError:
+    except (Cancelled, MemcalcError, KeyboardInterrupt):
         raise
     except ImportError as exc:
         raise MeasureError(f"measuring this model needs transformers: {install_hint()} ({exc})") from None
+    except RecursionError:
+        raise MeasureError("the measurement failed: the model nests too deeply") from None
+    except Exception as exc:  # a config transformers cannot build, an op that fails: one line, not a traceback
+        raise MeasureError(f"the measurement failed ({type(exc).__name__}: {one_line(exc, 240)})") from None
     finally:
         gc.collect()
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is an allocation failure: Python's ``MemoryError``, ``torch.OutOfMemoryError``, or the
+    ``RuntimeError`` torch's CPU allocator raises ("DefaultCPUAllocator: can't allocate memory")."""
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text.lower())
 
 
 def _oom_message(phase: str, setup: TrainingSetup) -> str:
@@ -363,7 +374,9 @@ def _measure_cpu(result: MeasureResult, config: dict[str, Any], setup: TrainingS
         )
     except NotImplementedError as exc:  # an optimizer torch lacks, or a family without a reference module
         raise MeasureError(str(exc)) from None
-    except MemoryError:
+    except (MemoryError, RuntimeError) as exc:
+        if not is_out_of_memory(exc):
+            raise
         result.oom = _oom_message(current["phase"], setup)
         return
     for name in PHASES:

@@ -168,13 +168,19 @@ def _new_file_mode() -> int:
 
 
 def atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` all or nothing (temporary file in the same folder, then ``os.replace``)."""
+    """Write ``data`` to ``path`` all or nothing (temporary file in the same folder, then ``os.replace``).
+
+    A symbolic link is followed: its target is replaced and the link stays. The temporary file has a short
+    name of its own, so a target name at the file system's length limit still works.
+    """
+    if path.is_symlink():
+        path = Path(os.path.realpath(path))
     if path.is_dir():
         raise ReportWriteError(path, "it is a folder")
     if not path.parent.is_dir():
         raise ReportWriteError(path, f"the folder {path.parent} does not exist")
     try:
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
+        fd, tmp_name = tempfile.mkstemp(prefix=".memcalc-", suffix=".part", dir=path.parent)
     except OSError as exc:
         raise ReportWriteError(path, _reason(exc)) from exc
     tmp = Path(tmp_name)

@@ -23,7 +23,8 @@ from typing import Any
 
 from .. import install_hint
 from ..core.analytic import per_gpu_ledger, states_for
-from ..core.errors import InputError, MemcalcError
+from ..core.configfile import transformers_kwargs
+from ..core.errors import InputError, MemcalcError, one_line
 from ..core.estimate import estimate
 from ..core.ledger import Estimate, with_overheads
 from ..core.result import Result
@@ -34,6 +35,12 @@ from ..core.vocab import PHASES
 #: The CUDA caching allocator rounds every block up to 512 bytes (seed 001, NOTES.md).
 CUDA_ROUNDING = 512
 TOP_MODULES = 10
+#: The trace builds and runs every layer: ~0.13 s per layer here, so 200 layers (past any published model:
+#: Llama 3.1 405B has 126) trace in under half a minute; deeper configs are refused with the reason.
+MAX_TRACE_LAYERS = 200
+#: Micro-batches after the second repeat its memory exactly (gradients already exist, same tensors): the trace
+#: runs at most this many per iteration, so a huge accumulation count costs nothing.
+TRACED_MICRO_BATCHES = 2
 
 
 class TraceError(MemcalcError):
@@ -112,9 +119,12 @@ def trace_estimate(
         config = dict(setup.model.raw)
     if not trace_available():
         raise TraceError(f"the trace needs PyTorch: {install_hint()}")
-    cfg = {k: v for k, v in config.items() if not k.startswith("_")}
-    if not isinstance(cfg.get("model_type"), str):
-        raise InputError("model_type", "missing from config.json")
+    model_type, kwargs = transformers_kwargs(config)
+    cfg = {"model_type": model_type, **kwargs}
+    layers = setup.model.num_layers if setup.model is not None else _layer_count(cfg)
+    if layers > MAX_TRACE_LAYERS:
+        raise TraceError(f"the trace builds and runs all {layers:,} layers, which would take minutes; it traces "
+                         f"at most {MAX_TRACE_LAYERS} (the analytic estimate still holds)")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from ..measure.cpu_step import measure_training_step
 
@@ -131,18 +141,21 @@ def trace_estimate(
             m = measure_training_step(
                 cfg, batch=setup.batch, seq=setup.seq, precision=setup.precision, optimizer=setup.optimizer,
                 optimizer_impl=setup.optimizer_impl, attention=setup.attention, checkpointing=setup.checkpointing,
-                grad_accum=setup.grad_accum, iterations=2, fake=True, round_to=CUDA_ROUNDING, module_names=True,
-                on_phase=on_phase,
+                grad_accum=min(setup.grad_accum, TRACED_MICRO_BATCHES), iterations=2, fake=True,
+                round_to=CUDA_ROUNDING, module_names=True, on_phase=on_phase,
             )
     except (TraceCancelled, MemcalcError):
         raise
     except NotImplementedError as exc:  # an optimizer torch lacks, or a family without a reference module
         raise TraceError(str(exc)) from None
     except (ValueError, KeyError) as exc:
-        raise TraceError(f"transformers cannot build model_type {cfg.get('model_type')!r}: {exc}") from None
-    except Exception as exc:  # an op fake tensors cannot run, or a model that fails to build
-        raise TraceError(f"the trace failed ({type(exc).__name__}: {exc}); the analytic estimate still holds") \
+        raise TraceError(f"transformers cannot build model_type {cfg.get('model_type')!r}: {one_line(exc, 240)}") \
             from None
+    except RecursionError:
+        raise TraceError("the trace failed: the model nests too deeply; the analytic estimate still holds") from None
+    except Exception as exc:  # an op fake tensors cannot run, or a model that fails to build
+        raise TraceError(f"the trace failed ({type(exc).__name__}: {one_line(exc, 240)}); the analytic estimate "
+                         "still holds") from None
     seconds = time.perf_counter() - t0
 
     objects: dict[str, dict[str, int]] = {}
@@ -172,6 +185,9 @@ def trace_estimate(
     rules = [
         "Traced on fake tensors (device cpu): every tensor storage of two real training iterations, "
         "the second reported",
+        *([f"Traced {TRACED_MICRO_BATCHES} of the {setup.grad_accum:,} accumulation micro-batches per iteration: "
+           "every later one repeats the second's tensors exactly"] if setup.grad_accum > TRACED_MICRO_BATCHES
+          else []),
         f"CUDA allocator rounding: each allocation rounded up to {CUDA_ROUNDING} B",
         f"CUDA context {setup.cuda_context_bytes / 2**20:.0f} MiB and allocator reserve "
         f"{setup.allocator_reserve:.0%} added (a CPU trace cannot see them)",
@@ -181,6 +197,15 @@ def trace_estimate(
                    details={"seconds": seconds, "modules": modules, "host_bytes": host_bytes})
     analytic = estimate(setup) if setup.model is not None else None
     return TraceResult(est, modules, seconds, analytic, rules)
+
+
+def _layer_count(cfg: dict[str, Any]) -> int:
+    """Decoder layers a config asks for (0 when it names none), without trusting its types."""
+    for key in ("num_hidden_layers", "n_layer", "num_layers"):
+        value = cfg.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value:
+            return int(min(value, 2**62))
+    return 0
 
 
 def group_modules(modules: tuple[tuple[str, int], ...] | list[tuple[str, int]]) -> list[tuple[str, int]]:

@@ -9,6 +9,7 @@ import importlib.util
 import os
 from typing import Any
 
+from ..core.configfile import transformers_kwargs
 from ..core.errors import ConfigError
 
 
@@ -23,15 +24,19 @@ def count_params_on_meta(config: dict[str, Any]) -> int:
     import torch
     import transformers
 
-    cfg = {k: v for k, v in config.items() if not k.startswith("_")}
-    model_type = cfg.pop("model_type", None)
+    model_type, cfg = transformers_kwargs(config)  # no auto_map or location keys: nothing a config names runs
+    if model_type not in transformers.CONFIG_MAPPING:
+        raise ConfigError("model_type", f"transformers {transformers.__version__} has no model type {model_type!r}")
     try:
         hf_config = transformers.AutoConfig.for_model(model_type, **cfg)
-    except (ValueError, KeyError) as exc:
-        raise ConfigError("model_type", f"transformers does not know {model_type!r}: {exc}") from None
+    except Exception as exc:  # a config class rejects some value
+        raise ConfigError("config", f"transformers rejects it: {exc}") from None
     try:
         with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(hf_config)
+            model = transformers.AutoModelForCausalLM.from_config(hf_config, trust_remote_code=False)
     except Exception as exc:  # transformers raises many kinds for configs it cannot build
+        if "Unrecognized configuration class" in str(exc):
+            raise ConfigError("model_type", f"{model_type!r} is not a causal language model transformers can build "
+                                            "(AutoModelForCausalLM)") from None
         raise ConfigError("config", f"transformers could not build a causal LM from it: {exc}") from None
     return int(sum(p.numel() for p in model.parameters()))

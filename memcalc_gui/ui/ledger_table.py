@@ -115,8 +115,13 @@ class LedgerTable(QTableWidget):
         text = _cell_text(n)
         if item.text() != text:
             item.setText(text)
-        item.setData(BYTES_ROLE, n)
+        item.setData(BYTES_ROLE, str(int(n)))  # as text: Qt's integer roles stop at 2^63, a hostile ledger does not
         item.setToolTip(tip)
+
+    def bytes_at(self, row: int, col: int) -> int:
+        """The exact bytes behind a cell (0 for an empty one)."""
+        n = self.item(row, col).data(BYTES_ROLE)
+        return int(n) if n else 0
 
     def to_tsv(self, rows: list[int] | None = None, cols: list[int] | None = None, *, exact_bytes: bool = False) -> str:
         """Tab-separated values with a header row and the object names; GiB (4 decimals) or bytes."""
@@ -128,8 +133,7 @@ class LedgerTable(QTableWidget):
             name = self.verticalHeaderItem(r).text()
             cells = []
             for c in cols:
-                n = self.item(r, c).data(BYTES_ROLE)
-                n = int(n) if n is not None else 0
+                n = self.bytes_at(r, c)
                 cells.append(str(n) if exact_bytes else f"{gib(n):.4f}")
             lines.append("\t".join([name, *cells]))
         return "\n".join(lines) + "\n"

@@ -8,6 +8,7 @@ the last valid result stays drawn.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import traceback
 from pathlib import Path
@@ -63,6 +64,7 @@ from .settings import (
 )
 from .trace_panel import KEY_ENABLED as KEY_TRACE_ENABLED
 from .trace_panel import TracePanel, difference_text
+from .workers import STOP_TIMEOUT_MS
 
 #: Debounce between the last keystroke and the estimate. Analytic estimates take ~1–3 ms and the redraw
 #: a few more, so the whole edit-to-redraw stays well under 50 ms.
@@ -392,11 +394,19 @@ class MainWindow(QMainWindow):
         except Exception as exc:  # never crash on input: report and keep the last result
             traceback.print_exc()
             return self._invalid({"general": f"unexpected error: {exc}"})
+        previous = self.result
+        try:
+            self._show(result)
+        except Exception as exc:  # a result the views cannot draw: say so and keep the last good one on screen
+            traceback.print_exc()
+            if previous is not None:
+                with contextlib.suppress(Exception):
+                    self._show(previous)
+            return self._invalid({"general": f"cannot show this result ({type(exc).__name__}: {exc})"})
         self.inputs.show_errors({})
         self.banner.set_stale(False)
         self.analytic_result = result
         self.trace_result = None
-        self._show(result)
         if self._committed is not None and state != self._committed and self._recording:
             changed = self._committed.changed_fields(state)
             key = changed[0] if len(changed) == 1 and changed[0] in TEXT_FIELDS else None
@@ -629,9 +639,13 @@ class MainWindow(QMainWindow):
         self.settings.sync()
 
     def closeEvent(self, event: QCloseEvent) -> None:
-        # Stop and wait for worker threads (measurement, trace) before saving.
-        self.trace_panel.shutdown()
-        self.measure_panel.shutdown()
+        # Cancel every worker at once, then wait for them a second in all (a job that cannot stop that fast is
+        # left to the process exit: see workers.running_orphans).
+        self.trace_panel.runner.cancel()
+        self.measure_panel.runner.cancel()
+        deadline = time.monotonic() + STOP_TIMEOUT_MS / 1000
+        self.trace_panel.shutdown(max(0, int((deadline - time.monotonic()) * 1000)))
+        self.measure_panel.shutdown(max(0, int((deadline - time.monotonic()) * 1000)))
         self.debounce.stop()
         if self._dirty():
             self.refresh()

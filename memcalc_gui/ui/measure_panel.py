@@ -20,6 +20,7 @@ from __future__ import annotations
 import html
 import re
 import sys
+import time
 from typing import TYPE_CHECKING, Any
 
 from PySide6.QtCore import QEvent, QObject, Qt, QTimer, Signal, Slot
@@ -47,7 +48,7 @@ from ..core.units import format_bytes
 from ..core.vocab import PHASE_LABELS, PHASES
 from ..measure import engine
 from .theme import OVER_COLOR, error_color, tinted
-from .workers import Job, TaskRunner
+from .workers import STOP_TIMEOUT_MS, Job, TaskRunner
 
 if TYPE_CHECKING:
     from .main_window import MainWindow
@@ -698,9 +699,12 @@ class MeasurePanel(QObject):
         return True
 
     # ---- shutdown -------------------------------------------------------------------------------
-    def shutdown(self) -> None:
-        """Stop the timer and both workers, waiting for their threads (closeEvent, aboutToQuit)."""
+    def shutdown(self, timeout_ms: int = STOP_TIMEOUT_MS) -> None:
+        """Stop the timer and both workers, waiting for their threads at most ``timeout_ms`` in all."""
         self._closed = True
         self.detect_timer.stop()
-        self.runner.stop()
-        self.detector.stop()
+        self.runner.cancel()
+        self.detector.cancel()
+        deadline = time.monotonic() + timeout_ms / 1000
+        self.runner.stop(max(0, int((deadline - time.monotonic()) * 1000)))
+        self.detector.stop(max(0, int((deadline - time.monotonic()) * 1000)))

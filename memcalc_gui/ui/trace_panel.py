@@ -47,7 +47,7 @@ from ..trace import fake
 from ..trace.fake import TraceCancelled, TraceResult
 from .measure_panel import ElidedLabel, progress_fraction, signed_pct
 from .theme import error_color
-from .workers import Job, TaskRunner
+from .workers import STOP_TIMEOUT_MS, Job, TaskRunner
 
 if TYPE_CHECKING:
     from .main_window import MainWindow
@@ -640,9 +640,9 @@ class TracePanel(QObject):
         return self.progress_label.text() if self.progress_label.isVisibleTo(self.window) else ""
 
     # ---- shutdown --------------------------------------------------------------------------------
-    def shutdown(self) -> None:
-        """Stop the timer and the worker, waiting for its thread (closeEvent, aboutToQuit)."""
+    def shutdown(self, timeout_ms: int = STOP_TIMEOUT_MS) -> None:
+        """Stop the timer and the worker, waiting for its thread at most ``timeout_ms`` (closeEvent, aboutToQuit)."""
         self._closed = True
         self.delay.stop()
-        self.runner.stop()
+        self.runner.stop(timeout_ms)
 

@@ -29,12 +29,25 @@ ProgressFn = Callable[[str], None]
 StopFn = Callable[[], bool]
 Job = Callable[[ProgressFn, StopFn], Any]
 
-#: How long ``stop()`` waits for a job by default. Jobs check ``should_stop`` between steps that take
-#: seconds at most; a job still running after this is kept alive (see ``_ORPHANS``) rather than destroyed.
-STOP_TIMEOUT_MS = 60_000
+#: How long ``stop()`` waits for a job by default. Jobs check ``should_stop`` between steps, but one step (a
+#: model of many layers being built) can take longer than a user waits for a window to close; a job still
+#: running after this is kept alive (see ``_ORPHANS``) rather than destroyed, and the application leaves
+#: without waiting for it (:func:`running_orphans`).
+STOP_TIMEOUT_MS = 1_000
 
 #: Threads that did not stop in time: referenced here so Python never destroys a running QThread.
 _ORPHANS: list[QThread] = []
+
+
+def running_orphans() -> list[QThread]:
+    """Worker threads that did not stop in time and are still running (the process must not wait for them:
+    ``memcalc-gui`` ends with ``os._exit`` then, since destroying a running QThread aborts)."""
+    alive = []
+    for thread in list(_ORPHANS):
+        with contextlib.suppress(RuntimeError):  # the C++ object is gone: it ended
+            if thread.isRunning():
+                alive.append(thread)
+    return alive
 
 
 def describe_error(exc: BaseException) -> str:

@@ -1,0 +1,186 @@
+"""The one reader of user ``config.json`` files, used by every path (estimate, trace, measure, report, window).
+
+A config file is untrusted input. This module guarantees, for any path a user names:
+
+- only a regular file is read (a FIFO, a device such as ``/dev/zero``, a socket or a folder is refused
+  before it is opened for reading, so nothing blocks or grows without bound), and at most
+  :data:`MAX_CONFIG_BYTES` of it;
+- the text is UTF-8 (a byte-order mark is allowed, and UTF-16/32 with a BOM is decoded, as RFC 8259
+  permits readers to); anything else is one line naming the file and the offending byte;
+- the JSON nests at most :data:`MAX_JSON_DEPTH` levels and is an object;
+- keys through which a config can name code or a network location (``auto_map``, ``custom_pipelines``,
+  ``trust_remote_code``) are removed before transformers ever sees the dictionary
+  (:func:`transformers_kwargs`); memcalc only builds the model classes transformers itself ships,
+  always with ``trust_remote_code=False``.
+
+Every problem is a :class:`~memcalc_gui.core.errors.ConfigError` with a one-line reason.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import os
+import stat
+from pathlib import Path
+from typing import Any, Final
+
+from .errors import ConfigError
+
+#: Published ``config.json`` files are a few KiB (the largest, with label maps, well under 1 MiB).
+MAX_CONFIG_BYTES: Final = 4 * 2**20
+#: Real configs nest three or four levels (``rope_scaling``, ``text_config``); Python's JSON reader recurses.
+MAX_JSON_DEPTH: Final = 32
+#: Keys that name code to import (``auto_map``, ``custom_pipelines``) or allow running it. memcalc never
+#: honours them: they are dropped before transformers sees the config.
+CODE_KEYS: Final = ("auto_map", "custom_pipelines", "trust_remote_code")
+#: Keys that point transformers at a folder or a Hub repository, or at a dtype memcalc chooses itself.
+LOCATION_KEYS: Final = ("name_or_path", "_name_or_path", "_commit_hash", "torch_dtype", "dtype")
+
+_BOMS: Final = (
+    (codecs.BOM_UTF32_LE, "utf-32"),
+    (codecs.BOM_UTF32_BE, "utf-32"),
+    (codecs.BOM_UTF8, "utf-8-sig"),
+    (codecs.BOM_UTF16_LE, "utf-16"),
+    (codecs.BOM_UTF16_BE, "utf-16"),
+)
+
+
+def _read_bytes(path: Path) -> bytes:
+    name = path.name or str(path)
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise ConfigError("config", f"cannot read {name}: {exc.strerror or exc}") from None
+    except ValueError:  # an embedded NUL byte in the path
+        raise ConfigError("config", "the path contains a NUL byte") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise ConfigError("config", f"{name} is a folder; choose its config.json")
+    if not stat.S_ISREG(st.st_mode):
+        raise ConfigError("config", f"{name} is not a regular file (a pipe, device or socket is never read)")
+    if st.st_size > MAX_CONFIG_BYTES:
+        raise ConfigError("config", f"{name} is {st.st_size:,} bytes; a config.json is at most "
+                                    f"{MAX_CONFIG_BYTES:,}")
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        raise ConfigError("config", f"cannot read {name}: {exc.strerror or exc}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # replaced between stat and open
+            raise ConfigError("config", f"{name} is not a regular file")
+        chunks: list[bytes] = []
+        total = 0
+        while total <= MAX_CONFIG_BYTES:
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+    except OSError as exc:
+        raise ConfigError("config", f"cannot read {name}: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    if total > MAX_CONFIG_BYTES:
+        raise ConfigError("config", f"{name} grew past {MAX_CONFIG_BYTES:,} bytes while being read")
+    return b"".join(chunks)
+
+
+def decode_text(data: bytes, name: str = "config.json") -> str:
+    """UTF-8 text (BOM allowed), or UTF-16/32 announced by a BOM; else a one-line error."""
+    encoding = next((enc for bom, enc in _BOMS if data.startswith(bom)), "utf-8")
+    try:
+        return data.decode(encoding)
+    except UnicodeDecodeError as exc:
+        bad = data[exc.start:exc.start + 1].hex()
+        raise ConfigError("config", f"{name} is not UTF-8 text (byte 0x{bad} at offset {exc.start})") from None
+
+
+def _depth_ok(text: str) -> bool:
+    """Whether brackets outside strings nest at most :data:`MAX_JSON_DEPTH` deep (before parsing recurses)."""
+    depth = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            if depth > MAX_JSON_DEPTH:
+                return False
+        elif ch in "]}":
+            depth -= 1
+    return True
+
+
+def parse_config_text(text: str, name: str = "config.json") -> dict[str, Any]:
+    """Parse config text into a dictionary with the limits of this module."""
+    if not _depth_ok(text):
+        raise ConfigError("config", f"{name} nests deeper than {MAX_JSON_DEPTH} levels; it is not a model config")
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError("config", f"{name} is not valid JSON (line {exc.lineno}: {exc.msg})") from None
+    except RecursionError:
+        raise ConfigError("config", f"{name} nests too deeply to be read") from None
+    except ValueError:  # Python refuses integers of more than 4300 digits
+        raise ConfigError("config", f"{name} holds a number too long to be a size (over 4300 digits)") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError("config", f"{name} must hold a JSON object")
+    return cfg
+
+
+def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read and parse a user's ``config.json`` (see the module docstring for the guarantees)."""
+    p = Path(path)
+    data = _read_bytes(p)
+    name = p.name or str(p)
+    return parse_config_text(decode_text(data, name), name)
+
+
+def code_keys(cfg: dict[str, Any]) -> list[str]:
+    """The keys of ``cfg`` (top level or a nested sub-config) that name code memcalc will not run."""
+    found: list[str] = [k for k in CODE_KEYS if k in cfg]
+    for key, value in cfg.items():
+        if isinstance(value, dict) and key.endswith("_config"):
+            found += [f"{key}.{k}" for k in code_keys(value)]
+    return found
+
+
+def _clean(cfg: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in cfg.items():
+        if key in CODE_KEYS or key in LOCATION_KEYS or key.startswith("_"):
+            continue
+        if value is None:
+            continue  # a null size means "the class default" (transformers fails on some explicit nulls)
+        if isinstance(value, float) and value.is_integer() and (key.endswith(("_size", "_layers", "_heads"))
+                                                                 or key in _INT_KEYS):
+            value = int(value)
+        if isinstance(value, dict) and key.endswith("_config"):
+            value = _clean(value)
+        out[key] = value
+    return out
+
+
+#: Size keys that transformers' classes use as integers (a ``4096.0`` in a config would break a shape).
+_INT_KEYS: Final = frozenset({"n_embd", "n_head", "n_layer", "n_inner", "n_positions", "head_dim", "vocab_size",
+                              "max_position_embeddings", "num_key_value_heads", "num_attention_heads",
+                              "num_hidden_layers", "intermediate_size", "hidden_size", "n_ctx"})
+
+
+def transformers_kwargs(cfg: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """``(model_type, kwargs)`` for ``AutoConfig.for_model``: code and location keys removed, nulls dropped,
+    integral float sizes made integers, ``model_type`` lower-cased (the form transformers registers)."""
+    model_type = cfg.get("model_type")
+    if not isinstance(model_type, str) or not model_type.strip():
+        raise ConfigError("model_type", "missing from config.json")
+    kwargs = _clean(cfg)
+    kwargs.pop("model_type", None)
+    return model_type.strip().lower(), kwargs
