@@ -4,6 +4,7 @@
     memcalc-gui --preset llama-3.1-8b    start from a preset (or --config PATH, --params 1.5B)
     memcalc-gui --screenshot out.png     render the window to a PNG and exit
     memcalc-gui --smoke-test             start, estimate, close; print "memcalc-gui smoke ok"
+    memcalc-gui --soak 3600              use the window by script for an hour; print a summary
 
 torch is never imported here: the window opens in well under a second.
 """
@@ -190,7 +191,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--capacity", metavar="SIZE", help="device capacity (80GiB, 24GB); overrides --gpu's")
     p.add_argument("--screenshot", metavar="PATH", help="render the window to a PNG and exit")
     p.add_argument("--smoke-test", action="store_true", help="start, estimate, close; print a line; exit 0")
+    p.add_argument("--soak", metavar="SECONDS", type=_seconds,
+                   help="self-test: use the window by script for SECONDS (edits, dialogs, traces, measurements, "
+                        "hostile files), print a summary and exit 0 if it survived")
+    p.add_argument("--soak-seed", metavar="N", type=int, default=1, help=argparse.SUPPRESS)
     return p
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 0 < value <= 7 * 24 * 3600:
+        raise argparse.ArgumentTypeError(f"expected seconds between 0 and a week, got {text!r}")
+    return value
 
 
 def _state_from_args(args: argparse.Namespace):  # -> FormState | None
@@ -201,7 +216,7 @@ def _state_from_args(args: argparse.Namespace):  # -> FormState | None
 
     flags = ("preset", "config", "params", "batch", "seq", "grad_accum", "precision", "optimizer", "optimizer_impl",
              "attention", "checkpointing", "gpu", "capacity")
-    if all(getattr(args, f) is None for f in flags) and not (args.screenshot or args.smoke_test):
+    if all(getattr(args, f) is None for f in flags) and not (args.screenshot or args.smoke_test or args.soak):
         return None
     state: FormState = default_state()
     if args.preset is not None:
@@ -293,7 +308,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
     unknown = [a for a in qt_args if a.startswith("--")]
     if unknown:  # Qt's own options have one dash (-platform, -style); a typo of ours should not pass silently
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    _Crashes.scripted = bool(args.screenshot or args.smoke_test)
+    _Crashes.scripted = bool(args.screenshot or args.smoke_test or args.soak)
     try:
         initial = _state_from_args(args)
     except SystemExit as exc:
@@ -304,7 +319,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
 
     from .ui.main_window import MainWindow
 
-    scripted = bool(args.screenshot or args.smoke_test)
+    scripted = bool(args.screenshot or args.smoke_test or args.soak)
     window = MainWindow(initial_state=initial, persist=not scripted)
     if args.screenshot:
         ok = screenshot(window, args.screenshot)
@@ -331,7 +346,20 @@ def _main(argv: Sequence[str] | None = None) -> int:
         return 0
     window.show()
     _close_on_signals(window)
+    outcome: dict[str, Any] = {}
+    if args.soak:
+        from .ui.soak import SOAK_OK, Soak
+
+        soak = Soak(window, args.soak, seed=args.soak_seed)
+        soak.done.connect(lambda line, ok: outcome.update(line=line, ok=ok))
+        soak.start()
     status = app.exec()
+    if args.soak:
+        print(f"memcalc-gui soak: {outcome.get('line', 'interrupted before the end')}", flush=True)
+        if outcome.get("ok") and not _Crashes.errors:
+            print(SOAK_OK, flush=True)
+        else:
+            status = 1
     from .ui.workers import running_orphans
 
     if running_orphans():  # a job that could not stop within a second: leave now rather than wait or abort

@@ -33,6 +33,7 @@ from .core.setup import (
 )
 from .core.units import format_bytes, format_count, parse_count, parse_positive_int, parse_size
 from .core.vocab import OBJECT_LABELS, OBJECTS, PHASE_LABELS, PHASES
+from .measure.engine import MAX_ITERATIONS
 
 EXIT_INPUT = 2
 EXIT_INTERRUPTED = 130
@@ -126,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(mea, params=False)
     _add_setup_args(mea)
     mea.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    mea.add_argument("--iterations", default="3", metavar="N", help="training iterations (at least 2; default 3)")
+    mea.add_argument("--iterations", default="3", metavar="N",
+                     help=f"training iterations (2–{MAX_ITERATIONS}; default 3)")
     mea.add_argument("--snapshot", metavar="PATH", help="CUDA memory snapshot pickle (opens at pytorch.org/memory_viz)")
     mea.add_argument("--full-size", action="store_true", help="never scale the setup down")
     mea.add_argument("--time-budget", default="30", metavar="SECONDS", help="plan a measurement this long at most")
@@ -223,7 +225,7 @@ def setup_from_args(args: argparse.Namespace) -> tuple[TrainingSetup, list[str]]
         kw["cuda_context_bytes"] = parse_size(args.cuda_context, "cuda_context", allow_zero=True)
     if args.allocator_reserve is not None:
         try:
-            kw["allocator_reserve"] = float(args.allocator_reserve)
+            kw["allocator_reserve"] = float(str(args.allocator_reserve))
         except ValueError:
             raise InputError("allocator_reserve",
                              f"must be a fraction such as 0.1, got {args.allocator_reserve!r}") from None
@@ -330,9 +332,9 @@ def cmd_measure(args: argparse.Namespace) -> int:
     from .measure.engine import Cancelled, format_measurement, measure
 
     setup, _notes = setup_from_args(args)
-    iterations = parse_positive_int(args.iterations, "iterations")
+    iterations = parse_positive_int(args.iterations, "iterations", MAX_ITERATIONS)
     try:
-        budget = float(args.time_budget)
+        budget = float(str(args.time_budget))
     except ValueError:
         raise InputError("time_budget", f"must be a number of seconds, got {args.time_budget!r}") from None
     if not budget > 0 or budget != budget or budget == float("inf"):

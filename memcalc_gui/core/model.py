@@ -247,7 +247,8 @@ def _get_int(cfg: dict[str, Any], *keys: str, default: int | None = None, requir
                 raise ConfigError(key, f"must be a positive integer, got {value!r}")
             limit = MAX_LAYERS if "layer" in key else MAX_DIM
             if value > limit:
-                shown = f"{value:.6g}" if isinstance(value, float) or value < 10**15 else f"a {len(str(value))}-digit number"
+                shown = f"{value:.6g}" if isinstance(value, float) else f"{value:,}" if value < 10**15 else \
+                    f"a {len(str(value))}-digit number"
                 raise ConfigError(key, f"must be at most {limit:,}, got {shown}")
             return int(value)
     if default is not None:

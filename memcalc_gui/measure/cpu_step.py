@@ -262,10 +262,12 @@ def build_model(
         return build_reference_model(config, precision=precision, attention=attention, dropout=0.0)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
+    import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from ..core.configfile import transformers_kwargs
 
+    transformers.logging.set_verbosity_error()  # its warnings about a config's odd keys are not the user's output
     model_type, kwargs = transformers_kwargs(config)  # no auto_map or location keys: nothing a config names runs
     cfg = AutoConfig.for_model(model_type, **kwargs)
     cfg.use_cache = False

@@ -30,6 +30,7 @@ from ..core.reconcile import reconcile
 from ..core.result import Result, evaluate
 from ..core.setup import TrainingSetup
 from ..core.vocab import PHASES
+from . import exclusive_torch_job
 
 #: Fraction of the device's free memory a full-size measurement may plan to use.
 MEMORY_MARGIN = 0.6
@@ -37,6 +38,8 @@ MEMORY_MARGIN = 0.6
 CPU_FLOPS = 2e10
 CUDA_FLOPS = 1e14
 LEAK_TOLERANCE_BYTES = 64 * 1024
+#: Iterations a measurement runs at most: the second is already the steady state; a few more show a leak.
+MAX_ITERATIONS = 20
 
 
 class MeasureError(MemcalcError):
@@ -299,8 +302,9 @@ def measure(
     full_size: bool = False,
 ) -> MeasureResult:
     """Measure ``setup`` on ``device`` and compare with its estimate. Out-of-memory is a result."""
-    if iterations < 2:
-        raise InputError("iterations", "must be at least 2 (the first iteration creates the optimizer state)")
+    if not 2 <= iterations <= MAX_ITERATIONS:
+        raise InputError("iterations", f"must be 2 to {MAX_ITERATIONS} (the first iteration creates the optimizer "
+                                       f"state; the second is the steady state), got {iterations:,}")
     if setup.model is None:
         raise InputError("model", "measuring needs an architecture (a preset or a config.json), not a bare count")
     t0 = time.perf_counter()
@@ -323,12 +327,13 @@ def measure(
     estimate_result = evaluate(measured.with_changes(capacity_bytes=setup.capacity_bytes))
     result = MeasureResult(info, measured, setup, bool(note), note, {}, estimate_result, [])
     try:
-        if info.kind == "cuda":
-            _measure_cuda(result, config, measured, iterations, snapshot, on_phase)
-        else:
-            _measure_cpu(result, config, measured, iterations, on_phase)
-            if snapshot:
-                result.notes.append("memory snapshots need CUDA; none was written")
+        with exclusive_torch_job(should_stop, Cancelled):
+            if info.kind == "cuda":
+                _measure_cuda(result, config, measured, iterations, snapshot, on_phase)
+            else:
+                _measure_cpu(result, config, measured, iterations, on_phase)
+        if info.kind != "cuda" and snapshot:
+            result.notes.append("memory snapshots need CUDA; none was written")
     except (Cancelled, MemcalcError, KeyboardInterrupt):
         raise
     except ImportError as exc:

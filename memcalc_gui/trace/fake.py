@@ -35,9 +35,9 @@ from ..core.vocab import PHASES
 #: The CUDA caching allocator rounds every block up to 512 bytes (seed 001, NOTES.md).
 CUDA_ROUNDING = 512
 TOP_MODULES = 10
-#: The trace builds and runs every layer: ~0.13 s per layer here, so 200 layers (past any published model:
-#: Llama 3.1 405B has 126) trace in under half a minute; deeper configs are refused with the reason.
-MAX_TRACE_LAYERS = 200
+#: The trace builds and runs every layer: ~0.15 s per layer on a 2-core machine, so 128 layers (past every
+#: published model: Llama 3.1 405B has 126) trace in about 20 s; deeper configs are refused with the reason.
+MAX_TRACE_LAYERS = 128
 #: Micro-batches after the second repeat its memory exactly (gradients already exist, same tensors): the trace
 #: runs at most this many per iteration, so a huge accumulation count costs nothing.
 TRACED_MICRO_BATCHES = 2
@@ -126,6 +126,7 @@ def trace_estimate(
         raise TraceError(f"the trace builds and runs all {layers:,} layers, which would take minutes; it traces "
                          f"at most {MAX_TRACE_LAYERS} (the analytic estimate still holds)")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from ..measure import exclusive_torch_job
     from ..measure.cpu_step import measure_training_step
 
     def on_phase(phase: str, it: int, micro: int) -> None:
@@ -137,7 +138,7 @@ def trace_estimate(
 
     t0 = time.perf_counter()
     try:
-        with _unpacked_sequences():
+        with exclusive_torch_job(should_stop, TraceCancelled), _unpacked_sequences():
             m = measure_training_step(
                 cfg, batch=setup.batch, seq=setup.seq, precision=setup.precision, optimizer=setup.optimizer,
                 optimizer_impl=setup.optimizer_impl, attention=setup.attention, checkpointing=setup.checkpointing,

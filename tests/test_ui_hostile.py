@@ -1,0 +1,126 @@
+"""The window under hostile input: it marks the field, keeps the last good result, never blocks or crashes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+from memcalc_gui.trace import fake
+from memcalc_gui.ui import measure_panel, trace_panel, workers
+from memcalc_gui.ui.form import default_state
+from memcalc_gui.ui.main_window import MainWindow
+from memcalc_gui.ui.settings import SETTINGS_ENV
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def private_settings(tmp_path, monkeypatch):
+    monkeypatch.setenv(SETTINGS_ENV, str(tmp_path / "settings"))
+    monkeypatch.setattr(measure_panel, "DETECT_DELAY_MS", None)
+    monkeypatch.setattr(trace_panel, "TRACE_DELAY_MS", 30)
+
+
+@pytest.fixture
+def window(qtbot):
+    w = MainWindow(initial_state=default_state(), persist=False)
+    qtbot.addWidget(w)
+    w.resize(1280, 720)
+    w.show()
+    assert w.result is not None
+    return w
+
+
+def hostile_paths(folder: Path) -> dict[str, str]:
+    fifo = folder / "fifo.json"
+    os.mkfifo(fifo)
+    (folder / "latin1.json").write_bytes(b'{"model_type": "llama", "x": "\xe9"}')
+    (folder / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    (folder / "digits.json").write_text('{"model_type": "llama", "hidden_size": ' + "9" * 5000 + "}")
+    (folder / "act.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                                                 "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 256,
+                                                 "hidden_act": "bogus"}))
+    return {"fifo": str(fifo), "dev-zero": "/dev/zero", "folder": str(folder), "missing": str(folder / "nope.json"),
+            "latin1": str(folder / "latin1.json"), "deep": str(folder / "deep.json"),
+            "digits": str(folder / "digits.json"), "activation": str(folder / "act.json")}
+
+
+def test_hostile_config_paths_mark_the_field_and_keep_the_result(window, tmp_path):
+    good = window.result
+    for name, path in hostile_paths(tmp_path).items():
+        window.inputs.set_state(window.inputs.state().replace(model_kind="config", config_path=path))
+        t0 = time.perf_counter()
+        assert not window.refresh(), name
+        assert time.perf_counter() - t0 < 2, name  # a FIFO or /dev/zero is never read
+        errors = window.inputs.errors()
+        assert "config_path" in errors, (name, errors)
+        assert "\n" not in errors["config_path"] and len(errors["config_path"]) <= 400
+        assert window.result is good  # the last valid result stays on screen
+        assert window.banner.stale_note.isVisible()
+
+
+def test_values_beyond_int64_are_drawn(window, tmp_path):
+    """Sizes past 2^63 bytes (Qt's integer limit) reach the table, the chart and the banner without an error."""
+    cfg = {"model_type": "llama", "hidden_size": 2**31 - 2, "intermediate_size": 2**31 - 1,
+           "num_attention_heads": 2, "num_hidden_layers": 100_000, "vocab_size": 2**31 - 1}
+    path = tmp_path / "huge.json"
+    path.write_text(json.dumps(cfg))
+    window.inputs.set_state(window.inputs.state().replace(model_kind="config", config_path=str(path),
+                                                          batch="1048576", seq="16777216"))
+    assert window.refresh(), window.inputs.errors()
+    est = window.result.estimate
+    assert est.peak_bytes > 2**63
+    assert window.table.bytes_at(window.table.rowCount() - 1, 0) == est.phases["load"].total_bytes
+    assert window.banner.state() == "over"
+    assert "TiB" in window.banner.text.text()
+
+
+def test_closing_during_a_trace_that_cannot_stop_returns_within_a_second(window, qtbot, monkeypatch):
+    """A trace step that ignores cancellation (a model of many layers being built) never holds the window."""
+    release = threading.Event()
+
+    def stuck(setup, progress=None, should_stop=None, config=None):
+        release.wait(30)
+        raise fake.TraceCancelled("released")
+
+    monkeypatch.setattr(fake, "trace_estimate", stuck)
+    monkeypatch.setattr(fake, "trace_available", lambda: True)
+    window.trace_panel.available = True
+    with qtbot.waitSignal(window.trace_panel.runner.started, timeout=5000):
+        window.trace_panel.set_enabled(True)
+    assert window.trace_panel.runner.thread_running()
+    t0 = time.perf_counter()
+    window.close()
+    assert time.perf_counter() - t0 < 1.5
+    assert workers.running_orphans()  # kept referenced: never destroyed while running
+    release.set()
+    qtbot.waitUntil(lambda: not workers.running_orphans(), timeout=10_000)
+
+
+def _gui(*args: str, timeout: float, **env: str) -> subprocess.Popen:
+    exe = Path(sys.executable).with_name("memcalc-gui")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "memcalc_gui.app"]
+    return subprocess.Popen([*cmd, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, QT_QPA_PLATFORM="offscreen", PYTHONPATH=str(ROOT), **env))
+
+
+def test_ctrl_c_closes_the_real_window(tmp_path):
+    proc = _gui(timeout=60, MEMCALC_SETTINGS_DIR=str(tmp_path / "settings"), MEMCALC_LOG_DIR=str(tmp_path / "logs"))
+    time.sleep(4)  # the window is up
+    assert proc.poll() is None
+    t0 = time.perf_counter()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert time.perf_counter() - t0 < 5
+    assert "Traceback" not in err
