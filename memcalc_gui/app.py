@@ -251,8 +251,8 @@ def create_application(argv: Sequence[str] | None = None):  # -> QApplication
     """The ``QApplication`` with names, the bundled fonts and the icon (reuses an existing instance)."""
     from PySide6.QtWidgets import QApplication
 
-    from .ui.assets import app_icon, register_fonts
     from .ui.settings import APPLICATION, ORGANIZATION
+    from .view.assets import app_icon, register_fonts
 
     app = QApplication.instance()
     if app is None:

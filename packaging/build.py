@@ -82,6 +82,8 @@ def preflight(flavour: str, allow_missing_libs: bool) -> list[str]:
                 problems.append(f"the full flavour bundles {mod}, which {sys.executable} cannot import: "
                                 "pip install -e '.[measure,hf]' (a CPU torch: --index-url "
                                 "https://download.pytorch.org/whl/cpu)")
+    if not problems:
+        problems += binding_problems()
     if sys.platform.startswith("linux"):
         if shutil.which("objdump") is None or shutil.which("ldd") is None:
             problems.append("objdump/ldd missing: install binutils (apt-get install binutils), or PyInstaller "
@@ -92,6 +94,28 @@ def preflight(flavour: str, allow_missing_libs: bool) -> list[str]:
                             f"window could not open on X11: {', '.join(missing)}.\n    apt-get install "
                             f"{' '.join(XCB_APT)}   (or pass --allow-missing-libs for an offscreen-only build)")
     return problems
+
+
+def binding_problems() -> list[str]:
+    """The bundled Python and Qt binding must not drop references to None (PySide6 6.12.0 on Python 3.11 does:
+    the window aborts after a minute of typing). Checked by running the reproducer with this interpreter."""
+    code = "from memcalc_gui.ui.soak import none_refcount_drift; print(none_refcount_drift())"
+    env = dict(os.environ, QT_QPA_PLATFORM="offscreen")
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
+                              cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return ["the Qt binding check did not finish in 120 s"]
+    last = proc.stdout.strip().splitlines()[-1:] or ["?"]
+    if proc.returncode != 0 or (last[0] != "None" and not last[0].lstrip("-").isdigit()):
+        return [f"the Qt binding check failed (exit {proc.returncode}): {proc.stderr.strip()[-500:]}"]
+    if last[0] != "None" and int(last[0]) < -1000:
+        import PySide6
+
+        return [f"PySide6 {PySide6.__version__} on Python {sys.version.split()[0]} drops references to None "
+                f"({last[0]} over 2000 repaints): the packaged window would abort. Install "
+                "'PySide6-Essentials>=6.6,<6.12' (6.11.3 is checked) or build with Python >= 3.12."]
+    return []
 
 
 def missing_xcb_libs() -> list[str]:

@@ -134,7 +134,7 @@ def test_bundled_font_becomes_the_default_without_system_fonts(tmp_path):
 def test_icon_png_is_rendered_from_the_svg(qapp, tmp_path):
     from PySide6.QtGui import QImage
 
-    from memcalc_gui.ui.assets import icon_path, render_svg_png
+    from memcalc_gui.view.assets import icon_path, render_svg_png
 
     out = tmp_path / "icon.png"
     assert render_svg_png(icon_path("svg"), out, 256)

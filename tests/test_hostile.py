@@ -321,6 +321,22 @@ def test_commands_answer_hostile_arguments(argv, capsys):
     assert_answered(rc, out, err, s, limit_s=5)
 
 
+@pytest.mark.parametrize("argv", [
+    ["--preset", "gpt2", "--batch", "1048576", "--seq", "16777216", "--grad-accum", "1048576", "--gpu", "h100-80gb"],
+    ["--preset", "gpt2", "--batch", "1048576", "--grad-accum", "4", "--gpu", "t4"],
+    ["--preset", "llama-3.1-70b", "--batch", "1000000", "--grad-accum", "1000000", "--gpu", "rtx-4090"],
+    ["--preset", "qwen2.5-7b", "--batch", "999983", "--grad-accum", "999979", "--gpu", "a100-80gb"],  # primes
+])
+def test_extreme_valid_setups_get_a_verdict(argv, capsys):
+    """At the limits of every shape field the estimate, the solver and its suggestions still answer at once."""
+    rc, out, err, s = run_cli(["estimate", *argv, "--json"], capsys)
+    assert_answered(rc, out, err, s, limit_s=5, expect=0)
+    data = json.loads(out)
+    assert data["fits"] is False and data["peak_bytes"] > 2**40
+    for suggestion in data["suggestions"]:
+        assert suggestion["changes"].get("grad_accum", 1) <= 2**20
+
+
 @needs_torch
 def test_trace_bounds_accumulation_and_depth(capsys):
     rc, out, err, s = run_cli(["estimate", "--method", "trace", "--preset", "gpt2", "--seq", "32",

@@ -26,11 +26,11 @@ from memcalc_gui.core.units import gib
 from memcalc_gui.core.vocab import PHASES
 from memcalc_gui.measure import engine
 from memcalc_gui.ui import measure_panel
-from memcalc_gui.ui.chart import REF_DX
 from memcalc_gui.ui.form import default_state
 from memcalc_gui.ui.main_window import MainWindow
 from memcalc_gui.ui.settings import SETTINGS_ENV
 from memcalc_gui.ui.workers import TaskRunner
+from memcalc_gui.view.chart import REF_DX
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=1024, hidden_size=128,

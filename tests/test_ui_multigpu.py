@@ -16,11 +16,11 @@ from memcalc_gui.core.result import evaluate
 from memcalc_gui.core.units import format_bytes, gib
 from memcalc_gui.core.vocab import OBJECTS, PHASES
 from memcalc_gui.ui import measure_panel
-from memcalc_gui.ui.chart import AXIS_LABEL, AXIS_LABEL_PER_GPU
 from memcalc_gui.ui.form import FormState, ModelCache, build_setup, capacity_text, default_state, gpu_by_id
 from memcalc_gui.ui.main_window import MainWindow
 from memcalc_gui.ui.settings import SETTINGS_ENV
 from memcalc_gui.ui.tooltips import TOOLTIPS
+from memcalc_gui.view.chart import AXIS_LABEL, AXIS_LABEL_PER_GPU
 
 H100 = capacity_text(gpu_by_id()["h100-80gb"])
 BIG = dict(preset="llama-3.1-70b", batch="1", seq="4096", grad_accum="1", checkpointing="full", gpu="h100-80gb",

@@ -9,7 +9,7 @@ from typing import Any
 from .distributed import PREFERENCE
 from .errors import InputError
 from .ledger import Estimate
-from .setup import TrainingSetup
+from .setup import LIMITS, TrainingSetup
 
 Estimator = Callable[[TrainingSetup], Estimate]
 
@@ -103,8 +103,8 @@ def _candidates(setup: TrainingSetup, estimator: Estimator, capacity: int | None
         out.append(("attention-sdpa", "Use SDPA attention instead of eager", {"attention": "sdpa"},
                     "no L×L score matrices kept"))
     effective = setup.effective_batch
-    if setup.batch > 1 and capacity is not None:
-        b = _smaller_micro_batch(setup, estimator, capacity)
+    b = _smaller_micro_batch(setup, estimator, capacity) if setup.batch > 1 and capacity is not None else None
+    if b is not None:
         out.append(("micro-batch", f"Micro-batch {b} × {effective // b} accumulation steps "
                     f"(same effective batch {effective})", {"batch": b, "grad_accum": effective // b},
                     "more forward/backward passes per optimizer step"))
@@ -126,17 +126,24 @@ def _largest_divisor_at_most(n: int, limit: int) -> int:
     return best
 
 
-def _smaller_micro_batch(setup: TrainingSetup, estimator: Estimator, capacity: int) -> int:
-    """The largest micro-batch below the current one that divides the effective batch and fits (else 1).
+def _smaller_micro_batch(setup: TrainingSetup, estimator: Estimator, capacity: int) -> int | None:
+    """The largest micro-batch below the current one that divides the effective batch and fits (else the
+    smallest allowed one; None when no smaller micro-batch keeps the accumulation count within its limit).
 
     Bisection over the micro-batch (at accumulation > 1 the peak grows with the micro-batch alone), then the
     largest divisor of the effective batch at or below it: a few dozen estimates for any input.
     """
     effective = setup.effective_batch
+    floor = -(-effective // LIMITS["grad_accum"])  # below it the accumulation count would pass its limit
+
+    def divisor(b: int) -> int | None:
+        d = _largest_divisor_at_most(effective, b)
+        return d if d >= floor else None
 
     def ok(b: int) -> bool:
-        d = _largest_divisor_at_most(effective, b)
-        return estimator(setup.with_changes(batch=d, grad_accum=effective // d)).peak_bytes <= capacity
+        d = divisor(b)
+        return d is not None and \
+            estimator(setup.with_changes(batch=d, grad_accum=effective // d)).peak_bytes <= capacity
 
     lo, hi = 0, setup.batch  # ok(lo) or lo == 0; not tested at hi (the current micro-batch)
     while hi - lo > 1:
@@ -145,7 +152,7 @@ def _smaller_micro_batch(setup: TrainingSetup, estimator: Estimator, capacity: i
             lo = mid
         else:
             hi = mid
-    return _largest_divisor_at_most(effective, max(1, lo))
+    return divisor(max(1, lo))
 
 
 def _peak_after(setup: TrainingSetup, estimator: Estimator, changes: dict[str, Any]) -> int | None:

@@ -37,6 +37,8 @@ MEMORY_MARGIN = 0.6
 #: Rough sustained throughput for planning the time budget (FLOP/s).
 CPU_FLOPS = 2e10
 CUDA_FLOPS = 1e14
+#: Per layer and micro-batch, the fixed cost of a forward and backward on the CPU under the tracker.
+LAYER_OVERHEAD_S = 0.04
 LEAK_TOLERANCE_BYTES = 64 * 1024
 #: Iterations a measurement runs at most: the second is already the steady state; a few more show a leak.
 MAX_ITERATIONS = 20
@@ -237,8 +239,12 @@ def _with_layers(setup: TrainingSetup, layers: int) -> TrainingSetup:
 
 
 def _step_seconds(setup: TrainingSetup, flops: float) -> float:
+    """One training step: the matmul work (6·N·tokens) or, for narrow deep models, the per-op overhead of each
+    layer's forward and backward (about 40 ms per layer and micro-batch with the CPU tracker on a 2-core machine)."""
     t = setup.batch * setup.seq * setup.grad_accum
-    return 6 * setup.num_params * t / flops
+    layers = setup.model.num_layers if setup.model is not None else 1
+    overhead = LAYER_OVERHEAD_S * (layers + 2) * setup.grad_accum * (1 if flops == CPU_FLOPS else 0.1)
+    return max(6 * setup.num_params * t / flops, overhead)
 
 
 def plan(setup: TrainingSetup, device: DeviceInfo, time_budget_s: float) -> tuple[TrainingSetup, str]:

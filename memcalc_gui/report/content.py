@@ -20,7 +20,7 @@ from ..core.setup import PRECISION_LABELS, TrainingSetup, gpu_presets
 from ..core.solver import MAX_SEARCH_BATCH
 from ..core.units import format_bytes, format_count
 from ..core.vocab import OBJECT_LABELS, OBJECTS, PHASE_LABELS, PHASES
-from ..ui.plan_text import (
+from ..view.plan_text import (
     BEST_MARK,
     OFFLOAD_TEXT,
     host_bytes,

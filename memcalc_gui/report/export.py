@@ -127,7 +127,7 @@ def ensure_app() -> Any:
     global _app
     from PySide6.QtWidgets import QApplication
 
-    from ..ui.assets import register_fonts
+    from ..view.assets import register_fonts
 
     app = QApplication.instance()
     if app is None:

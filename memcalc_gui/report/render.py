@@ -2,7 +2,7 @@
 
 Both return bytes; :mod:`memcalc_gui.report.export` writes them to disk atomically.
 
-- The chart is the window's own :class:`~memcalc_gui.ui.chart.MemoryChart`, rendered offscreen into a
+- The chart is the window's own :class:`~memcalc_gui.view.chart.MemoryChart`, rendered offscreen into a
   QImage with a device-pixel ratio (crisp text and bars at ~290 dpi on paper).
 - The PDF text is real text in the bundled DejaVu Sans (embedded by Qt's PDF engine). The document is
   laid out at 96 dpi on a page the size of the writer's paint rect (``doc.setDocumentMargin(0)``), then
@@ -40,9 +40,9 @@ from ..core.result import Result
 from ..core.solver import MAX_GPUS
 from ..core.units import gib
 from ..core.vocab import OBJECT_LABELS, OBJECTS, PHASE_LABELS, PHASES
-from ..ui.assets import BUNDLED_FAMILY
-from ..ui.plan_text import chart_scope, is_per_gpu
-from ..ui.theme import FIT_COLOR, NEUTRAL_COLOR, OBJECT_COLORS, OVER_COLOR
+from ..view.assets import BUNDLED_FAMILY
+from ..view.plan_text import chart_scope, is_per_gpu
+from ..view.theme import FIT_COLOR, NEUTRAL_COLOR, OBJECT_COLORS, OVER_COLOR
 from .content import ReportContent, Row, Table, gpu_label
 
 #: Layout resolution of the documents (CSS pixels): 1 px = 1/96 in.
@@ -111,7 +111,7 @@ def render_chart(result: Result, width: int, height: int, ratio: float, content:
     import pyqtgraph as pg
     from PySide6.QtWidgets import QApplication, QWidget
 
-    from ..ui.chart import MemoryChart
+    from ..view.chart import MemoryChart
 
     chart = MemoryChart()
     try:

@@ -28,8 +28,8 @@ from PySide6.QtWidgets import (
 
 from ..core.distributed import OFFLOADS, STRATEGIES, STRATEGY_LABELS
 from ..core.setup import OPTIMIZER_IMPLS, OPTIMIZERS, PRECISION_LABELS, PRECISIONS
+from ..view.theme import error_color
 from .form import RECIPES, FormState, capacity_text, gpu_by_id, recipe_for
-from .theme import error_color
 from .tooltips import TOOLTIPS
 
 OPTIMIZER_LABELS = {

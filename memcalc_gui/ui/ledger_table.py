@@ -19,7 +19,7 @@ from PySide6.QtWidgets import QAbstractItemView, QHeaderView, QTableWidget, QTab
 from ..core.ledger import Estimate
 from ..core.units import gib
 from ..core.vocab import OBJECT_LABELS, OBJECTS, PHASE_LABELS, PHASES
-from .theme import OBJECT_COLORS
+from ..view.theme import OBJECT_COLORS
 
 BYTES_ROLE = Qt.ItemDataRole.UserRole + 1
 #: Column headers (short, so four columns fit beside the object names); the full names are tooltips.

@@ -34,9 +34,10 @@ from PySide6.QtWidgets import (
 
 from ..core.errors import InputError
 from ..core.result import Result, evaluate
+from ..view.assets import app_icon
+from ..view.chart import MemoryChart
+from ..view.plan_text import chart_scope, is_per_gpu, per_gpu_headline
 from .about import AboutDialog
-from .assets import app_icon
-from .chart import MemoryChart
 from .form import (
     FormErrors,
     FormState,
@@ -50,7 +51,6 @@ from .form import (
 from .inputs import InputPanel
 from .ledger_table import LedgerTable
 from .measure_panel import MeasurePanel
-from .plan_text import chart_scope, is_per_gpu, per_gpu_headline
 from .results import METHOD_NOTES, AdvicePanel, VerdictBanner
 from .settings import (
     KEY_GEOMETRY,

@@ -47,7 +47,7 @@ from ..core.setup import TrainingSetup
 from ..core.units import format_bytes
 from ..core.vocab import PHASE_LABELS, PHASES
 from ..measure import engine
-from .theme import OVER_COLOR, error_color, tinted
+from ..view.theme import OVER_COLOR, error_color, tinted
 from .workers import STOP_TIMEOUT_MS, Job, TaskRunner
 
 if TYPE_CHECKING:

@@ -21,8 +21,8 @@ from ..core.result import Result
 from ..core.solver import Suggestion
 from ..core.units import format_bytes
 from ..core.vocab import OBJECT_LABELS
-from .plan_text import host_text, is_per_gpu, parallel_label, per_gpu_headline, plan_action, plan_sentences
-from .theme import FIT_COLOR, NEUTRAL_COLOR, OVER_COLOR, tinted
+from ..view.plan_text import host_text, is_per_gpu, parallel_label, per_gpu_headline, plan_action, plan_sentences
+from ..view.theme import FIT_COLOR, NEUTRAL_COLOR, OVER_COLOR, tinted
 
 MAX_SUGGESTIONS = 8
 

@@ -45,8 +45,8 @@ from ..core.units import format_bytes
 from ..core.vocab import PHASE_LABELS, PHASES
 from ..trace import fake
 from ..trace.fake import TraceCancelled, TraceResult
+from ..view.theme import error_color
 from .measure_panel import ElidedLabel, progress_fraction, signed_pct
-from .theme import error_color
 from .workers import STOP_TIMEOUT_MS, Job, TaskRunner
 
 if TYPE_CHECKING:
