@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from . import __version__
-from .core.distributed import OFFLOADS, STRATEGIES, Parallelism
+from .core.configfile import code_keys
+from .core.distributed import MAX_PARALLEL_GPUS, OFFLOADS, STRATEGIES, Parallelism
 from .core.errors import InputError, MemcalcError, UnsupportedFamilyError, one_line
 from .core.model import ModelSpec, load_config_file, preset_config, preset_names, preset_spec, spec_from_config
 from .core.result import Result, evaluate
@@ -24,6 +25,7 @@ from .core.setup import (
     CHECKPOINTINGS,
     DEFAULT_ALLOCATOR_RESERVE,
     DEFAULT_CUDA_CONTEXT_BYTES,
+    LIMITS,
     OPTIMIZER_IMPLS,
     OPTIMIZERS,
     PRECISIONS,
@@ -186,6 +188,10 @@ def resolve_model(args: argparse.Namespace) -> tuple[ModelSpec | None, int | Non
     if args.preset is not None:
         return preset_spec(args.preset), None, notes
     cfg = load_config_file(args.config)
+    dropped = code_keys(cfg)
+    if dropped:
+        notes.append(f"{', '.join(dropped)} ignored: memcalc builds the model classes transformers ships for "
+                     f"model_type {str(cfg.get('model_type'))[:40]!r} and never runs code a config names")
     try:
         return spec_from_config(cfg, source=str(Path(args.config))), None, notes
     except UnsupportedFamilyError:
@@ -205,9 +211,9 @@ def setup_from_args(args: argparse.Namespace) -> tuple[TrainingSetup, list[str]]
     kw: dict[str, Any] = dict(
         model=model,
         params=params,
-        batch=parse_positive_int(args.batch, "batch"),
-        seq=parse_positive_int(args.seq, "seq"),
-        grad_accum=parse_positive_int(args.grad_accum, "grad_accum"),
+        batch=parse_positive_int(args.batch, "batch", LIMITS["batch"]),
+        seq=parse_positive_int(args.seq, "seq", LIMITS["seq"]),
+        grad_accum=parse_positive_int(args.grad_accum, "grad_accum", LIMITS["grad_accum"]),
         precision=args.precision,
         optimizer=args.optimizer,
         optimizer_impl=args.optimizer_impl,
@@ -219,8 +225,9 @@ def setup_from_args(args: argparse.Namespace) -> tuple[TrainingSetup, list[str]]
         kw.update(gpu=gpu.id, capacity_bytes=gpu.capacity_bytes)
     elif args.capacity:
         kw.update(capacity_bytes=parse_size(args.capacity, "capacity"))
-    kw["parallel"] = Parallelism(gpus=parse_positive_int(args.gpus, "gpus"), strategy=args.strategy,
-                                 node_size=parse_positive_int(args.node_size, "node_size"), offload=args.offload)
+    kw["parallel"] = Parallelism(gpus=parse_positive_int(args.gpus, "gpus", MAX_PARALLEL_GPUS),
+                                 strategy=args.strategy, offload=args.offload,
+                                 node_size=parse_positive_int(args.node_size, "node_size", MAX_PARALLEL_GPUS))
     if args.cuda_context is not None:
         kw["cuda_context_bytes"] = parse_size(args.cuda_context, "cuda_context", allow_zero=True)
     if args.allocator_reserve is not None:

@@ -487,3 +487,32 @@ def test_generated_arguments(capsys, flag, value, extra):
         extra = ["--strategy", "zero3"]
     rc, out, err, s = run_cli(["estimate", *model, "--gpu", "a100-80gb", *extra, f"{flag}={value}"], capsys)
     assert_answered(rc, out, err, s, limit_s=5)
+
+
+# ---- results, not tracebacks ----------------------------------------------------------------------------
+@needs_torch
+@pytest.mark.parametrize("error", [MemoryError(), RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. "
+                                                               "DefaultCPUAllocator: can't allocate memory: you tried "
+                                                               "to allocate 68719476736 bytes. Error code 12")])
+def test_cpu_out_of_memory_is_a_result(monkeypatch, error):
+    from memcalc_gui.core.model import preset_spec
+    from memcalc_gui.core.setup import TrainingSetup
+    from memcalc_gui.measure import cpu_step, engine
+
+    def explode(*args, on_phase=None, **kw):
+        on_phase("load", 0, 0)
+        on_phase("forward", 1, 0)
+        raise error
+
+    monkeypatch.setattr(cpu_step, "measure_training_step", explode)
+    result = engine.measure(TrainingSetup(model=preset_spec("gpt2"), batch=1, seq=16), device="cpu", iterations=2)
+    assert result.oom == "Does not fit: out of memory in forward at micro-batch 1."
+    assert result.phases == {}
+
+
+def test_dropped_code_keys_are_said(corpus, capsys, tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**TINY, "auto_map": {"AutoModelForCausalLM": "x.Model"}, "trust_remote_code": True}))
+    rc, out, err, s = run_cli(["estimate", "--config", str(path)], capsys)
+    assert_answered(rc, out, err, s, expect=0)
+    assert "Note: auto_map, trust_remote_code ignored" in out

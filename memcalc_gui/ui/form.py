@@ -15,13 +15,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from ..core.distributed import OFFLOADS, STRATEGIES, Parallelism
+from ..core.distributed import MAX_PARALLEL_GPUS, OFFLOADS, STRATEGIES, Parallelism
 from ..core.errors import ConfigError, InputError
 from ..core.model import ModelSpec, preset_names, preset_spec, spec_from_file
 from ..core.setup import (
     DEFAULT_ALLOCATOR_RESERVE,
     DEFAULT_CUDA_CONTEXT_BYTES,
     GPU,
+    LIMITS,
     TrainingSetup,
     gpu_presets,
 )
@@ -257,14 +258,14 @@ def build_setup(state: FormState, cache: ModelCache) -> TrainingSetup:
         attempt("params", lambda: parse_count(state.params, "params"))
     else:
         errors["general"] = f"unknown model source {state.model_kind!r}"
-    attempt("batch", lambda: parse_positive_int(state.batch, "batch"))
-    attempt("seq", lambda: parse_positive_int(state.seq, "seq"))
-    attempt("grad_accum", lambda: parse_positive_int(state.grad_accum, "grad_accum"))
+    attempt("batch", lambda: parse_positive_int(state.batch, "batch", LIMITS["batch"]))
+    attempt("seq", lambda: parse_positive_int(state.seq, "seq", LIMITS["seq"]))
+    attempt("grad_accum", lambda: parse_positive_int(state.grad_accum, "grad_accum", LIMITS["grad_accum"]))
     attempt("capacity", lambda: _capacity(state))
     attempt("cuda_context_bytes", lambda: parse_size(state.cuda_context, "cuda_context", allow_zero=True))
     attempt("allocator_reserve", lambda: _reserve_fraction(state.allocator_reserve))
-    attempt("gpus", lambda: parse_positive_int(state.gpus, "gpus"))
-    attempt("node_size", lambda: parse_positive_int(state.node_size, "node_size"))
+    attempt("gpus", lambda: parse_positive_int(state.gpus, "gpus", MAX_PARALLEL_GPUS))
+    attempt("node_size", lambda: parse_positive_int(state.node_size, "node_size", MAX_PARALLEL_GPUS))
     if errors:
         raise FormErrors(errors)
     try:
