@@ -69,6 +69,11 @@ def max_micro_batch(setup: TrainingSetup, estimator: Estimator, capacity_bytes: 
         lo, hi = hi, hi * 2
     if hi > MAX_SEARCH_BATCH:
         return lo
+    return _bisect_last(ok, lo, hi)
+
+
+def _bisect_last(ok: Callable[[int], bool], lo: int, hi: int) -> int:
+    """The largest ``n`` in ``[lo, hi)`` with ``ok(n)`` for a monotone ``ok`` (``lo`` is taken as true)."""
     while hi - lo > 1:
         mid = (lo + hi) // 2
         if ok(mid):
@@ -127,8 +132,8 @@ def _largest_divisor_at_most(n: int, limit: int) -> int:
 
 
 def _smaller_micro_batch(setup: TrainingSetup, estimator: Estimator, capacity: int) -> int | None:
-    """The largest micro-batch below the current one that divides the effective batch and fits (else the
-    smallest allowed one; None when no smaller micro-batch keeps the accumulation count within its limit).
+    """The largest micro-batch below the current one that divides the effective batch and fits (else 1; None
+    when that micro-batch would need more accumulation steps than allowed).
 
     Bisection over the micro-batch (at accumulation > 1 the peak grows with the micro-batch alone), then the
     largest divisor of the effective batch at or below it: a few dozen estimates for any input.
@@ -145,14 +150,8 @@ def _smaller_micro_batch(setup: TrainingSetup, estimator: Estimator, capacity: i
         return d is not None and \
             estimator(setup.with_changes(batch=d, grad_accum=effective // d)).peak_bytes <= capacity
 
-    lo, hi = 0, setup.batch  # ok(lo) or lo == 0; not tested at hi (the current micro-batch)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if ok(mid):
-            lo = mid
-        else:
-            hi = mid
-    return divisor(max(1, lo))
+    fitting = _bisect_last(ok, 0, setup.batch)  # 0: none fits; the current micro-batch is not tested
+    return divisor(max(1, fitting))
 
 
 def _peak_after(setup: TrainingSetup, estimator: Estimator, changes: dict[str, Any]) -> int | None:
