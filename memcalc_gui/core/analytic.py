@@ -99,11 +99,22 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
     # (B) LM-head backward: logits gradient, hidden-state gradient, the weight gradient appears.
     lm_grad = v * h * p
     lm_tmp = t * v * d.matmul + t * h * d.matmul + (v * h * d.matmul if d.matmul != p else 0)
-    moments.append(_objects(
-        parameters=params + copies_bwd, optimizer_state=state, inputs=inputs,
-        gradients=grads_all if accumulating else lm_grad,
-        activations=acts_fwd, temporaries=lm_tmp + (lm_grad if accumulating else 0),
-    ))
+    if lm_copy and d.matmul != p:
+        # Under autocast the head's matmul backward (16-bit weight copy alive, no fp32 gradient yet) and the cast
+        # of its 16-bit weight gradient to fp32 (copy released, both gradients alive) are two moments. The fp32
+        # gradient becomes .grad, or with accumulation is a temporary added into the existing .grad.
+        moments.append(_objects(parameters=params + copies_bwd, optimizer_state=state, inputs=inputs,
+                                gradients=grads_all if accumulating else 0, activations=acts_fwd,
+                                temporaries=lm_tmp))
+        moments.append(_objects(parameters=params + copies_bwd - lm_copy, optimizer_state=state, inputs=inputs,
+                                gradients=grads_all if accumulating else lm_grad, activations=acts_fwd,
+                                temporaries=t * h * d.matmul + v * h * d.matmul + (lm_grad if accumulating else 0)))
+    else:
+        moments.append(_objects(
+            parameters=params + copies_bwd, optimizer_state=state, inputs=inputs,
+            gradients=grads_all if accumulating else lm_grad,
+            activations=acts_fwd, temporaries=lm_tmp + (lm_grad if accumulating else 0),
+        ))
     # (C) decoder layers: the first processed (the last layer) and the last processed (the first), each
     # at its MLP backward (three I-wide gradients beside the residual-stream gradient) and at its
     # attention backward (score gradients for eager, q/k/v gradients for SDPA).
@@ -148,8 +159,13 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
             activations=earlier + attn_part + rope_tables,
             temporaries=grad_stream + attn_tmp + (h * spec.q_dim * p if accumulating else 0),
         ))
-    # (D) embedding backward: every gradient exists; tied embeddings add a dense gradient and a sum.
-    emb_tmp = grad_stream + (2 * v * h * p if spec.tied_embeddings else v * h * p if accumulating else 0)
+    # (D) embedding backward: every gradient exists. Tied embeddings: the LM head's weight gradient waits in
+    # autograd's input buffer while the embedding's dense gradient is made, then the two are summed; without
+    # accumulation that sum becomes .grad, with accumulation it is a third temporary added into .grad.
+    if spec.tied_embeddings:
+        emb_tmp = grad_stream + (3 if accumulating else 2) * v * h * p
+    else:
+        emb_tmp = grad_stream + (v * h * p if accumulating else 0)
     moments.append(_objects(parameters=params, optimizer_state=state, inputs=inputs, gradients=grads_all,
                             temporaries=emb_tmp))
     # ---- optimizer step ---------------------------------------------------------------------
