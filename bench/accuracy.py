@@ -55,6 +55,13 @@ FAMILIES: dict[str, dict] = {
                        max_position_embeddings=512),
     "gpt2-wide": dict(model_type="gpt2", vocab_size=256, n_embd=256, n_layer=2, n_head=4, n_positions=512,
                       bos_token_id=0, eos_token_id=0),
+    # the window's scaled-down measurement of Qwen2.5-1.5B: one layer, the (tied) vocabulary dominates
+    "qwen2-embedding-tied": dict(COMMON, model_type="qwen2", vocab_size=32000, hidden_size=128, intermediate_size=256,
+                                 num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                 tie_word_embeddings=True, max_position_embeddings=512),
+    "qwen2-embedding-untied": dict(COMMON, model_type="qwen2", vocab_size=32000, hidden_size=128,
+                                   intermediate_size=256, num_hidden_layers=1, num_attention_heads=4,
+                                   num_key_value_heads=2, tie_word_embeddings=False, max_position_embeddings=512),
 }
 
 CASES = [
@@ -69,6 +76,8 @@ CASES = [
     (8, 256, "mixed", "sdpa", "none", 1),
     (4, 256, "fp32", "eager", "none", 1),
     (8, 256, "bf16", "sdpa", "full", 2),
+    # accumulation under autocast (existing gradients change the backward moments)
+    (1, 64, "mixed", "sdpa", "none", 4),
 ]
 
 

@@ -32,7 +32,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from ..core.errors import InputError
+from ..core.errors import InputError, one_line
 from ..core.result import Result, evaluate
 from ..view.assets import app_icon
 from ..view.chart import MemoryChart
@@ -393,7 +393,7 @@ class MainWindow(QMainWindow):
             return self._invalid({form_field(exc, state): window_wording(exc.reason)})
         except Exception as exc:  # never crash on input: report and keep the last result
             traceback.print_exc()
-            return self._invalid({"general": f"unexpected error: {exc}"})
+            return self._invalid({"general": one_line(f"unexpected error: {exc}")})
         previous = self.result
         try:
             self._show(result)
@@ -402,7 +402,7 @@ class MainWindow(QMainWindow):
             if previous is not None:
                 with contextlib.suppress(Exception):
                     self._show(previous)
-            return self._invalid({"general": f"cannot show this result ({type(exc).__name__}: {exc})"})
+            return self._invalid({"general": one_line(f"cannot show this result ({type(exc).__name__}: {exc})")})
         self.inputs.show_errors({})
         self.banner.set_stale(False)
         self.analytic_result = result

@@ -23,7 +23,7 @@ from typing import Any
 
 from PySide6.QtCore import QCoreApplication, QObject, QThread, Signal, Slot
 
-from ..core.errors import MemcalcError
+from ..core.errors import MemcalcError, one_line
 
 ProgressFn = Callable[[str], None]
 StopFn = Callable[[], bool]
@@ -56,8 +56,8 @@ def describe_error(exc: BaseException) -> str:
         return str(exc)
     if isinstance(exc, MemoryError):
         return "out of memory"
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    text = one_line(exc)
+    return one_line(f"{type(exc).__name__}: {text}") if text else type(exc).__name__
 
 
 class Worker(QObject):
