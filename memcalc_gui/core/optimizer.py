@@ -42,7 +42,6 @@ def optimizer_cost(
     before, layer, after = layout
     tensors = [(r, c, 1) for r, c in before] + [(r, c, num_layers) for r, c in layer] + [(r, c, 1) for r, c in after]
     numel_total = sum(r * c * k for r, c, k in tensors)
-    largest = max(r * c for r, c, _ in tensors)
 
     def single_tensor(per_elem_temp: int) -> int:
         # Peak while building tensor i's temporaries with tensor i-1's result still referenced;
@@ -78,9 +77,11 @@ def optimizer_cost(
     if optimizer in ("sgd-momentum", "lion"):
         temp = 0 if optimizer == "sgd-momentum" else (numel_total * p if impl == "foreach" else single_tensor(1))
         return OptimizerCost(numel_total * p, temp, "one momentum buffer per parameter")
-    # adafactor: factored second moment for matrices (row + column vectors), full for vectors.
+    # adafactor (torch.optim.Adafactor): factored second moment for matrices (row + column vectors), full for
+    # vectors, in the parameter dtype. Measured on CPU: foreach holds one update buffer for every parameter;
+    # single-tensor holds the previous parameter's update while building the next one (1× per element).
     state = 0
     for r, c, k in tensors:
-        state += k * ((r + c) * 4 if c > 1 else r * 4)
-    temp = numel_total * p if impl == "foreach" else 2 * largest * p
+        state += k * ((r + c) * p if c > 1 else r * p)
+    temp = numel_total * p if impl == "foreach" else single_tensor(1)
     return OptimizerCost(state, temp, "Adafactor: factored second moment, no first moment")

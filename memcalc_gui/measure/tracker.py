@@ -315,6 +315,7 @@ class LiveStorageTracker:
 @cache
 def _mode_class() -> type:
     """Build the ``TorchDispatchMode`` subclass (imports torch on first use)."""
+    import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class _TrackingMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
@@ -329,11 +330,27 @@ def _mode_class() -> type:
             args: tuple[Any, ...] = (),
             kwargs: dict[str, Any] | None = None,
         ) -> Any:
+            if func is _local_scalar_dense() and args and _is_fake(args[0]):
+                # ``.item()`` of a fake tensor has no value (Adafactor reads norms and its step counter this
+                # way). Memory never depends on such a scalar: read it as one and go on tracing.
+                return True if args[0].dtype == torch.bool else 1 if not args[0].is_floating_point() else 1.0
             out = func(*args, **(kwargs or {}))
             self.tracker._on_op(func, args, out)
             return out
 
     return _TrackingMode
+
+
+def _local_scalar_dense() -> Any:
+    import torch
+
+    return torch.ops.aten._local_scalar_dense.default
+
+
+def _is_fake(tensor: Any) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(tensor, FakeTensor)
 
 
 def format_storages(
