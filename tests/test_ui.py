@@ -265,11 +265,26 @@ def test_use_largest_micro_batch(window, qtbot):
     best = w.result.verdict.max_micro_batch
     assert best and best > 1
     assert w.advice.use_max.isVisible()
+    effective = w.result.setup.effective_batch
     qtbot.mouseClick(w.advice.use_max, Qt.MouseButton.LeftButton)
-    assert w.result.setup.batch == best
+    # the effective batch is kept: the largest micro-batch ≤ best that divides it, accumulation adjusted
+    assert w.result.setup.effective_batch == effective
+    assert w.result.setup.batch == max(d for d in range(1, best + 1) if effective % d == 0)
     assert w.result.verdict.fits
     w.undo()
     assert w.result.setup.batch == 1
+
+
+def test_use_largest_micro_batch_keeps_the_effective_batch_when_over(window, qtbot):
+    w = window
+    assert set_fields(w, preset="qwen2.5-1.5b", batch="16", grad_accum="4", seq="2048")
+    assert w.result.verdict.fits is False
+    best = w.result.verdict.max_micro_batch
+    assert 0 < best < 16
+    qtbot.mouseClick(w.advice.use_max, Qt.MouseButton.LeftButton)
+    assert w.result.setup.effective_batch == 64
+    assert w.result.setup.batch <= best and w.result.verdict.fits
+    assert w.statusBar().currentMessage().startswith("Applied: Use micro-batch")
 
 
 def test_typing_in_one_field_is_one_undo_step(window, qtbot):

@@ -87,33 +87,33 @@ Candidate = tuple[str, str, dict[str, Any], str]
 
 
 def _candidates(setup: TrainingSetup, estimator: Estimator, capacity: int | None) -> list[Candidate]:
+    """Each lever alone, with concrete changes (the micro-batch one needs a capacity; more GPUs only come in
+    :func:`search_fixes`, which knows how many)."""
     out: list[Candidate] = []
-    if setup.model is not None and setup.checkpointing == "none":
-        out.append(("checkpointing", "Turn on gradient checkpointing", {"checkpointing": "full"},
-                    "about 20–30 % slower backward (one extra forward)"))
-    if setup.optimizer in ("adamw", "adam"):
-        out.append(("optimizer-8bit", "Use 8-bit AdamW (bitsandbytes)", {"optimizer": "adamw-8bit",
-                    "optimizer_impl": "foreach" if setup.optimizer_impl == "fused" else setup.optimizer_impl},
-                    "quantised optimizer state; needs bitsandbytes"))
-        if setup.optimizer_impl != "fused":
-            out.append(("optimizer-fused", "Use the fused optimizer implementation", {"optimizer_impl": "fused"},
-                        "no step temporaries; needs a CUDA build of torch"))
-    if setup.precision != "bf16":
-        out.append(("precision-bf16", "Keep weights, gradients and optimizer state in bf16", {"precision": "bf16"},
-                    "no fp32 master weights: updates lose precision (use Kahan summation or stochastic rounding)"))
-    if setup.precision == "fp32":
-        out.append(("precision-mixed", "Train in mixed precision (bf16 autocast)", {"precision": "mixed"},
-                    "16-bit activations; fp32 master weights"))
-    if setup.model is not None and setup.attention == "eager":
-        out.append(("attention-sdpa", "Use SDPA attention instead of eager", {"attention": "sdpa"},
-                    "no L×L score matrices kept"))
-    effective = setup.effective_batch
-    b = _smaller_micro_batch(setup, estimator, capacity) if setup.batch > 1 and capacity is not None else None
-    if b is not None:
-        out.append(("micro-batch", f"Micro-batch {b} × {effective // b} accumulation steps "
-                    f"(same effective batch {effective})", {"batch": b, "grad_accum": effective // b},
-                    "more forward/backward passes per optimizer step"))
+    for lever in levers(setup):
+        title = lever.title[0].upper() + lever.title[1:]
+        if lever.key == "gpus":
+            continue
+        if lever.key == "micro-batch":
+            b = _smaller_micro_batch(setup, estimator, capacity) if capacity is not None else None
+            if b is None:
+                continue
+            effective = setup.effective_batch
+            out.append((lever.key, f"Micro-batch {b} × {effective // b} accumulation steps (same effective batch "
+                                   f"{effective})", {"batch": b, "grad_accum": effective // b}, lever.tradeoff))
+            continue
+        out.append((lever.key, title, dict(lever.changes), lever.tradeoff))
     return out
+
+
+def micro_batch_changes(setup: TrainingSetup, micro_batch: int) -> dict[str, Any]:
+    """The changes for "use micro-batch ``micro_batch``": the nearest micro-batch at or below it that keeps the
+    effective batch (accumulation adjusted), else that micro-batch alone (the effective batch then changes)."""
+    effective = setup.effective_batch
+    d = _largest_divisor_at_most(effective, micro_batch)
+    if d != setup.batch and effective // d <= LIMITS["grad_accum"]:
+        return {"batch": d, "grad_accum": effective // d}
+    return {"batch": micro_batch}
 
 
 def _largest_divisor_at_most(n: int, limit: int) -> int:
@@ -157,16 +157,14 @@ def _smaller_micro_batch(setup: TrainingSetup, estimator: Estimator, capacity: i
 def _peak_after(setup: TrainingSetup, estimator: Estimator, changes: dict[str, Any]) -> int | None:
     """The peak after ``changes``, or None when the changes conflict (e.g. 8-bit Adam with fused)."""
     try:
-        return estimator(setup.with_changes(**changes)).peak_bytes
+        return estimator(apply_changes(setup, changes)).peak_bytes
     except InputError:
         return None
 
 
 def suggestions(setup: TrainingSetup, estimator: Estimator, capacity_bytes: int | None) -> tuple[Suggestion, ...]:
-    """Each single change with the bytes it saves at the peak; fitting ones first, then by savings.
-
-    When no single change fits, a combined suggestion applies the best changes greedily until it fits.
-    """
+    """What to change. Over capacity: the cheapest sets of changes that fit, found by :func:`search_fixes`, then
+    each single change with what it saves; otherwise the single changes, largest saving first."""
     base_peak = estimator(setup).peak_bytes
     rows: list[Suggestion] = []
     for key, title, changes, tradeoff in _candidates(setup, estimator, capacity_bytes):
@@ -176,28 +174,235 @@ def suggestions(setup: TrainingSetup, estimator: Estimator, capacity_bytes: int 
         ok = None if capacity_bytes is None else peak <= capacity_bytes
         rows.append(Suggestion(key, title, changes, peak, base_peak - peak, ok, tradeoff))
     rows.sort(key=lambda s: (not s.fits, -s.saves_bytes))
-    if capacity_bytes is not None and base_peak > capacity_bytes and rows and not any(s.fits for s in rows):
-        combined: dict[str, Any] = {}
-        titles: list[str] = []
-        current = setup
-        for _ in range(4):
-            current_peak = estimator(current).peak_bytes
-            options = [(p, s) for s in rows if any(combined.get(k) != v for k, v in s.changes.items())
-                       if (p := _peak_after(current, estimator, s.changes)) is not None and p < current_peak]
-            if not options:
-                break
-            peak, best = min(options, key=lambda t: t[0])
-            combined.update(best.changes)
-            combined = {k: v for k, v in combined.items() if getattr(setup, k) != v}
-            titles.append(best.title[0].lower() + best.title[1:])
-            current = setup.with_changes(**combined)
-            if peak <= capacity_bytes:
-                break
-        if len(titles) > 1:
-            peak = estimator(current).peak_bytes
-            rows.insert(0, Suggestion("combined", "Combine: " + "; ".join(titles), combined, peak, base_peak - peak,
-                                      peak <= capacity_bytes, "the trade-offs of each change"))
-    return tuple(rows)
+    if capacity_bytes is None or base_peak <= capacity_bytes:
+        return tuple(rows)
+    fixes = search_fixes(setup, estimator, capacity_bytes)
+    singles = {tuple(sorted(f.changes.items(), key=str)) for f in fixes}
+    rows = [r for r in rows if tuple(sorted(r.changes.items(), key=str)) not in singles]
+    return tuple(fixes) + tuple(r for r in rows if not r.fits) + tuple(r for r in rows if r.fits)
+
+
+# ---- the search over every lever ----------------------------------------------------------------------
+#: What each kind of change costs the run, for ranking (higher: dearer). The order follows what users give up:
+#: precision loss ≫ 8-bit optimizer state > offload's PCIe traffic > recomputation time > a smaller micro-batch
+#: at the same effective batch > sharding communication > more GPUs of the same kind; free switches cost 1.
+LEVER_COSTS: dict[str, int] = {
+    "precision-bf16": 100,
+    "optimizer-8bit": 40,
+    "offload-both": 32,
+    "offload-optimizer": 30,
+    "precision-mixed": 25,
+    "checkpointing": 20,
+    "micro-batch": 10,
+    "strategy": 6,
+    "strategy:zero2": 5,  # shards optimizer state and gradients only: the least extra communication
+    "gpus": 4,
+    "optimizer-fused": 1,
+    "attention-sdpa": 1,
+}
+#: How many fitting sets of changes the search returns, and how many it evaluates at most (a bound on time).
+MAX_FIXES = 3
+#: "More GPUs" suggests at most this many times the current count (at least 8): a run that needs hundreds of GPUs
+#: of this kind to fit is better served by the other levers.
+GPU_GROWTH = 8
+MAX_EVALUATIONS = 400
+SHARDED = ("zero2", "zero3", "fsdp-full-shard")
+PARALLEL_KEYS = ("gpus", "strategy", "offload", "node_size")
+
+
+@dataclass(frozen=True)
+class Lever:
+    """One change of one kind (``group``: at most one lever per group in a set)."""
+
+    group: str
+    key: str
+    title: str
+    changes: dict[str, Any]
+    tradeoff: str
+
+    @property
+    def cost(self) -> int:
+        return LEVER_COSTS.get(self.key, LEVER_COSTS[self.key.split(":")[0]])
+
+
+def apply_changes(setup: TrainingSetup, changes: dict[str, Any]) -> TrainingSetup:
+    """``setup`` with ``changes``: setup fields, and ``gpus``/``strategy``/``offload``/``node_size`` of its
+    parallel layout (the names a suggestion and the window's form share). Raises ``InputError`` on a conflict."""
+    par = {k: v for k, v in changes.items() if k in PARALLEL_KEYS}
+    rest = {k: v for k, v in changes.items() if k not in PARALLEL_KEYS}
+    if par:
+        rest["parallel"] = replace(setup.parallel, **par)
+    return setup.with_changes(**rest) if rest else setup
+
+
+def levers(setup: TrainingSetup) -> list[Lever]:
+    """Every change the estimator can express for ``setup`` (the search combines them)."""
+    out: list[Lever] = []
+    if setup.model is not None and setup.checkpointing == "none":
+        out.append(Lever("checkpointing", "checkpointing", "turn on gradient checkpointing",
+                         {"checkpointing": "full"}, "about 20–30 % slower backward (one extra forward per layer)"))
+    if setup.optimizer in ("adamw", "adam"):
+        out.append(Lever("optimizer", "optimizer-8bit", "use 8-bit AdamW (bitsandbytes)",
+                         {"optimizer": "adamw-8bit",
+                          "optimizer_impl": "foreach" if setup.optimizer_impl == "fused" else setup.optimizer_impl},
+                         "quantised optimizer state; needs bitsandbytes"))
+        if setup.optimizer_impl != "fused":
+            out.append(Lever("optimizer", "optimizer-fused", "use the fused optimizer implementation",
+                             {"optimizer_impl": "fused"}, "no step temporaries; needs a CUDA build of torch"))
+    if setup.precision == "fp32":
+        out.append(Lever("precision", "precision-mixed", "train in mixed precision (bf16 autocast)",
+                         {"precision": "mixed"}, "16-bit activations; fp32 master weights"))
+    if setup.precision != "bf16":
+        out.append(Lever("precision", "precision-bf16", "keep weights, gradients and optimizer state in bf16",
+                         {"precision": "bf16"},
+                         "no fp32 master weights: updates lose precision (Kahan summation or stochastic rounding)"))
+    if setup.model is not None and setup.attention == "eager":
+        out.append(Lever("attention", "attention-sdpa", "use SDPA attention instead of eager", {"attention": "sdpa"},
+                         "no L×L score matrices kept"))
+    if setup.batch > 1:
+        out.append(Lever("micro-batch", "micro-batch", "a smaller micro-batch at the same effective batch", {},
+                         "more forward/backward passes per optimizer step"))
+    if setup.model is None:
+        return out  # sharding and offload need the architecture
+    par = setup.parallel
+    if par.strategy == "ddp":
+        for strategy in SHARDED:
+            out.append(Lever("strategy", f"strategy:{strategy}", f"shard with {STRATEGY_TITLES[strategy]}",
+                             {"strategy": strategy}, "more communication per step than DDP"))
+    if par.offload in ("none", "params"):
+        out.append(Lever("offload", "offload-optimizer", "offload the optimizer state to the CPU",
+                         {"offload": "optimizer"}, "PCIe traffic every step; host memory for the state"))
+    if par.offload != "both":
+        out.append(Lever("offload", "offload-both", "offload the optimizer state and the parameters to the CPU",
+                         {"offload": "both"}, "PCIe traffic in every forward and backward; host memory"))
+    out.append(Lever("gpus", "gpus", "spread over more GPUs of this kind", {},
+                     "more GPUs (cost); sharded state and more communication"))
+    return out
+
+
+STRATEGY_TITLES: dict[str, str] = {"zero1": "ZeRO-1", "zero2": "ZeRO-2 (DeepSpeed)", "zero3": "ZeRO-3 (DeepSpeed)",
+                                   "fsdp-full-shard": "FSDP FULL_SHARD", "fsdp-shard-grad-op": "FSDP SHARD_GRAD_OP",
+                                   "fsdp-hybrid": "FSDP HYBRID_SHARD"}
+
+
+def _combinations(groups: dict[str, list[Lever]]) -> list[tuple[Lever, ...]]:
+    """Every set with at most one lever per group, cheapest first (ties: fewer changes first)."""
+    combos: list[tuple[Lever, ...]] = [()]
+    for options in groups.values():
+        combos = [(*c, lever) for c in combos for lever in options] + combos
+    combos.sort(key=lambda c: (sum(lv.cost for lv in c), len(c), [lv.key for lv in c]))
+    return combos[1:] if combos and not combos[0] else combos
+
+
+def search_fixes(setup: TrainingSetup, estimator: Estimator, capacity: int) -> list[Suggestion]:
+    """The cheapest sets of changes that make ``setup`` fit ``capacity`` (at most :data:`MAX_FIXES`).
+
+    Sets are tried cheapest first (:data:`LEVER_COSTS`); a set is kept only when it fits and no cheaper kept set
+    is part of it, and only when every lever in it changes the peak (e.g. hybrid sharding on one node does not).
+    The micro-batch lever takes the largest micro-batch that then fits (same effective batch; 1 when none does);
+    the GPU lever, applied after it, the fewest GPUs of this kind that then fit. A set that does no better than a
+    cheaper kept set of the same kinds is dropped. At most :data:`MAX_EVALUATIONS` sets are estimated.
+    """
+    base_peak = estimator(setup).peak_bytes
+    groups: dict[str, list[Lever]] = {}
+    for lever in levers(setup):
+        groups.setdefault(lever.group, []).append(lever)
+    kept: list[tuple[frozenset[str], Suggestion]] = []
+    kept_groups: list[tuple[frozenset[str], Suggestion]] = []
+    evaluations = 0
+    for combo in _combinations(groups):
+        keys = frozenset(lv.key for lv in combo)
+        if any(k <= keys for k, _ in kept):
+            continue
+        if evaluations >= MAX_EVALUATIONS or len(kept) >= MAX_FIXES:
+            break
+        evaluations += 1
+        found = _realise(setup, estimator, capacity, combo)
+        if found is None:
+            continue
+        changes, peak = found
+        if not _every_lever_counts(setup, estimator, combo, changes, peak):
+            continue
+        groups_used = frozenset(lv.group for lv in combo)
+        if any(g == groups_used and fix.peak_bytes <= peak for g, fix in kept_groups):
+            continue  # a cheaper alternative of the same kinds does at least as well
+        title = "; ".join(_lever_title(lv, changes) for lv in combo)
+        fix = Suggestion("fix:" + "+".join(sorted(keys)), title[0].upper() + title[1:], changes, peak,
+                         base_peak - peak, True, "; ".join(lv.tradeoff for lv in combo))
+        kept.append((keys, fix))
+        kept_groups.append((groups_used, fix))
+    return [s for _, s in kept]
+
+
+def _lever_title(lever: Lever, changes: dict[str, Any]) -> str:
+    if lever.key == "micro-batch":
+        b, k = changes["batch"], changes["grad_accum"]
+        return f"micro-batch {b} × {k} accumulation steps (same effective batch {b * k})"
+    if lever.key == "gpus":
+        return f"use {changes['gpus']} GPUs of this kind"
+    return lever.title
+
+
+def _realise(setup: TrainingSetup, estimator: Estimator, capacity: int,
+             combo: tuple[Lever, ...]) -> tuple[dict[str, Any], int] | None:
+    """The concrete changes of ``combo`` and the peak after them, or None when they conflict or do not fit."""
+    changes: dict[str, Any] = {}
+    for lever in combo:
+        changes.update(lever.changes)
+    try:
+        trial = apply_changes(setup, changes)
+    except InputError:
+        return None
+    keys = {lv.key for lv in combo}
+    if "micro-batch" in keys:  # first: the largest that fits with the other changes (1 when none does)
+        b = _smaller_micro_batch(trial, estimator, capacity)
+        if b is None:
+            return None
+        changes.update(batch=b, grad_accum=trial.effective_batch // b)
+        trial = apply_changes(setup, changes)
+    if "gpus" in keys:  # then the fewest GPUs that fit with everything else
+        if trial.parallel.strategy == "ddp":
+            return None  # more DDP replicas do not lower the memory of one
+        gpus = _fewest_gpus(trial, estimator, capacity, limit=max(8, GPU_GROWTH * setup.parallel.gpus))
+        if gpus is None or gpus <= setup.parallel.gpus:
+            return None
+        changes["gpus"] = gpus
+        trial = apply_changes(setup, changes)
+    peak = estimator(trial).peak_bytes
+    return (changes, peak) if peak <= capacity else None
+
+
+def _every_lever_counts(setup: TrainingSetup, estimator: Estimator, combo: tuple[Lever, ...],
+                        changes: dict[str, Any], peak: int) -> bool:
+    """False when dropping one lever's own changes leaves the peak as it is (the lever changes nothing)."""
+    if len(combo) < 2:
+        return peak < estimator(setup).peak_bytes
+    for lever in combo:
+        own = set(lever.changes) | ({"batch", "grad_accum"} if lever.key == "micro-batch" else set()) | \
+            ({"gpus"} if lever.key == "gpus" else set())
+        rest = {k: v for k, v in changes.items() if k not in own}
+        try:
+            without = estimator(apply_changes(setup, rest)).peak_bytes
+        except InputError:
+            continue  # the others need this one (offload needs a sharded strategy)
+        if without <= peak:
+            return False
+    return True
+
+
+def _fewest_gpus(setup: TrainingSetup, estimator: Estimator, capacity: int, limit: int = 0) -> int | None:
+    """The fewest GPUs (at most ``limit``, default :data:`MAX_GPUS`) with which ``setup``'s strategy fits."""
+    limit = min(limit or MAX_GPUS, MAX_GPUS)
+
+    def fits_with(n: int) -> bool:
+        try:
+            return estimator(apply_changes(setup, {"gpus": n})).peak_bytes <= capacity
+        except InputError:
+            return False
+
+    if not fits_with(limit):
+        return None
+    return _bisect_last(lambda n: not fits_with(n), 0, limit) + 1
 
 
 def solve(setup: TrainingSetup, estimator: Estimator, estimate: Estimate | None = None) -> Verdict:

@@ -18,7 +18,7 @@ from PySide6.QtWidgets import (
 )
 
 from ..core.result import Result
-from ..core.solver import Suggestion
+from ..core.solver import Suggestion, micro_batch_changes
 from ..core.units import format_bytes
 from ..core.vocab import OBJECT_LABELS
 from ..view.plan_text import host_text, is_per_gpu, parallel_label, per_gpu_headline, plan_action, plan_sentences
@@ -250,6 +250,7 @@ class AdvicePanel(QWidget):
         setup = result.setup
         self._batch = setup.batch
         self._max = v.max_micro_batch
+        self._max_changes: dict[str, Any] = {}
         if v.capacity_bytes is None or v.max_micro_batch is None:
             self.max_batch.setText("Largest micro-batch that fits: choose a GPU or a capacity.")
             self.use_max.setVisible(False)
@@ -261,8 +262,15 @@ class AdvicePanel(QWidget):
             note = " (the current one)" if v.max_micro_batch == setup.batch else ""
             self.max_batch.setText(f"Largest micro-batch that fits: <b>{v.max_micro_batch}</b>{note} "
                                    f"at sequence length {setup.seq}.")
-            self.use_max.setText(f"Use micro-batch {v.max_micro_batch}")
-            self.use_max.setVisible(v.max_micro_batch != setup.batch)
+            self._max_changes = micro_batch_changes(setup, v.max_micro_batch)
+            b = self._max_changes["batch"]
+            k = self._max_changes.get("grad_accum", setup.grad_accum)
+            self.use_max.setText(f"Use micro-batch {b} × {k}" if "grad_accum" in self._max_changes else
+                                 f"Use micro-batch {b} (effective batch {b * k})")
+            self.use_max.setToolTip("Keeps the effective batch (micro-batch × accumulation) where a divisor allows"
+                                    if "grad_accum" in self._max_changes else
+                                    f"The effective batch changes from {setup.effective_batch} to {b * k}")
+            self.use_max.setVisible(self._max_changes.get("batch") != setup.batch)
         self._set_plan(result)
         self._suggestions = v.suggestions[:MAX_SUGGESTIONS]
         for i, b in enumerate(self.buttons):
@@ -316,8 +324,8 @@ class AdvicePanel(QWidget):
             self.apply(self.buttons.index(sender))
 
     def _use_max(self) -> None:
-        if self._max:
-            self.apply_changes.emit(f"Use micro-batch {self._max}", {"batch": self._max})
+        if self._max and self._max_changes:
+            self.apply_changes.emit(self.use_max.text(), dict(self._max_changes))
 
 
 def describe(s: Suggestion) -> str:

@@ -1,0 +1,153 @@
+"""The search for what to change: every lever the estimator supports, cheapest sets first."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from memcalc_gui.core.estimate import estimate
+from memcalc_gui.core.model import preset_spec
+from memcalc_gui.core.setup import TrainingSetup, find_gpu
+from memcalc_gui.core.solver import (
+    LEVER_COSTS,
+    apply_changes,
+    levers,
+    micro_batch_changes,
+    search_fixes,
+    solve,
+)
+
+
+def _setup(preset: str, gpu: str, **kw) -> TrainingSetup:
+    g = find_gpu(gpu)
+    return TrainingSetup(model=preset_spec(preset), gpu=g.id, capacity_bytes=g.capacity_bytes, **kw)
+
+
+def _cost(fix) -> int:
+    return sum(LEVER_COSTS.get(k, LEVER_COSTS[k.split(":")[0]]) for k in fix.key.removeprefix("fix:").split("+"))
+
+
+def test_costs_follow_what_users_give_up():
+    c = LEVER_COSTS
+    assert c["precision-bf16"] > c["optimizer-8bit"] > c["offload-optimizer"] > c["checkpointing"] \
+        > c["micro-batch"] > c["strategy"] > c["gpus"] > c["optimizer-fused"]
+
+
+def test_70b_on_8_h100_keeps_full_precision():
+    """Issue case: Llama-3.1-70B, 8 × H100, ZeRO-3, micro-batch 4 × 2048 × 4, mixed precision."""
+    from memcalc_gui.core.distributed import Parallelism
+
+    setup = _setup("llama-3.1-70b", "h100-80gb", batch=4, seq=2048, grad_accum=4,
+                   parallel=Parallelism(gpus=8, strategy="zero3"))
+    verdict = solve(setup, estimate)
+    assert verdict.fits is False
+    fixes = [s for s in verdict.suggestions if s.key.startswith("fix:")]
+    assert fixes
+    first = fixes[0]
+    assert first.fits and "precision" not in first.changes and "optimizer" not in first.changes
+    assert first.changes.get("checkpointing") == "full"
+    assert "offload" in first.changes or first.changes.get("gpus", 8) > 8
+    assert any(f.changes.get("offload") == "optimizer" and set(f.changes) == {"checkpointing", "offload"}
+               for f in fixes)
+    # every precision change comes after the fixes that keep precision
+    keys = [s.key for s in verdict.suggestions]
+    assert keys.index(first.key) < keys.index("precision-bf16")
+
+
+def test_70b_on_one_4090_suggests_sharding_offload_or_more_gpus():
+    setup = _setup("llama-3.1-70b", "rtx-4090", batch=4, seq=2048, grad_accum=4)
+    fixes = search_fixes(setup, estimate, setup.capacity_bytes)
+    assert fixes
+    for fix in fixes:
+        assert fix.changes.get("strategy") in ("zero2", "zero3", "fsdp-full-shard")
+        assert "offload" in fix.changes or fix.changes.get("gpus", 1) > 1
+        assert "precision" not in fix.changes
+
+
+def test_a_lever_that_changes_nothing_is_dropped():
+    """Hybrid sharding or a second offload kind on one node must not appear beside a cheaper equal fix."""
+    setup = _setup("qwen2.5-7b", "a100-80gb", batch=4, seq=2048)
+    fixes = search_fixes(setup, estimate, setup.capacity_bytes)
+    for fix in fixes:
+        for key in list(fix.changes):
+            if key in ("batch", "grad_accum"):
+                continue
+            rest = {k: v for k, v in fix.changes.items() if k != key}
+            with contextlib.suppress(ValueError):  # the others need it (offload needs a sharded strategy)
+                assert estimate(apply_changes(setup, rest)).peak_bytes > fix.peak_bytes, (fix.title, key)
+    peaks_by_kinds: dict = {}
+    for fix in fixes:
+        kinds = frozenset(k.split(":")[0] for k in fix.key.removeprefix("fix:").split("+"))
+        assert all(fix.peak_bytes < p for p in peaks_by_kinds.get(kinds, [])), fix.title
+        peaks_by_kinds.setdefault(kinds, []).append(fix.peak_bytes)
+
+
+def test_micro_batch_changes_keep_the_effective_batch():
+    setup = _setup("gpt2", "t4", batch=16, grad_accum=4)
+    assert micro_batch_changes(setup, 5) == {"batch": 4, "grad_accum": 16}
+    assert micro_batch_changes(setup, 1) == {"batch": 1, "grad_accum": 64}
+    one = _setup("gpt2", "t4", batch=2, grad_accum=1)
+    assert micro_batch_changes(one, 7) == {"batch": 7}  # no divisor above 2 keeps it: said in the button
+
+
+def test_bare_parameter_count_gets_suggestions_without_crashing():
+    g = find_gpu("rtx-4090")
+    setup = TrainingSetup(params=7_000_000_000, capacity_bytes=g.capacity_bytes)
+    verdict = solve(setup, estimate)
+    assert verdict.fits is False
+    assert all(not s.key.startswith("fix:") or s.fits for s in verdict.suggestions)
+
+
+SETUPS = st.builds(
+    lambda preset, gpu, batch, seq, accum, prec, ck: _setup(preset, gpu, batch=batch, seq=seq, grad_accum=accum,
+                                                           precision=prec, checkpointing=ck),
+    st.sampled_from(["qwen2.5-1.5b", "llama-3.1-8b", "mistral-7b", "phi-3-mini", "gemma-2b", "llama-3.1-70b"]),
+    st.sampled_from(["t4", "rtx-4090", "a100-40gb", "h100-80gb"]),
+    st.integers(1, 64), st.sampled_from([512, 2048, 8192]), st.integers(1, 8),
+    st.sampled_from(["fp32", "mixed", "bf16"]), st.sampled_from(["none", "full"]),
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(SETUPS)
+def test_every_fix_fits_as_reported_and_fixes_are_minimal_and_ordered(setup):
+    cap = setup.capacity_bytes
+    fixes = search_fixes(setup, estimate, cap)
+    costs = [_cost(f) for f in fixes]
+    assert costs == sorted(costs)
+    lever_sets = [frozenset(f.key.removeprefix("fix:").split("+")) for f in fixes]
+    for i, fix in enumerate(fixes):
+        after = apply_changes(setup, fix.changes)
+        assert estimate(after).peak_bytes == fix.peak_bytes <= cap
+        if "batch" in fix.changes:
+            assert after.effective_batch == setup.effective_batch
+        assert not any(other < lever_sets[i] for other in lever_sets[:i])
+    if estimate(setup).peak_bytes <= cap:
+        assert fixes == [] or all(f.fits for f in fixes)
+
+
+def test_levers_cover_what_the_estimator_supports():
+    keys = {lv.key for lv in levers(_setup("llama-3.1-8b", "a100-80gb", batch=8, precision="fp32",
+                                            attention="eager"))}
+    assert {"checkpointing", "optimizer-8bit", "optimizer-fused", "precision-mixed", "precision-bf16",
+            "attention-sdpa", "micro-batch", "offload-optimizer", "offload-both", "gpus"} <= keys
+    assert {"strategy:zero2", "strategy:zero3", "strategy:fsdp-full-shard"} <= keys
+
+
+@pytest.mark.parametrize("preset", ["llama-3.1-70b", "qwen2.5-7b"])
+def test_search_is_bounded(preset):
+    from memcalc_gui.core import solver
+
+    calls = 0
+
+    def counting(setup):
+        nonlocal calls
+        calls += 1
+        return estimate(setup)
+
+    setup = _setup(preset, "t4", batch=64, seq=8192, grad_accum=8, precision="fp32", attention="eager")
+    solver.search_fixes(setup, counting, setup.capacity_bytes)
+    assert calls < solver.MAX_EVALUATIONS * 40
