@@ -583,3 +583,19 @@ class _FakeDrop:
 
     def mimeData(self) -> QMimeData:
         return self._mime
+
+
+def test_a_fix_with_sharding_and_offload_applies_to_the_form(window, qtbot):
+    w = window
+    assert set_fields(w, preset="llama-3.1-70b", batch="4", seq="2048", grad_accum="4", gpu="h100-80gb")
+    assert w.result.verdict.fits is False
+    first = w.advice.suggestions()[0]
+    assert first.key.startswith("fix:") and first.fits
+    qtbot.mouseClick(w.advice.buttons[0], Qt.MouseButton.LeftButton)
+    assert w.result.verdict.fits
+    state = w.inputs.state()
+    for key, value in first.changes.items():
+        assert getattr(state, key) == str(value), key
+    assert w.result.estimate.peak_bytes == first.peak_bytes
+    w.undo()
+    assert w.inputs.state().strategy == "ddp" and w.result.verdict.fits is False
