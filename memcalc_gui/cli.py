@@ -256,7 +256,7 @@ def format_ledger(result: Result) -> str:
     if par.is_distributed:
         lines.append(f"GPUs       {par.gpus} × {par.strategy}" + (f", offload {par.offload}" if par.offload != "none"
                                                                  else "") + " — the ledger is per GPU")
-    label = {"quick": "quick (rough seed 000 heuristic)", "analytic": "analytic (tensor by tensor)",
+    label = {"quick": "quick (rough Hugging Face blog heuristic)", "analytic": "analytic (tensor by tensor)",
              "trace": "trace (the real step on fake tensors)"}
     lines.append(f"Method     {label.get(est.method, est.method)}")
     lines.append("")
@@ -281,6 +281,7 @@ def format_ledger(result: Result) -> str:
         name = f"{gpu.name} " if gpu else ""
         lines.append(f"GPU        {name}{format_bytes(verdict.capacity_bytes)}")
     lines.append(f"Verdict    {result.headline()}")
+    lines += [f"Warning    {w}" for w in result.warnings]
     if verdict.max_micro_batch is not None:
         lines.append(f"Largest micro-batch that fits: {verdict.max_micro_batch}")
     host = int(est.details.get("host_bytes", 0))

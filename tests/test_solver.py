@@ -151,3 +151,19 @@ def test_search_is_bounded(preset):
     setup = _setup(preset, "t4", batch=64, seq=8192, grad_accum=8, precision="fp32", attention="eager")
     solver.search_fixes(setup, counting, setup.capacity_bytes)
     assert calls < solver.MAX_EVALUATIONS * 40
+
+
+def test_a_sequence_past_the_model_positions_is_warned_everywhere(capsys):
+    import json
+
+    from memcalc_gui import cli
+    from memcalc_gui.core.result import evaluate
+
+    long = evaluate(_setup("gpt2", "a100-80gb", seq=100_000))
+    assert len(long.warnings) == 1 and "max_position_embeddings 1,024" in long.warnings[0]
+    assert evaluate(_setup("gpt2", "a100-80gb", seq=1024)).warnings == ()
+    assert "long-context" in evaluate(_setup("llama-3.2-1b", "a100-80gb", seq=200_000)).warnings[0]
+    assert cli.main(["estimate", "--preset", "gpt2", "--seq", "100000", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["warnings"] == list(long.warnings)
+    assert cli.main(["estimate", "--preset", "gpt2", "--seq", "100000"]) == 0
+    assert "Warning    Sequence length 100,000" in capsys.readouterr().out

@@ -1,6 +1,6 @@
 """Method ``analytic``: the phase ledger of one steady-state training step, tensor by tensor.
 
-The step is followed as PyTorch runs it (seed 000's phases, seed 004's ledger):
+The step is followed as PyTorch runs it (Hugging Face blog's phases, memory ledger's ledger):
 
 - ``load``: the parameters;
 - ``forward``: parameters (+ the 16-bit weight copies autocast caches), optimizer state (it exists
@@ -246,12 +246,14 @@ def _assumptions(spec: ModelSpec, setup: TrainingSetup, opt_note: str) -> tuple[
         f"{'full gradient checkpointing' if setup.checkpointing == 'full' else 'no checkpointing'})",
         {"fp32": "fp32: 4 B/param weights, gradients and activations",
          "mixed": "Mixed precision (bf16/fp16 autocast): fp32 weights + 16-bit copies of matmul weights "
-                  "(6 B/param, seed 002), fp32 gradients; norms, softmax, residual stream and loss stay fp32",
+                  "(6 B/param, Transformers docs), fp32 gradients; norms, softmax, residual stream and loss stay fp32",
          "bf16": "bf16: 2 B/param weights, gradients and optimizer state; norms upcast to fp32 inside",
          }[setup.precision],
         opt_note + f" ({setup.optimizer_impl} step)",
         "Loss: Hugging Face causal-LM loss (fp32 logits copy, log-softmax kept for backward)",
+        "use_cache=False in training, as transformers' Trainer sets it with checkpointing (a loop that keeps the "
+        "config's use_cache=True also holds k/v copies in forward)",
         f"CUDA context {setup.cuda_context_bytes / 2**20:.0f} MiB; allocator reserve "
-        f"{setup.allocator_reserve:.0%} of tensor bytes (seed 003: fragmentation 5–20 %)",
+        f"{setup.allocator_reserve:.0%} of tensor bytes (memory-profiling guide: fragmentation 5–20 %)",
     ]
     return tuple(rows)

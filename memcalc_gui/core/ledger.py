@@ -1,6 +1,6 @@
-"""The phase ledger (seed 004): memory objects × phases, the peak phase and its dominant object.
+"""The phase ledger (memory ledger): memory objects × phases, the peak phase and its dominant object.
 
-Rules (seed 004 Q1/Q2): sizes are non-negative integers; the load phase holds parameters only
+Rules (memory ledger): sizes are non-negative integers; the load phase holds parameters only
 (plus the device overheads); a phase total is the sum of the objects live at that phase's peak; the
 peak is the largest phase total.
 """
@@ -18,7 +18,7 @@ SCHEMA = 1
 
 
 class LedgerError(MemcalcError):
-    """A ledger broke one of seed 004's rules (a bug in an estimator, never user input)."""
+    """A ledger broke one of memory ledger's rules (a bug in an estimator, never user input)."""
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Optimizer state and step temporaries, tensor by tensor.
 
-Sources: seed 002 (Adam 8 B/param, quantized Adam 2 B/param), seed 001 (AdamW step transient), and
+Sources: Transformers docs (Adam 8 B/param, quantized Adam 2 B/param), PyTorch memory notes (AdamW step transient), and
 the CPU measurements in shared/NOTES.md: the AdamW step temporaries depend on the implementation —
 ``foreach`` (torch's CUDA default) allocates one ``sqrt(exp_avg_sq)`` buffer for every parameter at
 once (1× the parameters), ``single-tensor`` (torch's CPU default) holds the previous parameter's
@@ -62,7 +62,8 @@ def optimizer_cost(
             temp = numel_total * p
         else:
             temp = single_tensor(2)
-        return OptimizerCost(state, temp, "Adam: exp_avg + exp_avg_sq in the parameter dtype (seed 002: 8 B/param)")
+        return OptimizerCost(state, temp,
+                             "Adam: exp_avg + exp_avg_sq in the parameter dtype (Transformers docs: 8 B/param)")
     if optimizer == "adamw-8bit":
         state = 0
         for r, c, k in tensors:
@@ -71,7 +72,7 @@ def optimizer_cost(
                 state += k * 2 * n * 4
             else:
                 state += k * (2 * n + 2 * 4 * -(-n // BNB_BLOCK))
-        return OptimizerCost(state, 0, "bitsandbytes 8-bit AdamW: 2 B/param + blockwise absmax (seed 002)")
+        return OptimizerCost(state, 0, "bitsandbytes 8-bit AdamW: 2 B/param + blockwise absmax (Transformers docs)")
     if optimizer == "sgd":
         return OptimizerCost(0, 0, "plain SGD keeps no state")
     if optimizer in ("sgd-momentum", "lion"):

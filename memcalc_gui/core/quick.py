@@ -1,7 +1,7 @@
-"""Method ``quick``: the seed 000 heuristic from a bare parameter count.
+"""Method ``quick``: the Hugging Face blog heuristic from a bare parameter count.
 
 Total = N·P + 2·N·P + max(N·P + N·P, A·B·L·P), with A = 4.6894e-4·N + 1.8494e6 activations per token
-(a linear fit over a few models in the Hugging Face blog post, seed 000). Rough by design: it
+(a linear fit over a few models in the Hugging Face blog post, Hugging Face blog). Rough by design: it
 overestimates activations by ~70 % at 1.5B and by several hundred % on small models (NOTES.md).
 """
 
@@ -14,7 +14,7 @@ from .setup import TrainingSetup
 A_SLOPE = 4.6894e-4
 A_INTERCEPT = 1.8494e6
 
-#: Optimizer state in units of N·P (seed 000 uses 2 for AdamW).
+#: Optimizer state in units of N·P (Hugging Face blog uses 2 for AdamW).
 _STATE_FACTOR = {"adamw": 2.0, "adam": 2.0, "adamw-8bit": 0.5, "sgd": 0.0, "sgd-momentum": 1.0,
                  "adafactor": 0.0, "lion": 1.0}
 
@@ -34,7 +34,7 @@ def precision_bytes(setup: TrainingSetup) -> tuple[int, int]:
 
 
 def estimate_quick(setup: TrainingSetup) -> Estimate:
-    """The seed 000 formula as a ledger: forward holds activations, the step holds grads + intermediates."""
+    """The Hugging Face blog formula as a ledger: forward holds activations, the step holds grads + intermediates."""
     par = setup.parallel
     if par.strategy != "ddp" or par.offload != "none":
         raise InputError("strategy", "sharded strategies and offload need an architecture (a preset or a config.json)")
@@ -60,7 +60,7 @@ def estimate_quick(setup: TrainingSetup) -> Estimate:
         method="quick",
         phases=phases,
         assumptions=(
-            "Rough heuristic (seed 000): Total = N·P + 2·N·P + max(2·N·P, A·B·L·P), "
+            "Rough heuristic (Hugging Face blog): Total = N·P + 2·N·P + max(2·N·P, A·B·L·P), "
             "A = 4.6894e-4·N + 1.8494e6",
             f"P = {p} B for weights, gradients and state; {p_act} B for activations",
         ),

@@ -1,4 +1,4 @@
-"""Reconciliation of an estimate with allocator readings (seed 004 Q6).
+"""Reconciliation of an estimate with allocator readings (memory ledger).
 
 Compares like with like: the estimate's tensor peak against ``allocated`` (``max_memory_allocated``),
 ``reserved`` against ``allocated`` at the same moment, and the budget left under ``capacity``. Each

@@ -27,6 +27,11 @@ class Result:
     def setup(self) -> TrainingSetup:
         return self.estimate.setup
 
+    @property
+    def warnings(self) -> tuple[str, ...]:
+        """Inputs the estimate accepts but a real run would not (or not as the user may expect)."""
+        return setup_warnings(self.setup)
+
     def headline(self) -> str:
         """The verdict in one sentence (fits with X GiB headroom / over by X GiB at phase Z)."""
         est, v = self.estimate, self.verdict
@@ -63,6 +68,7 @@ class Result:
             "max_micro_batch": v.max_micro_batch,
             "suggestions": [s.to_json() for s in v.suggestions],
             "assumptions": list(est.assumptions),
+            "warnings": list(self.warnings),
             "verdict": self.headline(),
             "per_gpu": est.setup.parallel.is_distributed,
             "strategy": est.setup.parallel.strategy,
@@ -71,6 +77,21 @@ class Result:
             "host_bytes": int(est.details.get("host_bytes", 0)),
             "gpu_plan": self.plan.to_json() if self.plan is not None else None,
         }
+
+
+def setup_warnings(setup: TrainingSetup) -> tuple[str, ...]:
+    """What to double-check before the run: a sequence longer than the model's positions."""
+    out: list[str] = []
+    model = setup.model
+    if model is not None:
+        raw = model.raw
+        limit = raw.get("max_position_embeddings", raw.get("n_positions"))
+        if isinstance(limit, int) and not isinstance(limit, bool) and 0 < limit < setup.seq:
+            learned = " (GPT-2's learned position table cannot index past it: the run would fail)" \
+                if model.learned_positions else " (needs RoPE scaling or long-context training)"
+            out.append(f"Sequence length {setup.seq:,} is longer than the model's max_position_embeddings "
+                       f"{limit:,} in config.json{learned}.")
+    return tuple(out)
 
 
 def evaluate(setup: TrainingSetup, method: str | None = None) -> Result:

@@ -36,7 +36,7 @@ PRECISION_LABELS: Final = {
 }
 
 #: CUDA context default: PyTorch 2.x with CUDA 12 lazy module loading creates a context of roughly
-#: 0.5 GiB on recent GPUs (seed 001 measured 1.35–1.64 GB with CUDA 10/11 and eager loading).
+#: 0.5 GiB on recent GPUs (PyTorch memory notes measured 1.35–1.64 GB with CUDA 10/11 and eager loading).
 DEFAULT_CUDA_CONTEXT_BYTES: Final = 512 * 2**20
 #: Allocator reserve: cached but unusable memory as a fraction of the tensor peak. Seed 003 gives
 #: fragmentation of 5–20 %; we default to 10 % and let the user (or a measurement) override it.

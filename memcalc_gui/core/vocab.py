@@ -1,4 +1,4 @@
-"""The ledger's vocabulary: phases and memory objects (seed 004, seed 000 colours).
+"""The ledger's vocabulary: phases and memory objects (memory ledger, Hugging Face blog colours).
 
 Every front end (CLI, window, report, measurement) uses these names; keep them stable.
 """

@@ -546,7 +546,7 @@ def format_measurement(result: MeasureResult) -> str:
         lines.append(f"CUDA context {format_bytes(result.context_bytes)}; peak reserved "
                      f"{format_bytes(result.peak_reserved_bytes or 0)}")
     leak = result.leak
-    lines.append("Leak check: " + ("live bytes grow every iteration — something keeps tensors alive (seed 004 Q5)"
+    lines.append("Leak check: " + ("live bytes grow every iteration — something keeps tensors alive (memory ledger)"
                                    if leak["growing"] else "no growth across iterations"))
     if result.signals:
         lines.append("Signals: " + ", ".join(result.signals))

@@ -7,7 +7,6 @@ of each assumption and formula.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -37,11 +36,11 @@ if TYPE_CHECKING:  # the measurement engine is optional input; never import torc
     from ..measure.engine import MeasureResult
 
 #: Keys of :data:`SOURCES`, in the order the reference list prints them.
-SEED_000 = "seed 000"
-SEED_001 = "seed 001"
-SEED_002 = "seed 002"
-SEED_003 = "seed 003"
-SEED_004 = "seed 004"
+SEED_000 = "Hugging Face blog"
+SEED_001 = "PyTorch memory notes"
+SEED_002 = "Transformers docs"
+SEED_003 = "memory-profiling guide"
+SEED_004 = "memory ledger"
 KORTHIKANTI = "Korthikanti 2022"
 ZERO = "ZeRO 2020"
 DEEPSPEED = "DeepSpeed"
@@ -77,7 +76,7 @@ SOURCES: dict[str, str] = {
 
 METHOD_LABELS = {
     "analytic": "analytic — the model’s blocks counted tensor by tensor",
-    "quick": "quick — a rough heuristic from the parameter count (seed 000); activations are overestimated",
+    "quick": "quick — a rough heuristic from the parameter count (Hugging Face blog); activations are overestimated",
     "trace": "trace — one step traced on fake tensors",
 }
 
@@ -89,7 +88,8 @@ UNITS_TEXT = ("All sizes are binary and labelled so: 1 GiB = 2³⁰ B = 1,073,74
 #: Rows of a long per-module table beyond this are summed into one row.
 MAX_MODULE_ROWS = 150
 
-_SEED_RE = re.compile(r"seed (00[0-4])", re.IGNORECASE)
+#: The short names assumptions cite in their text (the keys of :data:`SOURCES`).
+_CITED = (SEED_000, SEED_001, SEED_002, SEED_003, SEED_004)
 _KEYWORD_SOURCES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Steady-state", (SEED_004, SEED_000)),
     ("counted tensor by tensor", (KORTHIKANTI, MEMCALC)),
@@ -112,8 +112,8 @@ _KEYWORD_SOURCES: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 
 def sources_for(text: str) -> tuple[str, ...]:
-    """The sources an assumption cites (``seed 00N`` in its text) plus those its subject implies."""
-    found: list[str] = [f"seed {m}" for m in _SEED_RE.findall(text)]
+    """The sources an assumption cites by name in its text plus those its subject implies."""
+    found: list[str] = [key for key in _CITED if key.lower() in text.lower()]
     for needle, keys in _KEYWORD_SOURCES:
         if needle.lower() in text.lower():
             found.extend(keys)
@@ -420,7 +420,7 @@ def _measurement_section(m: MeasureResult) -> MeasurementSection:
     leak = m.leak
     live = ", ".join(format_bytes(b) for b in leak.get("live_bytes_per_iteration", []))
     if live:
-        verdict = "growing from iteration to iteration (a leak: seed 004)" if leak.get("growing") else "steady"
+        verdict = "growing from iteration to iteration (a leak: memory ledger)" if leak.get("growing") else "steady"
         extra.append(("Live bytes per iteration", f"{live} — {verdict}"))
     if m.seconds:
         extra.append(("Time", f"{m.seconds:.1f} s"))
@@ -472,7 +472,7 @@ def _formulas(result: Result, measured: bool) -> list[tuple[str, tuple[str, ...]
         ]
         if s.checkpointing == "full":
             rows.append(("Full checkpointing keeps each layer’s input (B·L·h) and recomputes the block in backward "
-                         "(seed 003: 40–60 % less activation memory).", (SEED_003,)))
+                         "(memory-profiling guide: 40–60 % less activation memory).", (SEED_003,)))
     if s.parallel.is_distributed:
         rows += [
             ("Per GPU, mixed precision + Adam: DDP keeps (2 + 2 + K)Ψ with K = 12 on every GPU; ZeRO-1 2Ψ + 2Ψ + "
@@ -527,7 +527,8 @@ def build_content(result: Result, *, measurement: MeasureResult | None = None,
     suggestions, suggestions_note = _suggestions_table(result)
     modules_table, modules_note = _modules_table(modules or [])
 
-    assumption_rows = [Row((a, "; ".join(sources_for(a)))) for a in (*notes, *est.assumptions)]
+    assumption_rows = [Row((a, "; ".join(sources_for(a))))
+                       for a in (*(f"Warning: {w}" for w in result.warnings), *notes, *est.assumptions)]
     assumptions = Table(("Assumption", "Source"), tuple(assumption_rows), widths=(76, 24))
     formula_rows = [Row((text, "; ".join(keys))) for text, keys in _formulas(result, measurement is not None)]
     formulas = Table(("Formula", "Source"), tuple(formula_rows), widths=(76, 24))

@@ -32,7 +32,7 @@ from ..core.setup import TrainingSetup
 from ..core.solver import gpu_plan, solve
 from ..core.vocab import PHASES
 
-#: The CUDA caching allocator rounds every block up to 512 bytes (seed 001, NOTES.md).
+#: The CUDA caching allocator rounds every block up to 512 bytes (PyTorch memory notes, NOTES.md).
 CUDA_ROUNDING = 512
 TOP_MODULES = 10
 #: The trace builds and runs every layer: ~0.15 s per layer on a 2-core machine, so 128 layers (past every

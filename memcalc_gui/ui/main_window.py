@@ -449,7 +449,7 @@ class MainWindow(QMainWindow):
         else:
             self.inputs.set_model_info(
                 f"<b>{setup.num_params:,}</b> parameters, no architecture.<br>Method <b>quick</b>: a rough "
-                "heuristic (seed 000) that overestimates activations; open a config.json or pick a preset "
+                "heuristic (Hugging Face blog) that overestimates activations; open a config.json or pick a preset "
                 "for the analytic method.")
         self.inputs.set_effective(f"{setup.effective_batch:,} sequences per step ({setup.batch} × {setup.grad_accum})"
                                   f" = {setup.effective_batch * setup.seq:,} tokens")

@@ -72,7 +72,7 @@ _NOT_MEASURED = ("gpu", "capacity_bytes", "cuda_context_bytes", "allocator_reser
 
 SIGNAL_TEXT = {
     "inspect_estimate_difference": "The measured peak is more than 10 % above the estimate: inspect the "
-                                   "estimate (seed 004 Q6).",
+                                   "estimate (memory ledger).",
     "inspect_allocator_retained_space": "The allocator holds more than 10 % of capacity beyond what tensors use "
                                         "(cache and fragmentation).",
     "capacity_pressure": "Less than 10 % of capacity is left above the reserved peak.",
@@ -436,7 +436,7 @@ def details_html(result: engine.MeasureResult) -> str:
         live = ", ".join(format_bytes(b) for b in leak["live_bytes_per_iteration"])
         if leak["growing"]:
             items.append(f"<b>Leak check</b>: <span style='color:{OVER_COLOR}'>live memory grows every "
-                         f"iteration</span> ({live}) — something keeps tensors alive (seed 004 Q5).")
+                         f"iteration</span> ({live}) — something keeps tensors alive (memory ledger).")
         else:
             items.append(f"<b>Leak check</b>: no growth across iterations (live after each: {live}).")
     elif result.context_bytes is not None:

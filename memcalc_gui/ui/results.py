@@ -28,7 +28,7 @@ MAX_SUGGESTIONS = 8
 
 METHOD_NOTES = {
     "analytic": "analytic: the model's blocks counted tensor by tensor",
-    "quick": "quick: a rough heuristic from the parameter count (seed 000); activations are overestimated",
+    "quick": "quick: a rough heuristic from the parameter count (Hugging Face blog); activations are overestimated",
     "trace": "trace: measured by tracing one step on fake tensors",
 }
 
@@ -96,6 +96,8 @@ class VerdictBanner(QFrame):
             host = host_text(result)
             if host:
                 detail += f" {host}."
+        for warning in result.warnings:
+            detail += f" ⚠ {warning}"
         self.detail.setText(detail)
         self._restyle()
 

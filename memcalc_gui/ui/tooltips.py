@@ -8,10 +8,10 @@ TOOLTIPS: Final[dict[str, str]] = {
     "model_kind": (
         "Where the architecture comes from. A preset or a config.json gives the analytic method "
         "(the block counted tensor by tensor); a bare parameter count gives the quick method, "
-        "a rough heuristic from seed 000."
+        "a rough heuristic from Hugging Face blog."
     ),
     "preset": (
-        "A built-in Hugging Face config. Decides N (parameters = N × P bytes, seed 000: Model Memory = N·P), "
+        "A built-in Hugging Face config. Decides N (parameters = N × P bytes, Hugging Face blog: Model Memory = N·P), "
         "the activations each layer keeps and the logits. Type to filter the list."
     ),
     "config_path": (
@@ -20,26 +20,26 @@ TOOLTIPS: Final[dict[str, str]] = {
         "if it is not one of them."
     ),
     "params": (
-        "Only a parameter count N (1.5B, 350M or 1.5e9): method quick, seed 000's rough heuristic\n"
+        "Only a parameter count N (1.5B, 350M or 1.5e9): method quick, Hugging Face blog's rough heuristic\n"
         "Total = N·P + 2·N·P + max(2·N·P, A·B·L·P), A = 4.6894e-4·N + 1.8494e6 activations per token.\n"
         "It overestimates activations (≈ +70 % at 1.5B, several × on small models)."
     ),
     "batch": (
         "Micro-batch B: sequences per forward/backward pass. Scales activations, temporaries and inputs "
-        "(seed 000: Activations = A·B·L·P); parameters, gradients and optimizer state do not change. "
+        "(Hugging Face blog: Activations = A·B·L·P); parameters, gradients and optimizer state do not change. "
         "Up/Down change it by 1, PgUp/PgDn double or halve it."
     ),
     "seq": (
-        "Sequence length L in tokens. Activations and inputs grow with B·L (seed 000: A·B·L·P); eager "
+        "Sequence length L in tokens. Activations and inputs grow with B·L (Hugging Face blog: A·B·L·P); eager "
         "attention adds B·heads·L² score matrices per layer (Korthikanti et al. 2022, the 5as/h term)."
     ),
     "grad_accum": (
         "Micro-batches per optimizer step. Gradients accumulate in place, so memory does not change; "
-        "only the effective batch = micro-batch × accumulation does (seed 004: micro-batch vs accumulation)."
+        "only the effective batch = micro-batch × accumulation does (memory ledger: micro-batch vs accumulation)."
     ),
     "checkpointing": (
         "Gradient checkpointing keeps only each layer's input and recomputes the rest during backward: "
-        "activations shrink to one saved input per layer (seed 003: checkpointing saves 40–60 % of "
+        "activations shrink to one saved input per layer (memory-profiling guide: checkpointing saves 40–60 % of "
         "activations), and backward runs one extra forward."
     ),
     "attention": (
@@ -47,24 +47,26 @@ TOOLTIPS: Final[dict[str, str]] = {
         "scores and dropout mask, B·heads·L² per layer (Korthikanti et al. 2022: sbh(34 + 5as/h))."
     ),
     "recipe": (
-        "Precision presets of the design. Choosing one fills precision and optimizer; both stay editable.\n"
+        "Precision presets. Choosing one fills precision and optimizer; both stay editable.\n"
         "fp32: 4 B/param weights + 4 B grads + 8 B Adam state.\n"
-        "Mixed precision: 6 B/param weights (fp32 master + 16-bit copy, seed 002), fp32 grads, Adam 8 B/param.\n"
-        "8-bit Adam: mixed precision with quantised optimizer state, 2 B/param (seed 002)."
+        "Mixed precision: 6 B/param weights (fp32 master + 16-bit copy, Transformers docs), fp32 grads, "
+        "Adam 8 B/param.\n"
+        "8-bit Adam: mixed precision with quantised optimizer state, 2 B/param (Transformers docs)."
     ),
     "precision": (
-        "fp32: weights, gradients and activations in 4 bytes (seed 000: P = 4).\n"
-        "Mixed: fp32 master weights + 16-bit copies of matmul weights (6 B/param, seed 002), fp32 gradients, "
+        "fp32: weights, gradients and activations in 4 bytes (Hugging Face blog: P = 4).\n"
+        "Mixed: fp32 master weights + 16-bit copies of matmul weights (6 B/param, Transformers docs), fp32 gradients, "
         "16-bit activations.\nbf16: pure 16-bit weights, gradients and optimizer state (2 B/param each)."
     ),
     "optimizer": (
         "Optimizer state per parameter (green in the chart): AdamW/Adam keep two moments, 2·N·P "
-        "(seed 000; 8 B/param in fp32, seed 002); 8-bit AdamW ≈ 2 B/param (seed 002); SGD none; "
+        "(Hugging Face blog; 8 B/param in fp32, Transformers docs); 8-bit AdamW ≈ 2 B/param (Transformers docs); "
+        "SGD none; "
         "SGD-momentum and Lion one buffer; Adafactor factored second moments (rows + columns)."
     ),
     "optimizer_impl": (
         "Optimizer temporaries during the step (red in the chart): foreach ≈ one more copy of all "
-        "parameters (seed 000: intermediates = N·P); single-tensor ≈ the largest tensor or two; fused ≈ 0."
+        "parameters (Hugging Face blog: intermediates = N·P); single-tensor ≈ the largest tensor or two; fused ≈ 0."
     ),
     "gpu": (
         "GPU preset: fills the capacity with what the device reports to PyTorch (total_memory), "

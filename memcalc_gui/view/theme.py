@@ -15,11 +15,11 @@ from ..core.vocab import OBJECTS
 
 #: One colour per ledger object (hex, sRGB).
 OBJECT_COLORS: Final[dict[str, str]] = {
-    "parameters": "#0072B2",  # blue (seed 000)
-    "activations": "#E69F00",  # orange (seed 000)
-    "gradients": "#F0E442",  # yellow (seed 000)
-    "optimizer_state": "#009E73",  # bluish green (seed 000)
-    "optimizer_temporaries": "#D55E00",  # vermillion (seed 000: red)
+    "parameters": "#0072B2",  # blue (Hugging Face blog)
+    "activations": "#E69F00",  # orange (Hugging Face blog)
+    "gradients": "#F0E442",  # yellow (Hugging Face blog)
+    "optimizer_state": "#009E73",  # bluish green (Hugging Face blog)
+    "optimizer_temporaries": "#D55E00",  # vermillion (Hugging Face blog: red)
     "temporaries": "#56B4E9",  # sky blue
     "inputs": "#CC79A7",  # reddish purple
     "cuda_context": "#6E6E6E",  # dark grey
