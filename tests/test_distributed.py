@@ -126,3 +126,25 @@ def test_cli_json_per_gpu(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         main(["estimate", "--params", "7B", "--gpus", "8", "--strategy", "zero3"])
     assert info.value.code == 2
+
+
+def test_a_bare_parameter_count_with_zero2_answers_like_deepspeed():
+    """DeepSpeed's estimators answer from a count (issue case --params 2851e6 --gpus 8 --strategy zero2)."""
+    import pytest
+
+    from memcalc_gui.core.distributed import Parallelism
+    from memcalc_gui.core.errors import InputError
+    from memcalc_gui.core.estimate import estimate
+    from memcalc_gui.core.setup import TrainingSetup
+
+    one = estimate(TrainingSetup(params=2_851_000_000))
+    eight = estimate(TrainingSetup(params=2_851_000_000, parallel=Parallelism(gpus=8, strategy="zero2")))
+    assert eight.method == "quick" and eight.peak_bytes < one.peak_bytes
+    state = eight.phases["optimizer_step"].objects["optimizer_state"]
+    assert state == -(-one.phases["optimizer_step"].objects["optimizer_state"] // 8)  # Adam state split 8 ways
+    assert any("DeepSpeed" in a for a in eight.assumptions)
+    offload = estimate(TrainingSetup(params=2_851_000_000,
+                                     parallel=Parallelism(gpus=8, strategy="zero2", offload="optimizer")))
+    assert offload.phases["optimizer_step"].objects["optimizer_state"] == 0 and offload.details["host_bytes"] > 0
+    with pytest.raises(InputError, match="largest layer"):
+        estimate(TrainingSetup(params=2_851_000_000, parallel=Parallelism(gpus=8, strategy="zero3")))

@@ -138,7 +138,7 @@ def test_offload_shows_host_memory_and_enables_node_size(window):
     (dict(gpus="0"), "gpus", "positive"),
     (dict(gpus="many"), "gpus", "positive"),
     (dict(node_size="-2", strategy="fsdp-hybrid", gpus="16"), "node_size", "positive"),
-    (dict(model_kind="params", params="7B", strategy="zero3", gpus="8"), "strategy", "architecture"),
+    (dict(model_kind="params", params="7B", strategy="zero3", gpus="8"), "strategy", "largest layer"),
 ])
 def test_invalid_combination_is_marked_inline_and_the_last_result_stays(window, fields, field, words):
     w = window

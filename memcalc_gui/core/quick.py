@@ -7,9 +7,11 @@ overestimates activations by ~70 % at 1.5B and by several hundred % on small mod
 
 from __future__ import annotations
 
+from .distributed import model_states
 from .errors import InputError
 from .ledger import Estimate, with_overheads
 from .setup import TrainingSetup
+from .vocab import PHASES
 
 A_SLOPE = 4.6894e-4
 A_INTERCEPT = 1.8494e6
@@ -34,25 +36,40 @@ def precision_bytes(setup: TrainingSetup) -> tuple[int, int]:
 
 
 def estimate_quick(setup: TrainingSetup) -> Estimate:
-    """The Hugging Face blog formula as a ledger: forward holds activations, the step holds grads + intermediates."""
+    """The Hugging Face blog formula as a ledger: forward holds activations, the step holds grads + intermediates.
+
+    With ZeRO-1/2 (and their optimizer offload) the model states are split as DeepSpeed's own estimator splits
+    them from a bare parameter count; ZeRO-3 and FSDP gather the largest layer, which a count does not give.
+    """
     par = setup.parallel
-    if par.strategy != "ddp" or par.offload != "none":
-        raise InputError("strategy", "sharded strategies and offload need an architecture (a preset or a config.json)")
+    if par.strategy not in ("ddp", "zero1", "zero2"):
+        raise InputError("strategy", "ZeRO-3 and FSDP gather the largest layer at once, which a parameter count "
+                                     "does not give: choose a preset or a config.json")
     n = setup.num_params
     p, p_act = precision_bytes(setup)
-    buckets = n * p if par.gpus > 1 else 0  # DDP keeps every gradient once more in its buckets
     model = n * p
     state = round(_STATE_FACTOR[setup.optimizer] * n * p)
-    grads = n * p + buckets
     intermediates = n * p
     acts = round(activations_per_token(n) * setup.batch * setup.seq * p_act)
+    notes: tuple[str, ...] = ()
+    host = 0
+    if par.strategy == "ddp":
+        buckets = n * p if par.gpus > 1 else 0  # DDP keeps every gradient once more in its buckets
+        params = dict.fromkeys(PHASES, model)
+        grads = {"load": 0, "forward": buckets, "backward": n * p + buckets, "optimizer_step": n * p + buckets}
+    else:
+        states = model_states(par, n, 0, setup.precision, state, intermediates, 0, 0)
+        params, grads, state, intermediates = (states.parameters, states.gradients, states.optimizer_state,
+                                               states.optimizer_temporaries)
+        notes, host = states.notes, states.host_bytes
     phases = {
-        "load": with_overheads({"parameters": model}, "load", setup),
-        "forward": with_overheads({"parameters": model, "optimizer_state": state, "activations": acts,
-                                   "gradients": buckets}, "forward", setup),
-        "backward": with_overheads({"parameters": model, "optimizer_state": state, "gradients": grads},
-                                   "backward", setup),
-        "optimizer_step": with_overheads({"parameters": model, "optimizer_state": state, "gradients": grads,
+        "load": with_overheads({"parameters": params["load"]}, "load", setup),
+        "forward": with_overheads({"parameters": params["forward"], "optimizer_state": state, "activations": acts,
+                                   "gradients": grads["forward"]}, "forward", setup),
+        "backward": with_overheads({"parameters": params["backward"], "optimizer_state": state,
+                                    "gradients": grads["backward"]}, "backward", setup),
+        "optimizer_step": with_overheads({"parameters": params["optimizer_step"], "optimizer_state": state,
+                                          "gradients": grads["optimizer_step"],
                                           "optimizer_temporaries": intermediates}, "optimizer_step", setup),
     }
     return Estimate(
@@ -63,5 +80,9 @@ def estimate_quick(setup: TrainingSetup) -> Estimate:
             "Rough heuristic (Hugging Face blog): Total = N·P + 2·N·P + max(2·N·P, A·B·L·P), "
             "A = 4.6894e-4·N + 1.8494e6",
             f"P = {p} B for weights, gradients and state; {p_act} B for activations",
+            *(["Model states split from the parameter count alone, as DeepSpeed's "
+               "estimate_zero2_model_states_mem_needs does"] if par.strategy != "ddp" else []),
+            *notes,
         ),
+        details={"host_bytes": host},
     )
