@@ -212,7 +212,7 @@ def setup_from_args(args: argparse.Namespace) -> tuple[TrainingSetup, list[str]]
         model=model,
         params=params,
         batch=parse_positive_int(args.batch, "batch", LIMITS["batch"]),
-        seq=parse_positive_int(args.seq, "seq", LIMITS["seq"]),
+        seq=parse_positive_int(args.seq, "seq", LIMITS["seq"], tokens=True),
         grad_accum=parse_positive_int(args.grad_accum, "grad_accum", LIMITS["grad_accum"]),
         precision=args.precision,
         optimizer=args.optimizer,

@@ -167,3 +167,30 @@ def test_a_sequence_past_the_model_positions_is_warned_everywhere(capsys):
     assert json.loads(capsys.readouterr().out)["warnings"] == list(long.warnings)
     assert cli.main(["estimate", "--preset", "gpt2", "--seq", "100000"]) == 0
     assert "Warning    Sequence length 100,000" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("text", "value"), [("4k", 4096), ("128K", 131072), ("1M", 1048576), ("2048", 2048),
+                                             (" 8k ", 8192)])
+def test_sequence_lengths_accept_token_suffixes(text, value):
+    from memcalc_gui.core.units import parse_positive_int
+
+    assert parse_positive_int(text, "seq", tokens=True) == value
+
+
+@pytest.mark.parametrize(("text", "tokens"), [("4k", False), ("1.3k", True), ("k", True), ("4kk", True)])
+def test_token_suffixes_only_where_they_mean_tokens(text, tokens):
+    from memcalc_gui.core.units import parse_positive_int
+
+    with pytest.raises(ValueError):
+        parse_positive_int(text, "batch", tokens=tokens)
+
+
+def test_a_unique_part_of_a_preset_name_is_that_preset():
+    from memcalc_gui.core.errors import InputError
+    from memcalc_gui.ui.form import ModelCache
+
+    cache = ModelCache()
+    assert cache.preset("70b").name == "llama-3.1-70b"
+    assert cache.preset("LLAMA-2").name == "llama-2-7b"
+    with pytest.raises(InputError, match="presets match"):
+        cache.preset("qwen")

@@ -599,3 +599,45 @@ def test_a_fix_with_sharding_and_offload_applies_to_the_form(window, qtbot):
     assert w.result.estimate.peak_bytes == first.peak_bytes
     w.undo()
     assert w.inputs.state().strategy == "ddp" and w.result.verdict.fits is False
+
+
+def _mnemonic(text: str) -> str | None:
+    import re
+
+    m = re.search(r"&([^&\s])", text.replace("&&", ""))
+    return m.group(1).lower() if m else None
+
+
+def test_alt_keys_are_unique_and_menus_keep_theirs(window):
+    """Alt+E and Alt+V open the Edit and View menus: no field, tab or button takes a menu's letter or another's."""
+    from PySide6.QtWidgets import QAbstractButton, QLabel
+
+    w = window
+    menus = [_mnemonic(a.text()) for a in w.menuBar().actions()]
+    assert {"f", "e", "v", "h"} <= set(menus)
+    owners: dict[str, str] = {m: f"menu {m}" for m in menus if m}
+    widgets = [x for x in w.findChildren(QLabel) + w.findChildren(QAbstractButton) if x.isVisibleTo(w)]
+    texts = [x.text() for x in widgets] + [w.tabs.tabText(i) for i in range(w.tabs.count())]
+    for text in texts:
+        letter = _mnemonic(text)
+        if letter is None:
+            continue
+        assert letter not in owners, f"{text!r} takes Alt+{letter.upper()} from {owners[letter]}"
+        owners[letter] = text
+
+
+def test_enter_on_a_unique_preset_part_accepts_it(window, qtbot):
+    w = window
+    edit = w.inputs.preset.lineEdit()
+    edit.selectAll()
+    qtbot.keyClicks(edit, "70b")
+    qtbot.keyClick(edit, Qt.Key.Key_Return)
+    assert w.inputs.preset.currentText() == "llama-3.1-70b"
+    assert w.refresh() and w.result.setup.model.name == "llama-3.1-70b"
+    assert not w.inputs.preset.completer().popup().isVisible()
+
+
+def test_tab_goes_from_precise_to_measure(window):
+    w = window
+    assert w.trace_panel.toggle.nextInFocusChain() is w.measure_panel.button or \
+        w.trace_panel.toggle.nextInFocusChain().focusProxy() is w.measure_panel.button

@@ -137,7 +137,7 @@ def test_task_runner_outcomes(qtbot):
 def test_button_names_the_device_found_lazily(window, qtbot):
     panel = window.measure_panel
     assert panel.button.text() == "Measure on this machine…"  # nothing probed at start-up
-    assert window.tabs.tabText(window.tabs.indexOf(panel.view)) == "&Measured"
+    assert window.tabs.tabText(window.tabs.indexOf(panel.view)) == "Measured"
     with qtbot.waitSignal(panel.device_found, timeout=30000) as blocker:
         panel.detect_device()
     info = blocker.args[0]

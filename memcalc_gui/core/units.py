@@ -94,15 +94,27 @@ def parse_count(text: str | float | int, field: str = "params") -> int:
     return count
 
 
-def parse_positive_int(text: str | int | float, field: str, limit: int | None = None) -> int:
-    """Parse a strictly positive integer (batch, sequence length, accumulation steps), at most ``limit``."""
+#: Token counts people write with a binary suffix: 4k = 4,096, 128K = 131,072, 1M = 1,048,576.
+_TOKEN_SUFFIXES = {"k": 2**10, "m": 2**20}
+
+
+def parse_positive_int(text: str | int | float, field: str, limit: int | None = None, *,
+                       tokens: bool = False) -> int:
+    """Parse a strictly positive integer (batch, sequence length, accumulation steps), at most ``limit``.
+
+    ``tokens``: also accept ``4k``/``128K``/``1M`` as 4,096/131,072/1,048,576 (how context lengths are named).
+    """
     if isinstance(text, bool):
         raise InputError(field, "must be a positive integer")
     if isinstance(text, int):
         value = text
     else:
+        raw = _text(text, field).strip()
+        factor = 1
+        if tokens and raw[-1:].lower() in _TOKEN_SUFFIXES:
+            factor, raw = _TOKEN_SUFFIXES[raw[-1:].lower()], raw[:-1].strip()
         try:
-            f = float(_text(text, field).strip())
+            f = float(raw) * factor
         except ValueError:
             raise InputError(field, f"must be a positive integer, got {text!r}") from None
         if math.isnan(f) or math.isinf(f) or f != int(f):

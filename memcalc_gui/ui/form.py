@@ -195,9 +195,12 @@ class ModelCache:
         if key not in self._presets:
             if key not in self.names():
                 matches = [n for n in self.names() if key in n]
-                if matches:
+                if len(matches) == 1:  # a unique prefix or part of a name is that preset
+                    key = matches[0]
+                elif matches:
                     raise InputError("preset", f"{len(matches)} presets match {text.strip()!r}: choose one")
-                raise InputError("preset", f"no preset matches {text.strip()!r}")
+                else:
+                    raise InputError("preset", f"no preset matches {text.strip()!r}")
             self._presets[key] = preset_spec(key)
         return self._presets[key]
 
@@ -259,7 +262,7 @@ def build_setup(state: FormState, cache: ModelCache) -> TrainingSetup:
     else:
         errors["general"] = f"unknown model source {state.model_kind!r}"
     attempt("batch", lambda: parse_positive_int(state.batch, "batch", LIMITS["batch"]))
-    attempt("seq", lambda: parse_positive_int(state.seq, "seq", LIMITS["seq"]))
+    attempt("seq", lambda: parse_positive_int(state.seq, "seq", LIMITS["seq"], tokens=True))
     attempt("grad_accum", lambda: parse_positive_int(state.grad_accum, "grad_accum", LIMITS["grad_accum"]))
     attempt("capacity", lambda: _capacity(state))
     attempt("cuda_context_bytes", lambda: parse_size(state.cuda_context, "cuda_context", allow_zero=True))

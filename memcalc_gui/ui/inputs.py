@@ -262,7 +262,7 @@ class InputPanel(QWidget):
         for i in range(self.precision.count()):
             self.precision.setItemData(i, PRECISION_LABELS.get(self.precision.itemData(i), ""),
                                        Qt.ItemDataRole.ToolTipRole)
-        self._row(pform, "Pr&ecision:", "precision", self.precision)
+        self._row(pform, "Precision:", "precision", self.precision)
         self.optimizer = _combo({o: OPTIMIZER_LABELS.get(o, o) for o in OPTIMIZERS}, TOOLTIPS["optimizer"])
         self._row(pform, "Optimi&zer:", "optimizer", self.optimizer)
         self.optimizer_impl = _combo({i: IMPL_LABELS.get(i, i) for i in OPTIMIZER_IMPLS}, TOOLTIPS["optimizer_impl"])
@@ -279,14 +279,14 @@ class InputPanel(QWidget):
         self.gpu.setToolTip(TOOLTIPS["gpu"])
         self.gpu.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
         self.gpu.setMinimumContentsLength(12)
-        self._row(gform, "G&PU:", "gpu", self.gpu)
+        self._row(gform, "GP&U:", "gpu", self.gpu)
         self.capacity = QLineEdit()
         self.capacity.setPlaceholderText("e.g. 80GiB, 24GB (empty: no verdict)")
         self.capacity.setToolTip(TOOLTIPS["capacity"])
         self._row(gform, "Capacit&y:", "capacity", self.capacity)
         self.gpus = IntEdit()
         self.gpus.setPlaceholderText("1")
-        self._row(gform, "Number of GP&Us:", "gpus", self.gpus)
+        self._row(gform, "Num&ber of GPUs:", "gpus", self.gpus)
         self.strategy = _combo({k: STRATEGY_LABELS.get(k, k) for k in STRATEGIES}, TOOLTIPS["strategy"])
         self._row(gform, "Str&ategy:", "strategy", self.strategy)
         self.node_size = IntEdit()
@@ -301,7 +301,7 @@ class InputPanel(QWidget):
         self.allocator_reserve = QLineEdit()
         self.allocator_reserve.setPlaceholderText("e.g. 10 %")
         self.allocator_reserve.setToolTip(TOOLTIPS["allocator_reserve"])
-        self._row(gform, "Allocator reser&ve:", "allocator_reserve", self.allocator_reserve)
+        self._row(gform, "Allocator reserve:", "allocator_reserve", self.allocator_reserve)
         outer.addWidget(gpu_group)
 
         # ---- a general message (errors that belong to no single field) ----
@@ -353,6 +353,18 @@ class InputPanel(QWidget):
         self.optimizer.currentIndexChanged.connect(self._on_precision_or_optimizer)
         self.recipe.currentIndexChanged.connect(self._on_recipe)
         self.gpu.currentIndexChanged.connect(self._on_gpu)
+        self.preset.lineEdit().returnPressed.connect(self._accept_unique_preset)
+
+    def _accept_unique_preset(self) -> None:
+        """Enter on text that names one preset (a prefix or any part of it) completes it and closes the popup."""
+        text = self.preset.currentText().strip().lower()
+        names = [self.preset.itemText(i) for i in range(self.preset.count())]
+        matches = [n for n in names if text and text in n]
+        if text not in names and len(matches) == 1:
+            self.preset.setCurrentText(matches[0])
+        completer = self.preset.completer()
+        if completer is not None:
+            completer.popup().hide()
 
     def _tab_order(self) -> None:
         chain = [self.model_kind, self.preset, self.config_path, self.open_button, self.params, self.batch, self.seq,
@@ -383,7 +395,7 @@ class InputPanel(QWidget):
         kind = self.model_kind.currentData()
         index = {"preset": 0, "config": 1, "params": 2}.get(kind, 0)
         self.model_stack.setCurrentIndex(index)
-        pages = {0: ("&Preset:", self.preset), 1: ("&File:", self.config_path), 2: ("&Parameters:", self.params)}
+        pages = {0: ("&Preset:", self.preset), 1: ("&JSON file:", self.config_path), 2: ("&Parameters:", self.params)}
         label, buddy = pages[index]
         self.model_label.setText(label)
         self.model_label.setBuddy(buddy)

@@ -219,7 +219,7 @@ class MainWindow(QMainWindow):
         self.tabs = QTabWidget()
         self.tabs.setObjectName("resultTabs")
         self.tabs.addTab(self.table, "&Ledger")
-        self.tabs.addTab(self.assumptions, "&Assumptions")
+        self.tabs.addTab(self.assumptions, "Assumptions")
         self.advice = AdvicePanel()
         self.advice.apply_changes.connect(self.apply_changes)
         advice_box = QGroupBox("What to change")
@@ -264,6 +264,8 @@ class MainWindow(QMainWindow):
         self.measure_panel = MeasurePanel(self)
         # "Precise (trace)": a toggle, progress and Cancel before the measure button, the Trace tab.
         self.trace_panel = TracePanel(self)
+        # Tab follows the action row left to right: Precise (trace), then Measure
+        QWidget.setTabOrder(self.trace_panel.toggle, self.measure_panel.button)
 
     def _default_size(self) -> tuple[int, int]:
         width, height = 1360, 880

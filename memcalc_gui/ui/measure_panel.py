@@ -512,7 +512,7 @@ class MeasurePanel(QObject):
 
         self.view = MeasuredView()
         self.view.use_overheads_requested.connect(self.use_measured_overheads)
-        self.tab_index = window.tabs.addTab(self.view, "&Measured")
+        self.tab_index = window.tabs.addTab(self.view, "Measured")
         window.tabs.setTabToolTip(self.tab_index, "Measured on this machine vs estimated, per phase")
 
         window.result_changed.connect(self._on_setup_changed)
