@@ -641,3 +641,35 @@ def test_tab_goes_from_precise_to_measure(window):
     w = window
     assert w.trace_panel.toggle.nextInFocusChain() is w.measure_panel.button or \
         w.trace_panel.toggle.nextInFocusChain().focusProxy() is w.measure_panel.button
+
+
+LAYOUT_CHECK = """
+import os, sys
+os.environ["QT_QPA_PLATFORM"] = "offscreen"
+from memcalc_gui.app import create_application
+app = create_application([])
+from memcalc_gui.ui.main_window import MainWindow
+w = MainWindow(persist=False)
+w.resize(1280, 720); w.show()
+for _ in range(5): app.processEvents()
+t = w.table
+rows_fit = t.viewport().height() >= sum(t.rowHeight(r) for r in range(t.rowCount()))
+print("hbar", t.horizontalScrollBar().isVisible(), "rows_fit", rows_fit, "cards", len([b for b in w.advice.buttons
+      if b.isVisible() and b.visibleRegion().boundingRect().height() > 0]))
+"""
+
+
+@pytest.mark.parametrize("scale", ["1", "1.5"])
+def test_ledger_is_whole_at_1280x720_and_150_percent(scale, tmp_path):
+    """The ledger shows its four phase columns and ten rows without scrolling on a 1280×720 window, also at
+    150 % scaling (a 1080p screen), and at least one suggestion card is on screen."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, QT_SCALE_FACTOR=scale, MEMCALC_SETTINGS_DIR=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", LAYOUT_CHECK], capture_output=True, text=True, env=env,
+                          timeout=120, cwd=Path(__file__).parents[1])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    line = proc.stdout.strip().splitlines()[-1]
+    assert line.startswith("hbar False rows_fit True cards "), line
+    assert int(line.split()[-1]) >= 1

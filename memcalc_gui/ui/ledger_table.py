@@ -23,7 +23,7 @@ from ..view.theme import OBJECT_COLORS
 
 BYTES_ROLE = Qt.ItemDataRole.UserRole + 1
 #: Column headers (short, so four columns fit beside the object names); the full names are tooltips.
-HEADER_LABELS = {p: PHASE_LABELS[p] for p in PHASES} | {"optimizer_step": "Opt. step"}
+HEADER_LABELS = {p: PHASE_LABELS[p] for p in PHASES} | {"optimizer_step": "Step"}
 TOTAL_ROW = len(OBJECTS)
 
 
@@ -66,7 +66,10 @@ class LedgerTable(QTableWidget):
         self.verticalHeaderItem(TOTAL_ROW).setFont(bold)
         hh = self.horizontalHeader()
         hh.setSectionResizeMode(QHeaderView.ResizeMode.Stretch)
-        hh.setMinimumSectionSize(max(QFontMetrics(bold).horizontalAdvance(h) for h in HEADER_LABELS.values()) + 16)
+        # narrow enough for four columns beside the object names at 1280×720 and at 150 % scaling: the widest
+        # number or single header word (headers wrap onto their second line)
+        words = [w for h in HEADER_LABELS.values() for w in h.split()] + ["▲ peak", "99999.99"]
+        hh.setMinimumSectionSize(max(QFontMetrics(bold).horizontalAdvance(w) for w in words) + 10)
         vh = self.verticalHeader()
         vh.setSectionResizeMode(QHeaderView.ResizeMode.Fixed)
         vh.setDefaultSectionSize(max(20, self.fontMetrics().height() + 6))

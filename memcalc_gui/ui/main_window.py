@@ -218,7 +218,7 @@ class MainWindow(QMainWindow):
         self.assumptions.setTabChangesFocus(True)
         self.tabs = QTabWidget()
         self.tabs.setObjectName("resultTabs")
-        self.tabs.addTab(self.table, "&Ledger")
+        self.tabs.addTab(self.table, "&Ledger (GiB)")
         self.tabs.addTab(self.assumptions, "Assumptions")
         self.advice = AdvicePanel()
         self.advice.apply_changes.connect(self.apply_changes)
@@ -253,7 +253,7 @@ class MainWindow(QMainWindow):
         self.setCentralWidget(self.main_split)
         self.resize(*self._default_size())
         self.main_split.setSizes([390, 970])
-        self.right_split.setSizes([470, 330])
+        self.right_split.setSizes([410, 390])  # the ledger's ten rows stay visible at 1280×720
         self.bottom_split.setSizes([560, 400])
 
         self.timing_label = QLabel("")

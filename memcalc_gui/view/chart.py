@@ -34,6 +34,8 @@ TICK_VARIANTS = (
     {"load": "Load", "forward": "Fwd.", "backward": "Bwd.", "optimizer_step": "Opt."},
 )
 AXIS_LABEL = "Memory (GiB)"
+#: The value axis starts a little below zero so its "0" label is drawn (pyqtgraph drops a label it cannot fit).
+ZERO_MARGIN = 0.03
 AXIS_LABEL_PER_GPU = "Memory per GPU (GiB)"
 
 
@@ -64,6 +66,7 @@ class MemoryChart(pg.GraphicsLayoutWidget):
         left.enableAutoSIPrefix(False)
         left.setLabel(AXIS_LABEL)
         left.setWidth(64)
+        left.setStyle(hideOverlappingLabels=False)
         bottom = self.plot.getAxis("bottom")
         bottom.enableAutoSIPrefix(False)
         # "(peak)" goes on a second line, and the outer names may run a little past the plot's edge rather
@@ -196,7 +199,7 @@ class MemoryChart(pg.GraphicsLayoutWidget):
             self.capacity_line.setVisible(False)
 
         self._fit_labels()
-        self.plot.setYRange(0.0, ymax, padding=0)
+        self.plot.setYRange(-ymax * ZERO_MARGIN, ymax, padding=0)
         self.plot.setXRange(-0.55, len(PHASES) - 0.45, padding=0)
         self._layout_measured()
 
@@ -336,7 +339,8 @@ class MemoryChart(pg.GraphicsLayoutWidget):
         self.measured.setVisible(True)
         ymax = self.plot.getViewBox().viewRange()[1][1]
         if tops and max(tops) * 1.04 > ymax:
-            self.plot.setYRange(0.0, max(tops) * 1.12, padding=0)
+            top = max(tops) * 1.12
+            self.plot.setYRange(-top * ZERO_MARGIN, top, padding=0)
 
     # ---- queries (also used by tests) ------------------------------------------------------------
     def heights(self) -> dict[str, list[float]]:
