@@ -141,7 +141,7 @@ def test_button_names_the_device_found_lazily(window, qtbot):
     with qtbot.waitSignal(panel.device_found, timeout=30000) as blocker:
         panel.detect_device()
     info = blocker.args[0]
-    expected = "Measure on CPU — no GPU found" if info.kind == "cpu" else f"Measure on {info.name}"
+    expected = "Measure on this CPU" if info.kind == "cpu" else f"Measure on {info.name}"
     assert panel.button.text() == expected
     assert measure_panel.button_text(GPU) == "Measure on NVIDIA Test GPU 80GB"
 
@@ -184,7 +184,7 @@ def test_real_cpu_measurement_draws_overlay_and_table(window, qtbot):
     r: engine.MeasureResult = blocker.args[0]
     assert any("iteration 3 of 3: backward" in s for s in seen), seen
     assert r.device.kind == "cpu" and not r.scaled and r.oom is None
-    assert panel.button.text() == "Measure on CPU — no GPU found" and panel.button.isEnabled()
+    assert panel.button.text() == "Measure on this CPU" and panel.button.isEnabled()
     assert not panel.cancel_button.isVisible() and not panel.progress_bar.isVisible()
 
     # Overlay: one marker per phase, on the tensor top of the drawn bar (context + measured).
@@ -207,7 +207,7 @@ def test_real_cpu_measurement_draws_overlay_and_table(window, qtbot):
     assert "CPU tensor measurement" in text and "Leak check" in text and "no growth" in text
     assert "-0.0 %" not in text
     assert not view.use_overheads.isEnabled()  # no CUDA context on a CPU
-    assert "Measured on CPU" in w.statusBar().currentMessage()
+    assert "Measured on this CPU" in w.statusBar().currentMessage()
 
     # Stale: a change of shape hides the overlay and says so; undo brings it back; capacity does not matter.
     w.inputs.set_state(w.inputs.state().replace(batch="4"))

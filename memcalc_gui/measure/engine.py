@@ -17,6 +17,7 @@ import gc
 import itertools
 import math
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,6 +38,10 @@ MEMORY_MARGIN = 0.6
 #: Rough sustained throughput for planning the time budget (FLOP/s).
 CPU_FLOPS = 2e10
 CUDA_FLOPS = 1e14
+#: Importing torch and transformers the first time, and building a model with random weights (per 10^9 params),
+#: measured on a 2-core machine.
+TORCH_IMPORT_S = 3.0
+BUILD_S_PER_BILLION = 4.0
 #: Per layer and micro-batch, the fixed cost of a forward and backward on the CPU under the tracker.
 LAYER_OVERHEAD_S = 0.04
 LEAK_TOLERANCE_BYTES = 64 * 1024
@@ -64,7 +69,7 @@ class DeviceInfo:
 
     @property
     def label(self) -> str:
-        return f"on {self.name}" if self.kind == "cuda" else "on CPU — no GPU found"
+        return f"on {self.name}" if self.kind == "cuda" else "on this CPU"
 
 
 @dataclass(frozen=True)
@@ -257,9 +262,14 @@ def plan(setup: TrainingSetup, device: DeviceInfo, time_budget_s: float) -> tupl
     def fits_memory(s: TrainingSetup) -> bool:
         return evaluate(s.with_changes(capacity_bytes=None)).estimate.peak_tensor_bytes <= budget
 
+    def seconds(s: TrainingSetup) -> float:
+        """Importing torch (first time only), building the model, three iterations."""
+        start = 0.0 if "torch" in sys.modules else TORCH_IMPORT_S
+        return start + BUILD_S_PER_BILLION * s.num_params / 1e9 + 3 * _step_seconds(s, flops)
+
     def ok(s: TrainingSetup) -> bool:
-        # memory is a hard limit; time (three iterations) a soft one
-        return fits_memory(s) and 3 * _step_seconds(s, flops) <= time_budget_s
+        # memory is a hard limit; time a soft one
+        return fits_memory(s) and seconds(s) <= time_budget_s
 
     if ok(setup):
         return setup, ""
@@ -290,7 +300,7 @@ def plan(setup: TrainingSetup, device: DeviceInfo, time_budget_s: float) -> tupl
         changes.append(f"vocabulary {vocab:,} instead of {setup.model.vocab_size:,}")
     if not fits_memory(current):
         raise MeasureError("even the smallest scaled-down setup would not fit this device's memory")
-    expected = 3 * _step_seconds(current, flops)
+    expected = seconds(current)
     slow = "" if ok(current) or expected < 1 else f" (expect about {expected:.0f} s)"
     return current, "Measured a scaled-down setup: " + ", ".join(changes) + \
         "; the comparison is with the estimate of exactly that setup" + slow + "."
@@ -326,8 +336,8 @@ def measure(
             if phase == "load":
                 progress(f"building the model on {info.name if info.kind == 'cuda' else 'the CPU'}")
                 return
-            extra = f", micro-batch {micro + 1}" if measured.grad_accum > 1 and phase in ("forward", "backward") \
-                else ""
+            extra = f", accumulation step {micro + 1} of {measured.grad_accum}" \
+                if measured.grad_accum > 1 and phase in ("forward", "backward") else ""
             progress(f"iteration {it} of {iterations}: {phase.replace('_', ' ')}{extra}")
 
     estimate_result = evaluate(measured.with_changes(capacity_bytes=setup.capacity_bytes))

@@ -128,6 +128,15 @@ class SetupCommand(QUndoCommand):
         self._window.apply_state(self.old)
 
 
+#: Undo/Redo menu items name the change, cut to this many characters (a fix's title can be a paragraph).
+MENU_TEXT_CHARS = 48
+
+
+def _menu_text(text: str) -> str:
+    text = text.replace("&", "&&")
+    return text if len(text) <= MENU_TEXT_CHARS else text[: MENU_TEXT_CHARS - 1].rstrip() + "…"
+
+
 class MainWindow(QMainWindow):
     """The memcalc window. ``result_changed`` fires after every successful estimate."""
 
@@ -207,6 +216,7 @@ class MainWindow(QMainWindow):
         self.method_label = QLabel("")
         self.method_label.setObjectName("methodLabel")
         self.method_label.setWordWrap(True)  # wraps rather than widening the window when the row fills
+        self.method_label.setMinimumWidth(self.method_label.fontMetrics().horizontalAdvance("Method: analytic") + 8)
         self.action_row.addWidget(self.method_label, 1)
         rl.addLayout(self.action_row)
 
@@ -513,10 +523,10 @@ class MainWindow(QMainWindow):
         dirty = self._dirty() if self._committed is not None else False
         self.undo_action.setEnabled(self.undo_stack.canUndo() or dirty)
         self.redo_action.setEnabled(self.undo_stack.canRedo())
-        self.undo_action.setText(f"&Undo {self.undo_stack.undoText()}".rstrip() if self.undo_stack.canUndo()
-                                 else "&Undo")
-        self.redo_action.setText(f"&Redo {self.undo_stack.redoText()}".rstrip() if self.undo_stack.canRedo()
-                                 else "&Redo")
+        self.undo_action.setText(f"&Undo {_menu_text(self.undo_stack.undoText())}".rstrip()
+                                 if self.undo_stack.canUndo() else "&Undo")
+        self.redo_action.setText(f"&Redo {_menu_text(self.undo_stack.redoText())}".rstrip()
+                                 if self.undo_stack.canRedo() else "&Redo")
 
     def push_state(self, new: FormState, text: str) -> bool:
         """Apply ``new`` as one undoable step (suggestions, reset, opened files)."""
@@ -643,6 +653,9 @@ class MainWindow(QMainWindow):
     def closeEvent(self, event: QCloseEvent) -> None:
         # Cancel every worker at once, then wait for them a second in all (a job that cannot stop that fast is
         # left to the process exit: see workers.running_orphans).
+        if self.trace_panel.is_running() or self.measure_panel.is_running():
+            self.statusBar().showMessage("Stopping the running measurement or trace and closing…")
+            self.statusBar().repaint()
         self.trace_panel.runner.cancel()
         self.measure_panel.runner.cancel()
         deadline = time.monotonic() + STOP_TIMEOUT_MS / 1000

@@ -498,7 +498,7 @@ class MeasurePanel(QObject):
         self.progress_bar.setFixedWidth(90)
         self.progress_bar.setMaximumHeight(14)
         self.progress_bar.setVisible(False)
-        self.cancel_button = QPushButton("Cancel")
+        self.cancel_button = QPushButton("Cancel measurement")
         self.cancel_button.setObjectName("measureCancel")
         self.cancel_button.setToolTip("Stop the measurement after the current phase")
         self.cancel_button.setVisible(False)
@@ -549,6 +549,10 @@ class MeasurePanel(QObject):
         new = info != self.device
         self.device = info
         self.button.setText(button_text(info))
+        if info.kind == "cpu":
+            self.button.setToolTip("No CUDA GPU was found, so this runs the step on the CPU and counts every tensor "
+                                   "it allocates: the same bytes a GPU step holds, without the CUDA context and the "
+                                   "allocator's cache. Large setups are scaled down (said in the result).")
         if new:
             self.device_found.emit(info)
 

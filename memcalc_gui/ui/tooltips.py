@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Final
-
-TOOLTIPS: Final[dict[str, str]] = {
+TOOLTIPS: dict[str, str] = {
     "model_kind": (
         "Where the architecture comes from. A preset or a config.json gives the analytic method "
         "(the block counted tensor by tensor); a bare parameter count gives the quick method, "
@@ -111,3 +109,13 @@ TOOLTIPS: Final[dict[str, str]] = {
         "ZeRO-3, FSDP FULL_SHARD or HYBRID_SHARD; only the gathered units stay on the GPU). DDP cannot offload."
     ),
 }
+
+
+def rich(text: str) -> str:
+    """A tooltip Qt word-wraps (rich text wraps at a readable width; plain text is one line per paragraph)."""
+    import html
+
+    return "<qt>" + html.escape(text).replace("\n", "<br>") + "</qt>"
+
+
+TOOLTIPS = {key: rich(value) for key, value in TOOLTIPS.items()}

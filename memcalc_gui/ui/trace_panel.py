@@ -354,7 +354,7 @@ class TracePanel(QObject):
         self.progress_bar.setFixedWidth(80)
         self.progress_bar.setMaximumHeight(14)
         self.progress_bar.setVisible(False)
-        self.cancel_button = QPushButton("Cancel")
+        self.cancel_button = QPushButton("Cancel trace")
         self.cancel_button.setObjectName("traceCancel")
         self.cancel_button.setToolTip("Stop this trace and keep the analytic result (the next edit traces again; "
                                       "turn “Precise (trace)” off to stop tracing)")
