@@ -1,4 +1,5 @@
-"""Speed of the estimator: one analytic estimate (< 1 ms) and the max-micro-batch solve (< 50 ms).
+"""Speed of the estimator: one analytic estimate (< 1 ms), the max-micro-batch solve (< 50 ms), and the search for
+what to change when a setup does not fit (every lever combined; < 100 ms, the window runs it on each edit).
 
     python bench/speed.py
 """
@@ -46,6 +47,25 @@ def main() -> None:
     worst_solve = max(r[4] for r in rows)
     print(f"\ntargets: estimate < 1 ms ({'met' if worst_one < 1 else 'MISSED'}, worst {worst_one:.3f} ms); "
           f"max-batch solve < 50 ms ({'met' if worst_solve < 50 else 'MISSED'}, worst {worst_solve:.2f} ms)")
+
+    from memcalc_gui.core.distributed import Parallelism
+
+    over = [("llama-3.1-70b", "rtx-4090", dict(batch=4, seq=2048, grad_accum=4)),
+            ("llama-3.1-70b", "h100-80gb", dict(batch=4, seq=2048, grad_accum=4,
+                                                 parallel=Parallelism(gpus=8, strategy="zero3"))),
+            ("qwen2.5-7b", "a100-80gb", dict(batch=4, seq=2048)),
+            ("llama-3.1-8b", "t4", dict(batch=64, seq=8192, grad_accum=8, precision="fp32", attention="eager"))]
+    print(f"\n{'over capacity':<16}{'gpu':>11}{'evaluate ms':>13}{'fixes':>7}")
+    worst_search = 0.0
+    for name, gpu_id, kw in over:
+        g = find_gpu(gpu_id)
+        setup = TrainingSetup(model=preset_spec(name), gpu=g.id, capacity_bytes=g.capacity_bytes, **kw)
+        ms = timeit(lambda s=setup: evaluate(s), 5)
+        fixes = sum(1 for x in evaluate(setup).verdict.suggestions if x.key.startswith("fix:"))
+        worst_search = max(worst_search, ms)
+        print(f"{name:<16}{gpu_id:>11}{ms:>13.1f}{fixes:>7}")
+    print(f"target: evaluate with the search < 100 ms ({'met' if worst_search < 100 else 'MISSED'}, "
+          f"worst {worst_search:.1f} ms)")
 
 
 if __name__ == "__main__":

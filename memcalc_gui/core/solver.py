@@ -205,7 +205,7 @@ MAX_FIXES = 3
 #: "More GPUs" suggests at most this many times the current count (at least 8): a run that needs hundreds of GPUs
 #: of this kind to fit is better served by the other levers.
 GPU_GROWTH = 8
-MAX_EVALUATIONS = 400
+MAX_EVALUATIONS = 250
 SHARDED = ("zero2", "zero3", "fsdp-full-shard")
 PARALLEL_KEYS = ("gpus", "strategy", "offload", "node_size")
 
@@ -303,6 +303,16 @@ def search_fixes(setup: TrainingSetup, estimator: Estimator, capacity: int) -> l
     the GPU lever, applied after it, the fewest GPUs of this kind that then fit. A set that does no better than a
     cheaper kept set of the same kinds is dropped. At most :data:`MAX_EVALUATIONS` sets are estimated.
     """
+    cache: dict[TrainingSetup, Estimate] = {}
+    uncached = estimator
+
+    def memo(s: TrainingSetup) -> Estimate:  # sets share setups (bisections, the every-lever check)
+        found = cache.get(s)
+        if found is None:
+            found = cache[s] = uncached(s)
+        return found
+
+    estimator = memo
     base_peak = estimator(setup).peak_bytes
     groups: dict[str, list[Lever]] = {}
     for lever in levers(setup):
