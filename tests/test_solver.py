@@ -194,3 +194,12 @@ def test_a_unique_part_of_a_preset_name_is_that_preset():
     assert cache.preset("LLAMA-2").name == "llama-2-7b"
     with pytest.raises(InputError, match="presets match"):
         cache.preset("qwen")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 200_000), st.integers(0, 250_000))
+def test_largest_divisor_matches_brute_force(n, limit):
+    from memcalc_gui.core.solver import _largest_divisor_at_most
+
+    expected = max((d for d in range(1, min(n, limit) + 1) if n % d == 0), default=1)
+    assert _largest_divisor_at_most(n, limit) == expected

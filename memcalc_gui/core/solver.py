@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from typing import Any
 
 from .distributed import PREFERENCE
@@ -116,19 +118,27 @@ def micro_batch_changes(setup: TrainingSetup, micro_batch: int) -> dict[str, Any
     return {"batch": micro_batch}
 
 
-def _largest_divisor_at_most(n: int, limit: int) -> int:
-    """The largest divisor of ``n`` that is ``<= limit`` (``n`` ≤ 2^40, so at most 2^20 trial divisions)."""
-    for d in range(limit, max(0, limit - 4096), -1):  # divisors are dense near small limits: try those first
-        if n % d == 0:
-            return d
-    best, i = 1, 1
+@lru_cache(maxsize=64)
+def _divisors(n: int) -> tuple[int, ...]:
+    """The divisors of ``n`` in order (``n`` ≤ 2^40: at most 2^20 trial divisions, once per ``n``)."""
+    small, large = [], []
+    i = 1
     while i * i <= n:
         if n % i == 0:
-            for d in (i, n // i):
-                if best < d <= limit:
-                    best = d
+            small.append(i)
+            if i != n // i:
+                large.append(n // i)
         i += 1
-    return best
+    return tuple(small + large[::-1])
+
+
+def _largest_divisor_at_most(n: int, limit: int) -> int:
+    """The largest divisor of ``n`` that is ``<= limit`` (1 when ``limit`` < 1)."""
+    for d in range(limit, max(0, limit - 64), -1):  # divisors are dense near small limits: try those first
+        if n % d == 0:
+            return d
+    divisors = _divisors(n)
+    return divisors[max(0, bisect_right(divisors, limit) - 1)]
 
 
 def _smaller_micro_batch(setup: TrainingSetup, estimator: Estimator, capacity: int) -> int | None:
