@@ -27,8 +27,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from PySide6.QtCore import QObject, Qt, QTimer, Signal
-from PySide6.QtTest import QTest
+from PySide6.QtCore import QEvent, QObject, Qt, QTimer, Signal
+from PySide6.QtGui import QKeyEvent
 from PySide6.QtWidgets import QApplication, QLineEdit, QWidget
 
 SOAK_OK = "memcalc-gui soak ok"
@@ -37,6 +37,12 @@ NONE_REFCOUNT_TOLERANCE = 10_000
 
 _TYPED = ("1", "2", "4", "8", "16", "32", "0", "-3", "abc", "1e12", "4k", "", " 7 ", "9" * 40, "3.5")
 _SEQS = ("128", "512", "2048", "4096", "100000", "0", "x")
+
+
+def _key(widget: QWidget, key: int | Qt.Key, text: str = "") -> None:
+    """Press and release a key on ``widget`` through Qt's event system (as typing does; QtTest is not bundled)."""
+    for kind in (QEvent.Type.KeyPress, QEvent.Type.KeyRelease):
+        QApplication.sendEvent(widget, QKeyEvent(kind, int(key), Qt.KeyboardModifier.NoModifier, text))
 
 
 def _rss_bytes() -> int:
@@ -124,9 +130,9 @@ class Soak(QObject):
     def _type(self, edit: QLineEdit, text: str) -> None:
         edit.setFocus()
         edit.selectAll()
-        QTest.keyClick(edit, Qt.Key.Key_Backspace)
-        if text:
-            QTest.keyClicks(edit, text)
+        _key(edit, Qt.Key.Key_Backspace)
+        for ch in text:
+            _key(edit, ord(ch.upper()) if ch.isascii() else Qt.Key.Key_unknown, ch)
         self.counts["edits"] += 1
 
     def _combo(self, name: str) -> None:
@@ -183,7 +189,7 @@ class Soak(QObject):
             if w.measure_panel.start():
                 self.counts["measure starts"] += 1
         else:
-            QTest.keyClick(inputs.batch, Qt.Key.Key_Up)
+            _key(inputs.batch, Qt.Key.Key_Up)
             self.counts["keys"] += 1
         self.counts["actions"] += 1
         if os.environ.get("MEMCALC_SOAK_VERBOSE") and self.counts["actions"] % 500 == 0:
