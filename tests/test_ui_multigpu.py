@@ -224,3 +224,15 @@ def test_chart_labels_fit_a_narrow_plot_and_the_capacity_text_has_a_plate(window
     finally:
         painter.end()
     assert drawn == w.chart.tick_labels()  # every phase name is drawn (none dropped at the edge)
+
+
+def test_the_banner_says_why_a_per_gpu_number_moves(window):
+    """DDP on 8 GPUs needs more per GPU than on one (its gradient buckets); FSDP's offload kinds give the same
+    numbers because FSDP's CPUOffload moves parameters, gradients and the step together — both said on screen."""
+    w = window
+    w.inputs.set_state(w.inputs.state().replace(preset="qwen2.5-1.5b", gpus="8", strategy="ddp", offload="none"))
+    assert w.refresh()
+    assert "communication buckets" in w.banner.detail.text()
+    w.inputs.set_state(w.inputs.state().replace(strategy="fsdp-full-shard", offload="optimizer"))
+    assert w.refresh()
+    assert "FSDP CPUOffload: parameter and gradient shards and the optimizer step on the host" in w.banner.detail.text()

@@ -196,6 +196,7 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
         "logits_bytes": logits,
         "compute_copy_bytes": copies,
         "lm_head_copy_bytes": lm_copy,
+        "parallel_notes": notes,  # why a per-GPU number moves with the strategy (the window's banner says it)
     }
     return Estimate(setup=setup, method="analytic", phases=phases, assumptions=assumptions, details=details)
 

@@ -195,7 +195,8 @@ def trace_estimate(
     ]
     modules = group_modules(m.phases["forward"].modules)[:TOP_MODULES]
     est = Estimate(setup=setup, method="trace", phases=phases, assumptions=tuple(rules) + notes,
-                   details={"seconds": seconds, "modules": modules, "host_bytes": host_bytes})
+                   details={"seconds": seconds, "modules": modules, "host_bytes": host_bytes,
+                            "parallel_notes": notes})
     analytic = estimate(setup) if setup.model is not None else None
     return TraceResult(est, modules, seconds, analytic, rules)
 

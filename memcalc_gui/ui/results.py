@@ -96,6 +96,9 @@ class VerdictBanner(QFrame):
             host = host_text(result)
             if host:
                 detail += f" {host}."
+            reasons = est.details.get("parallel_notes") or ()
+            if reasons:
+                detail += " " + " ".join(f"{r}." for r in reasons)
         for warning in result.warnings:
             detail += f" ⚠ {warning}"
         self.detail.setText(detail)
