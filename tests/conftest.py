@@ -13,3 +13,17 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def quiet_panels(tmp_path, monkeypatch):
+    """A window of its own: private settings, no delayed GPU probe, a short trace delay."""
+    from memcalc_gui.ui import measure_panel, trace_panel
+    from memcalc_gui.ui.settings import SETTINGS_ENV
+
+    monkeypatch.setenv(SETTINGS_ENV, str(tmp_path / "settings"))
+    monkeypatch.setattr(measure_panel, "DETECT_DELAY_MS", None)
+    monkeypatch.setattr(trace_panel, "TRACE_DELAY_MS", 30)

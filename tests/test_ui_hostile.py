@@ -16,19 +16,16 @@ import pytest
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 from memcalc_gui.trace import fake
-from memcalc_gui.ui import measure_panel, trace_panel, workers
+from memcalc_gui.ui import workers
 from memcalc_gui.ui.form import default_state
 from memcalc_gui.ui.main_window import MainWindow
-from memcalc_gui.ui.settings import SETTINGS_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(autouse=True)
-def private_settings(tmp_path, monkeypatch):
-    monkeypatch.setenv(SETTINGS_ENV, str(tmp_path / "settings"))
-    monkeypatch.setattr(measure_panel, "DETECT_DELAY_MS", None)
-    monkeypatch.setattr(trace_panel, "TRACE_DELAY_MS", 30)
+def private_settings(quiet_panels):
+    """Private settings and quick panels (conftest.quiet_panels) for every test here."""
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ from memcalc_gui.core.units import gib
 from memcalc_gui.core.vocab import OBJECTS, PHASES
 from memcalc_gui.trace import fake
 from memcalc_gui.trace.fake import TraceCancelled, TraceError, TraceResult
-from memcalc_gui.ui import measure_panel, trace_panel
+from memcalc_gui.ui import trace_panel
 from memcalc_gui.ui.form import default_state
 from memcalc_gui.ui.main_window import MainWindow
 from memcalc_gui.ui.settings import SETTINGS_ENV
@@ -36,10 +36,8 @@ TINY = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=1
 
 
 @pytest.fixture(autouse=True)
-def private_settings(tmp_path, monkeypatch):
-    monkeypatch.setenv(SETTINGS_ENV, str(tmp_path / "settings"))
-    monkeypatch.setattr(measure_panel, "DETECT_DELAY_MS", None)
-    monkeypatch.setattr(trace_panel, "TRACE_DELAY_MS", 30)
+def private_settings(quiet_panels):
+    """Private settings and quick panels (conftest.quiet_panels) for every test here."""
 
 
 @pytest.fixture
