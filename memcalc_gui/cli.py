@@ -453,5 +453,20 @@ def _run(argv: Sequence[str] | None) -> int:
         return 1
 
 
+def entry() -> None:
+    """The ``memcalc`` console command: :func:`main`, and after Ctrl+C an immediate exit 130.
+
+    An interrupt can land inside ``import torch`` or a half-built model; tearing the interpreter down after that
+    can raise it again and end the process by the signal instead of the one-line exit. So the interrupted
+    process leaves at once (its output flushed)."""
+    status = main()
+    if status == EXIT_INTERRUPTED:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(status)
+    raise SystemExit(status)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    entry()

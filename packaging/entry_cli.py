@@ -1,5 +1,5 @@
 """PyInstaller entry point of the ``memcalc`` executable (the command line)."""
 
-from memcalc_gui.cli import main
+from memcalc_gui.cli import entry
 
-raise SystemExit(main())
+entry()
