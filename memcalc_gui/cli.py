@@ -98,6 +98,9 @@ def _add_setup_args(p: argparse.ArgumentParser) -> None:
                    help="step implementation (default foreach, as torch on CUDA)")
     p.add_argument("--attention", default="sdpa", choices=ATTENTIONS, help="default sdpa")
     p.add_argument("--checkpointing", default="none", choices=CHECKPOINTINGS, help="gradient checkpointing")
+    p.add_argument("--use-cache", action="store_true",
+                   help="the loop leaves the config's use_cache=True (transformers' DynamicCache copies k/v in "
+                        "forward); default: use_cache=False, as Trainer passes")
     cap = p.add_mutually_exclusive_group()
     cap.add_argument("--gpu", metavar="NAME", help="GPU preset (see `memcalc presets`)")
     cap.add_argument("--capacity", metavar="SIZE", help="GPU memory: 80GiB, 80GB or 24e9 bytes")
@@ -219,6 +222,7 @@ def setup_from_args(args: argparse.Namespace) -> tuple[TrainingSetup, list[str]]
         optimizer_impl=args.optimizer_impl,
         attention=args.attention,
         checkpointing=args.checkpointing,
+        use_cache=bool(getattr(args, "use_cache", False)),
     )
     if args.gpu:
         gpu = find_gpu(args.gpu)
@@ -251,7 +255,8 @@ def format_ledger(result: Result) -> str:
         lines.append(f"Model      {setup.num_params:,} parameters ({format_count(setup.num_params)}), no architecture")
     lines.append(f"Setup      micro-batch {setup.batch} × seq {setup.seq} × accumulation {setup.grad_accum} "
                  f"(effective batch {setup.effective_batch}); {setup.precision}; {setup.optimizer} "
-                 f"({setup.optimizer_impl}); {setup.attention} attention; checkpointing {setup.checkpointing}")
+                 f"({setup.optimizer_impl}); {setup.attention} attention; checkpointing {setup.checkpointing}"
+                 + ("; use_cache=True" if setup.use_cache else ""))
     par = setup.parallel
     if par.is_distributed:
         lines.append(f"GPUs       {par.gpus} × {par.strategy}" + (f", offload {par.offload}" if par.offload != "none"

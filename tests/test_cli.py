@@ -160,3 +160,13 @@ def test_console_script_runs_as_a_process() -> None:
     proc = subprocess.run([sys.executable, "-m", "memcalc_gui.cli", "estimate", "--preset", "gpt2", "--batch", "0"],
                           capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+
+
+def test_use_cache_flag_reaches_the_json_and_the_estimate(capsys: pytest.CaptureFixture[str]) -> None:
+    code, plain, _ = run(capsys, "estimate", "--preset", "gpt2", "--batch", "2", "--seq", "256", "--json")
+    code2, cached, _ = run(capsys, "estimate", "--preset", "gpt2", "--batch", "2", "--seq", "256", "--json",
+                           "--use-cache")
+    assert code == code2 == 0
+    a, b = json.loads(plain), json.loads(cached)
+    assert a["setup"]["use_cache"] is False and b["setup"]["use_cache"] is True
+    assert b["phases"]["forward"]["total_bytes"] > a["phases"]["forward"]["total_bytes"]

@@ -673,3 +673,36 @@ def test_ledger_is_whole_at_1280x720_and_150_percent(scale, tmp_path):
     line = proc.stdout.strip().splitlines()[-1]
     assert line.startswith("hbar False rows_fit True cards "), line
     assert int(line.split()[-1]) >= 1
+
+
+def test_use_cache_is_a_choice_that_moves_the_estimate_and_is_stated(window, qtbot):
+    """A loop that leaves the config's use_cache=True holds DynamicCache copies: the window lets the user say so,
+    the estimate follows, the assumptions say which was assumed, and undo reverts it."""
+    w = window
+    w.apply_state(w.inputs.state().replace(preset="gpt2", precision="fp32"))
+    assert w.refresh() and not w.result.setup.use_cache
+    before = w.result.estimate.phases["forward"].tensor_bytes
+    assert "use_cache=False" in w.assumptions.toPlainText()
+    w.inputs.use_cache.click()
+    qtbot.waitUntil(lambda: w.result.setup.use_cache, timeout=2000)
+    assert w.result.estimate.phases["forward"].tensor_bytes > before  # GPT-2's fused qkv: + k and v copies
+    assert "use_cache=True" in w.assumptions.toPlainText()
+    assert w.inputs.state().use_cache == "true"
+    w.undo()
+    assert not w.inputs.use_cache.isChecked() and w.refresh() and not w.result.setup.use_cache
+
+
+def test_no_internal_source_labels_in_what_users_read(window):
+    """Words users read name public sources, never "seed 00x" (tooltips, labels, menus, assumptions)."""
+    from PySide6.QtWidgets import QAbstractButton, QLabel, QWidget
+
+    w = window
+    texts = [w.assumptions.toPlainText()]
+    for widget in w.findChildren(QWidget):
+        texts.append(widget.toolTip())
+        if isinstance(widget, (QLabel, QAbstractButton)):
+            texts.append(widget.text())
+    for action in w.findChildren(type(w.undo_action)):
+        texts += [action.text(), action.toolTip()]
+    bad = [t for t in texts if "seed 0" in t.lower() or "seed0" in t.lower()]
+    assert not bad, bad[:3]

@@ -132,9 +132,34 @@ def test_offload_shows_host_memory_and_enables_node_size(window):
     assert not w.inputs.node_size.isEnabled()
 
 
+def offered(w: MainWindow) -> list[str]:
+    combo = w.inputs.offload
+    return [combo.itemData(i) for i in range(combo.count())]
+
+
+def test_offload_offers_only_what_differs_for_the_strategy(window, qtbot):
+    """FSDP has one CPUOffload (its "optimizer" and "both" gave the same ledger); ZeRO-1/2 cannot offload
+    parameters; DDP cannot offload. Switching strategy keeps the closest offload."""
+    w = window
+    assert set_fields(w, gpus="8", strategy="zero3", offload="both")
+    assert offered(w) == ["none", "optimizer", "both"] and w.inputs.offload.isEnabled()
+    w.inputs.strategy.setCurrentIndex(STRATEGIES.index("zero2"))
+    qtbot.waitUntil(lambda: w.result.setup.parallel.strategy == "zero2", timeout=2000)
+    assert offered(w) == ["none", "optimizer"] and w.result.setup.parallel.offload == "optimizer"
+    w.inputs.strategy.setCurrentIndex(STRATEGIES.index("fsdp-full-shard"))
+    qtbot.waitUntil(lambda: w.result.setup.parallel.strategy == "fsdp-full-shard", timeout=2000)
+    assert offered(w) == ["none", "both"] and w.result.setup.parallel.offload == "both"
+    assert "CPUOffload" in w.inputs.offload.currentText()
+    w.inputs.strategy.setCurrentIndex(STRATEGIES.index("ddp"))
+    qtbot.waitUntil(lambda: w.result.setup.parallel.strategy == "ddp", timeout=2000)
+    assert offered(w) == ["none"] and not w.inputs.offload.isEnabled()
+    assert w.result.setup.parallel.offload == "none" and w.inputs.errors() == {}
+    # a saved FSDP setup with the old "optimizer" spelling opens as CPUOffload, with the same ledger
+    assert set_fields(w, strategy="fsdp-hybrid", offload="optimizer")
+    assert w.inputs.state().offload == "both"
+
+
 @pytest.mark.parametrize(("fields", "field", "words"), [
-    (dict(strategy="ddp", offload="optimizer", gpus="8"), "offload", "DDP cannot offload"),
-    (dict(strategy="zero2", offload="params", gpus="8"), "offload", "parameter offload"),
     (dict(gpus="0"), "gpus", "positive"),
     (dict(gpus="many"), "gpus", "positive"),
     (dict(node_size="-2", strategy="fsdp-hybrid", gpus="16"), "node_size", "positive"),
@@ -164,8 +189,8 @@ def test_each_parallel_edit_is_one_undo_step(window, qtbot):
     qtbot.waitUntil(lambda: w.result.setup.parallel.gpus == 128, timeout=2000)
     w.inputs.strategy.setCurrentIndex(STRATEGIES.index("fsdp-full-shard"))
     qtbot.waitUntil(lambda: w.result.setup.parallel.strategy == "fsdp-full-shard", timeout=2000)
-    w.inputs.offload.setCurrentIndex(w.inputs.offload.findData("optimizer"))
-    qtbot.waitUntil(lambda: w.result.setup.parallel.offload == "optimizer", timeout=2000)
+    w.inputs.offload.setCurrentIndex(w.inputs.offload.findData("both"))
+    qtbot.waitUntil(lambda: w.result.setup.parallel.offload == "both", timeout=2000)
     assert "offload" in w.undo_action.text()
     w.undo()
     assert w.result.setup.parallel == Parallelism(gpus=128, strategy="fsdp-full-shard")
@@ -181,15 +206,15 @@ def test_each_parallel_edit_is_one_undo_step(window, qtbot):
 def test_settings_round_trip_of_the_parallel_fields(qtbot, private_settings):
     w = MainWindow()
     qtbot.addWidget(w)
-    assert set_fields(w, **BIG, gpus="24", strategy="fsdp-hybrid", node_size="4", offload="optimizer")
+    assert set_fields(w, **BIG, gpus="24", strategy="fsdp-hybrid", node_size="4", offload="both")
     w.close()
     assert (private_settings / "memcalc.ini").is_file()
     again = MainWindow()
     qtbot.addWidget(again)
     state = again.inputs.state()
-    assert (state.gpus, state.strategy, state.node_size, state.offload) == ("24", "fsdp-hybrid", "4", "optimizer")
+    assert (state.gpus, state.strategy, state.node_size, state.offload) == ("24", "fsdp-hybrid", "4", "both")
     assert again.result.setup.parallel == Parallelism(gpus=24, strategy="fsdp-hybrid", node_size=4,
-                                                      offload="optimizer")
+                                                      offload="both")
     again.close()
 
 

@@ -14,6 +14,8 @@ on CPU (tests/test_analytic_vs_measured.py). The rules that decide what is kept:
   plus their 16-bit cast, and a contiguous copy of its output;
 - rotary embeddings built with ``torch.cat`` (partial rotary: GPT-NeoX, Phi, Phi-3) make the
   attention output non-contiguous after the transpose, so ``.contiguous()`` copies it;
+- with ``use_cache=True`` transformers' DynamicCache concatenates each layer's k and v onto an empty
+  tensor (``torch.cat``: copies) and attention runs on the copies (see :func:`cache_changes`);
 - Korthikanti et al. (2022), "Reducing Activation Recomputation in Large Transformer Models", give
   the classic sbh(34 + 5as/h) for GPT-3 blocks; the per-op count here reduces to it for that block
   but follows the actual kernels (no L² term with SDPA).
@@ -97,8 +99,64 @@ def residual_saved(spec: ModelSpec, d: Dtypes) -> bool:
     return spec.norm == "layernorm" or d.residual == 4
 
 
-def attention_saved(spec: ModelSpec, d: Dtypes, batch: int, seq: int, attention: str) -> dict[str, int]:
-    """Tensors one attention block keeps, by name (bytes)."""
+def cache_changes(spec: ModelSpec, d: Dtypes, tokens: int, attention: str) -> tuple[dict[str, int], int]:
+    """What ``use_cache=True`` changes in one layer: (saved tensors replaced, bytes held until forward ends).
+
+    DynamicCache stores ``torch.cat([empty, k])`` and ``torch.cat([empty, v])``, and attention consumes those
+    copies, so a k or v that was itself saved is replaced by its copy (no change), except where:
+
+    - a fused qkv projection without rotary (GPT-2): q stays a view of the fused output, which SDPA keeps,
+      while k and v are now separate copies: + k + v;
+    - a fused qkv projection with rotary (Phi-3, GPT-NeoX, Phi): only v was a view keeping the fused output
+      alive; with the cache v is a copy and the fused output is freed: − (q + k);
+    - under autocast the rotary k is fp32 (16-bit q times fp32 cos) and SDPA saves its own 16-bit cast, so
+      the cache's fp32 copy is extra until the model returns (forward only; the outputs are dropped before
+      backward);
+    - eager attention with grouped-query heads saves repeated copies, so the cache's k and v are held until
+      forward ends.
+
+    Measured on CPU with transformers 5.24 for all presets × fp32/mixed/bf16 (tests/test_analytic_vs_measured.py).
+    With gradient checkpointing transformers hands the layers no cache, so nothing changes (the caller skips it).
+    """
+    kv = spec.kv_dim
+    rope = spec.rotary_dim > 0
+    k_bytes = max(d.matmul, d.param) if rope else d.matmul
+    replaced: dict[str, int] = {}
+    held = 0
+    if attention == "eager":
+        # eager matmuls save their own GQA-repeated (or autocast) copies: the cache's are then extra; GPT-2's are
+        # already the contiguous k and v its matmuls would have copied
+        if not spec.fused_qkv and spec.num_kv_heads < spec.num_heads:
+            held = tokens * kv * (k_bytes + d.matmul)  # repeat_kv copies; without GQA it returns the cache's
+        elif rope and d.autocast:
+            held = tokens * kv * k_bytes
+        return replaced, held
+    if spec.fused_qkv and not rope:
+        replaced["kv_cache_copies"] = 2 * tokens * kv * d.matmul
+    elif spec.fused_qkv:
+        replaced["qkv"] = 0
+        replaced["v"] = tokens * kv * d.matmul
+    if rope and d.autocast:
+        held = tokens * kv * k_bytes
+    return replaced, held
+
+
+def attention_saved(spec: ModelSpec, d: Dtypes, batch: int, seq: int, attention: str,
+                    use_cache: bool = False) -> dict[str, int]:
+    """Tensors one attention block keeps, by name (bytes); ``use_cache`` applies :func:`cache_changes`."""
+    items = _attention_saved(spec, d, batch, seq, attention)
+    if use_cache:
+        replaced, _held = cache_changes(spec, d, batch * seq, attention)
+        for name, value in replaced.items():
+            if value:
+                items[name] = value
+            else:
+                items.pop(name, None)
+    return items
+
+
+def _attention_saved(spec: ModelSpec, d: Dtypes, batch: int, seq: int, attention: str) -> dict[str, int]:
+    """Tensors one attention block keeps, by name (bytes), with ``use_cache=False``."""
     t = batch * seq
     q, kv, m = spec.q_dim, spec.kv_dim, d.matmul
     rope = spec.rotary_dim > 0
@@ -167,7 +225,8 @@ def layer_saved(spec: ModelSpec, setup: TrainingSetup) -> dict[str, int]:
         items[f"norm{idx + 1}"] = n["stats"] + n["output"]
         if spec.norm == "rmsnorm" and d.residual != 4:
             items[f"norm{idx + 1}"] += n["input"]  # the fp32 upcast is a new tensor
-    for name, value in attention_saved(spec, d, setup.batch, setup.seq, setup.attention).items():
+    use_cache = setup.use_cache and setup.checkpointing == "none"
+    for name, value in attention_saved(spec, d, setup.batch, setup.seq, setup.attention, use_cache).items():
         items[f"attn.{name}"] = value
     items.update(mlp_saved(spec, d, t))
     n_residual = 1 if spec.parallel_residual else 2

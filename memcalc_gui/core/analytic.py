@@ -16,7 +16,7 @@ The step is followed as PyTorch runs it (Hugging Face blog's phases, memory ledg
 
 from __future__ import annotations
 
-from .activations import Dtypes, layer_saved, norm_saved, residual_saved
+from .activations import Dtypes, cache_changes, layer_saved, norm_saved, residual_saved
 from .distributed import ModelStates, Parallelism, model_states
 from .ledger import Estimate, with_overheads
 from .model import ModelSpec
@@ -72,6 +72,8 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
         ckpt = False
     model_saved = rope_tables + final_saved
     acts_fwd = layers_saved + model_saved
+    # use_cache=True: the DynamicCache's copies that nothing saves live until the model returns
+    cache_held = n_layers * cache_changes(spec, d, t, setup.attention)[1] if setup.use_cache and not ckpt else 0
 
     # ---- forward peak: at the loss ----------------------------------------------------------
     logits = t * v * d.matmul
@@ -81,7 +83,7 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
     final_out_alive = t * h * 4 if d.autocast else 0  # fp32 norm output held by the model's outputs
     grads_live = grads_all if accumulating else 0
     base_fwd = dict(parameters=params + copies, optimizer_state=state, gradients=grads_live, inputs=inputs)
-    forward = _objects(**base_fwd, activations=acts_fwd + lsm,
+    forward = _objects(**base_fwd, activations=acts_fwd + lsm + cache_held,
                        temporaries=logits + logits32 + labels + final_out_alive)
     if setup.checkpointing == "full":
         # Inside a checkpointed layer nothing is saved, but its MLP still holds ~3 I-wide tensors at once.
@@ -252,8 +254,12 @@ def _assumptions(spec: ModelSpec, setup: TrainingSetup, opt_note: str) -> tuple[
          }[setup.precision],
         opt_note + f" ({setup.optimizer_impl} step)",
         "Loss: Hugging Face causal-LM loss (fp32 logits copy, log-softmax kept for backward)",
-        "use_cache=False in training, as transformers' Trainer sets it with checkpointing (a loop that keeps the "
-        "config's use_cache=True also holds k/v copies in forward)",
+        ("use_cache=True: transformers' DynamicCache copies every layer's k and v during forward (the loop keeps "
+         "the config's default)" + ("; with gradient checkpointing transformers passes the layers no cache, so "
+                                     "nothing changes" if setup.checkpointing == "full" else "")
+         if setup.use_cache else
+         "use_cache=False, as transformers' Trainer passes it in training (a loop that keeps the config's "
+         "use_cache=True holds k/v copies in forward: choose it to see them)"),
         f"CUDA context {setup.cuda_context_bytes / 2**20:.0f} MiB; allocator reserve "
         f"{setup.allocator_reserve:.0%} of tensor bytes (memory-profiling guide: fragmentation 5–20 %)",
     ]

@@ -63,6 +63,32 @@ STRATEGY_LABELS: Final = {
 PREFERENCE: Final = ("ddp", "zero1", "zero2", "fsdp-shard-grad-op", "fsdp-hybrid", "zero3", "fsdp-full-shard")
 
 
+def offload_choices(strategy: str) -> tuple[str, ...]:
+    """The offload kinds that differ for ``strategy``: DDP has none; ZeRO-1/2 offload the optimizer
+    (ZeRO-Offload); ZeRO-3 also the parameters (ZeRO-Infinity, which here implies the optimizer: ``params``
+    and ``both`` are the same); FSDP's one ``CPUOffload`` moves parameters, gradients and the step together,
+    so every non-``none`` kind gives the same ledger and ``both`` names it."""
+    if strategy == "ddp":
+        return ("none",)
+    if strategy in ("zero1", "zero2"):
+        return ("none", "optimizer")
+    if strategy == "zero3":
+        return ("none", "optimizer", "both")
+    return ("none", "both")
+
+
+def closest_offload(strategy: str, offload: str) -> str:
+    """The offload of :func:`offload_choices` that gives ``offload``'s ledger (or the nearest one there is)."""
+    choices = offload_choices(strategy)
+    if offload in choices:
+        return offload
+    if choices == ("none",):
+        return "none"
+    if strategy.startswith("fsdp"):
+        return "both"
+    return "both" if "both" in choices else "optimizer"  # ZeRO-3: params = both; ZeRO-1/2: the optimizer only
+
+
 #: The most GPUs a layout may name (the largest clusters trained on have ~10^5).
 MAX_PARALLEL_GPUS: Final = 2**20
 
@@ -87,7 +113,8 @@ class Parallelism:
             raise InputError("strategy", f"must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
         if self.offload not in OFFLOADS:
             raise InputError("offload", f"must be one of {', '.join(OFFLOADS)}, got {self.offload!r}")
-        if self.offload in ("params", "both") and self.strategy not in ("zero3", "fsdp-full-shard", "fsdp-hybrid"):
+        if self.offload in ("params", "both") and self.strategy not in ("zero3", "fsdp-full-shard", "fsdp-hybrid",
+                                                                          "fsdp-shard-grad-op"):
             raise InputError("offload", "parameter offload needs a strategy that shards parameters "
                                         "(zero3, fsdp-full-shard or fsdp-hybrid)")
         if self.offload != "none" and self.strategy == "ddp":

@@ -104,6 +104,9 @@ class TrainingSetup:
     optimizer_impl: OptimizerImpl = "foreach"
     attention: Attention = "sdpa"
     checkpointing: Checkpointing = "none"
+    #: Whether the training loop leaves the config's ``use_cache=True`` (transformers then fills a
+    #: DynamicCache during forward); Trainer and most loops pass ``use_cache=False``.
+    use_cache: bool = False
     gpu: str | None = None
     capacity_bytes: int | None = None
     cuda_context_bytes: int = DEFAULT_CUDA_CONTEXT_BYTES
@@ -123,6 +126,8 @@ class TrainingSetup:
         _choice("optimizer_impl", self.optimizer_impl, OPTIMIZER_IMPLS)
         _choice("attention", self.attention, ATTENTIONS)
         _choice("checkpointing", self.checkpointing, CHECKPOINTINGS)
+        if not isinstance(self.use_cache, bool):
+            raise InputError("use_cache", f"must be true or false, got {self.use_cache!r}")
         if self.capacity_bytes is not None:
             _positive_int("capacity", self.capacity_bytes, MAX_SIZE_BYTES)
         if isinstance(self.cuda_context_bytes, bool) or not isinstance(self.cuda_context_bytes, int) \
@@ -165,6 +170,7 @@ class TrainingSetup:
             "optimizer_impl": self.optimizer_impl,
             "attention": self.attention,
             "checkpointing": self.checkpointing,
+            "use_cache": self.use_cache,
             "gpu": self.gpu,
             "capacity_bytes": self.capacity_bytes,
             "cuda_context_bytes": self.cuda_context_bytes,
@@ -184,4 +190,4 @@ class TrainingSetup:
         gpus += f", offload {par.offload}" if par.offload != "none" else ""
         return (f"{model}: batch {self.batch} × seq {self.seq} × accum {self.grad_accum}, {self.precision}, "
                 f"{self.optimizer} ({self.optimizer_impl}), {self.attention}, checkpointing {self.checkpointing}"
-                f"{gpus}{cap}")
+                f"{', use_cache' if self.use_cache else ''}{gpus}{cap}")

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any
 
-from .distributed import PREFERENCE
+from .distributed import PREFERENCE, closest_offload
 from .errors import InputError
 from .ledger import Estimate
 from .setup import LIMITS, TrainingSetup
@@ -346,7 +346,8 @@ def search_fixes(setup: TrainingSetup, estimator: Estimator, capacity: int) -> l
         groups_used = frozenset(lv.group for lv in combo)
         if any(g == groups_used and fix.peak_bytes <= peak for g, fix in kept_groups):
             continue  # a cheaper alternative of the same kinds does at least as well
-        title = "; ".join(_lever_title(lv, changes) for lv in combo)
+        strategy = changes.get("strategy", setup.parallel.strategy)
+        title = "; ".join(_lever_title(lv, changes, strategy) for lv in combo)
         fix = Suggestion("fix:" + "+".join(sorted(keys)), title[0].upper() + title[1:], changes, peak,
                          base_peak - peak, True, "; ".join(lv.tradeoff for lv in combo))
         kept.append((keys, fix))
@@ -354,7 +355,9 @@ def search_fixes(setup: TrainingSetup, estimator: Estimator, capacity: int) -> l
     return [s for _, s in kept]
 
 
-def _lever_title(lever: Lever, changes: dict[str, Any]) -> str:
+def _lever_title(lever: Lever, changes: dict[str, Any], strategy: str) -> str:
+    if lever.key == "offload-both" and strategy.startswith("fsdp"):
+        return "turn on FSDP's CPUOffload (parameters, gradients and the optimizer step on the CPU)"
     if lever.key == "micro-batch":
         b, k = changes["batch"], changes["grad_accum"]
         return f"micro-batch {b} × {k} accumulation steps (same effective batch {b * k})"
@@ -373,6 +376,9 @@ def _realise(setup: TrainingSetup, estimator: Estimator, capacity: int,
         trial = apply_changes(setup, changes)
     except InputError:
         return None
+    par = trial.parallel
+    if par.offload != closest_offload(par.strategy, par.offload):
+        return None  # another spelling of an offload the set's strategy has once (FSDP's CPUOffload)
     keys = {lv.key for lv in combo}
     if "micro-batch" in keys:  # first: the largest that fits with the other changes (1 when none does)
         b = _smaller_micro_batch(trial, estimator, capacity)

@@ -9,7 +9,7 @@ Measurement conventions (decisions, keep them in mind when comparing with an est
 
 * Train mode, but every dropout probability in the config (keys containing ``drop``, e.g. gpt2's
   ``resid_pdrop``/``embd_pdrop``/``attn_pdrop``) is set to 0, so no dropout masks are stored.
-* ``use_cache=False``; input_ids are random in the vocabulary and ``labels = input_ids`` (same tensor).
+* ``use_cache=False`` unless asked; input_ids are random in the vocabulary and ``labels = input_ids`` (same tensor).
 * ``loss = model(...).loss`` (the output object is dropped at once); ``loss`` is deleted after
   backward; ``optimizer.zero_grad(set_to_none=True)`` ends the optimizer-step phase.
 * Categories: ``parameters`` = parameter storages plus *all* module buffers (e.g. rotary
@@ -139,6 +139,7 @@ def measure_training_step(
     round_to: int = 1,
     module_names: bool = False,
     builder: str = "auto",
+    use_cache: bool = False,
 ) -> StepMeasurement:
     """Build the model from ``config`` and measure ``iterations`` training steps on CPU.
 
@@ -148,7 +149,8 @@ def measure_training_step(
     ``fake=True`` runs everything under ``FakeTensorMode`` (device "cpu"): the same ledger without
     allocating or computing. ``round_to`` rounds every storage up (512 for the CUDA allocator) in the
     reported compositions; ``module_names`` attributes each storage to the module that created it.
-    ``builder`` chooses how the model is built (see :func:`build_model`).
+    ``builder`` chooses how the model is built (see :func:`build_model`); ``use_cache`` keeps transformers'
+    DynamicCache on in forward (a loop that leaves the config's default).
     """
     if fake:
         from torch._subclasses.fake_tensor import FakeTensorMode
@@ -159,7 +161,7 @@ def measure_training_step(
                 optimizer_impl=optimizer_impl, attention=attention, checkpointing=checkpointing,
                 grad_accum=grad_accum, iterations=iterations, seed=seed, num_threads=None,
                 on_phase=on_phase, fake=False, round_to=round_to, module_names=module_names,
-                builder=builder,
+                builder=builder, use_cache=use_cache,
             )
 
     def announce(phase: str, it: int, micro: int = 0) -> None:
@@ -189,7 +191,8 @@ def measure_training_step(
         with tracker:
             announce("load", 0)
             with tracker.phase("load", 0):
-                model = build_model(config, precision=precision, attention=attention, builder=builder)
+                model = build_model(config, precision=precision, attention=attention, builder=builder,
+                                    use_cache=use_cache)
                 if checkpointing == "full":
                     enable_checkpointing(model)
                 params = list(model.parameters())
@@ -246,7 +249,8 @@ def measure_training_step(
 
 
 def build_model(
-    config: dict[str, Any], *, precision: str = "fp32", attention: str = "sdpa", builder: str = "auto"
+    config: dict[str, Any], *, precision: str = "fp32", attention: str = "sdpa", builder: str = "auto",
+    use_cache: bool = False,
 ) -> Any:
     """A randomly initialised causal LM from a HF config dict, dropout 0, train mode, on CPU.
 
@@ -270,7 +274,7 @@ def build_model(
     transformers.logging.set_verbosity_error()  # its warnings about a config's odd keys are not the user's output
     model_type, kwargs = transformers_kwargs(config)  # no auto_map or location keys: nothing a config names runs
     cfg = AutoConfig.for_model(model_type, **kwargs)
-    cfg.use_cache = False
+    cfg.use_cache = use_cache
     for key, value in cfg.to_dict().items():
         if (
             "drop" in key

@@ -391,7 +391,8 @@ def _measure_cpu(result: MeasureResult, config: dict[str, Any], setup: TrainingS
         m = measure_training_step(
             config, batch=setup.batch, seq=setup.seq, precision=setup.precision, optimizer=setup.optimizer,
             optimizer_impl=setup.optimizer_impl, attention=setup.attention, checkpointing=setup.checkpointing,
-            grad_accum=setup.grad_accum, iterations=iterations, num_threads=None, on_phase=track_phase,
+            use_cache=setup.use_cache, grad_accum=setup.grad_accum, iterations=iterations, num_threads=None,
+            on_phase=track_phase,
         )
     except NotImplementedError as exc:  # an optimizer torch lacks, or a family without a reference module
         raise MeasureError(str(exc)) from None
@@ -464,7 +465,8 @@ def _measure_cuda(result: MeasureResult, config: dict[str, Any], setup: Training
     try:
         begin("load", 0)
         with dev:  # build on the GPU directly (no CPU copy of the weights)
-            model = build_model(config, precision=setup.precision, attention=setup.attention)
+            model = build_model(config, precision=setup.precision, attention=setup.attention,
+                                use_cache=setup.use_cache)
         if setup.checkpointing == "full":
             enable_checkpointing(model)
         params = list(model.parameters())

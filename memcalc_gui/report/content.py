@@ -258,6 +258,8 @@ def _setup_rows(result: Result) -> list[tuple[str, str]]:
         ("Optimizer", f"{s.optimizer} ({s.optimizer_impl} step)"),
         ("Attention", s.attention),
         ("Gradient checkpointing", s.checkpointing),
+        ("use_cache", "True: the loop keeps transformers' k/v cache in forward" if s.use_cache else
+         "False, as transformers' Trainer passes in training"),
     ]
     if s.capacity_bytes is not None:
         name, nominal = _gpu_name(s.gpu)
@@ -374,7 +376,7 @@ def _suggestions_table(result: Result) -> tuple[Table | None, str]:
 
 #: The setup fields that decide the tensors (the GPU and the overheads do not).
 TENSOR_FIELDS = ("model", "params", "batch", "seq", "grad_accum", "precision", "optimizer", "optimizer_impl",
-                 "attention", "checkpointing")
+                 "attention", "checkpointing", "use_cache")
 
 
 def same_tensors(a: TrainingSetup, b: TrainingSetup) -> bool:

@@ -2,7 +2,7 @@
 
 The model is built from its config with transformers under ``FakeTensorMode`` on device "cpu" (not the
 meta device, which changes the attention kernel), in the target dtype, with the setup's attention
-implementation, ``use_cache=False``, checkpointing and optimizer implementation. Two iterations of
+implementation, the setup's ``use_cache``, checkpointing and optimizer implementation. Two iterations of
 forward, backward and step run under the live-storage tracker: nothing is allocated or computed, so a
 70B model traces on a laptop. The CUDA rules a CPU trace cannot see are applied on top and listed:
 512-byte rounding of every allocation, the CUDA context and the allocator reserve.
@@ -142,8 +142,8 @@ def trace_estimate(
             m = measure_training_step(
                 cfg, batch=setup.batch, seq=setup.seq, precision=setup.precision, optimizer=setup.optimizer,
                 optimizer_impl=setup.optimizer_impl, attention=setup.attention, checkpointing=setup.checkpointing,
-                grad_accum=min(setup.grad_accum, TRACED_MICRO_BATCHES), iterations=2, fake=True,
-                round_to=CUDA_ROUNDING, module_names=True, on_phase=on_phase,
+                use_cache=setup.use_cache, grad_accum=min(setup.grad_accum, TRACED_MICRO_BATCHES), iterations=2,
+                fake=True, round_to=CUDA_ROUNDING, module_names=True, on_phase=on_phase,
             )
     except (TraceCancelled, MemcalcError):
         raise

@@ -56,6 +56,7 @@ class FormState:
     optimizer_impl: str = "foreach"
     attention: str = "sdpa"
     checkpointing: str = "none"
+    use_cache: str = "false"  # "true": the loop keeps the config's use_cache=True
     gpu: str = DEFAULT_GPU  # a preset id, or "" for a custom capacity
     capacity: str = ""
     cuda_context: str = format_bytes(DEFAULT_CUDA_CONTEXT_BYTES, digits=0)
@@ -154,6 +155,7 @@ _FIELD_MAP: Final = {
     "optimizer_impl": "optimizer_impl",
     "attention": "attention",
     "checkpointing": "checkpointing",
+    "use_cache": "use_cache",
     "capacity": "capacity",
     "gpu": "gpu",
     "cuda_context": "cuda_context",
@@ -288,6 +290,7 @@ def build_setup(state: FormState, cache: ModelCache) -> TrainingSetup:
             optimizer_impl=state.optimizer_impl,  # type: ignore[arg-type]
             attention=state.attention,  # type: ignore[arg-type]
             checkpointing=state.checkpointing,  # type: ignore[arg-type]
+            use_cache=state.use_cache == "true",
             gpu=gpu_id,
             capacity_bytes=capacity,
             **values,

@@ -26,7 +26,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from ..core.distributed import OFFLOADS, STRATEGIES, STRATEGY_LABELS
+from ..core.distributed import STRATEGIES, STRATEGY_LABELS, closest_offload, offload_choices
 from ..core.setup import OPTIMIZER_IMPLS, OPTIMIZERS, PRECISION_LABELS, PRECISIONS
 from ..view.theme import error_color
 from .form import RECIPES, FormState, capacity_text, gpu_by_id, recipe_for
@@ -48,10 +48,18 @@ MODEL_KIND_LABELS = {"preset": "Preset", "config": "config.json", "params": "Par
 CUSTOM_RECIPE = "custom"
 OFFLOAD_LABELS = {
     "none": "None",
-    "optimizer": "Optimizer state → CPU",
+    "optimizer": "Optimizer state → CPU (ZeRO-Offload)",
     "params": "Parameters → CPU (+ optimizer state)",
     "both": "Optimizer state and parameters → CPU",
 }
+#: FSDP has one CPUOffload: parameters, gradients and the optimizer step move together.
+FSDP_OFFLOAD_LABEL = "CPUOffload: parameters, gradients, step → CPU"
+
+
+def offload_labels(strategy: str) -> dict[str, str]:
+    """The offload choices that differ for ``strategy`` (core.distributed.offload_choices), labelled."""
+    return {k: FSDP_OFFLOAD_LABEL if k == "both" and strategy.startswith("fsdp") else OFFLOAD_LABELS[k]
+            for k in offload_choices(strategy)}
 #: Strategies whose node size matters without offload (HYBRID_SHARD shards within a node).
 NODE_SIZE_STRATEGIES = ("fsdp-hybrid",)
 
@@ -247,6 +255,11 @@ class InputPanel(QWidget):
         self.checkpointing.setToolTip(TOOLTIPS["checkpointing"])
         self.boxes["checkpointing"] = FieldBox(self.checkpointing)
         sform.addRow(self.boxes["checkpointing"])
+        self.use_cache = QCheckBox("&Keep use_cache (k/v cache in forward)")
+        self.use_cache.setObjectName("useCache")
+        self.use_cache.setToolTip(TOOLTIPS["use_cache"])
+        self.boxes["use_cache"] = FieldBox(self.use_cache)
+        sform.addRow(self.boxes["use_cache"])
         self.attention = _combo(ATTENTION_LABELS, TOOLTIPS["attention"])
         self._row(sform, "A&ttention:", "attention", self.attention)
         outer.addWidget(step_group)
@@ -292,7 +305,7 @@ class InputPanel(QWidget):
         self.node_size = IntEdit()
         self.node_size.setPlaceholderText("8")
         self._row(gform, "GPUs per &node:", "node_size", self.node_size)
-        self.offload = _combo({k: OFFLOAD_LABELS.get(k, k) for k in OFFLOADS}, TOOLTIPS["offload"])
+        self.offload = _combo(offload_labels("ddp"), TOOLTIPS["offload"])
         self._row(gform, "Offloa&d:", "offload", self.offload)
         self.cuda_context = QLineEdit()
         self.cuda_context.setPlaceholderText("e.g. 512 MiB")
@@ -345,6 +358,7 @@ class InputPanel(QWidget):
             edit.textChanged.connect(self._changed)
         self.capacity.textChanged.connect(self._on_capacity)
         self.checkpointing.toggled.connect(self._changed)
+        self.use_cache.toggled.connect(self._changed)
         for combo in (self.attention, self.optimizer_impl):
             combo.currentIndexChanged.connect(self._changed)
         for combo in (self.strategy, self.offload):
@@ -368,9 +382,9 @@ class InputPanel(QWidget):
 
     def _tab_order(self) -> None:
         chain = [self.model_kind, self.preset, self.config_path, self.open_button, self.params, self.batch, self.seq,
-                 self.grad_accum, self.checkpointing, self.attention, self.recipe, self.precision, self.optimizer,
-                 self.optimizer_impl, self.gpu, self.capacity, self.gpus, self.strategy, self.node_size, self.offload,
-                 self.cuda_context, self.allocator_reserve]
+                 self.grad_accum, self.checkpointing, self.use_cache, self.attention, self.recipe, self.precision,
+                 self.optimizer, self.optimizer_impl, self.gpu, self.capacity, self.gpus, self.strategy, self.node_size,
+                 self.offload, self.cuda_context, self.allocator_reserve]
         for a, b in itertools.pairwise(chain):
             QWidget.setTabOrder(a, b)
 
@@ -425,8 +439,30 @@ class InputPanel(QWidget):
         self._changed()
 
     def _on_parallel(self, *_: object) -> None:
+        if self.sender() is self.strategy:
+            self._sync_offload()
         self._sync_node_size()
         self._changed()
+
+    def _sync_offload(self, wanted: str | None = None) -> None:
+        """Offer the offload kinds that differ for the chosen strategy, keeping the closest to ``wanted`` (or to
+        the current choice): FSDP's optimizer offload is its CPUOffload, ZeRO-1/2 cannot offload parameters."""
+        strategy = str(self.strategy.currentData())
+        current = wanted if wanted is not None else str(self.offload.currentData() or "none")
+        labels = offload_labels(strategy)
+        shown = {self.offload.itemData(i): self.offload.itemText(i) for i in range(self.offload.count())}
+        blocked = self.offload.blockSignals(True)
+        try:
+            if shown != labels:
+                self.offload.clear()
+                for key, label in labels.items():
+                    self.offload.addItem(label, key)
+            _set_combo(self.offload, closest_offload(strategy, current))
+        finally:
+            self.offload.blockSignals(blocked)
+        self.offload.setEnabled(len(labels) > 1)
+        self.offload.setToolTip(TOOLTIPS["offload"] if len(labels) > 1 else
+                                "DDP replicates the model and cannot offload; choose ZeRO or FSDP to offload.")
 
     def _sync_node_size(self) -> None:
         """GPUs per node matters for HYBRID_SHARD and, with offload, for the host memory per node."""
@@ -483,6 +519,7 @@ class InputPanel(QWidget):
             optimizer_impl=self.optimizer_impl.currentData(),
             attention=self.attention.currentData(),
             checkpointing="full" if self.checkpointing.isChecked() else "none",
+            use_cache="true" if self.use_cache.isChecked() else "false",
             gpu=self.gpu.currentData() or "",
             capacity=self.capacity.text(),
             cuda_context=self.cuda_context.text(),
@@ -510,11 +547,13 @@ class InputPanel(QWidget):
                 value = getattr(state, name)
                 if edit.text() != value:
                     edit.setText(value)
-            for name in ("precision", "optimizer", "optimizer_impl", "attention", "strategy", "offload"):
+            for name in ("precision", "optimizer", "optimizer_impl", "attention", "strategy"):
                 _set_combo(getattr(self, name), getattr(state, name))
+            self._sync_offload(state.offload)
             self._sync_node_size()
             _set_combo(self.gpu, state.gpu, fallback="")  # a GPU no longer in the table: custom capacity
             self.checkpointing.setChecked(state.checkpointing == "full")
+            self.use_cache.setChecked(state.use_cache == "true")
             self._sync_recipe()
         finally:
             self._updating = False

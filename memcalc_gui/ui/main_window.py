@@ -77,7 +77,8 @@ FIELD_NAMES = {
     "model_kind": "model source", "preset": "preset", "config_path": "config.json", "params": "parameter count",
     "batch": "micro-batch", "seq": "sequence length", "grad_accum": "gradient accumulation",
     "precision": "precision", "optimizer": "optimizer", "optimizer_impl": "optimizer implementation",
-    "attention": "attention", "checkpointing": "checkpointing", "gpu": "GPU", "capacity": "capacity",
+    "attention": "attention", "checkpointing": "checkpointing", "use_cache": "use_cache", "gpu": "GPU",
+    "capacity": "capacity",
     "cuda_context": "CUDA context", "allocator_reserve": "allocator reserve", "gpus": "number of GPUs",
     "strategy": "strategy", "node_size": "GPUs per node", "offload": "offload", "general": "input",
 }

@@ -40,6 +40,12 @@ TOOLTIPS: dict[str, str] = {
         "activations shrink to one saved input per layer (memory-profiling guide: checkpointing saves 40–60 % of "
         "activations), and backward runs one extra forward."
     ),
+    "use_cache": (
+        "Whether the training loop leaves the config's use_cache=True. transformers then fills a DynamicCache "
+        "during forward: every layer's k and v are copied (torch.cat) and attention runs on the copies, which "
+        "moves the forward and backward peaks by up to a few per cent (more for fused-qkv models such as GPT-2). "
+        "Trainer passes use_cache=False; with gradient checkpointing transformers gives the layers no cache."
+    ),
     "attention": (
         "sdpa (flash / memory-efficient kernels) keeps no L×L score matrix; eager stores the softmax "
         "scores and dropout mask, B·heads·L² per layer (Korthikanti et al. 2022: sbh(34 + 5as/h))."
@@ -76,11 +82,12 @@ TOOLTIPS: dict[str, str] = {
     ),
     "cuda_context": (
         "Memory the CUDA context holds outside PyTorch's tensors, added to every phase (grey). "
-        "Seed 001 measured 1.35–1.64 GB with older CUDA; lazy loading on CUDA 12 is ~0.5 GiB."
+        "A Zhihu article on PyTorch's GPU memory measured 1.35–1.64 GB with older CUDA; with CUDA 12's lazy "
+        "module loading it is about 0.5 GiB."
     ),
     "allocator_reserve": (
         "Memory the caching allocator reserves but cannot use (fragmentation), as a percentage of each "
-        "phase's tensor bytes (light grey). Seed 003: 5–20 %."
+        "phase's tensor bytes (light grey). The DeepHub IMBA memory-profiling guide puts it at 5–20 %."
     ),
     "gpus": (
         "Data-parallel GPUs of the chosen kind. With more than one GPU (or a sharding strategy) the chart, "
@@ -104,9 +111,11 @@ TOOLTIPS: dict[str, str] = {
     ),
     "offload": (
         "Move model state to CPU memory; the chart then shows less on the GPU and the host memory needed per "
-        "node is listed.\nOptimizer: ZeRO-Offload (optimizer state, fp32 master and gradient partitions; the "
-        "step runs on the CPU) or FSDP CPUOffload.\nParameters / both: ZeRO-Infinity parameter offload (needs "
-        "ZeRO-3, FSDP FULL_SHARD or HYBRID_SHARD; only the gathered units stay on the GPU). DDP cannot offload."
+        "node is listed. The choices are the ones that differ for the strategy.\nZeRO-1/2/3, optimizer: "
+        "ZeRO-Offload (optimizer state, fp32 master and gradient partitions; the step runs on the CPU).\n"
+        "ZeRO-3, optimizer and parameters: ZeRO-Infinity (only the gathered units stay on the GPU).\n"
+        "FSDP: its one CPUOffload moves the parameter and gradient shards and runs the step on the CPU.\n"
+        "DDP cannot offload."
     ),
 }
 
