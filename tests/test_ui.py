@@ -706,3 +706,24 @@ def test_no_internal_source_labels_in_what_users_read(window):
         texts += [action.text(), action.toolTip()]
     bad = [t for t in texts if "seed 0" in t.lower() or "seed0" in t.lower()]
     assert not bad, bad[:3]
+
+
+def test_one_unit_on_one_screen_even_for_absurd_sizes(window):
+    """A peak of hundreds of EiB: the ledger, its tab, the chart's axis and totals and the headline all read in
+    EiB — no "243681.76 GiB" beside "237.97 TiB", no 17-digit raw numbers."""
+    import re
+
+    w = window
+    w.apply_state(w.inputs.state().replace(preset="llama-3.1-70b", batch="1000000", seq="16M"))
+    assert w.refresh()
+    unit = w.table.unit
+    assert unit == "EiB" and w.chart.unit == unit and w.tabs.tabText(0) == f"&Ledger ({unit})"
+    assert w.chart.axis_label() == f"Memory ({unit})"
+    cells = [w.table.item(r, c).text() for r in range(w.table.rowCount()) for c in range(w.table.columnCount())]
+    assert all(len(t) <= 8 for t in cells), cells  # "1023.99" at most
+    assert f" {unit} " in w.banner.text.text()
+    assert all(re.fullmatch(r"[\d.]+( EiB)?", label.toPlainText()) and len(label.toPlainText()) <= 12
+               for label in w.chart.total_labels)
+    # back to a normal model: GiB again everywhere
+    w.apply_state(w.inputs.state().replace(preset="gpt2", batch="4", seq="1024"))
+    assert w.refresh() and w.table.unit == w.chart.unit == "GiB" and w.tabs.tabText(0) == "&Ledger (GiB)"

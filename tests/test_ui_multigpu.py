@@ -20,7 +20,7 @@ from memcalc_gui.ui.form import FormState, ModelCache, build_setup, capacity_tex
 from memcalc_gui.ui.main_window import MainWindow
 from memcalc_gui.ui.settings import SETTINGS_ENV
 from memcalc_gui.ui.tooltips import TOOLTIPS
-from memcalc_gui.view.chart import AXIS_LABEL, AXIS_LABEL_PER_GPU
+from memcalc_gui.view.chart import AXIS_LABEL_PER_GPU
 
 H100 = capacity_text(gpu_by_id()["h100-80gb"])
 BIG = dict(preset="llama-3.1-70b", batch="1", seq="4096", grad_accum="1", checkpointing="full", gpu="h100-80gb",
@@ -66,14 +66,16 @@ def test_inputs_exist_with_sources_in_their_tooltips(window):
         assert inputs.widget_for(name).toolTip(), name
     assert inputs.state().gpus == "1" and inputs.state().strategy == "ddp"
     # a single GPU: nothing says "per GPU" and there is no plan
-    assert w.chart.axis_label() == AXIS_LABEL and w.chart.title_text() == ""
+    # 70B on one GPU needs more than a TiB: the axis, the ledger and the headline share the unit
+    assert w.chart.axis_label() == "Memory (TiB)" and w.chart.title_text() == ""
+    assert w.tabs.tabText(0) == "&Ledger (TiB)" and " TiB " in w.banner.text.text()
     assert "per GPU" not in w.banner.text.text() and w.advice.plan_text() == ""
     assert not inputs.node_size.isEnabled()  # only HYBRID_SHARD or offload use it
 
 
 def test_gpus_and_strategy_change_the_per_gpu_chart_banner_and_plan(window, qtbot):
     w = window
-    single = w.chart.heights()["parameters"]
+    single = [b / 2**30 for b in (w.result.estimate.phases[p].objects["parameters"] for p in PHASES)]  # GiB
     assert w.banner.state() == "over"
     w.inputs.gpus.selectAll()
     with qtbot.waitSignal(w.result_changed, timeout=2000):
@@ -84,7 +86,7 @@ def test_gpus_and_strategy_change_the_per_gpu_chart_banner_and_plan(window, qtbo
     setup = w.result.setup
     assert setup.parallel == Parallelism(gpus=32, strategy="zero3")
     assert_chart_matches(w)
-    assert w.chart.heights()["parameters"][1] < single[1] / 10  # sharded over 32 GPUs
+    assert w.chart.unit == "GiB" and w.chart.heights()["parameters"][1] < single[1] / 10  # sharded over 32 GPUs
     assert w.chart.axis_label() == AXIS_LABEL_PER_GPU
     assert "32 GPUs" in w.chart.title_text() and "ZeRO-3" in w.chart.title_text()
     assert "per GPU" in w.chart.capacity_label.format
@@ -125,7 +127,7 @@ def test_offload_shows_host_memory_and_enables_node_size(window):
     assert host > 0
     assert w.inputs.node_size.isEnabled()
     text = f"Host (CPU) memory for offload: {format_bytes(host)} per node"
-    assert text in w.banner.detail.text() and text in w.advice.plan_text()
+    assert text in w.banner.detail.text() and "Host" not in w.advice.plan_text()  # said once, in the banner
     assert set_fields(w, offload="none", strategy="fsdp-hybrid", node_size="4")
     assert w.inputs.node_size.isEnabled() and w.result.setup.parallel.node_size == 4
     assert set_fields(w, strategy="zero3")
@@ -257,7 +259,12 @@ def test_the_banner_says_why_a_per_gpu_number_moves(window):
     w = window
     w.inputs.set_state(w.inputs.state().replace(preset="qwen2.5-1.5b", gpus="8", strategy="ddp", offload="none"))
     assert w.refresh()
-    assert "communication buckets" in w.banner.detail.text()
+    assert "communication buckets" in w.banner.full_text()
     w.inputs.set_state(w.inputs.state().replace(strategy="fsdp-full-shard", offload="optimizer"))
     assert w.refresh()
-    assert "FSDP CPUOffload: parameter and gradient shards and the optimizer step on the host" in w.banner.detail.text()
+    assert "FSDP CPUOffload: parameter and gradient shards and the optimizer step on the host" in w.banner.full_text()
+    assert w.banner.more.isVisibleTo(w.banner) and not w.banner.extra.isVisibleTo(w.banner)
+    w.banner.more.click()  # "Why? ▸" unfolds the reasons
+    assert w.banner.extra.isVisibleTo(w.banner) and "CPUOffload" in w.banner.extra.text()
+    w.banner.more.click()
+    assert not w.banner.extra.isVisibleTo(w.banner)

@@ -132,14 +132,40 @@ def gib(nbytes: int | float) -> float:
     return nbytes / 2**30
 
 
-def format_bytes(nbytes: int | float, *, digits: int = 2) -> str:
-    """Human-readable binary size: ``1.50 GiB``, ``512.00 MiB``, ``4.00 KiB``, ``12 B``."""
+#: Binary units, largest first (a hostile ledger can reach past EiB: sizes are not bounded, inputs are).
+BINARY_UNITS: tuple[tuple[str, int], ...] = (
+    ("YiB", 2**80), ("ZiB", 2**70), ("EiB", 2**60), ("PiB", 2**50), ("TiB", 2**40), ("GiB", 2**30),
+    ("MiB", 2**20), ("KiB", 2**10),
+)
+_UNIT_FACTORS = dict(BINARY_UNITS)
+
+
+def format_bytes(nbytes: int | float, *, digits: int = 2, unit: str | None = None) -> str:
+    """Human-readable binary size: ``1.50 GiB``, ``512.00 MiB``, ``4.00 KiB``, ``12 B``; ``unit`` fixes the unit
+    (a screen of sizes shares one, see :func:`screen_unit`)."""
     sign = "-" if nbytes < 0 else ""
     n = abs(nbytes)
-    for unit, factor in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    if unit is not None:
+        return f"{sign}{n / _UNIT_FACTORS[unit]:.{digits}f} {unit}"
+    for name, factor in BINARY_UNITS:
         if n >= factor:
-            return f"{sign}{n / factor:.{digits}f} {unit}"
+            return f"{sign}{n / factor:.{digits}f} {name}"
     return f"{sign}{int(n)} B"
+
+
+def screen_unit(largest_bytes: int | float) -> str:
+    """The one unit a set of sizes is shown in (a ledger, a chart axis): GiB, or the larger binary unit the
+    largest of them reads in, so "243681.76 GiB" never stands beside "237.97 TiB"."""
+    n = abs(largest_bytes)
+    for name, factor in BINARY_UNITS:
+        if factor > 2**30 and n >= factor:
+            return name
+    return "GiB"
+
+
+def in_unit(nbytes: int | float, unit: str) -> float:
+    """``nbytes`` in ``unit`` (one of :data:`BINARY_UNITS`' names)."""
+    return nbytes / _UNIT_FACTORS[unit]
 
 
 def format_count(n: int) -> str:

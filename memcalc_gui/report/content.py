@@ -17,7 +17,7 @@ from ..core.distributed import STRATEGY_LABELS
 from ..core.result import Result
 from ..core.setup import PRECISION_LABELS, TrainingSetup, gpu_presets
 from ..core.solver import MAX_SEARCH_BATCH
-from ..core.units import format_bytes, format_count
+from ..core.units import format_bytes, format_count, in_unit, screen_unit
 from ..core.vocab import OBJECT_LABELS, OBJECTS, PHASE_LABELS, PHASES
 from ..view.plan_text import (
     BEST_MARK,
@@ -206,8 +206,13 @@ class ReportContent:
         return "\n".join(out)
 
 
-def _bytes_cell(n: int) -> str:
-    return format_bytes(n) if n else "—"
+def _bytes_cell(n: int, unit: str | None = None) -> str:
+    """A size for a table cell; ``unit`` gives the whole table one unit (``units.screen_unit``)."""
+    if not n:
+        return "—"
+    if unit is not None and in_unit(n, unit) < 0.005:
+        return f"<0.01 {unit}"
+    return format_bytes(n, unit=unit)
 
 
 def _gpu_name(setup_gpu: str | None) -> tuple[str, str]:
@@ -341,12 +346,13 @@ def _plan_table(result: Result) -> Table | None:
 
 def _ledger_table(result: Result) -> Table:
     est = result.estimate
+    unit = screen_unit(max(est.phases[p].total_bytes for p in PHASES))  # one unit, as in the window's ledger
     rows = []
     for obj in OBJECTS:
-        cells = (OBJECT_LABELS[obj], *(_bytes_cell(est.phases[p].objects[obj]) for p in PHASES))
+        cells = (OBJECT_LABELS[obj], *(_bytes_cell(est.phases[p].objects[obj], unit) for p in PHASES))
         rows.append(Row(cells, color=obj))
-    rows.append(Row(("Total", *(format_bytes(est.phases[p].total_bytes) for p in PHASES)), strong=True))
-    rows.append(Row(("Tensors (allocated)", *(format_bytes(est.phases[p].tensor_bytes) for p in PHASES))))
+    rows.append(Row(("Total", *(_bytes_cell(est.phases[p].total_bytes, unit) for p in PHASES)), strong=True))
+    rows.append(Row(("Tensors (allocated)", *(_bytes_cell(est.phases[p].tensor_bytes, unit) for p in PHASES))))
     header = ("Object", *(PHASE_LABELS[p] + (" (peak)" if p == est.peak_phase else "") for p in PHASES))
     return Table(header, tuple(rows), align={i: "right" for i in range(1, len(PHASES) + 1)},
                  widths=(28, 18, 18, 18, 18), highlight_column=1 + PHASES.index(est.peak_phase))

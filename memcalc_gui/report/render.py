@@ -38,7 +38,7 @@ from PySide6.QtGui import (
 
 from ..core.result import Result
 from ..core.solver import MAX_GPUS
-from ..core.units import gib
+from ..core.units import in_unit, screen_unit
 from ..core.vocab import OBJECT_LABELS, OBJECTS, PHASE_LABELS, PHASES
 from ..view.assets import BUNDLED_FAMILY
 from ..view.plan_text import chart_scope, is_per_gpu
@@ -571,15 +571,20 @@ def render_pdf(content: ReportContent, result: Result, page: str) -> tuple[bytes
 
 
 # ---- PNG -----------------------------------------------------------------------------------------
-def _gib_cell(n: int) -> str:
+#: How each screen unit is defined in a table header.
+UNIT_POWERS = {"GiB": "2³⁰", "TiB": "2⁴⁰", "PiB": "2⁵⁰", "EiB": "2⁶⁰", "ZiB": "2⁷⁰", "YiB": "2⁸⁰"}
+
+
+def _unit_cell(n: int, unit: str) -> str:
     if n == 0:
         return "–"
-    g = gib(n)
+    g = in_unit(n, unit)
     return f"{g:,.2f}" if g >= 0.005 else "<0.01"
 
 
 def _png_ledger_html(result: Result, px: int) -> str:
     est = result.estimate
+    unit = screen_unit(max(est.phases[p].total_bytes for p in PHASES))  # the window's ledger uses the same
     peak_i = PHASES.index(est.peak_phase)
     short = {"load": "Load", "forward": "Forward", "backward": "Backward", "optimizer_step": "Opt. step"}
     head = "".join(f'<th align="right" bgcolor="{PEAK_BG if i == peak_i else HEAD_BG}">'
@@ -587,15 +592,16 @@ def _png_ledger_html(result: Result, px: int) -> str:
     rows = []
     for obj in OBJECTS:
         cells = "".join(f'<td align="right"{f" bgcolor={PEAK_BG!r}" if i == peak_i else ""}>'
-                        f'{_e(_gib_cell(est.phases[p].objects[obj]))}</td>' for i, p in enumerate(PHASES))
+                        f'{_e(_unit_cell(est.phases[p].objects[obj], unit))}</td>' for i, p in enumerate(PHASES))
         rows.append(f'<tr><td><span style="color:{OBJECT_COLORS[obj]}">■</span>&nbsp;{_e(OBJECT_LABELS[obj])}</td>'
                     f"{cells}</tr>")
     total = "".join(f'<td align="right"{f" bgcolor={PEAK_BG!r}" if i == peak_i else ""}><b>'
-                    f'{_e(_gib_cell(est.phases[p].total_bytes))}</b></td>' for i, p in enumerate(PHASES))
+                    f'{_e(_unit_cell(est.phases[p].total_bytes, unit))}</b></td>' for i, p in enumerate(PHASES))
     rows.append(f"<tr><td><b>Total</b></td>{total}</tr>")
     return (f'<table width="100%" border="1" cellspacing="0" cellpadding="5" '
             f'style="border-collapse:collapse; border-color:{RULE}; border-style:solid; font-size:{px}px">'
-            f'<thead><tr><th align="left" bgcolor="{HEAD_BG}">GiB (2³⁰ B)</th>{head}</tr></thead><tbody>'
+            f'<thead><tr><th align="left" bgcolor="{HEAD_BG}">{unit} ({UNIT_POWERS[unit]} B)</th>{head}</tr></thead>'
+            '<tbody>'
             + "".join(rows) + "</tbody></table>")
 
 

@@ -1,8 +1,9 @@
-"""The ledger as a table: memory objects × phases in GiB, with totals; Ctrl+C copies TSV."""
+"""The ledger as a table: memory objects × phases in one binary unit (GiB, or TiB and up for a peak past 1 TiB,
+``units.screen_unit``), with totals; Ctrl+C copies TSV."""
 
 from __future__ import annotations
 
-from PySide6.QtCore import Qt
+from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import (
     QAction,
     QBrush,
@@ -17,7 +18,7 @@ from PySide6.QtGui import (
 from PySide6.QtWidgets import QAbstractItemView, QHeaderView, QTableWidget, QTableWidgetItem, QWidget
 
 from ..core.ledger import Estimate
-from ..core.units import gib
+from ..core.units import in_unit, screen_unit
 from ..core.vocab import OBJECT_LABELS, OBJECTS, PHASE_LABELS, PHASES
 from ..view.theme import OBJECT_COLORS
 
@@ -25,6 +26,8 @@ BYTES_ROLE = Qt.ItemDataRole.UserRole + 1
 #: Column headers (short, so four columns fit beside the object names); the full names are tooltips.
 HEADER_LABELS = {p: PHASE_LABELS[p] for p in PHASES} | {"optimizer_step": "Step"}
 TOTAL_ROW = len(OBJECTS)
+TABLE_TIP = ("{unit} per object and phase (hover a cell for exact bytes). Ctrl+C copies the selection (or the whole "
+             "table) as tab-separated values.")
 
 
 def _swatch(color: str) -> QIcon:
@@ -33,15 +36,18 @@ def _swatch(color: str) -> QIcon:
     return QIcon(pix)
 
 
-def _cell_text(n: int) -> str:
+def _cell_text(n: int, unit: str = "GiB") -> str:
     if n == 0:
         return "–"
-    g = gib(n)
+    g = in_unit(n, unit)
     return f"{g:.2f}" if g >= 0.005 else "<0.01"
 
 
 class LedgerTable(QTableWidget):
-    """Rows: the nine ledger objects and the total; columns: the four phases. Values in GiB."""
+    """Rows: the nine ledger objects and the total; columns: the four phases. Values in :attr:`unit`;
+    ``unit_changed`` tells the window to relabel its tab."""
+
+    unit_changed = Signal(str)
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(len(OBJECTS) + 1, len(PHASES), parent)
@@ -53,8 +59,7 @@ class LedgerTable(QTableWidget):
         self.setAlternatingRowColors(True)
         self.setWordWrap(False)
         self.setTabKeyNavigation(False)  # Tab leaves the table (keyboard users move on)
-        self.setToolTip("GiB per object and phase (hover a cell for exact bytes). Ctrl+C copies the selection "
-                        "(or the whole table) as tab-separated values.")
+        self.setToolTip(TABLE_TIP.format(unit="GiB"))
         self.setVerticalHeaderLabels([OBJECT_LABELS[o] for o in OBJECTS] + ["Total"])
         self.setHorizontalHeaderLabels([HEADER_LABELS[p] + "\n" for p in PHASES])
         for c, p in enumerate(PHASES):
@@ -92,9 +97,18 @@ class LedgerTable(QTableWidget):
         self.addActions([copy, copy_bytes, select_all])
         self.setContextMenuPolicy(Qt.ContextMenuPolicy.ActionsContextMenu)
         self._peak_col = -1
+        self.unit = "GiB"
+        self._copy_action = copy
 
     def set_estimate(self, estimate: Estimate) -> None:
         peak_col = PHASES.index(estimate.peak_phase)
+        unit = screen_unit(max(ledger.total_bytes for ledger in estimate.phases.values()))
+        if unit != self.unit:
+            self.unit = unit
+            self.setAccessibleName(f"Ledger: memory objects by phase, {unit}")
+            self.setToolTip(TABLE_TIP.format(unit=unit))
+            self._copy_action.setText(f"Copy as TSV ({unit})")
+            self.unit_changed.emit(unit)
         for c, phase in enumerate(PHASES):
             ledger = estimate.phases[phase]
             for r, obj in enumerate(OBJECTS):
@@ -115,7 +129,7 @@ class LedgerTable(QTableWidget):
 
     def _set(self, r: int, c: int, n: int, tip: str) -> None:
         item = self.item(r, c)
-        text = _cell_text(n)
+        text = _cell_text(n, self.unit)
         if item.text() != text:
             item.setText(text)
         item.setData(BYTES_ROLE, str(int(n)))  # as text: Qt's integer roles stop at 2^63, a hostile ledger does not
@@ -127,17 +141,17 @@ class LedgerTable(QTableWidget):
         return int(n) if n else 0
 
     def to_tsv(self, rows: list[int] | None = None, cols: list[int] | None = None, *, exact_bytes: bool = False) -> str:
-        """Tab-separated values with a header row and the object names; GiB (4 decimals) or bytes."""
+        """Tab-separated values with a header row and the object names; the table's unit (4 decimals) or bytes."""
         rows = list(range(self.rowCount())) if rows is None else rows
         cols = list(range(self.columnCount())) if cols is None else cols
-        unit = "bytes" if exact_bytes else "GiB"
+        unit = "bytes" if exact_bytes else self.unit
         lines = ["\t".join([f"Object ({unit})"] + [PHASE_LABELS[PHASES[c]] for c in cols])]
         for r in rows:
             name = self.verticalHeaderItem(r).text()
             cells = []
             for c in cols:
                 n = self.bytes_at(r, c)
-                cells.append(str(n) if exact_bytes else f"{gib(n):.4f}")
+                cells.append(str(n) if exact_bytes else f"{in_unit(n, self.unit):.4f}")
             lines.append("\t".join([name, *cells]))
         return "\n".join(lines) + "\n"
 

@@ -230,10 +230,13 @@ class MainWindow(QMainWindow):
         self.tabs = QTabWidget()
         self.tabs.setObjectName("resultTabs")
         self.tabs.addTab(self.table, "&Ledger (GiB)")
+        self.table.unit_changed.connect(lambda unit: self.tabs.setTabText(0, f"&Ledger ({unit})"))
         self.tabs.addTab(self.assumptions, "Assumptions")
         self.advice = AdvicePanel()
         self.advice.apply_changes.connect(self.apply_changes)
-        advice_box = QGroupBox("What to change")
+        advice_box = QGroupBox("What to change (click to apply)")
+        advice_box.setToolTip("The largest micro-batch that fits, then the cheapest sets of changes that fit "
+                              "(precision last). Click one to apply it; Ctrl+Z undoes.")
         al = QVBoxLayout(advice_box)
         al.setContentsMargins(4, 4, 4, 4)
         al.addWidget(self.advice)
@@ -611,7 +614,7 @@ class MainWindow(QMainWindow):
     def _copy_ledger(self) -> str:
         text = self.table.to_tsv()
         QApplication.clipboard().setText(text)
-        self.statusBar().showMessage("Copied the ledger as tab-separated values (GiB).", 5000)
+        self.statusBar().showMessage(f"Copied the ledger as tab-separated values ({self.table.unit}).", 5000)
         return text
 
     def _focus_ledger(self) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from PySide6.QtCore import Qt, Signal
-from PySide6.QtGui import QKeyEvent, QMouseEvent
+from PySide6.QtGui import QKeyEvent, QMouseEvent, QPalette
 from PySide6.QtWidgets import (
     QFrame,
     QHBoxLayout,
@@ -13,6 +13,7 @@ from PySide6.QtWidgets import (
     QPushButton,
     QScrollArea,
     QSizePolicy,
+    QToolButton,
     QVBoxLayout,
     QWidget,
 )
@@ -73,10 +74,27 @@ class VerdictBanner(QFrame):
         sf.setItalic(True)
         self.stale_note.setFont(sf)
         self.stale_note.setVisible(False)
+        # the per-GPU reasons (host memory, what the strategy gathers, DDP's buckets...) fold away so the banner
+        # stays two or three lines and the ledger keeps its rows at 1280×720
+        self.extra = QLabel("")
+        self.extra.setObjectName("verdictExtra")
+        self.extra.setWordWrap(True)
+        self.extra.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.extra.setVisible(False)
         col.addWidget(self.text)
         col.addWidget(self.detail)
+        col.addWidget(self.extra)
         col.addWidget(self.stale_note)
         lay.addLayout(col, 1)
+        self.more = QToolButton()
+        self.more.setObjectName("verdictMore")
+        self.more.setCheckable(True)
+        self.more.setAutoRaise(True)
+        self.more.setText("Why? ▸")
+        self.more.setToolTip("Show why the per-GPU numbers are what they are (host memory, sharding, buckets)")
+        self.more.toggled.connect(self._toggle_extra)
+        self.more.setVisible(False)
+        lay.addWidget(self.more, 0, Qt.AlignmentFlag.AlignTop)
         self.setAccessibleName("Verdict")
         self._state = "neutral"
         self._stale = False
@@ -88,21 +106,35 @@ class VerdictBanner(QFrame):
         self.mark.setText({"fits": "✓", "over": "✗", "neutral": "?"}[self._state])
         self.text.setText(per_gpu_headline(result))
         est = result.estimate
-        detail = (f"Largest object at the peak: {OBJECT_LABELS[est.dominant_object].lower()} "
-                  f"({format_bytes(est.peak.objects[est.dominant_object])}). Tensor peak, what "
-                  f"max_memory_allocated would show: {format_bytes(est.peak_tensor_bytes)}.")
+        facts = (f"Largest object at the peak: {OBJECT_LABELS[est.dominant_object].lower()} "
+                 f"({format_bytes(est.peak.objects[est.dominant_object])}). Tensor peak, what "
+                 f"max_memory_allocated would show: {format_bytes(est.peak_tensor_bytes)}.")
+        extra = ""
         if is_per_gpu(result):
-            detail = f"Per GPU: {parallel_label(result.setup)}. {detail}"
+            detail = f"Per GPU: {parallel_label(result.setup)}."
             host = host_text(result)
             if host:
                 detail += f" {host}."
             reasons = est.details.get("parallel_notes") or ()
-            if reasons:
-                detail += " " + " ".join(f"{r}." for r in reasons)
+            extra = " ".join([facts, *(f"{r}." for r in reasons)])
+        else:
+            detail = facts
         for warning in result.warnings:
             detail += f" ⚠ {warning}"
         self.detail.setText(detail)
+        self.extra.setText(extra)
+        self.more.setVisible(bool(extra))
+        self.extra.setVisible(bool(extra) and self.more.isChecked())
         self._restyle()
+
+    def _toggle_extra(self, shown: bool) -> None:
+        self.more.setText("Why? ▾" if shown else "Why? ▸")
+        self.extra.setVisible(shown and bool(self.extra.text()))
+
+    def full_text(self) -> str:
+        """Everything the banner says, folded part included (tests, accessibility)."""
+        return " ".join(t for t in (self.text.text(), self.detail.text(), self.extra.text(), self.stale_note.text())
+                        if t)
 
     def set_stale(self, stale: bool, reason: str = "") -> None:
         """Mark the drawn result as belonging to the last valid inputs (an input is invalid now)."""
@@ -147,8 +179,13 @@ class SuggestionCard(QFrame):
         self.title.setFont(f)
         self.description = QLabel("")
         self.description.setWordWrap(True)
+        self.tradeoff = QLabel("")
+        self.tradeoff.setObjectName("suggestionTradeoff")
+        self.tradeoff.setWordWrap(True)
+        self.tradeoff.setForegroundRole(QPalette.ColorRole.PlaceholderText)
         lay.addWidget(self.title)
         lay.addWidget(self.description)
+        lay.addWidget(self.tradeoff)
         self.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Minimum)
         self.setStyleSheet(
             "#suggestionCard { border: 1px solid palette(mid); border-radius: 5px; }"
@@ -156,12 +193,14 @@ class SuggestionCard(QFrame):
             "#suggestionCard:focus { border: 2px solid palette(highlight); }"
         )
 
-    def set_content(self, title: str, description: str, fits: bool | None) -> None:
+    def set_content(self, title: str, description: str, fits: bool | None, tradeoff: str = "") -> None:
         mark = "" if fits is None else ("✓ " if fits else "")
         self.title.setText(mark + title)
         self.description.setText(description)
+        self.tradeoff.setText(f"Trade-off: {tradeoff}." if tradeoff else "")
+        self.tradeoff.setVisible(bool(tradeoff))
         self.setAccessibleName(title)
-        self.setAccessibleDescription(description)
+        self.setAccessibleDescription(f"{description} {self.tradeoff.text()}".strip())
 
     def text(self) -> str:
         return self.title.text()
@@ -223,8 +262,8 @@ class AdvicePanel(QWidget):
         self.plan.setVisible(False)
         self.use_plan.setVisible(False)
         self._plan_action: tuple[str, dict[str, Any]] | None = None
-        self.heading = QLabel("<b>Suggestions</b> (click to apply; Ctrl+Z undoes)")
-        lay.addWidget(self.heading)
+        self.heading = QLabel("Cheapest changes that fit first; click one to apply it (Ctrl+Z undoes).")
+        self.heading.setVisible(False)  # said by the box's title and tooltip: the cards get the room
         area = QScrollArea()
         area.setWidgetResizable(True)
         area.setFrameShape(QFrame.Shape.NoFrame)
@@ -265,8 +304,8 @@ class AdvicePanel(QWidget):
             self.use_max.setVisible(False)
         else:
             note = " (the current one)" if v.max_micro_batch == setup.batch else ""
-            self.max_batch.setText(f"Largest micro-batch that fits: <b>{v.max_micro_batch}</b>{note} "
-                                   f"at sequence length {setup.seq}.")
+            self.max_batch.setText(f"Largest micro-batch that fits: <b>{v.max_micro_batch}</b>{note}.")
+            self.max_batch.setToolTip(f"At sequence length {setup.seq:,}, with everything else as set.")
             self._max_changes = micro_batch_changes(setup, v.max_micro_batch)
             b = self._max_changes["batch"]
             k = self._max_changes.get("grad_accum", setup.grad_accum)
@@ -281,8 +320,8 @@ class AdvicePanel(QWidget):
         for i, b in enumerate(self.buttons):
             if i < len(self._suggestions):
                 s = self._suggestions[i]
-                b.set_content(s.title, describe(s), s.fits)
-                b.setToolTip(f"Applies: {format_changes(s.changes)}")
+                b.set_content(s.title, describe(s, v.capacity_bytes), s.fits, s.tradeoff)
+                b.setToolTip(f"Saves {format_bytes(s.saves_bytes)} at the peak. Applies: {format_changes(s.changes)}")
                 b.setVisible(True)
             else:
                 b.setVisible(False)
@@ -295,10 +334,7 @@ class AdvicePanel(QWidget):
             self.empty.setVisible(False)
 
     def _set_plan(self, result: Result) -> None:
-        sentences = plan_sentences(result)
-        host = host_text(result)
-        if host:
-            sentences.append(host + ".")
+        sentences = plan_sentences(result)  # the host memory is in the banner, right above
         self.plan.setText(" ".join(sentences))
         self.plan.setVisible(bool(sentences))
         self._plan_action = plan_action(result)
@@ -333,10 +369,15 @@ class AdvicePanel(QWidget):
             self.apply_changes.emit(self.use_max.text(), dict(self._max_changes))
 
 
-def describe(s: Suggestion) -> str:
-    fits = "" if s.fits is None else (", fits" if s.fits else ", still over")
-    trade = f" Trade-off: {s.tradeoff}." if s.tradeoff else ""
-    return f"Saves {format_bytes(s.saves_bytes)} → peak {format_bytes(s.peak_bytes)}{fits}.{trade}"
+def describe(s: Suggestion, capacity_bytes: int | None = None) -> str:
+    """``Peak 43.34 GiB · headroom 35.81 GiB`` (``over by …`` when it does not fit; ``saves …`` without a
+    capacity). What it saves is in the card's tooltip."""
+    peak = f"Peak {format_bytes(s.peak_bytes)}"
+    if capacity_bytes is None or s.fits is None:
+        return f"{peak} · saves {format_bytes(s.saves_bytes)}"
+    if s.peak_bytes <= capacity_bytes:
+        return f"{peak} · headroom {format_bytes(capacity_bytes - s.peak_bytes)}"
+    return f"{peak} · still over by {format_bytes(s.peak_bytes - capacity_bytes)}"
 
 
 def format_changes(changes: dict[str, Any]) -> str:

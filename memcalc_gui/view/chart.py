@@ -1,7 +1,8 @@
 """The phase chart: one stacked bar per phase, one segment per ledger object, a capacity line.
 
 Every plot item is created once and updated in place (``setOpts``/``setData``); an estimate never
-rebuilds the scene. Values are drawn in GiB (2**30); the axis never switches to SI prefixes.
+rebuilds the scene. Values are drawn in GiB (2**30), or in the larger binary unit of a peak past 1 TiB (the
+ledger table uses the same, ``units.screen_unit``); the axis never switches to SI prefixes.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from PySide6.QtGui import QColor, QCursor, QFont, QFontMetrics, QPalette
 from PySide6.QtWidgets import QToolTip, QWidget
 
 from ..core.ledger import Estimate
-from ..core.units import format_bytes, gib
+from ..core.units import format_bytes, in_unit, screen_unit
 from ..core.vocab import OBJECT_LABELS, OBJECTS, PHASE_LABELS, PHASES
 from .theme import OBJECT_COLORS, STACK_ORDER, is_dark
 
@@ -34,6 +35,8 @@ TICK_VARIANTS = (
     {"load": "Load", "forward": "Fwd.", "backward": "Bwd.", "optimizer_step": "Opt."},
 )
 AXIS_LABEL = "Memory (GiB)"
+AXIS_TEMPLATE = "Memory ({unit})"
+AXIS_TEMPLATE_PER_GPU = "Memory per GPU ({unit})"
 #: The value axis starts a little below zero so its "0" label is drawn (pyqtgraph drops a label it cannot fit).
 ZERO_MARGIN = 0.03
 AXIS_LABEL_PER_GPU = "Memory per GPU (GiB)"
@@ -143,6 +146,7 @@ class MemoryChart(pg.GraphicsLayoutWidget):
 
         self._estimate: Estimate | None = None
         self._scope: str | None = None
+        self.unit = "GiB"
         self._peak_i = 0
         self._ticks: list[tuple[float, str]] = []
         self._capacity_texts: tuple[str, str] | None = None
@@ -163,11 +167,12 @@ class MemoryChart(pg.GraphicsLayoutWidget):
         ``per_gpu``: the ledger is one GPU's of several (a distributed setup); the text (e.g. "32 × H100,
         ZeRO-3") becomes the chart's title and the axis says "per GPU". ``None``: a single GPU."""
         self._estimate = estimate
+        self.unit = screen_unit(max(estimate.phases[p].total_bytes for p in PHASES))
         self._set_scope(per_gpu)
         self._capacity = capacity_bytes
         base = np.zeros(len(PHASES))
         for obj in STACK_ORDER:
-            heights = np.array([gib(estimate.phases[p].objects[obj]) for p in PHASES])
+            heights = np.array([self._in(estimate.phases[p].objects[obj]) for p in PHASES])
             self._y0[obj] = base.copy()
             self._stack[obj] = heights
             self.bars[obj].setOpts(x=X, y0=base.copy(), height=heights, width=BAR_WIDTH)
@@ -175,7 +180,7 @@ class MemoryChart(pg.GraphicsLayoutWidget):
         totals = base
         peak_i = PHASES.index(estimate.peak_phase)
         peak_total = float(totals[peak_i])
-        top = max(peak_total, gib(capacity_bytes) if capacity_bytes else 0.0)
+        top = max(peak_total, self._in(capacity_bytes) if capacity_bytes else 0.0)
         ymax = top * 1.14 if top > 0 else 1.0
         self.peak_band.setOpts(x=[float(peak_i)], y0=[0.0], height=[ymax], width=0.86)
         self.peak_outline.setOpts(x=[float(peak_i)], y0=[0.0], height=[peak_total], width=BAR_WIDTH + 0.04)
@@ -188,7 +193,7 @@ class MemoryChart(pg.GraphicsLayoutWidget):
             label.setPos(float(i), float(totals[i]) + ymax * 0.005)
 
         if capacity_bytes:
-            self.capacity_line.setPos(gib(capacity_bytes))
+            self.capacity_line.setPos(self._in(capacity_bytes))
             name = f"{capacity_name} capacity" if capacity_name else "Capacity"
             if per_gpu is not None:
                 name += " per GPU"
@@ -202,6 +207,10 @@ class MemoryChart(pg.GraphicsLayoutWidget):
         self.plot.setYRange(-ymax * ZERO_MARGIN, ymax, padding=0)
         self.plot.setXRange(-0.55, len(PHASES) - 0.45, padding=0)
         self._layout_measured()
+
+    def _in(self, nbytes: int | float) -> float:
+        """Bytes in the chart's unit."""
+        return in_unit(nbytes, self.unit)
 
     def _fit_labels(self, *_: object) -> None:
         """Phase names, totals and the capacity text that fit the plot's current width.
@@ -227,10 +236,10 @@ class MemoryChart(pg.GraphicsLayoutWidget):
             axis.setTicks([ticks])
         color = self._text_color()
         for i, label in enumerate(self.total_labels):
-            value = gib(est.phases[PHASES[i]].total_bytes)
+            value = self._in(est.phases[PHASES[i]].total_bytes)
             bold = QFontMetrics(label.textItem.font())
-            text = f"{value:.2f} GiB"
-            for candidate in (f"{value:.2f} GiB", f"{value:.2f}", f"{value:.0f}"):
+            text = f"{value:.2f} {self.unit}"
+            for candidate in (f"{value:.2f} {self.unit}", f"{value:.2f}", f"{value:.0f}"):
                 text = candidate
                 if bold.horizontalAdvance(candidate) <= slot * 1.05:
                     break
@@ -247,10 +256,11 @@ class MemoryChart(pg.GraphicsLayoutWidget):
         return [t for _x, t in self._ticks]
 
     def _set_scope(self, per_gpu: str | None) -> None:
-        if per_gpu == self._scope:
+        label = (AXIS_TEMPLATE if per_gpu is None else AXIS_TEMPLATE_PER_GPU).format(unit=self.unit)
+        if per_gpu == self._scope and label == self.axis_label():
             return
         self._scope = per_gpu
-        self.plot.getAxis("left").setLabel(AXIS_LABEL if per_gpu is None else AXIS_LABEL_PER_GPU)
+        self.plot.getAxis("left").setLabel(label)
         if per_gpu is None:
             self.plot.setTitle(None)
         else:
@@ -309,7 +319,7 @@ class MemoryChart(pg.GraphicsLayoutWidget):
         self._layout_measured()
 
     def measured_points(self) -> list[tuple[float, float]]:
-        """The drawn markers as (x, GiB) pairs (tests)."""
+        """The drawn markers as (x, value in the chart's unit) pairs (tests)."""
         if not self.measured.isVisible():
             return []
         return [(float(p.pos().x()), float(p.pos().y())) for p in self.measured.points()]
@@ -321,10 +331,10 @@ class MemoryChart(pg.GraphicsLayoutWidget):
             self.measured_ref.setVisible(False)
             return
         phases = [p for p in PHASES if p in self._measured]
-        ys = [gib(self._measured[p]) for p in phases]
+        ys = [self._in(self._measured[p]) for p in phases]
         if self._measured_ref:
             xs = [PHASES.index(p) + REF_DX for p in phases]
-            ref = [gib(self._measured_ref.get(p, 0)) for p in phases]
+            ref = [self._in(self._measured_ref.get(p, 0)) for p in phases]
             self.measured_ref.setOpts(x=xs, y0=[0.0] * len(xs), height=ref, width=REF_WIDTH)
             self.measured_ref.setVisible(True)
             tops = ys + ref
@@ -332,7 +342,7 @@ class MemoryChart(pg.GraphicsLayoutWidget):
             xs = [float(PHASES.index(p)) for p in phases]
             if self._estimate is not None:
                 est = self._estimate
-                ys = [y + gib(est.phases[p].objects["cuda_context"]) for p, y in zip(phases, ys, strict=True)]
+                ys = [y + self._in(est.phases[p].objects["cuda_context"]) for p, y in zip(phases, ys, strict=True)]
             self.measured_ref.setVisible(False)
             tops = ys
         self.measured.setData(x=xs, y=ys)
@@ -344,7 +354,7 @@ class MemoryChart(pg.GraphicsLayoutWidget):
 
     # ---- queries (also used by tests) ------------------------------------------------------------
     def heights(self) -> dict[str, list[float]]:
-        """The drawn segment heights in GiB, object → per phase."""
+        """The drawn segment heights in the chart's unit (GiB unless the peak passes 1 TiB), object → per phase."""
         return {obj: [float(v) for v in self.bars[obj].opts["height"]] for obj in OBJECTS}
 
     def segment_at(self, x: float, y: float) -> tuple[str, str] | None:
@@ -367,7 +377,7 @@ class MemoryChart(pg.GraphicsLayoutWidget):
         total = self._estimate.phases[phase].total_bytes
         share = n / total * 100 if total else 0.0
         return (f"<b>{OBJECT_LABELS[obj]}</b> — {PHASE_LABELS[phase]}<br>"
-                f"{gib(n):.3f} GiB ({share:.1f} % of the phase)<br>{n:,} bytes")
+                f"{self._in(n):.3f} {self.unit} ({share:.1f} % of the phase)<br>{n:,} bytes")
 
     def _on_mouse_moved(self, pos: QPointF) -> None:
         vb = self.plot.getViewBox()
