@@ -727,3 +727,37 @@ def test_one_unit_on_one_screen_even_for_absurd_sizes(window):
     # back to a normal model: GiB again everywhere
     w.apply_state(w.inputs.state().replace(preset="gpt2", batch="4", seq="1024"))
     assert w.refresh() and w.table.unit == w.chart.unit == "GiB" and w.tabs.tabText(0) == "&Ledger (GiB)"
+
+
+def test_source_switch_keeps_each_model_row_level_with_its_label(window):
+    """Switching Source to config.json and back used to leave the Preset field centred in a two-row-tall stack,
+    below its label. Every page now takes only its own height, and its field is level with the label."""
+    from PySide6.QtCore import QPoint
+
+    w = window
+    inputs = w.inputs
+
+    def centre_y(widget) -> int:
+        return widget.mapTo(inputs, QPoint(0, widget.height() // 2)).y()
+
+    for index in (1, 0, 2, 0, 1):
+        inputs.model_kind.setCurrentIndex(index)
+        QApplication.processEvents()
+        field = {0: inputs.preset, 1: inputs.config_path, 2: inputs.params}[index]
+        assert inputs.model_stack.currentIndex() == index
+        assert abs(centre_y(field) - centre_y(inputs.model_label)) <= 3, index
+        page = inputs.model_stack.currentWidget()
+        assert inputs.model_stack.height() <= page.sizeHint().height() + 2, index
+    assert inputs.open_button.isVisible()  # the config page's button row is there when it is the page
+
+
+def test_status_bar_forgets_the_check_message_once_the_input_is_valid_again(window):
+    w = window
+    w.apply_state(w.inputs.state().replace(batch="zero"))
+    assert not w.refresh()
+    assert w.statusBar().currentMessage().startswith("Check micro-batch")
+    w.apply_state(w.inputs.state().replace(batch="2"))
+    assert w.refresh()
+    assert w.statusBar().currentMessage() == ""
+    w.statusBar().showMessage("Report saved")  # other messages stay
+    assert w.refresh() and w.statusBar().currentMessage() == "Report saved"

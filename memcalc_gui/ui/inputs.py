@@ -409,6 +409,13 @@ class InputPanel(QWidget):
         kind = self.model_kind.currentData()
         index = {"preset": 0, "config": 1, "params": 2}.get(kind, 0)
         self.model_stack.setCurrentIndex(index)
+        # a stacked widget is as tall as its tallest page (the config page has a button row) and centres the
+        # others: only the current page may ask for room, so the Preset row stays one line, level with its label
+        for i in range(self.model_stack.count()):
+            page = self.model_stack.widget(i)
+            policy = QSizePolicy.Policy.Preferred if i == index else QSizePolicy.Policy.Ignored
+            page.setSizePolicy(policy, policy)
+        self.model_stack.updateGeometry()
         pages = {0: ("&Preset:", self.preset), 1: ("&JSON file:", self.config_path), 2: ("&Parameters:", self.params)}
         label, buddy = pages[index]
         self.model_label.setText(label)

@@ -161,6 +161,7 @@ class MainWindow(QMainWindow):
         self._committed: FormState | None = None
         self._recording = True
         self._closed = False
+        self._invalid_message = ""
 
         self.debounce = QTimer(self)
         self.debounce.setObjectName("debounceTimer")
@@ -421,6 +422,8 @@ class MainWindow(QMainWindow):
             return self._invalid({"general": one_line(f"cannot show this result ({type(exc).__name__}: {exc})")})
         self.inputs.show_errors({})
         self.banner.set_stale(False)
+        if self.statusBar().currentMessage() == self._invalid_message:
+            self.statusBar().clearMessage()  # valid again: the "Check …" message no longer applies
         self.analytic_result = result
         self.trace_result = None
         if self._committed is not None and state != self._committed and self._recording:
@@ -440,7 +443,8 @@ class MainWindow(QMainWindow):
         names = ", ".join(FIELD_NAMES.get(k, k) for k in errors)
         first = next(iter(errors.items()))
         self.banner.set_stale(True, f"{FIELD_NAMES.get(first[0], first[0])}: {first[1]}")
-        self.statusBar().showMessage(f"Check {names}: the chart shows the last valid setup.", 8000)
+        self._invalid_message = f"Check {names}: the chart shows the last valid setup."
+        self.statusBar().showMessage(self._invalid_message, 8000)
         self._update_undo_actions()
         return False
 
