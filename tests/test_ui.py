@@ -761,3 +761,38 @@ def test_status_bar_forgets_the_check_message_once_the_input_is_valid_again(wind
     assert w.statusBar().currentMessage() == ""
     w.statusBar().showMessage("Report saved")  # other messages stay
     assert w.refresh() and w.statusBar().currentMessage() == "Report saved"
+
+
+def test_preset_list_shows_each_size_and_family(window):
+    """The preset drop-down and the completion popup draw "1.544B · qwen2" beside each name."""
+    from PySide6.QtGui import QImage, QPainter
+    from PySide6.QtWidgets import QStyleOptionViewItem
+
+    w = window
+    details = w.inputs.preset_delegate.details
+    assert set(details) == set(w.cache.names())
+    assert details["qwen2.5-1.5b"] == "1.544B · qwen2" and details["gpt2"] == "124.4M · gpt2"
+    assert w.inputs.preset.itemDelegate() is w.inputs.preset_delegate
+    assert w.inputs.preset.completer().popup().itemDelegate() is w.inputs.preset_delegate
+    # the delegate really paints the detail: a row with it has more ink than the name alone
+    view = w.inputs.preset.view()
+    index = view.model().index(w.inputs.preset.findText("qwen2.5-1.5b"), 0)
+    option = QStyleOptionViewItem()
+    option.initFrom(view)
+    option.rect = view.visualRect(index).adjusted(0, 0, 0, 0)
+    option.rect.setSize(option.rect.size().expandedTo(w.inputs.preset_delegate.sizeHint(option, index)))
+
+    def ink(with_detail: bool) -> int:
+        image = QImage(option.rect.size(), QImage.Format.Format_ARGB32)
+        image.fill(0)
+        painter = QPainter(image)
+        option.rect.moveTo(0, 0)
+        saved = dict(details)
+        if not with_detail:
+            details.clear()
+        w.inputs.preset_delegate.paint(painter, option, index)
+        details.update(saved)
+        painter.end()
+        return sum(1 for x in range(image.width()) for y in range(image.height()) if image.pixel(x, y) >> 24)
+
+    assert ink(True) > ink(False) + 20

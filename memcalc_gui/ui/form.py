@@ -26,7 +26,7 @@ from ..core.setup import (
     TrainingSetup,
     gpu_presets,
 )
-from ..core.units import format_bytes, parse_count, parse_positive_int, parse_size
+from ..core.units import format_bytes, format_count, parse_count, parse_positive_int, parse_size
 
 MODEL_KINDS: Final = ("preset", "config", "params")
 DEFAULT_PRESET: Final = "qwen2.5-1.5b"
@@ -189,6 +189,17 @@ class ModelCache:
         if self._names is None:
             self._names = preset_names()
         return self._names
+
+    def details(self) -> dict[str, str]:
+        """Preset name → ``1.54B · qwen2`` (what the preset list shows beside each name)."""
+        out: dict[str, str] = {}
+        for name in self.names():
+            try:
+                spec = self.preset(name)
+            except Exception:  # a broken preset file shows no detail rather than stopping the window
+                continue
+            out[name] = f"{format_count(spec.num_params)} · {spec.family}"
+        return out
 
     def preset(self, text: str) -> ModelSpec:
         key = text.strip().lower()

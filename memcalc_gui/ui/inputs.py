@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import itertools
 
-from PySide6.QtCore import QEvent, QObject, Qt, Signal
-from PySide6.QtGui import QKeyEvent, QKeySequence, QPalette
+from PySide6.QtCore import QEvent, QModelIndex, QObject, QPersistentModelIndex, QSize, Qt, Signal
+from PySide6.QtGui import QKeyEvent, QKeySequence, QPainter, QPalette
 from PySide6.QtWidgets import (
     QCheckBox,
     QComboBox,
@@ -22,6 +22,9 @@ from PySide6.QtWidgets import (
     QPushButton,
     QSizePolicy,
     QStackedWidget,
+    QStyle,
+    QStyledItemDelegate,
+    QStyleOptionViewItem,
     QVBoxLayout,
     QWidget,
 )
@@ -163,13 +166,44 @@ def _set_combo(combo: QComboBox, value: str, fallback: str | None = None) -> Non
         combo.setCurrentIndex(i)
 
 
+class PresetDelegate(QStyledItemDelegate):
+    """Draws a preset's size and family right-aligned and muted beside its name (``1.54B · qwen2``), in the
+    drop-down list and in the completion popup (looked up by the shown name, so both models work)."""
+
+    def __init__(self, details: dict[str, str], parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self.details = details
+
+    def paint(self, painter: QPainter, option: QStyleOptionViewItem, index: QModelIndex | QPersistentModelIndex
+              ) -> None:
+        super().paint(painter, option, index)
+        detail = self.details.get(str(index.data(Qt.ItemDataRole.DisplayRole) or ""))
+        if not detail:
+            return
+        painter.save()
+        selected = bool(option.state & QStyle.StateFlag.State_Selected)  # type: ignore[attr-defined]
+        role = QPalette.ColorRole.HighlightedText if selected else QPalette.ColorRole.PlaceholderText
+        painter.setPen(option.palette.color(role))  # type: ignore[attr-defined]
+        rect = option.rect.adjusted(0, 0, -8, 0)  # type: ignore[attr-defined]
+        painter.drawText(rect, int(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter), detail)
+        painter.restore()
+
+    def sizeHint(self, option: QStyleOptionViewItem, index: QModelIndex | QPersistentModelIndex) -> QSize:
+        size = super().sizeHint(option, index)
+        detail = self.details.get(str(index.data(Qt.ItemDataRole.DisplayRole) or ""))
+        if detail:
+            size.setWidth(size.width() + option.fontMetrics.horizontalAdvance(detail) + 24)  # type: ignore[attr-defined]
+        return size
+
+
 class InputPanel(QWidget):
     """All inputs. ``edited`` fires on every user change; ``open_config_requested`` on the button."""
 
     edited = Signal()
     open_config_requested = Signal()
 
-    def __init__(self, preset_names: list[str], parent: QWidget | None = None) -> None:
+    def __init__(self, preset_names: list[str], parent: QWidget | None = None, *,
+                 preset_details: dict[str, str] | None = None) -> None:
         super().__init__(parent)
         self.setObjectName("inputPanel")
         self._undo_filter = _KeepUndoForWindow(self)
@@ -201,6 +235,10 @@ class InputPanel(QWidget):
         self.preset.setCompleter(completer)
         self.preset.lineEdit().setPlaceholderText("type to filter, e.g. qwen")
         self.preset.lineEdit().setClearButtonEnabled(True)
+        self.preset_delegate = PresetDelegate(preset_details or {}, self.preset)
+        self.preset.setItemDelegate(self.preset_delegate)
+        completer.popup().setItemDelegate(self.preset_delegate)
+        self.preset.view().setMinimumWidth(self.preset.view().sizeHintForColumn(0) + 24)
 
         self.config_path = QLineEdit()
         self.config_path.setPlaceholderText("path to config.json")

@@ -195,7 +195,7 @@ class MainWindow(QMainWindow):
 
     # ---- construction -------------------------------------------------------------------------
     def _build_ui(self) -> None:
-        self.inputs = InputPanel(self.cache.names())
+        self.inputs = InputPanel(self.cache.names(), preset_details=self.cache.details())
         self.inputs.edited.connect(self.schedule_refresh)
         self.inputs.open_config_requested.connect(self.choose_config)
         left = QScrollArea()
