@@ -262,6 +262,12 @@ def test_measurement_and_trace_sections(fits, tmp_path):
     assert "Per-module breakdown (trace)" in one and "model.embed_tokens" in one and "lm_head" in one
     png = export_report(fits, tmp_path / "measured.png", measurement=measurement)
     assert QImage(str(png)).width() == 1600
+    # the PNG prints the measured values and the error beside the ledger, not only diamonds on the chart
+    from memcalc_gui.report.render import _png_ledger_html
+
+    html = _png_ledger_html(fits, 15, content.measured_peaks)
+    backward = content.measured_peaks["backward"]
+    assert "◇ Measured" in html and f"{backward / 2**30:,.2f}" in html and html.count("+4.2 %") == 4
 
 
 # ---- multi-GPU and trace --------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import pytest
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
-from PySide6.QtCore import Qt
+from PySide6.QtCore import QPointF, Qt
 from PySide6.QtWidgets import QApplication
 
 from memcalc_gui.core.errors import MemcalcError
@@ -398,3 +398,19 @@ def test_helpers():
     assert measure_panel.progress_fraction("iteration 2 of 4: backward") == pytest.approx((1 + 1 / 3) / 4)
     assert measure_panel.progress_fraction("building the model on the CPU") is None
     assert re.fullmatch(r"Measure on .+", measure_panel.button_text(GPU))
+
+
+def test_hovering_a_measured_marker_names_its_value_and_the_error(window, qtbot, monkeypatch):
+    w = window
+    result = fake_result(w, factor=0.96)
+    monkeypatch.setattr(engine, "measure", lambda *a, **k: result)
+    with qtbot.waitSignal(w.measure_panel.finished, timeout=5000):
+        click(qtbot, w.measure_panel.button)
+    chart = w.chart
+    vb = chart.plot.getViewBox()
+    x, y = chart.measured_points()[PHASES.index("backward")]
+    text = chart.measured_tooltip_at(vb.mapViewToScene(QPointF(x, y)))
+    measured = result.phases["backward"].peak_bytes
+    assert "Measured" in text and "Backward" in text
+    assert f"{measured / 2**30:.2f} GiB" in text and "+4.2 %" in text
+    assert chart.measured_tooltip_at(vb.mapViewToScene(QPointF(x + 0.3, y))) == ""  # away from the marker

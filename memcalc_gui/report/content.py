@@ -547,8 +547,9 @@ def build_content(result: Result, *, measurement: MeasureResult | None = None,
     measured_reference: dict[str, int] = {}
     measured_label = ""
     measurement_section = None
+    unit = screen_unit(max(est.phases[p].total_bytes for p in PHASES))
     caption = ("Memory per GPU per phase" if per_gpu else "Memory per phase") + \
-        ", stacked by object (GiB); the outlined bar is the peak" + (
+        f", stacked by object ({unit}); the outlined bar is the peak" + (
         ", the dashed line the GPU capacity." if setup.capacity_bytes is not None else ".")
     if measurement is not None:
         measurement_section = _measurement_section(measurement)

@@ -582,7 +582,10 @@ def _unit_cell(n: int, unit: str) -> str:
     return f"{g:,.2f}" if g >= 0.005 else "<0.01"
 
 
-def _png_ledger_html(result: Result, px: int) -> str:
+def _png_ledger_html(result: Result, px: int, measured: dict[str, int] | None = None,
+                     reference: dict[str, int] | None = None) -> str:
+    """The ledger table of the PNG; with a measurement, its tensor peaks and the estimate's error per phase
+    (against ``reference``, the estimate of a scaled-down measured setup, when there is one)."""
     est = result.estimate
     unit = screen_unit(max(est.phases[p].total_bytes for p in PHASES))  # the window's ledger uses the same
     peak_i = PHASES.index(est.peak_phase)
@@ -598,6 +601,16 @@ def _png_ledger_html(result: Result, px: int) -> str:
     total = "".join(f'<td align="right"{f" bgcolor={PEAK_BG!r}" if i == peak_i else ""}><b>'
                     f'{_e(_unit_cell(est.phases[p].total_bytes, unit))}</b></td>' for i, p in enumerate(PHASES))
     rows.append(f"<tr><td><b>Total</b></td>{total}</tr>")
+    if measured:
+        against = reference or {p: est.phases[p].tensor_bytes for p in PHASES}
+        label = "◇ Measured (scaled)" if reference else "◇ Measured"
+        cells = "".join(f'<td align="right">{_e(_unit_cell(measured[p], unit)) if p in measured else "–"}</td>'
+                        for p in PHASES)
+        rows.append(f"<tr><td><b>{_e(label)}</b></td>{cells}</tr>")
+        errs = "".join(
+            f'<td align="right">{_e(f"{(against[p] - measured[p]) / measured[p] * 100:+.1f} %")}</td>'
+            if measured.get(p) else '<td align="right">–</td>' for p in PHASES)
+        rows.append(f'<tr><td style="color:{MUTED}">Estimate error</td>{errs}</tr>')
     return (f'<table width="100%" border="1" cellspacing="0" cellpadding="5" '
             f'style="border-collapse:collapse; border-color:{RULE}; border-style:solid; font-size:{px}px">'
             f'<thead><tr><th align="left" bgcolor="{HEAD_BG}">{unit} ({UNIT_POWERS[unit]} B)</th>{head}</tr></thead>'
@@ -607,7 +620,7 @@ def _png_ledger_html(result: Result, px: int) -> str:
 
 def _png_side_html(content: ReportContent, result: Result) -> str:
     v = result.verdict
-    parts = [_png_ledger_html(result, 15)]
+    parts = [_png_ledger_html(result, 15, content.measured_peaks, content.measured_reference or None)]
     keys = ("Largest object", "Tensor peak", "Largest micro-batch that fits")
     if content.per_gpu:
         keys = ("GPU", *keys, "Host memory")

@@ -379,13 +379,40 @@ class MemoryChart(pg.GraphicsLayoutWidget):
         return (f"<b>{OBJECT_LABELS[obj]}</b> — {PHASE_LABELS[phase]}<br>"
                 f"{self._in(n):.3f} {self.unit} ({share:.1f} % of the phase)<br>{n:,} bytes")
 
+    def measured_tooltip_at(self, scene_pos: QPointF, radius_px: float = 9.0) -> str:
+        """The measured value (and the estimate's error) of the marker under a scene point, or ""."""
+        if not self._measured or not self.measured.isVisible():
+            return ""
+        vb = self.plot.getViewBox()
+        for point in self.measured.points():
+            at = vb.mapViewToScene(point.pos())
+            if (at - scene_pos).manhattanLength() > radius_px * 1.5:
+                continue
+            phase = PHASES[round(point.pos().x() - (REF_DX if self._measured_ref else 0.0))]
+            measured = self._measured[phase]
+            if self._measured_ref:
+                against, what = self._measured_ref.get(phase, 0), "estimate of the measured (scaled-down) setup"
+            elif self._estimate is not None:
+                against, what = self._estimate.phases[phase].tensor_bytes, "estimated tensors"
+            else:
+                against, what = 0, ""
+            error = ""
+            if against and measured:
+                error = (f"<br>{what}: {self._in(against):.2f} {self.unit} "
+                         f"({(against - measured) / measured * 100:+.1f} %)")
+            return (f"<b>Measured</b> — {PHASE_LABELS[phase]}<br>{self._in(measured):.2f} {self.unit} tensor peak "
+                    f"(allocated){error}")
+        return ""
+
     def _on_mouse_moved(self, pos: QPointF) -> None:
         vb = self.plot.getViewBox()
         seg = None
+        text = ""
         if vb.sceneBoundingRect().contains(pos):
+            text = self.measured_tooltip_at(pos)
             p = vb.mapSceneToView(pos)
-            seg = self.segment_at(p.x(), p.y())
-        text = self.tooltip_text(*seg) if seg else ""
+            seg = None if text else self.segment_at(p.x(), p.y())
+        text = text or (self.tooltip_text(*seg) if seg else "")
         if text != self._tooltip:
             self._tooltip = text
             if text:
