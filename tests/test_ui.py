@@ -644,34 +644,47 @@ def test_tab_goes_from_precise_to_measure(window):
 
 
 LAYOUT_CHECK = """
-import os, sys
+import json, os, sys
 os.environ["QT_QPA_PLATFORM"] = "offscreen"
 from memcalc_gui.app import create_application
 app = create_application([])
+from memcalc_gui.ui.form import default_state
 from memcalc_gui.ui.main_window import MainWindow
-w = MainWindow(persist=False)
-w.resize(1280, 720); w.show()
-for _ in range(5): app.processEvents()
+width, height, changes = int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3])
+w = MainWindow(initial_state=default_state().replace(**changes), persist=False)
+w.resize(width, height); w.show()
+for _ in range(10): app.processEvents()
 t = w.table
 rows_fit = t.viewport().height() >= sum(t.rowHeight(r) for r in range(t.rowCount()))
-print("hbar", t.horizontalScrollBar().isVisible(), "rows_fit", rows_fit, "cards", len([b for b in w.advice.buttons
-      if b.isVisible() and b.visibleRegion().boundingRect().height() > 0]))
+if w.advice_in_tabs:
+    w.tabs.setCurrentWidget(w.advice_box)
+    for _ in range(5): app.processEvents()
+cards = len([b for b in w.advice.buttons if b.isVisible() and b.visibleRegion().boundingRect().height() > 0])
+print("hbar", t.horizontalScrollBar().isVisible(), "rows_fit", rows_fit, "tabs", w.advice_in_tabs,
+      "chart", w.chart.height() >= w.chart.minimumHeight(), "cards", cards)
 """
+MULTI_GPU = {"preset": "llama-3.1-70b", "gpus": "8", "strategy": "fsdp-full-shard", "offload": "both"}
 
 
-@pytest.mark.parametrize("scale", ["1", "1.5"])
-def test_ledger_is_whole_at_1280x720_and_150_percent(scale, tmp_path):
-    """The ledger shows its four phase columns and ten rows without scrolling on a 1280×720 window, also at
-    150 % scaling (a 1080p screen), and at least one suggestion card is on screen."""
+@pytest.mark.parametrize(("scale", "width", "height", "changes"), [
+    ("1", 1280, 720, {}), ("1.5", 1280, 720, {}), ("1", 1280, 720, MULTI_GPU), ("1.5", 1280, 720, MULTI_GPU),
+    ("1", 1366, 768, {}), ("1", 1366, 768, MULTI_GPU), ("1", 1024, 700, {}), ("1", 1024, 700, MULTI_GPU),
+], ids=lambda v: str(v) if not isinstance(v, dict) else ("multi" if v else "default"))
+def test_ledger_is_whole_and_advice_reachable_on_laptop_screens(scale, width, height, changes, tmp_path):
+    """The ledger shows its four phase columns and ten rows without scrolling at 1280×720 (also at 150 % scaling,
+    a 1080p screen), 1366×768 and 1024×700, for one GPU and for a distributed setup (whose banner folds its
+    reasons away); at least one suggestion card is on screen — beside the ledger, or in its own tab when the
+    window is narrow."""
     import subprocess
     import sys
 
     env = dict(os.environ, QT_SCALE_FACTOR=scale, MEMCALC_SETTINGS_DIR=str(tmp_path))
-    proc = subprocess.run([sys.executable, "-c", LAYOUT_CHECK], capture_output=True, text=True, env=env,
-                          timeout=120, cwd=Path(__file__).parents[1])
+    proc = subprocess.run([sys.executable, "-c", LAYOUT_CHECK, str(width), str(height), json.dumps(changes)],
+                          capture_output=True, text=True, env=env, timeout=120, cwd=Path(__file__).parents[1])
     assert proc.returncode == 0, proc.stderr[-2000:]
     line = proc.stdout.strip().splitlines()[-1]
-    assert line.startswith("hbar False rows_fit True cards "), line
+    narrow = width < 1180
+    assert line.startswith(f"hbar False rows_fit True tabs {narrow} chart True cards "), line
     assert int(line.split()[-1]) >= 1
 
 
@@ -796,3 +809,16 @@ def test_preset_list_shows_each_size_and_family(window):
         return sum(1 for x in range(image.width()) for y in range(image.height()) if image.pixel(x, y) >> 24)
 
     assert ink(True) > ink(False) + 20
+
+
+def test_narrow_window_moves_what_to_change_into_a_tab_and_back(window, qtbot):
+    w = window
+    w.resize(1000, 700)
+    qtbot.waitUntil(lambda: w.advice_in_tabs, timeout=2000)
+    assert w.tabs.indexOf(w.advice_box) == 1 and w.tabs.tabText(1) == "What to change"
+    w._focus_advice()  # Ctrl+3 reaches the suggestions in their tab
+    assert w.tabs.currentWidget() is w.advice_box
+    w.resize(1300, 860)
+    qtbot.waitUntil(lambda: not w.advice_in_tabs, timeout=2000)
+    assert w.tabs.indexOf(w.advice_box) == -1 and w.bottom_split.indexOf(w.advice_box) == 1
+    assert w.tabs.currentWidget() is w.table and w.advice_box.isVisible()

@@ -79,7 +79,7 @@ def test_values_beyond_int64_are_drawn(window, tmp_path):
     assert est.peak_bytes > 2**63
     assert window.table.bytes_at(window.table.rowCount() - 1, 0) == est.phases["load"].total_bytes
     assert window.banner.state() == "over"
-    assert "TiB" in window.banner.text.text()
+    assert "YiB" in window.banner.text.text() and window.table.unit == window.chart.unit == "YiB"
 
 
 def test_closing_during_a_trace_that_cannot_stop_returns_within_a_second(window, qtbot, monkeypatch):

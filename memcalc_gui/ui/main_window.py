@@ -15,7 +15,16 @@ from pathlib import Path
 from typing import Any
 
 from PySide6.QtCore import QByteArray, Qt, QTimer, Signal
-from PySide6.QtGui import QAction, QCloseEvent, QDragEnterEvent, QDropEvent, QKeySequence, QUndoCommand, QUndoStack
+from PySide6.QtGui import (
+    QAction,
+    QCloseEvent,
+    QDragEnterEvent,
+    QDropEvent,
+    QKeySequence,
+    QResizeEvent,
+    QUndoCommand,
+    QUndoStack,
+)
 from PySide6.QtWidgets import (
     QApplication,
     QFileDialog,
@@ -69,6 +78,8 @@ from .workers import STOP_TIMEOUT_MS
 #: Debounce between the last keystroke and the estimate. Analytic estimates take ~1–3 ms and the redraw
 #: a few more, so the whole edit-to-redraw stays well under 50 ms.
 DEBOUNCE_MS = 15
+#: Window width (logical px) below which "What to change" is a tab beside the ledger rather than a column.
+NARROW_WIDTH = 1180
 #: Typing in one field within this many seconds merges into one undo step.
 MERGE_WINDOW_S = 2.0
 TEXT_FIELDS = frozenset({"preset", "config_path", "params", "batch", "seq", "grad_accum", "capacity", "cuda_context",
@@ -235,7 +246,12 @@ class MainWindow(QMainWindow):
         self.tabs.addTab(self.assumptions, "Assumptions")
         self.advice = AdvicePanel()
         self.advice.apply_changes.connect(self.apply_changes)
-        advice_box = QGroupBox("What to change (click to apply)")
+        advice_box = self.advice_box = QGroupBox("What to change (click to apply)")
+        self.advice_in_tabs = False
+        self._fit_timer = QTimer(self)
+        self._fit_timer.setSingleShot(True)
+        self._fit_timer.setInterval(0)
+        self._fit_timer.timeout.connect(self._fit_ledger_height)
         advice_box.setToolTip("The largest micro-batch that fits, then the cheapest sets of changes that fit "
                               "(precision last). Click one to apply it; Ctrl+Z undoes.")
         al = QVBoxLayout(advice_box)
@@ -281,6 +297,39 @@ class MainWindow(QMainWindow):
         self.trace_panel = TracePanel(self)
         # Tab follows the action row left to right: Precise (trace), then Measure
         QWidget.setTabOrder(self.trace_panel.toggle, self.measure_panel.button)
+
+    def resizeEvent(self, event: QResizeEvent) -> None:
+        super().resizeEvent(event)
+        self._adapt_layout()
+
+    def _adapt_layout(self) -> None:
+        """Below :data:`NARROW_WIDTH` "What to change" becomes a tab after the ledger, so the ledger keeps its four
+        columns (1024×700); above, it is beside the ledger again. Either way the bottom gets the ledger's height
+        when the window is tall enough for the chart's minimum too."""
+        narrow = self.width() < NARROW_WIDTH
+        if narrow and not self.advice_in_tabs:
+            self.advice_in_tabs = True
+            self.tabs.insertTab(1, self.advice_box, "What to change")
+            self.tabs.setTabToolTip(1, self.advice_box.toolTip())
+        elif not narrow and self.advice_in_tabs:
+            self.advice_in_tabs = False
+            current = self.tabs.currentWidget() is self.advice_box
+            self.bottom_split.addWidget(self.advice_box)  # leaves the tab widget (its tab goes with it)
+            self.advice_box.show()
+            self.bottom_split.setSizes([560, 400])
+            if current:
+                self.tabs.setCurrentWidget(self.table)
+        self._fit_timer.start()  # once the splitters have their new sizes
+
+    def _fit_ledger_height(self) -> None:
+        """On a resize, give the bottom row just the ledger's ten rows and the chart the rest, when the chart keeps
+        its minimum height (a user's drag holds until the window is resized again)."""
+        t = self.table
+        need = (self.tabs.tabBar().sizeHint().height() + t.horizontalHeader().height() + 2 * t.frameWidth()
+                + sum(t.rowHeight(r) for r in range(t.rowCount())) + 4)
+        total = sum(self.right_split.sizes())
+        if total > 0 and need <= total - self.chart.minimumHeight() and self.right_split.sizes()[1] != need:
+            self.right_split.setSizes([total - need, need])
 
     def _default_size(self) -> tuple[int, int]:
         width, height = 1360, 880
@@ -626,6 +675,8 @@ class MainWindow(QMainWindow):
         self.table.setFocus()
 
     def _focus_advice(self) -> None:
+        if self.advice_in_tabs:
+            self.tabs.setCurrentWidget(self.advice_box)
         for b in [self.advice.use_max, *self.advice.buttons]:
             if b.isVisible():
                 b.setFocus()
