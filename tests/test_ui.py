@@ -822,3 +822,24 @@ def test_narrow_window_moves_what_to_change_into_a_tab_and_back(window, qtbot):
     qtbot.waitUntil(lambda: not w.advice_in_tabs, timeout=2000)
     assert w.tabs.indexOf(w.advice_box) == -1 and w.bottom_split.indexOf(w.advice_box) == 1
     assert w.tabs.currentWidget() is w.table and w.advice_box.isVisible()
+
+
+def test_a_trace_and_a_measurement_in_progress_get_their_own_lines(window):
+    """Each job's progress (text, bar, labelled Cancel) is a line under the action row: two running jobs neither
+    squeeze the method text into a column nor widen the window past a 1024 px screen."""
+    w = window
+    w.resize(1024, 700)
+    long_texts = ("tracing qwen2.5-1.5b: iteration 1 of 2, backward (layer 12 of 28)",
+                  "waiting for the trace to finish (one PyTorch job at a time)")
+    for panel, text in zip((w.trace_panel, w.measure_panel), long_texts, strict=True):
+        panel.progress_label.setText(text)
+        for widget in (panel.progress_label, panel.progress_bar, panel.cancel_button):
+            widget.setVisible(True)
+    for _ in range(5):
+        QApplication.processEvents()
+    assert w.minimumSizeHint().width() <= 1024 and w.width() <= 1024
+    assert w.method_label.width() >= 250
+    for panel in (w.trace_panel, w.measure_panel):
+        assert panel.progress_label.width() >= 250
+        assert panel.cancel_button.text().startswith("Cancel ")
+    assert w.trace_panel.progress_label.y() != w.measure_panel.progress_label.y()

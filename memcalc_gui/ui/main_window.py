@@ -232,6 +232,11 @@ class MainWindow(QMainWindow):
         self.method_label.setMinimumWidth(self.method_label.fontMetrics().horizontalAdvance("Method: analytic") + 8)
         self.action_row.addWidget(self.method_label, 1)
         rl.addLayout(self.action_row)
+        # one line per running job (trace, measurement) under the action row: progress text, bar, Cancel; empty
+        # lines take no room, and two jobs never squeeze the method text or widen the window
+        self.jobs_box = QVBoxLayout()
+        self.jobs_box.setSpacing(2)
+        rl.addLayout(self.jobs_box)
 
         self.chart = MemoryChart()
         self.table = LedgerTable()
@@ -297,6 +302,16 @@ class MainWindow(QMainWindow):
         self.trace_panel = TracePanel(self)
         # Tab follows the action row left to right: Precise (trace), then Measure
         QWidget.setTabOrder(self.trace_panel.toggle, self.measure_panel.button)
+
+    def job_row(self, label: QWidget, *rest: QWidget) -> QHBoxLayout:
+        """A line under the action row for a background job's progress: ``label`` stretches, ``rest`` follow."""
+        row = QHBoxLayout()
+        row.setSpacing(8)
+        row.addWidget(label, 1)
+        for widget in rest:
+            row.addWidget(widget)
+        self.jobs_box.addLayout(row)
+        return row
 
     def resizeEvent(self, event: QResizeEvent) -> None:
         super().resizeEvent(event)

@@ -488,7 +488,7 @@ class MeasurePanel(QObject):
         self.detect_timer.setSingleShot(True)
         self.detect_timer.timeout.connect(self.detect_device)
 
-        # Widgets in the row above the chart: [progress] [bar] [Cancel] [Measure on …]
+        # The button in the action row; [progress] [bar] [Cancel] on their own line under it (window.job_row)
         self.progress_label = ElidedLabel("")
         self.progress_label.setObjectName("measureProgress")
         self.progress_label.setVisible(False)
@@ -506,9 +506,8 @@ class MeasurePanel(QObject):
         self.button = QPushButton(BUTTON_UNKNOWN)
         self.button.setObjectName("measureButton")
         self.button.clicked.connect(self.start)
-        row = window.action_row
-        for w in (self.progress_label, self.progress_bar, self.cancel_button, self.button):
-            row.addWidget(w)
+        window.action_row.addWidget(self.button)
+        window.job_row(self.progress_label, self.progress_bar, self.cancel_button)
 
         self.view = MeasuredView()
         self.view.use_overheads_requested.connect(self.use_measured_overheads)

@@ -367,9 +367,8 @@ class TracePanel(QObject):
         self.toggle.toggled.connect(self._on_toggled)
         self.toggle.toggled.connect(lambda on: self.toggle.setText(TOGGLE_TEXT_ON if on else TOGGLE_TEXT))
         row = window.action_row
-        at = row.indexOf(window.method_label) + 1
-        for i, w in enumerate((self.progress_label, self.progress_bar, self.cancel_button, self.toggle)):
-            row.insertWidget(at + i, w)
+        row.insertWidget(row.indexOf(window.method_label) + 1, self.toggle)
+        window.job_row(self.progress_label, self.progress_bar, self.cancel_button)
         if self.available:
             self.toggle.setToolTip(TOGGLE_TIP)
         else:
