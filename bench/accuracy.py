@@ -78,6 +78,9 @@ CASES = [
     (8, 256, "bf16", "sdpa", "full", 2),
     # accumulation under autocast (existing gradients change the backward moments)
     (1, 64, "mixed", "sdpa", "none", 4),
+    # a loop that keeps the config's use_cache=True (transformers' DynamicCache copies k and v)
+    (2, 128, "mixed", "sdpa", "none", 1, True),
+    (2, 64, "fp32", "eager", "none", 1, True),
 ]
 
 
@@ -88,15 +91,17 @@ def run(families: list[str], cases: list[tuple], impl: str) -> list[dict]:
     for fam in families:
         cfg = FAMILIES[fam]
         spec = spec_from_config(cfg)
-        for b, s, prec, att, ck, acc in cases:
+        for b, s, prec, att, ck, acc, *rest in cases:
+            cache = bool(rest and rest[0])
             t0 = time.perf_counter()
             m = measure_training_step(cfg, batch=b, seq=s, precision=prec, attention=att, checkpointing=ck,
-                                      grad_accum=acc, optimizer="adamw", optimizer_impl=impl, iterations=2)
+                                      grad_accum=acc, optimizer="adamw", optimizer_impl=impl, iterations=2,
+                                      use_cache=cache)
             setup = TrainingSetup(model=spec, batch=b, seq=s, precision=prec, attention=att, checkpointing=ck,
-                                  grad_accum=acc, optimizer="adamw", optimizer_impl=impl)
+                                  grad_accum=acc, optimizer="adamw", optimizer_impl=impl, use_cache=cache)
             est = estimate(setup, method="analytic")
             quick = estimate(setup.with_changes(model=None, params=spec.num_params), method="quick")
-            row = {"family": fam, "case": f"b{b} s{s} {prec} {att} ckpt={ck} accum={acc}",
+            row = {"family": fam, "case": f"b{b} s{s} {prec} {att} ckpt={ck} accum={acc}" + (" cache" if cache else ""),
                    "measured_peak": m.peak_bytes, "analytic_peak": est.peak_tensor_bytes,
                    "quick_peak": quick.peak_tensor_bytes, "seconds": time.perf_counter() - t0}
             for ph in PHASES:
