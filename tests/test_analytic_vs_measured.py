@@ -97,3 +97,58 @@ def test_use_cache_changes_nothing_under_checkpointing() -> None:
     cfg = FAMILIES["gpt2"]
     setup = TrainingSetup(model=spec_from_config(cfg), batch=2, seq=64, checkpointing="full")
     assert estimate(setup.with_changes(use_cache=True)).phases == estimate(setup).phases
+
+
+LORA_CASES = [
+    # (family, precision, targets, dropout, checkpointing, rank)
+    ("llama", "fp32", "all-linear", 0.0, "none", 16), ("llama", "mixed", "all-linear", 0.0, "none", 16),
+    ("llama", "fp32", "q_proj,v_proj", 0.0, "none", 16), ("llama", "fp32", "all-linear", 0.05, "none", 16),
+    ("llama", "bf16", "all-linear", 0.0, "none", 16), ("llama", "mixed", "all-linear", 0.0, "full", 8),
+    ("gpt2", "fp32", "all-linear", 0.0, "none", 16), ("gpt2", "mixed", "c_attn", 0.05, "none", 8),
+    ("phi3", "mixed", "all-linear", 0.0, "none", 8), ("phi3", "bf16", "qkv_proj", 0.1, "none", 16),
+    ("gpt_neox", "fp32", "all-linear", 0.05, "none", 16), ("phi", "mixed", "all-linear", 0.0, "none", 16),
+    ("gemma", "mixed", "attention", 0.0, "none", 16), ("qwen2", "mixed", "all-linear", 0.05, "full", 16),
+    ("qwen3", "bf16", "mlp", 0.0, "none", 32),
+]
+
+
+@pytest.mark.parametrize("case", LORA_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_lora_step_agrees_with_a_real_peft_step(case: tuple) -> None:
+    """LoRA through peft on a real CPU step: frozen base, fp32 adapters, per-module input casts, dropout masks
+    (CPU: in the input dtype), checkpointing. The analytic ledger is within 3 % on every phase."""
+    pytest.importorskip("peft")
+    from memcalc_gui.core.finetune import FineTuning
+    from memcalc_gui.measure.cpu_step import measure_training_step
+
+    fam, prec, targets, dropout, ck, rank = case
+    cfg = FAMILIES[fam]
+    tuning = FineTuning(method="lora", rank=rank, targets=tuple(targets.split(",")), dropout=dropout)
+    kw = dict(batch=2, seq=128, precision=prec, optimizer_impl="single-tensor", checkpointing=ck)
+    m = measure_training_step(cfg, tuning=tuning, **kw)
+    est = estimate(TrainingSetup(model=spec_from_config(cfg), tuning=tuning, target_device="cpu", **kw))
+    for phase in ("forward", "backward", "optimizer_step"):
+        assert est.phases[phase].tensor_bytes == pytest.approx(m.phases[phase].peak_bytes, rel=0.03), phase
+    full = estimate(TrainingSetup(model=spec_from_config(cfg), target_device="cpu", **kw))
+    assert est.peak_tensor_bytes < full.peak_tensor_bytes
+
+
+FROZEN_CASES = [("llama", "fp32", "last:1"), ("llama", "mixed", "last:2"), ("qwen2", "fp32", "lm_head"),
+                ("gpt2", "fp32", "last:1"), ("llama", "fp32", "lm_head"), ("llama", "mixed", "norms,last:1"),
+                ("llama", "fp32", "embeddings"), ("qwen2", "mixed", "norms")]
+
+
+@pytest.mark.parametrize("case", FROZEN_CASES, ids=lambda c: "-".join(c))
+def test_frozen_parts_agree_with_a_real_step(case: tuple) -> None:
+    """Only some parts train (requires_grad on the named parts): the layers below keep nothing, frozen layers
+    above trainable norms or embeddings keep what input gradients need. Within 3 % on every phase."""
+    from memcalc_gui.core.finetune import FineTuning
+    from memcalc_gui.measure.cpu_step import measure_training_step
+
+    fam, prec, parts = case
+    cfg = FAMILIES[fam]
+    tuning = FineTuning(method="frozen", trainable=tuple(parts.split(",")))
+    kw = dict(batch=2, seq=128, precision=prec, optimizer_impl="single-tensor")
+    m = measure_training_step(cfg, tuning=tuning, **kw)
+    est = estimate(TrainingSetup(model=spec_from_config(cfg), tuning=tuning, target_device="cpu", **kw))
+    for phase in ("forward", "backward", "optimizer_step"):
+        assert est.phases[phase].tensor_bytes == pytest.approx(m.phases[phase].peak_bytes, rel=0.03), phase

@@ -16,8 +16,20 @@ The step is followed as PyTorch runs it (Hugging Face blog's phases, memory ledg
 
 from __future__ import annotations
 
-from .activations import Dtypes, cache_changes, layer_saved, norm_saved, residual_saved
+from dataclasses import dataclass
+
+from .activations import (
+    Dtypes,
+    cache_changes,
+    first_layer_gradless_weights,
+    layer_saved,
+    mlp_saved,
+    norm_saved,
+    residual_saved,
+    tuned_layer_saved,
+)
 from .distributed import ModelStates, Parallelism, model_states
+from .finetune import FineTuning
 from .ledger import Estimate, with_overheads
 from .model import ModelSpec
 from .optimizer import optimizer_cost
@@ -44,17 +56,27 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
     n_params = spec.num_params
     p = d.param
 
+    ft = setup.tuning
+    tuned = ft.method != "full"
     params = n_params * p
     copies = spec.matmul_weight_params * 2 if d.autocast else 0
     lm_copy = v * h * 2 if d.autocast else 0
-    opt = optimizer_cost(setup.optimizer, setup.optimizer_impl, spec.param_layout(), n_layers, p)
+    layout = spec.param_layout()
+    if tuned:
+        tp = trainable_parts(spec, ft, p)
+        params, copies, layout = tp.params_bytes, (tp.copies_bytes if d.autocast else 0), tp.layout
+        if d.autocast and ft.uses_adapters and ft.method == "lora":
+            copies -= 2 * first_layer_gradless_weights(spec, setup)
+    opt = optimizer_cost(setup.optimizer, setup.optimizer_impl, layout, tp.layout_layers if tuned else n_layers,
+                         tp.grad_bytes if tuned else p)
     state = opt.state_bytes
-    grads_all = n_params * p
+    grads_all = tp.grads_bytes if tuned else n_params * p
     accumulating = setup.grad_accum > 1
     inputs = t * 8  # input_ids (labels share the tensor)
 
     # ---- saved activations ------------------------------------------------------------------
-    per_layer = layer_saved(spec, setup)
+    # a layer whose weights train keeps what full training keeps; a frozen one what its adapters need
+    per_layer = layer_saved(spec, setup) if not tuned or tp.layers_trained else tuned_layer_saved(spec, setup)
     s_layer = sum(per_layer.values())
     stream = t * h * d.residual
     rope_tables = 2 * seq * spec.rotary_dim * p
@@ -63,12 +85,42 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
     if spec.norm == "rmsnorm" and d.residual != 4:
         final_saved += final["input"]  # the fp32 upcast of a 16-bit stream is a new tensor
     keep_stream = residual_saved(spec, d)
+    final_out_held = 0  # a final-norm output nothing saves but the model's outputs hold until forward returns
+    first_layer = s_layer
+    if tuned:
+        # frozen norm weights: the final norm keeps its statistics (and a 16-bit stream's upcast); its output is
+        # saved only for a trainable head, otherwise it is alive until the model returns
+        final_saved = t * 4 + (final["input"] if spec.norm == "rmsnorm" and d.residual != 4 else 0)
+        if spec.norm == "layernorm":
+            final_saved = final["input"] + final["stats"]
+        if tp.norms_trainable:
+            final_saved = final["stats"] + (final["input"] if spec.norm == "rmsnorm" and d.residual != 4 else 0)
+        if tp.head_trainable:
+            final_saved += final["output"]
+        else:
+            final_out_held = t * h * max(d.param, d.residual) if not d.autocast else 0
+        if not tp.embeddings_trainable and not tp.layers_trained:
+            first_layer = sum(tuned_layer_saved(spec, setup, first=True).values())
+        keep_stream = keep_stream and tp.embeddings_trainable  # the embedding output needs no gradient
     if setup.checkpointing == "full":
         # Non-reentrant checkpointing keeps each layer's input; the final norm keeps the last output.
         layers_saved = n_layers * stream + (stream if keep_stream else 0)
         ckpt = True
+    elif tuned and not ft.uses_adapters:
+        # frozen parts: trained layers keep what full training keeps; frozen layers keep what gradients flowing
+        # through them need when something below trains (embeddings, norms), otherwise nothing
+        frozen = n_layers - tp.layers_trained
+        s_frozen = sum(tuned_layer_saved(spec, setup).values())
+        if tp.embeddings_trainable:
+            below = frozen * s_frozen
+        elif tp.norms_trainable and frozen:
+            below = sum(tuned_layer_saved(spec, setup, first=True).values()) + (frozen - 1) * s_frozen
+        else:
+            below = 0
+        layers_saved = tp.layers_trained * s_layer + below
+        ckpt = False
     else:
-        layers_saved = n_layers * s_layer + (stream if keep_stream else 0)  # + the embedding output
+        layers_saved = (n_layers - 1) * s_layer + first_layer + (stream if keep_stream else 0)  # + embedding out
         ckpt = False
     model_saved = rope_tables + final_saved
     acts_fwd = layers_saved + model_saved
@@ -81,7 +133,13 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
     lsm = t * v * 4
     labels = b * (seq + 1) * LABEL_BYTES + t * LABEL_BYTES
     final_out_alive = t * h * 4 if d.autocast else 0  # fp32 norm output held by the model's outputs
+    final_out_alive += final_out_held
     grads_live = grads_all if accumulating else 0
+    if tuned and ckpt and d.autocast:
+        # inside checkpointed layers nothing is saved, and autocast caches casts of trainable weights only: the
+        # frozen layers' 16-bit copies are transients; the head's (saved for its input gradient) and the adapters'
+        # (cached) remain
+        copies = lm_copy + 2 * (ft.adapter_params(spec) if ft.uses_adapters else tp.grads_bytes // tp.grad_bytes)
     base_fwd = dict(parameters=params + copies, optimizer_state=state, gradients=grads_live, inputs=inputs)
     forward = _objects(**base_fwd, activations=acts_fwd + lsm + cache_held,
                        temporaries=logits + logits32 + labels + final_out_alive)
@@ -99,9 +157,14 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
     base_bwd = dict(base_fwd, parameters=params + copies_bwd)
     moments.append(_objects(**base_bwd, activations=acts_fwd + lsm, temporaries=2 * t * v * 4))
     # (B) LM-head backward: logits gradient, hidden-state gradient, the weight gradient appears.
-    lm_grad = v * h * p
-    lm_tmp = t * v * d.matmul + t * h * d.matmul + (v * h * d.matmul if d.matmul != p else 0)
-    if lm_copy and d.matmul != p:
+    head_trains = not tuned or tp.head_trainable
+    lm_grad = v * h * p if head_trains else 0
+    # no gradient below the head (only the head trains): no hidden-state gradient, no layer moments
+    head_only = tuned and not ft.uses_adapters and not tp.layers_trained and \
+        not (tp.embeddings_trainable or tp.norms_trainable)
+    lm_tmp = t * v * d.matmul + (0 if head_only else t * h * d.matmul) + \
+        (v * h * d.matmul if d.matmul != p and head_trains else 0)
+    if lm_copy and d.matmul != p and head_trains:
         # Under autocast the head's matmul backward (16-bit weight copy alive, no fp32 gradient yet) and the cast
         # of its 16-bit weight gradient to fp32 (copy released, both gradients alive) are two moments. The fp32
         # gradient becomes .grad, or with accumulation is a temporary added into the existing .grad.
@@ -123,13 +186,20 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
     g_layer = spec.layer_params * p
     g_down = h * spec.intermediate_size * p
     g_mlp = spec.mlp_params * p
+    g_out = h * spec.q_dim * p  # the output projection's weight gradient, first of the attention backward
     head_grads = v * h * p + (h * (2 if spec.norm_bias else 1)) * p
+    if tuned:
+        g_layer, g_down, g_mlp = tp.layer_grads, tp.down_grads, tp.mlp_grads
+        g_out = 0 if not tp.layers_trained else g_out
+        head_grads = lm_grad
     grad_stream = t * h * 4 if d.autocast or d.residual == 4 else t * h * 2
     tI = t * spec.intermediate_size * d.matmul
     stream_kept = stream if keep_stream else 0
     mlp_out = tI  # act·up (or act(x)) freed once the down projection's backward has run
+    if "mlp.down_lora" in per_layer:
+        mlp_out = per_layer["mlp.down_lora"]  # a frozen down projection kept no input; its adapter may
     attn_part = sum(val for key, val in per_layer.items() if key.startswith("attn.")) + per_layer["norm1"]
-    n_mlp_grads = 3 if spec.gated_mlp or per_layer["mlp"] >= 5 * tI else 2
+    n_mlp_grads = 3 if spec.gated_mlp or mlp_saved(spec, d, t)["mlp"] >= 5 * tI else 2
     scores = b * spec.num_heads * seq * seq
     if setup.attention == "eager":
         attn_tmp = t * spec.q_dim * d.matmul + scores * (d.matmul + 4)
@@ -139,10 +209,23 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
     layer_copy_w = (spec.layer_params - layer_norm_params) * 2 if d.autocast else 0
     down_copy = h * spec.intermediate_size * 2 if d.autocast else 0
     mlp_copy = spec.mlp_params * 2 if d.autocast else 0
-    for k in (n_layers, 1):
+    bottom = 1
+    if tuned:
+        if tp.layers_trained:
+            bottom = n_layers - tp.layers_trained + 1  # the backward stops at the lowest trained layer
+        layer_copy_w = (copies - lm_copy) // n_layers if d.autocast else 0
+        if setup.tuning.method == "qlora":
+            down_copy = mlp_copy = 0  # 4-bit weights are dequantized into transients, not cached
+    for k in () if head_only else (n_layers, bottom):
         done = n_layers - k
-        earlier = (k * stream) if ckpt else (stream_kept + (k - 1) * s_layer)
-        current = s_layer - stream_kept
+        below = k - bottom  # layers under this one that keep activations
+        if ckpt:
+            earlier = k * stream
+        elif tuned and not tp.layers_trained:
+            earlier = (first_layer + (below - 1) * s_layer) if below else 0
+        else:
+            earlier = stream_kept + below * s_layer
+        current = (first_layer if tuned and not tp.layers_trained and k == 1 else s_layer) - stream_kept
         copies_before = 0 if ckpt else (k - 1) * layer_copy_w
         grads_before = grads_all if accumulating else head_grads + done * g_layer
         acc_tmp_mlp = g_down if accumulating else 0
@@ -157,14 +240,16 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
         # attention moment (the MLP of this layer is done)
         moments.append(_objects(
             parameters=params + copies_before + layer_copy_w - mlp_copy, optimizer_state=state, inputs=inputs,
-            gradients=grads_before + (0 if accumulating else g_mlp + h * spec.q_dim * p),
+            gradients=grads_before + (0 if accumulating else g_mlp + g_out),
             activations=earlier + attn_part + rope_tables,
-            temporaries=grad_stream + attn_tmp + (h * spec.q_dim * p if accumulating else 0),
+            temporaries=grad_stream + attn_tmp + (g_out if accumulating else 0),
         ))
     # (D) embedding backward: every gradient exists. Tied embeddings: the LM head's weight gradient waits in
     # autograd's input buffer while the embedding's dense gradient is made, then the two are summed; without
     # accumulation that sum becomes .grad, with accumulation it is a third temporary added into .grad.
-    if spec.tied_embeddings:
+    if tuned and not tp.embeddings_trainable:
+        emb_tmp = 0  # frozen embeddings: the backward ends in the lowest trained layer
+    elif spec.tied_embeddings:
         emb_tmp = grad_stream + (3 if accumulating else 2) * v * h * p
     else:
         emb_tmp = grad_stream + (v * h * p if accumulating else 0)
@@ -264,3 +349,80 @@ def _assumptions(spec: ModelSpec, setup: TrainingSetup, opt_note: str) -> tuple[
         f"{setup.allocator_reserve:.0%} of tensor bytes (memory-profiling guide: fragmentation 5–20 %)",
     ]
     return tuple(rows)
+
+
+@dataclass(frozen=True)
+class TrainableParts:
+    """The model state of a fine-tuning run that trains part of the model (core.finetune)."""
+
+    params_bytes: int  # every parameter as stored (frozen base, quantized base, adapters)
+    copies_bytes: int  # autocast's 16-bit copies of matmul weights, kept until backward
+    layout: tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]]  # trainable tensors
+    layout_layers: int  # how often ``layout``'s layer part repeats
+    grad_bytes: int  # element size of the trainable parameters (their gradients and optimizer state)
+    grads_bytes: int  # all gradients
+    layers_trained: int  # decoder layers whose own weights train (frozen ``last:N``)
+    layer_grads: int  # gradient bytes of one layer (adapters or its weights)
+    mlp_grads: int  # of which in the MLP
+    down_grads: int  # of which in the down projection
+    head_trainable: bool
+    embeddings_trainable: bool
+    norms_trainable: bool
+
+
+def trainable_parts(spec: ModelSpec, ft: FineTuning, p: int) -> TrainableParts:
+    """Parameters, copies and trainable layout for LoRA/QLoRA adapters or frozen parts.
+
+    LoRA: the base keeps the precision's dtype, adapters the adapter dtype (peft's fp32 by default). QLoRA: the
+    decoder-layer linears are bitsandbytes-quantized (``FineTuning.quantized_bytes``), everything else fp32 as
+    ``prepare_model_for_kbit_training`` casts it, and the 4-bit weights are dequantized into transients (no
+    autocast copies of them). Frozen: the named parts train in the parameter dtype."""
+    h = spec.hidden_size
+    a_bytes = 2 if ft.adapter_dtype == "bf16" else 4
+    parts = {part.strip().lower() for part in ft.trainable}
+    last = max((int(part[5:]) for part in parts if part.startswith("last:")), default=0)
+    if ft.uses_adapters:
+        adapted = ft.adapted(spec)
+        layer: list[tuple[int, int]] = [shape for lin in adapted
+                                        for shape in ((ft.rank, lin.d_in), (lin.d_out, ft.rank))]
+        adapters = ft.adapter_params(spec)
+        per_layer = adapters // spec.num_layers
+        mlp = sum(ft.rank * (lin.d_in + lin.d_out) for lin in adapted if lin.kind in ("gate", "up", "down", "gate_up"))
+        down = sum(ft.rank * (lin.d_in + lin.d_out) for lin in adapted if lin.kind == "down")
+        matmul_frozen = spec.matmul_weight_params
+        if ft.method == "qlora":
+            quantized = ft.quantized_params(spec)
+            base = ft.quantized_bytes(spec) + (spec.num_params - quantized) * 4
+            matmul_frozen -= quantized  # dequantized into transients, not cached by autocast
+        else:
+            base = spec.num_params * p
+        return TrainableParts(
+            params_bytes=base + adapters * a_bytes, copies_bytes=(matmul_frozen + adapters) * 2,
+            layout=([], layer, []), layout_layers=spec.num_layers, grad_bytes=a_bytes,
+            grads_bytes=adapters * a_bytes, layers_trained=0, layer_grads=per_layer * a_bytes,
+            mlp_grads=mlp * a_bytes, down_grads=down * a_bytes, head_trainable=False, embeddings_trainable=False,
+            norms_trainable=False)
+    _before, one_layer, _after = spec.param_layout()
+    layers = min(last, spec.num_layers)
+    trainable = ft.trainable_params(spec)
+    v = spec.vocab_size
+    before_t: list[tuple[int, int]] = [(v, h)] if "embeddings" in parts else []
+    after_t: list[tuple[int, int]] = []
+    if "norms" in parts:
+        after_t += [(h, 1)] * (spec.norms_per_layer * (spec.num_layers - layers) + 1)
+    if "lm_head" in parts and not (spec.tied_embeddings and "embeddings" in parts):
+        after_t.append((v, h))
+    # autocast keeps 16-bit copies where an input gradient needs them: in the trained layers and the head (frozen
+    # layers below them see no gradient); with trainable embeddings or norms every layer does
+    everywhere = bool({"embeddings", "norms"} & parts) or (spec.tied_embeddings and "lm_head" in parts)
+    layer_matmul = (spec.matmul_weight_params - v * h) // spec.num_layers
+    copies = spec.matmul_weight_params if everywhere else layers * layer_matmul + v * h
+    return TrainableParts(
+        params_bytes=spec.num_params * p, copies_bytes=copies * 2,
+        layout=(before_t, one_layer if layers else [], after_t),
+        layout_layers=max(layers, 1), grad_bytes=p, grads_bytes=trainable * p, layers_trained=layers,
+        layer_grads=spec.layer_params * p if layers else 0, mlp_grads=spec.mlp_params * p if layers else 0,
+        down_grads=h * spec.intermediate_size * p if layers else 0,
+        head_trainable=bool({"lm_head"} & parts or (spec.tied_embeddings and "embeddings" in parts)),
+        embeddings_trainable=bool({"embeddings"} & parts or (spec.tied_embeddings and "lm_head" in parts)),
+        norms_trainable="norms" in parts)

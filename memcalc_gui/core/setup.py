@@ -11,6 +11,7 @@ from typing import Any, Final, Literal, get_args
 
 from .distributed import Parallelism
 from .errors import InputError
+from .finetune import FineTuning
 from .model import ModelSpec
 from .resources import load_json
 from .units import MAX_COUNT, MAX_SIZE_BYTES, format_bytes
@@ -21,6 +22,7 @@ OptimizerImpl = Literal["foreach", "single-tensor", "fused"]
 Attention = Literal["sdpa", "eager"]
 Checkpointing = Literal["none", "full"]
 Method = Literal["quick", "analytic", "trace"]
+TargetDevice = Literal["cuda", "cpu"]
 
 PRECISIONS: Final = get_args(Precision)
 OPTIMIZERS: Final = get_args(Optimizer)
@@ -28,6 +30,7 @@ OPTIMIZER_IMPLS: Final = get_args(OptimizerImpl)
 ATTENTIONS: Final = get_args(Attention)
 CHECKPOINTINGS: Final = get_args(Checkpointing)
 METHODS: Final = get_args(Method)
+TARGET_DEVICES: Final = get_args(TargetDevice)
 
 PRECISION_LABELS: Final = {
     "fp32": "fp32 (4 B/param weights, grads and activations)",
@@ -112,6 +115,11 @@ class TrainingSetup:
     cuda_context_bytes: int = DEFAULT_CUDA_CONTEXT_BYTES
     allocator_reserve: float = DEFAULT_ALLOCATOR_RESERVE
     parallel: Parallelism = field(default_factory=Parallelism)
+    #: Full fine-tuning, LoRA, QLoRA or frozen parts (core.finetune).
+    tuning: FineTuning = field(default_factory=FineTuning)
+    #: The device the ledger models: a few kernels keep different tensors on CPU (dropout masks in the input
+    #: dtype rather than bool), so a CPU measurement compares with the ``cpu`` ledger.
+    target_device: TargetDevice = "cuda"
     extras: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -138,6 +146,17 @@ class TrainingSetup:
             raise InputError("allocator_reserve", f"must be a fraction in [0, 1), got {r!r}")
         if not isinstance(self.parallel, Parallelism):
             raise InputError("strategy", "parallel must be a Parallelism")
+        _choice("target_device", self.target_device, TARGET_DEVICES)
+        if not isinstance(self.tuning, FineTuning):
+            raise InputError("tuning", "tuning must be a FineTuning")
+        if self.tuning.method != "full":
+            if self.model is None:
+                raise InputError("tuning", f"{self.tuning.method} needs an architecture (a preset or config.json), "
+                                           "not a bare parameter count")
+            self.tuning.adapted(self.model)  # the targets must name linears of this family
+            if self.parallel.strategy != "ddp" or self.parallel.offload != "none":
+                raise InputError("strategy", f"{self.tuning.method} is modelled with DDP (replicated) only so far; "
+                                             "sharded strategies and offload need full fine-tuning")
         if self.optimizer == "adamw-8bit" and self.optimizer_impl == "fused":
             raise InputError("optimizer_impl", "8-bit AdamW has its own kernels; use foreach or single-tensor")
 
@@ -179,6 +198,14 @@ class TrainingSetup:
             "strategy": self.parallel.strategy,
             "node_size": self.parallel.node_size,
             "offload": self.parallel.offload,
+            "tuning": self.tuning.method,
+            **({"lora_rank": self.tuning.rank, "lora_targets": list(self.tuning.targets),
+                "lora_dropout": self.tuning.dropout, "adapter_dtype": self.tuning.adapter_dtype}
+               if self.tuning.uses_adapters else {}),
+            **({"quant": self.tuning.quant, "double_quant": self.tuning.double_quant}
+               if self.tuning.method == "qlora" else {}),
+            **({"trainable": list(self.tuning.trainable)} if self.tuning.method == "frozen" else {}),
+            "trainable_params": self.tuning.trainable_params(self.model) if self.model else self.num_params,
         }
 
     def summary(self) -> str:

@@ -33,6 +33,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from memcalc_gui.core.finetune import FineTuning
 from memcalc_gui.core.vocab import PHASES, TENSOR_OBJECTS
 from memcalc_gui.measure.tracker import LiveStorageTracker, StorageRecord
 
@@ -140,6 +141,7 @@ def measure_training_step(
     module_names: bool = False,
     builder: str = "auto",
     use_cache: bool = False,
+    tuning: FineTuning | None = None,
 ) -> StepMeasurement:
     """Build the model from ``config`` and measure ``iterations`` training steps on CPU.
 
@@ -150,7 +152,8 @@ def measure_training_step(
     allocating or computing. ``round_to`` rounds every storage up (512 for the CUDA allocator) in the
     reported compositions; ``module_names`` attributes each storage to the module that created it.
     ``builder`` chooses how the model is built (see :func:`build_model`); ``use_cache`` keeps transformers'
-    DynamicCache on in forward (a loop that leaves the config's default).
+    DynamicCache on in forward (a loop that leaves the config's default); ``tuning`` trains LoRA adapters (peft)
+    or some parts only (see :func:`apply_tuning`).
     """
     if fake:
         from torch._subclasses.fake_tensor import FakeTensorMode
@@ -161,7 +164,7 @@ def measure_training_step(
                 optimizer_impl=optimizer_impl, attention=attention, checkpointing=checkpointing,
                 grad_accum=grad_accum, iterations=iterations, seed=seed, num_threads=None,
                 on_phase=on_phase, fake=False, round_to=round_to, module_names=module_names,
-                builder=builder, use_cache=use_cache,
+                builder=builder, use_cache=use_cache, tuning=tuning,
             )
 
     def announce(phase: str, it: int, micro: int = 0) -> None:
@@ -195,12 +198,14 @@ def measure_training_step(
                                     use_cache=use_cache)
                 if checkpointing == "full":
                     enable_checkpointing(model)
-                params = list(model.parameters())
-                for p in params:
+                if tuning is not None and tuning.method != "full":
+                    model = apply_tuning(model, tuning, config)
+                for p in model.parameters():
                     tracker.track(p, "parameters")
                 for b in model.buffers():
                     tracker.track(b, "parameters")
-            n_params = sum(p.numel() for p in params)
+                params = [p for p in model.parameters() if p.requires_grad]
+            n_params = sum(p.numel() for p in model.parameters())
             opt = make_optimizer(params, optimizer, optimizer_impl)
 
             def tag_grad(param: torch.Tensor) -> None:
@@ -287,6 +292,53 @@ def build_model(
         cfg, attn_implementation=attention, dtype=dtype, trust_remote_code=False
     )
     model.train()
+    return model
+
+
+def apply_tuning(model: Any, tuning: FineTuning, config: dict[str, Any]) -> Any:
+    """Freeze what ``tuning`` does not train: LoRA adds peft adapters (``get_peft_model``, adapters in fp32 as
+    peft keeps them, or bf16 when asked); ``frozen`` leaves only the named parts trainable. QLoRA needs
+    bitsandbytes' quantized layers and is not measured here."""
+    from ..core.model import spec_from_config
+
+    if tuning.method == "qlora":
+        raise NotImplementedError("QLoRA steps are not measured yet (the estimate covers them)")
+    spec = spec_from_config(config)
+    if tuning.method == "lora":
+        try:
+            from peft import LoraConfig, get_peft_model
+        except ImportError:
+            raise NotImplementedError("LoRA measurement needs peft: pip install 'memcalc[lora]'") from None
+        names = sorted({lin.name.rsplit(".", 1)[-1] for lin in tuning.adapted(spec)})
+        lora = LoraConfig(r=tuning.rank, lora_alpha=2 * tuning.rank, target_modules=names,
+                          lora_dropout=tuning.dropout, task_type="CAUSAL_LM")
+        wrapped = get_peft_model(model, lora, autocast_adapter_dtype=tuning.adapter_dtype == "fp32")
+        if tuning.adapter_dtype == "bf16":
+            import torch
+
+            for name, param in wrapped.named_parameters():
+                if "lora_" in name:
+                    param.data = param.data.to(torch.bfloat16)
+        return wrapped
+    import torch
+
+    for param in model.parameters():
+        param.requires_grad_(False)
+    n_layers = int(getattr(model.config, "num_hidden_layers", 0) or 0)
+    layers = next((m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == n_layers), None)
+    for part in tuning.trainable:
+        text = part.strip().lower()
+        if text.startswith("last:") and layers is not None:
+            for layer in list(layers)[-int(text[5:]):]:
+                layer.requires_grad_(True)
+        elif text == "lm_head":
+            model.get_output_embeddings().requires_grad_(True)
+        elif text == "embeddings":
+            model.get_input_embeddings().requires_grad_(True)
+        elif text == "norms":
+            for name, module in model.named_modules():
+                if "norm" in type(module).__name__.lower() or name.endswith(("_layernorm", ".norm", "ln_f")):
+                    module.requires_grad_(True)
     return model
 
 
