@@ -18,6 +18,7 @@ from . import __version__
 from .core.configfile import code_keys
 from .core.distributed import MAX_PARALLEL_GPUS, OFFLOADS, STRATEGIES, Parallelism
 from .core.errors import InputError, MemcalcError, UnsupportedFamilyError, one_line
+from .core.finetune import ADAPTER_DTYPES, MAX_RANK, QUANTS, TUNINGS, FineTuning
 from .core.model import ModelSpec, load_config_file, preset_config, preset_names, preset_spec, spec_from_config
 from .core.result import Result, evaluate
 from .core.setup import (
@@ -29,6 +30,7 @@ from .core.setup import (
     OPTIMIZER_IMPLS,
     OPTIMIZERS,
     PRECISIONS,
+    TARGET_DEVICES,
     TrainingSetup,
     find_gpu,
     gpu_presets,
@@ -70,6 +72,15 @@ FLAGS = {
     "strategy": "--strategy",
     "node_size": "--node-size",
     "offload": "--offload",
+    "tuning": "--tuning",
+    "lora_rank": "--lora-rank",
+    "lora_targets": "--lora-targets",
+    "lora_dropout": "--lora-dropout",
+    "adapter_dtype": "--adapter-dtype",
+    "quant": "--quant",
+    "double_quant": "--double-quant",
+    "trainable": "--trainable",
+    "target_device": "--target-device",
 }
 
 
@@ -98,6 +109,23 @@ def _add_setup_args(p: argparse.ArgumentParser) -> None:
                    help="step implementation (default foreach, as torch on CUDA)")
     p.add_argument("--attention", default="sdpa", choices=ATTENTIONS, help="default sdpa")
     p.add_argument("--checkpointing", default="none", choices=CHECKPOINTINGS, help="gradient checkpointing")
+    ft = p.add_argument_group("fine-tuning (peft LoRA, QLoRA with bitsandbytes, frozen parts)")
+    ft.add_argument("--tuning", default="full", choices=TUNINGS,
+                    help="full (default), lora, qlora (LoRA on a 4-/8-bit base) or frozen (only --trainable trains)")
+    ft.add_argument("--lora-rank", metavar="R", default="16", help="LoRA rank r (default 16)")
+    ft.add_argument("--lora-targets", metavar="LIST", default="all-linear",
+                    help="all-linear (default; not the output head, as peft), attention, mlp, or modules: "
+                         "q,k,v,o,gate,up,down or names such as q_proj,v_proj")
+    ft.add_argument("--lora-dropout", metavar="P", default="0.05", help="LoRA dropout (default 0.05)")
+    ft.add_argument("--adapter-dtype", default="fp32", choices=ADAPTER_DTYPES,
+                    help="adapter weights (peft keeps fp32 by default)")
+    ft.add_argument("--quant", default="nf4", choices=QUANTS, help="QLoRA base quantization (default nf4)")
+    ft.add_argument("--no-double-quant", dest="double_quant", action="store_false",
+                    help="QLoRA without double quantization of the 4-bit scales")
+    ft.add_argument("--trainable", metavar="LIST", default="",
+                    help="with --tuning frozen: what trains, e.g. last:4,norms,lm_head,embeddings")
+    p.add_argument("--target-device", default="cuda", choices=TARGET_DEVICES,
+                   help="the device the ledger models (cpu: dropout masks in the input dtype; default cuda)")
     p.add_argument("--use-cache", action="store_true",
                    help="the loop leaves the config's use_cache=True (transformers' DynamicCache copies k/v in "
                         "forward); default: use_cache=False, as Trainer passes")
@@ -223,6 +251,8 @@ def setup_from_args(args: argparse.Namespace) -> tuple[TrainingSetup, list[str]]
         attention=args.attention,
         checkpointing=args.checkpointing,
         use_cache=bool(getattr(args, "use_cache", False)),
+        tuning=tuning_from_args(args),
+        target_device=getattr(args, "target_device", "cuda"),
     )
     if args.gpu:
         gpu = find_gpu(args.gpu)
@@ -243,6 +273,22 @@ def setup_from_args(args: argparse.Namespace) -> tuple[TrainingSetup, list[str]]
     return TrainingSetup(**kw), notes
 
 
+def tuning_from_args(args: argparse.Namespace) -> FineTuning:
+    """The ``--tuning`` group as a FineTuning (errors name the flag's field)."""
+    method = getattr(args, "tuning", "full")
+    if method == "full":
+        return FineTuning()
+    try:
+        dropout = float(str(args.lora_dropout))
+    except ValueError:
+        raise InputError("lora_dropout", f"must be a probability such as 0.05, got {args.lora_dropout!r}") from None
+    targets = tuple(t.strip() for t in str(args.lora_targets).split(",") if t.strip())
+    trainable = tuple(t.strip() for t in str(args.trainable).split(",") if t.strip())
+    return FineTuning(method=method, rank=parse_positive_int(args.lora_rank, "lora_rank", MAX_RANK),
+                      targets=targets, dropout=dropout, adapter_dtype=args.adapter_dtype, quant=args.quant,
+                      double_quant=bool(args.double_quant), trainable=trainable)
+
+
 def format_ledger(result: Result) -> str:
     """The ledger as a readable table in binary units, with the verdict."""
     est, verdict, setup = result.estimate, result.verdict, result.setup
@@ -257,6 +303,8 @@ def format_ledger(result: Result) -> str:
                  f"(effective batch {setup.effective_batch}); {setup.precision}; {setup.optimizer} "
                  f"({setup.optimizer_impl}); {setup.attention} attention; checkpointing {setup.checkpointing}"
                  + ("; use_cache=True" if setup.use_cache else ""))
+    if setup.tuning.method != "full":
+        lines.append(f"Tuning     {setup.tuning_text()}")
     par = setup.parallel
     if par.is_distributed:
         lines.append(f"GPUs       {par.gpus} × {par.strategy}" + (f", offload {par.offload}" if par.offload != "none"

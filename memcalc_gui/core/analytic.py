@@ -29,7 +29,7 @@ from .activations import (
     tuned_layer_saved,
 )
 from .distributed import ModelStates, Parallelism, model_states
-from .finetune import FineTuning
+from .finetune import FineTuning, layer_linears
 from .ledger import Estimate, with_overheads
 from .model import ModelSpec
 from .optimizer import optimizer_cost
@@ -141,12 +141,14 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
         # (cached) remain
         copies = lm_copy + 2 * (ft.adapter_params(spec) if ft.uses_adapters else tp.grads_bytes // tp.grad_bytes)
     base_fwd = dict(parameters=params + copies, optimizer_state=state, gradients=grads_live, inputs=inputs)
+    # QLoRA: a 4-bit linear's weight is dequantized into a 16-bit transient for its matmul (forward and backward)
+    dequant = 2 * max(lin.weight_params for lin in layer_linears(spec)) if ft.method == "qlora" else 0
     forward = _objects(**base_fwd, activations=acts_fwd + lsm + cache_held,
                        temporaries=logits + logits32 + labels + final_out_alive)
     if setup.checkpointing == "full":
         # Inside a checkpointed layer nothing is saved, but its MLP still holds ~3 I-wide tensors at once.
         in_layer = _objects(**base_fwd, activations=layers_saved + rope_tables,
-                            temporaries=3 * t * spec.intermediate_size * d.matmul + t * h * d.residual)
+                            temporaries=3 * t * spec.intermediate_size * d.matmul + t * h * d.residual + dequant)
         forward = max(forward, in_layer, key=lambda m: sum(m.values()))
 
     # ---- backward moments -------------------------------------------------------------------
@@ -235,14 +237,14 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
             inputs=inputs,
             gradients=grads_before + (0 if accumulating else g_down),
             activations=earlier + current - mlp_out + rope_tables,
-            temporaries=grad_stream + n_mlp_grads * tI + acc_tmp_mlp,
+            temporaries=grad_stream + n_mlp_grads * tI + acc_tmp_mlp + dequant,
         ))
         # attention moment (the MLP of this layer is done)
         moments.append(_objects(
             parameters=params + copies_before + layer_copy_w - mlp_copy, optimizer_state=state, inputs=inputs,
             gradients=grads_before + (0 if accumulating else g_mlp + g_out),
             activations=earlier + attn_part + rope_tables,
-            temporaries=grad_stream + attn_tmp + (g_out if accumulating else 0),
+            temporaries=grad_stream + attn_tmp + (g_out if accumulating else 0) + dequant,
         ))
     # (D) embedding backward: every gradient exists. Tied embeddings: the LM head's weight gradient waits in
     # autograd's input buffer while the embedding's dense gradient is made, then the two are summed; without
@@ -326,6 +328,28 @@ def per_gpu_ledger(
             replace(step, "optimizer_step"))
 
 
+def _tuning_assumptions(spec: ModelSpec, setup: TrainingSetup) -> list[str]:
+    ft = setup.tuning
+    if ft.method == "full":
+        return []
+    rows = [setup.tuning_text()]
+    if ft.uses_adapters:
+        masks = "as bool on CUDA" if setup.target_device == "cuda" else "in the input dtype on CPU"
+        rows.append(f"LoRA (peft LoraLayer): frozen base linears keep no inputs; each adapted module keeps its own "
+                    f"input (cast to the {ft.adapter_dtype} adapters, or to 16 bits under autocast) and lora_A's "
+                    f"r-wide output" + (f"; dropout {ft.dropout:g} keeps a copy and a mask ({masks}) per module"
+                                        if ft.dropout > 0 else ""))
+    if ft.method == "qlora":
+        rows.append("QLoRA (bitsandbytes via transformers' BitsAndBytesConfig): every decoder-layer linear quantized; "
+                    "embeddings, norms and the output head in fp32 (peft's prepare_model_for_kbit_training); a 4-bit "
+                    "weight is dequantized into a transient in forward and again in backward (the largest one is "
+                    "counted), never kept")
+    if ft.method == "frozen":
+        rows.append("Frozen parts: gradients and optimizer state for the trained parts only; layers below the "
+                    "lowest trained part keep no activations (no gradient reaches them)")
+    return rows
+
+
 def _assumptions(spec: ModelSpec, setup: TrainingSetup, opt_note: str) -> tuple[str, ...]:
     accum = f"; kept across the {setup.grad_accum} accumulation micro-batches" if setup.grad_accum > 1 else ""
     rows = [
@@ -345,6 +369,7 @@ def _assumptions(spec: ModelSpec, setup: TrainingSetup, opt_note: str) -> tuple[
          if setup.use_cache else
          "use_cache=False, as transformers' Trainer passes it in training (a loop that keeps the config's "
          "use_cache=True holds k/v copies in forward: choose it to see them)"),
+        *_tuning_assumptions(spec, setup),
         f"CUDA context {setup.cuda_context_bytes / 2**20:.0f} MiB; allocator reserve "
         f"{setup.allocator_reserve:.0%} of tensor bytes (memory-profiling guide: fragmentation 5–20 %)",
     ]

@@ -137,15 +137,16 @@ class FineTuning:
         if not self.uses_adapters:
             return ()
         linears = layer_linears(spec)
-        wanted: list[str] = []
-        for target in self.targets:
-            wanted.extend(TARGET_GROUPS.get(target.strip(), (target.strip(),)))
-        chosen = tuple(lin for lin in linears if any(_matches(lin, t) for t in wanted))
-        if not chosen:
-            names = ", ".join(sorted({lin.name for lin in linears} | {lin.kind for lin in linears}))
-            raise InputError("lora_targets", f"{', '.join(self.targets)} matches no linear of a {spec.family} "
-                                             f"layer (its linears: {names})")
-        return chosen
+        chosen: list[Linear] = []
+        for target in (t.strip() for t in self.targets):
+            group = TARGET_GROUPS.get(target)
+            found = [lin for lin in linears if any(_matches(lin, t) for t in (group or (target,)))]
+            if not found:  # a typo is an error here, not an adapter quietly left out
+                names = ", ".join(sorted({lin.name for lin in linears} | {lin.kind for lin in linears}))
+                raise InputError("lora_targets", f"{target} matches no linear of a {spec.family} layer (its "
+                                                 f"linears: {names})")
+            chosen += [lin for lin in found if lin not in chosen]
+        return tuple(lin for lin in linears if lin in chosen)
 
     def adapter_params(self, spec: ModelSpec) -> int:
         """Trainable LoRA parameters in the whole model: r·(d_in + d_out) per adapted linear per layer."""

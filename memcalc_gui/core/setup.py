@@ -202,11 +202,31 @@ class TrainingSetup:
             **({"lora_rank": self.tuning.rank, "lora_targets": list(self.tuning.targets),
                 "lora_dropout": self.tuning.dropout, "adapter_dtype": self.tuning.adapter_dtype}
                if self.tuning.uses_adapters else {}),
-            **({"quant": self.tuning.quant, "double_quant": self.tuning.double_quant}
+            **({"quant": self.tuning.quant, "double_quant": self.tuning.double_quant,
+                "quantized_params": self.tuning.quantized_params(self.model) if self.model else 0,
+                "quantized_bytes": self.tuning.quantized_bytes(self.model) if self.model else 0}
                if self.tuning.method == "qlora" else {}),
             **({"trainable": list(self.tuning.trainable)} if self.tuning.method == "frozen" else {}),
             "trainable_params": self.tuning.trainable_params(self.model) if self.model else self.num_params,
         }
+
+    def tuning_text(self) -> str:
+        """``QLoRA (nf4, double quantization) r=16 on all-linear: 41,943,040 trainable parameters (0.52 %)``."""
+        ft = self.tuning
+        if ft.method == "full" or self.model is None:
+            return f"full fine-tuning: all {self.num_params:,} parameters train"
+        n = ft.trainable_params(self.model)
+        share = f"{n:,} trainable parameters ({n / self.model.num_params:.2%})"
+        if ft.method == "frozen":
+            return f"frozen except {', '.join(ft.trainable)}: {share}"
+        where = ", ".join(ft.targets)
+        base = ""
+        if ft.method == "qlora":
+            dq = ", double quantization" if ft.double_quant and ft.quant != "int8" else ""
+            base = (f"; base {ft.quant}{dq}: {format_bytes(ft.quantized_bytes(self.model))} for "
+                    f"{ft.quantized_params(self.model):,} weights")
+        name = "QLoRA" if ft.method == "qlora" else "LoRA"
+        return (f"{name} r={ft.rank} on {where}, dropout {ft.dropout:g}, {ft.adapter_dtype} adapters: {share}{base}")
 
     def summary(self) -> str:
         """One line: model, shape and options."""

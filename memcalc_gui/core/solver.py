@@ -198,6 +198,8 @@ def suggestions(setup: TrainingSetup, estimator: Estimator, capacity_bytes: int 
 #: at the same effective batch > sharding communication > more GPUs of the same kind; free switches cost 1.
 LEVER_COSTS: dict[str, int] = {
     "precision-bf16": 100,
+    "tuning-qlora": 60,  # a frozen, quantized base: adapters only, dequantization each matmul
+    "tuning-lora": 50,  # a frozen base: only the adapters learn
     "optimizer-8bit": 40,
     "offload-both": 32,
     "offload-optimizer": 30,
@@ -218,6 +220,10 @@ GPU_GROWTH = 8
 MAX_EVALUATIONS = 250
 SHARDED = ("zero2", "zero3", "fsdp-full-shard")
 PARALLEL_KEYS = ("gpus", "strategy", "offload", "node_size")
+#: Change keys that edit the fine-tuning method (core.finetune.FineTuning's fields, as the CLI names them).
+TUNING_KEYS = {"tuning": "method", "lora_rank": "rank", "lora_targets": "targets", "lora_dropout": "dropout",
+               "adapter_dtype": "adapter_dtype", "quant": "quant", "double_quant": "double_quant",
+               "trainable": "trainable"}
 
 
 @dataclass(frozen=True)
@@ -239,9 +245,12 @@ def apply_changes(setup: TrainingSetup, changes: dict[str, Any]) -> TrainingSetu
     """``setup`` with ``changes``: setup fields, and ``gpus``/``strategy``/``offload``/``node_size`` of its
     parallel layout (the names a suggestion and the window's form share). Raises ``InputError`` on a conflict."""
     par = {k: v for k, v in changes.items() if k in PARALLEL_KEYS}
-    rest = {k: v for k, v in changes.items() if k not in PARALLEL_KEYS}
+    tune = {TUNING_KEYS[k]: (tuple(v) if isinstance(v, list) else v) for k, v in changes.items() if k in TUNING_KEYS}
+    rest = {k: v for k, v in changes.items() if k not in PARALLEL_KEYS and k not in TUNING_KEYS}
     if par:
         rest["parallel"] = replace(setup.parallel, **par)
+    if tune:
+        rest["tuning"] = replace(setup.tuning, **tune)
     return setup.with_changes(**rest) if rest else setup
 
 
@@ -266,6 +275,14 @@ def levers(setup: TrainingSetup) -> list[Lever]:
         out.append(Lever("precision", "precision-bf16", "keep weights, gradients and optimizer state in bf16",
                          {"precision": "bf16"},
                          "no fp32 master weights: updates lose precision (Kahan summation or stochastic rounding)"))
+    if setup.model is not None and setup.tuning.method == "full":
+        out.append(Lever("tuning", "tuning-lora", "fine-tune with LoRA (r=16, all linear layers)",
+                         {"tuning": "lora", "lora_rank": 16}, "only low-rank adapters learn (0.1–1 % of the "
+                         "weights); full fine-tuning can reach a better loss"))
+    if setup.model is not None and setup.tuning.method in ("full", "lora"):
+        out.append(Lever("tuning", "tuning-qlora", "fine-tune with QLoRA (4-bit NF4 base, r=16)",
+                         {"tuning": "qlora", "lora_rank": 16}, "adapters only on a 4-bit base: some quality "
+                         "loss and slower matmuls (dequantized each time)"))
     if setup.model is not None and setup.attention == "eager":
         out.append(Lever("attention", "attention-sdpa", "use SDPA attention instead of eager", {"attention": "sdpa"},
                          "no L×L score matrices kept"))
