@@ -170,3 +170,38 @@ def test_use_cache_flag_reaches_the_json_and_the_estimate(capsys: pytest.Capture
     a, b = json.loads(plain), json.loads(cached)
     assert a["setup"]["use_cache"] is False and b["setup"]["use_cache"] is True
     assert b["phases"]["forward"]["total_bytes"] > a["phases"]["forward"]["total_bytes"]
+
+
+def test_qlora_on_a_4090_prints_the_same_as_the_window(capsys: pytest.CaptureFixture[str]) -> None:
+    """The issue's done-when: Llama-3.1-8B, QLoRA r=16 all-linear, micro-batch 4 × 2048, checkpointing, RTX 4090."""
+    from memcalc_gui.core.finetune import FineTuning
+    from memcalc_gui.core.result import evaluate
+    from memcalc_gui.ui.form import FormState, ModelCache, build_setup, capacity_text, gpu_by_id
+
+    code, out, _ = run(capsys, "estimate", "--preset", "llama-3.1-8b", "--tuning", "qlora", "--lora-rank", "16",
+                       "--checkpointing", "full", "--gpu", "rtx-4090", "--batch", "4", "--seq", "2048", "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert data["setup"]["tuning"] == "qlora" and data["setup"]["trainable_params"] == 41_943_040
+    assert data["setup"]["quantized_params"] > 6e9 and data["setup"]["quantized_bytes"] < 0.52 * 7e9
+    state = FormState(preset="llama-3.1-8b", tuning="qlora", checkpointing="full", batch="4", seq="2048",
+                      grad_accum="1", gpu="rtx-4090", capacity=capacity_text(gpu_by_id()["rtx-4090"]))
+    window = evaluate(build_setup(state, ModelCache()))
+    assert window.setup.tuning == FineTuning(method="qlora")
+    assert data["peak_bytes"] == window.estimate.peak_bytes and data["fits"] == window.verdict.fits
+
+
+@pytest.mark.parametrize(("argv", "flag"), [
+    (["--tuning", "lora", "--lora-rank", "0"], "--lora-rank"),
+    (["--tuning", "lora", "--lora-rank", "x"], "--lora-rank"),
+    (["--tuning", "lora", "--lora-dropout", "2"], "--lora-dropout"),
+    (["--tuning", "lora", "--lora-dropout", "lots"], "--lora-dropout"),
+    (["--tuning", "lora", "--lora-targets", "wq"], "--lora-targets"),
+    (["--tuning", "frozen"], "--trainable"),
+    (["--tuning", "frozen", "--trainable", "top:3"], "--trainable"),
+    (["--tuning", "lora", "--gpus", "8", "--strategy", "zero3"], "--strategy"),
+])
+def test_bad_fine_tuning_flags_name_the_flag(capsys: pytest.CaptureFixture[str], argv: list[str], flag: str) -> None:
+    code, out, err = run(capsys, "estimate", "--preset", "llama-3.2-1b", *argv)
+    assert code == 2 and out == ""
+    assert err.startswith(f"memcalc: error: {flag}:") and err.count("\n") == 1, err

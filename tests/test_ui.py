@@ -843,3 +843,46 @@ def test_a_trace_and_a_measurement_in_progress_get_their_own_lines(window):
         assert panel.progress_label.width() >= 250
         assert panel.cancel_button.text().startswith("Cancel ")
     assert w.trace_panel.progress_label.y() != w.measure_panel.progress_label.y()
+
+
+def test_fine_tuning_group_drives_the_estimate(window, qtbot):
+    """Weights trained: LoRA/QLoRA/frozen change what trains; only the fields the method reads are enabled; a
+    bad rank is marked on its field while the last result stays; undo walks back."""
+    w = window
+    inputs = w.inputs
+    w.apply_state(inputs.state().replace(preset="llama-3.1-8b", checkpointing="full", batch="4", seq="2048",
+                                         grad_accum="1"))
+    assert w.refresh()
+    full_peak = w.result.estimate.peak_bytes
+    assert not inputs.lora_rank.isEnabled() and not inputs.trainable.isEnabled()
+    inputs.tuning.setCurrentIndex(inputs.tuning.findData("qlora"))
+    qtbot.waitUntil(lambda: w.result.setup.tuning.method == "qlora", timeout=2000)
+    assert inputs.lora_rank.isEnabled() and inputs.quant.isEnabled() and not inputs.trainable.isEnabled()
+    assert w.result.estimate.peak_bytes < full_peak / 3
+    assert "41,943,040 trainable parameters" in inputs.trainable_info.text()
+    qlora = w.result
+    inputs.lora_rank.setText("0")
+    assert not w.refresh()
+    assert "lora_rank" in inputs.errors() and w.result is qlora
+    inputs.lora_rank.setText("64")
+    assert w.refresh() and w.result.setup.tuning.rank == 64
+    assert w.result.estimate.peak_bytes > qlora.estimate.peak_bytes  # more rank, more memory
+    inputs.tuning.setCurrentIndex(inputs.tuning.findData("frozen"))
+    qtbot.waitUntil(lambda: w.result.setup.tuning.method == "frozen", timeout=2000)
+    assert inputs.trainable.isEnabled() and not inputs.lora_rank.isEnabled()
+    assert w.result.setup.tuning.trainable == ("last:4",)
+    w.undo()
+    assert w.inputs.state().tuning == "qlora"
+
+
+def test_suggesting_lora_applies_it_to_the_form(window):
+    """A full fine-tuning run that does not fit gets LoRA/QLoRA among its fixes; applying one sets the form."""
+    w = window
+    w.apply_state(w.inputs.state().replace(preset="llama-3.1-8b", gpu="rtx-4090", capacity="23.64 GiB",
+                                           checkpointing="full", batch="1", seq="512", grad_accum="1"))
+    assert w.refresh()
+    titles = [s.title for s in w.advice.suggestions()]
+    index = next(i for i, s in enumerate(w.advice.suggestions()) if s.changes.get("tuning") in ("lora", "qlora"))
+    w.advice.apply(index)
+    assert w.refresh() and w.result.setup.tuning.method in ("lora", "qlora"), titles
+    assert w.inputs.state().lora_rank == "16"

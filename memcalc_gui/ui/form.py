@@ -17,6 +17,7 @@ from typing import Any, Final
 
 from ..core.distributed import MAX_PARALLEL_GPUS, OFFLOADS, STRATEGIES, Parallelism
 from ..core.errors import ConfigError, InputError
+from ..core.finetune import MAX_RANK, TUNINGS, FineTuning
 from ..core.model import ModelSpec, preset_names, preset_spec, spec_from_file
 from ..core.setup import (
     DEFAULT_ALLOCATOR_RESERVE,
@@ -66,6 +67,15 @@ class FormState:
     strategy: str = "ddp"
     node_size: str = "8"
     offload: str = "none"
+    # fine-tuning (core.finetune.FineTuning); the LoRA fields apply to lora and qlora, trainable to frozen
+    tuning: str = "full"
+    lora_rank: str = "16"
+    lora_targets: str = "all-linear"
+    lora_dropout: str = "0.05"
+    adapter_dtype: str = "fp32"
+    quant: str = "nf4"
+    double_quant: str = "true"
+    trainable: str = "last:4"
 
     def replace(self, **changes: Any) -> FormState:
         return dataclasses.replace(self, **{k: str(v) for k, v in changes.items()})
@@ -90,6 +100,8 @@ class FormState:
             raise ValueError(f"unknown strategy {state.strategy!r}")
         if state.offload not in OFFLOADS:
             raise ValueError(f"unknown offload {state.offload!r}")
+        if state.tuning not in TUNINGS:
+            raise ValueError(f"unknown tuning {state.tuning!r}")
         return state
 
     def changed_fields(self, other: FormState) -> list[str]:
@@ -165,6 +177,14 @@ _FIELD_MAP: Final = {
     "node_size": "node_size",
     "offload": "offload",
     "parallel": "strategy",
+    "tuning": "tuning",
+    "lora_rank": "lora_rank",
+    "lora_targets": "lora_targets",
+    "lora_dropout": "lora_dropout",
+    "adapter_dtype": "adapter_dtype",
+    "quant": "quant",
+    "double_quant": "double_quant",
+    "trainable": "trainable",
 }
 
 
@@ -282,6 +302,7 @@ def build_setup(state: FormState, cache: ModelCache) -> TrainingSetup:
     attempt("allocator_reserve", lambda: _reserve_fraction(state.allocator_reserve))
     attempt("gpus", lambda: parse_positive_int(state.gpus, "gpus", MAX_PARALLEL_GPUS))
     attempt("node_size", lambda: parse_positive_int(state.node_size, "node_size", MAX_PARALLEL_GPUS))
+    attempt("tuning", lambda: tuning_from_state(state))
     if errors:
         raise FormErrors(errors)
     try:
@@ -310,10 +331,31 @@ def build_setup(state: FormState, cache: ModelCache) -> TrainingSetup:
         raise FormErrors({form_field(exc, state): exc.reason}) from None
 
 
+def tuning_from_state(state: FormState) -> FineTuning:
+    """The form's fine-tuning fields as a FineTuning (fields of other methods are ignored, not checked)."""
+    if state.tuning == "full":
+        return FineTuning()
+    adapters = state.tuning in ("lora", "qlora")
+    rank = parse_positive_int(state.lora_rank, "lora_rank", MAX_RANK) if adapters else 16
+    dropout = 0.05
+    if adapters:
+        try:
+            dropout = float(state.lora_dropout.strip().rstrip("%")) / (100 if "%" in state.lora_dropout else 1)
+        except ValueError:
+            raise InputError("lora_dropout", f"must be a probability such as 0.05, got {state.lora_dropout!r}") \
+                from None
+    targets = tuple(t.strip() for t in state.lora_targets.split(",") if t.strip()) if adapters else ("all-linear",)
+    trainable = tuple(t.strip() for t in state.trainable.split(",") if t.strip()) if state.tuning == "frozen" else ()
+    return FineTuning(method=state.tuning, rank=rank, targets=targets, dropout=dropout,  # type: ignore[arg-type]
+                      adapter_dtype=state.adapter_dtype, quant=state.quant,  # type: ignore[arg-type]
+                      double_quant=state.double_quant == "true", trainable=trainable)
+
+
 def state_with_changes(state: FormState, changes: dict[str, Any]) -> FormState:
     """Apply a core ``Suggestion.changes`` (setup fields) to the form; unknown keys raise ``KeyError``."""
     names = {f.name for f in dataclasses.fields(FormState)}
     unknown = set(changes) - names
     if unknown:
         raise KeyError(f"cannot apply {sorted(unknown)} from the form")
-    return state.replace(**changes)
+    return state.replace(**{k: (",".join(v) if isinstance(v, (list, tuple)) else
+                                str(v).lower() if isinstance(v, bool) else v) for k, v in changes.items()})

@@ -63,6 +63,9 @@ def offload_labels(strategy: str) -> dict[str, str]:
     """The offload choices that differ for ``strategy`` (core.distributed.offload_choices), labelled."""
     return {k: FSDP_OFFLOAD_LABEL if k == "both" and strategy.startswith("fsdp") else OFFLOAD_LABELS[k]
             for k in offload_choices(strategy)}
+TUNING_LABELS = {"full": "All (full fine-tuning)", "lora": "LoRA adapters (peft)",
+                 "qlora": "QLoRA: adapters on a 4-bit base", "frozen": "Some parts (the rest frozen)"}
+QUANT_LABELS = {"nf4": "NF4 (4-bit, QLoRA)", "fp4": "FP4 (4-bit)", "int8": "int8 (LLM.int8)"}
 #: Strategies whose node size matters without offload (HYBRID_SHARD shards within a node).
 NODE_SIZE_STRATEGIES = ("fsdp-hybrid",)
 
@@ -302,6 +305,39 @@ class InputPanel(QWidget):
         self._row(sform, "A&ttention:", "attention", self.attention)
         outer.addWidget(step_group)
 
+        # ---- fine-tuning ----
+        tune_group = QGroupBox("Fine-tuning")
+        tform = self._form(tune_group)
+        self.tuning = _combo(TUNING_LABELS, TOOLTIPS["tuning"])
+        self._row(tform, "&Weights trained:", "tuning", self.tuning)
+        self.lora_rank = IntEdit()
+        self.lora_rank.setPlaceholderText("16")
+        self._row(tform, "LoRA rank:", "lora_rank", self.lora_rank)
+        self.lora_targets = QComboBox()
+        self.lora_targets.setEditable(True)
+        self.lora_targets.setInsertPolicy(QComboBox.InsertPolicy.NoInsert)
+        self.lora_targets.addItems(["all-linear", "attention", "mlp", "q_proj,v_proj", "q,k,v,o"])
+        self.lora_targets.setToolTip(TOOLTIPS["lora_targets"])
+        self._row(tform, "Target modules:", "lora_targets", self.lora_targets)
+        self.lora_dropout = QLineEdit()
+        self.lora_dropout.setPlaceholderText("0.05")
+        self._row(tform, "LoRA dropout:", "lora_dropout", self.lora_dropout)
+        self.quant = _combo(QUANT_LABELS, TOOLTIPS["quant"])
+        self._row(tform, "Base quantization:", "quant", self.quant)
+        self.double_quant = QCheckBox("Double quantization (QLoRA)")
+        self.double_quant.setToolTip(TOOLTIPS["double_quant"])
+        self.boxes["double_quant"] = FieldBox(self.double_quant)
+        tform.addRow(self.boxes["double_quant"])
+        self.trainable = QLineEdit()
+        self.trainable.setPlaceholderText("last:4, norms, lm_head, embeddings")
+        self._row(tform, "Trainable parts:", "trainable", self.trainable)
+        self.trainable_info = QLabel("")
+        self.trainable_info.setObjectName("trainableInfo")
+        self.trainable_info.setWordWrap(True)
+        self.trainable_info.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        tform.addRow(self.trainable_info)
+        outer.addWidget(tune_group)
+
         # ---- precision & optimizer ----
         prec_group = QGroupBox("Precision && optimizer")
         pform = self._form(prec_group)
@@ -397,6 +433,12 @@ class InputPanel(QWidget):
         self.capacity.textChanged.connect(self._on_capacity)
         self.checkpointing.toggled.connect(self._changed)
         self.use_cache.toggled.connect(self._changed)
+        for edit in (self.lora_rank, self.lora_dropout, self.trainable):
+            edit.textChanged.connect(self._changed)
+        self.lora_targets.currentTextChanged.connect(self._changed)
+        self.quant.currentIndexChanged.connect(self._changed)
+        self.double_quant.toggled.connect(self._changed)
+        self.tuning.currentIndexChanged.connect(self._on_tuning)
         for combo in (self.attention, self.optimizer_impl):
             combo.currentIndexChanged.connect(self._changed)
         for combo in (self.strategy, self.offload):
@@ -420,7 +462,9 @@ class InputPanel(QWidget):
 
     def _tab_order(self) -> None:
         chain = [self.model_kind, self.preset, self.config_path, self.open_button, self.params, self.batch, self.seq,
-                 self.grad_accum, self.checkpointing, self.use_cache, self.attention, self.recipe, self.precision,
+                 self.grad_accum, self.checkpointing, self.use_cache, self.attention, self.tuning, self.lora_rank,
+                 self.lora_targets, self.lora_dropout, self.quant, self.double_quant, self.trainable, self.recipe,
+                 self.precision,
                  self.optimizer, self.optimizer_impl, self.gpu, self.capacity, self.gpus, self.strategy, self.node_size,
                  self.offload, self.cuda_context, self.allocator_reserve]
         for a, b in itertools.pairwise(chain):
@@ -509,6 +553,27 @@ class InputPanel(QWidget):
         self.offload.setToolTip(TOOLTIPS["offload"] if len(labels) > 1 else
                                 "DDP replicates the model and cannot offload; choose ZeRO or FSDP to offload.")
 
+    def _on_tuning(self, *_: object) -> None:
+        self._sync_tuning()
+        self._changed()
+
+    def _sync_tuning(self) -> None:
+        """Enable the fields the chosen method reads: rank, targets and dropout for LoRA/QLoRA, quantization for
+        QLoRA, the trainable parts for frozen training (the others keep their text for when they apply again)."""
+        method = self.tuning.currentData()
+        adapters = method in ("lora", "qlora")
+        for name, on in (("lora_rank", adapters), ("lora_targets", adapters), ("lora_dropout", adapters),
+                         ("quant", method == "qlora"), ("double_quant", method == "qlora" and
+                                                       self.quant.currentData() != "int8"),
+                         ("trainable", method == "frozen")):
+            self.boxes[name].field.setEnabled(on)
+            if name in self.labels:
+                self.labels[name].setEnabled(on)
+
+    def set_trainable_info(self, text: str) -> None:
+        self.trainable_info.setText(text)
+        self.trainable_info.setVisible(bool(text))
+
     def _sync_node_size(self) -> None:
         """GPUs per node matters for HYBRID_SHARD and, with offload, for the host memory per node."""
         used = self.strategy.currentData() in NODE_SIZE_STRATEGIES or self.offload.currentData() != "none"
@@ -565,6 +630,13 @@ class InputPanel(QWidget):
             attention=self.attention.currentData(),
             checkpointing="full" if self.checkpointing.isChecked() else "none",
             use_cache="true" if self.use_cache.isChecked() else "false",
+            tuning=self.tuning.currentData(),
+            lora_rank=self.lora_rank.text(),
+            lora_targets=self.lora_targets.currentText(),
+            lora_dropout=self.lora_dropout.text(),
+            quant=self.quant.currentData(),
+            double_quant="true" if self.double_quant.isChecked() else "false",
+            trainable=self.trainable.text(),
             gpu=self.gpu.currentData() or "",
             capacity=self.capacity.text(),
             cuda_context=self.cuda_context.text(),
@@ -599,6 +671,16 @@ class InputPanel(QWidget):
             _set_combo(self.gpu, state.gpu, fallback="")  # a GPU no longer in the table: custom capacity
             self.checkpointing.setChecked(state.checkpointing == "full")
             self.use_cache.setChecked(state.use_cache == "true")
+            _set_combo(self.tuning, state.tuning)
+            _set_combo(self.quant, state.quant)
+            for name in ("lora_rank", "lora_dropout", "trainable"):
+                edit = getattr(self, name)
+                if edit.text() != getattr(state, name):
+                    edit.setText(getattr(state, name))
+            if self.lora_targets.currentText() != state.lora_targets:
+                self.lora_targets.setEditText(state.lora_targets)
+            self.double_quant.setChecked(state.double_quant == "true")
+            self._sync_tuning()
             self._sync_recipe()
         finally:
             self._updating = False

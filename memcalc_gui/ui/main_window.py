@@ -83,7 +83,8 @@ NARROW_WIDTH = 1180
 #: Typing in one field within this many seconds merges into one undo step.
 MERGE_WINDOW_S = 2.0
 TEXT_FIELDS = frozenset({"preset", "config_path", "params", "batch", "seq", "grad_accum", "capacity", "cuda_context",
-                         "allocator_reserve", "gpus", "node_size"})
+                         "allocator_reserve", "gpus", "node_size", "lora_rank", "lora_targets", "lora_dropout",
+                         "trainable"})
 FIELD_NAMES = {
     "model_kind": "model source", "preset": "preset", "config_path": "config.json", "params": "parameter count",
     "batch": "micro-batch", "seq": "sequence length", "grad_accum": "gradient accumulation",
@@ -92,6 +93,9 @@ FIELD_NAMES = {
     "capacity": "capacity",
     "cuda_context": "CUDA context", "allocator_reserve": "allocator reserve", "gpus": "number of GPUs",
     "strategy": "strategy", "node_size": "GPUs per node", "offload": "offload", "general": "input",
+    "tuning": "weights trained", "lora_rank": "LoRA rank", "lora_targets": "target modules",
+    "lora_dropout": "LoRA dropout", "quant": "base quantization", "double_quant": "double quantization",
+    "trainable": "trainable parts",
 }
 
 
@@ -535,6 +539,7 @@ class MainWindow(QMainWindow):
                 f"<b>{setup.num_params:,}</b> parameters, no architecture.<br>Method <b>quick</b>: a rough "
                 "heuristic (Hugging Face blog) that overestimates activations; open a config.json or pick a preset "
                 "for the analytic method.")
+        self.inputs.set_trainable_info("" if setup.tuning.method == "full" else setup.tuning_text())
         self.inputs.set_effective(f"{setup.effective_batch:,} sequences per step ({setup.batch} × {setup.grad_accum})"
                                   f" = {setup.effective_batch * setup.seq:,} tokens")
 

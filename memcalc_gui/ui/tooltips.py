@@ -40,6 +40,29 @@ TOOLTIPS: dict[str, str] = {
         "activations shrink to one saved input per layer (memory-profiling guide: checkpointing saves 40–60 % of "
         "activations), and backward runs one extra forward."
     ),
+    "tuning": (
+        "Which weights train. All: full fine-tuning. LoRA: the base is frozen and peft adds rank-r adapters "
+        "(r·(d_in + d_out) weights per adapted linear, fp32 by default) — gradients and optimizer state exist for "
+        "them only. QLoRA: LoRA on a base whose decoder-layer linears bitsandbytes stores in 4 bits (NF4, ~0.52 "
+        "B/weight with double quantization); embeddings, norms and the output head are cast to fp32 by peft's "
+        "prepare_model_for_kbit_training. Some parts: only what 'Trainable parts' names trains."
+    ),
+    "lora_rank": "LoRA rank r (peft LoraConfig.r). Adapter weights and their activations grow linearly with it.",
+    "lora_targets": (
+        "Which linears get adapters (peft target_modules): all-linear (every linear but the output head, as peft), "
+        "attention, mlp, or a comma-separated list of kinds (q, k, v, o, gate, up, down) or module names "
+        "(q_proj, v_proj, c_attn, …)."
+    ),
+    "lora_dropout": (
+        "peft's lora_dropout. Above 0 every adapted module keeps its own dropout output and mask for backward "
+        "(the mask as bool on CUDA)."
+    ),
+    "quant": "How bitsandbytes stores the frozen base under QLoRA: NF4 or FP4 (4-bit, blocks of 64), or LLM.int8.",
+    "double_quant": "Quantize the 4-bit blocks' scales too (bnb_4bit_use_double_quant): ~0.516 instead of 0.5625 B.",
+    "trainable": (
+        "With 'Some parts': what trains, comma-separated — last:N (the top N decoder layers), norms, lm_head, "
+        "embeddings. Layers below the lowest trained part keep no activations."
+    ),
     "use_cache": (
         "Whether the training loop leaves the config's use_cache=True. transformers then fills a DynamicCache "
         "during forward: every layer's k and v are copied (torch.cat) and attention runs on the copies, which "
