@@ -126,3 +126,22 @@ def test_cuda_measurement_uses_the_allocator(tmp_path) -> None:  # type: ignore[
     assert snap.exists() and r.measured_overheads() is not None
     for err in r.error_pct.values():
         assert abs(err) < 10
+
+
+def test_a_lora_measurement_on_cpu_agrees_with_its_estimate(tmp_path) -> None:
+    """The window's Measure runs a real peft LoRA step (scaled down when needed) and compares it with the CPU
+    ledger of the same setup."""
+    pytest.importorskip("peft")
+    from bench.accuracy import FAMILIES
+    from memcalc_gui.core.finetune import FineTuning
+    from memcalc_gui.core.model import spec_from_file
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(FAMILIES["llama"]))
+    setup = TrainingSetup(model=spec_from_file(path), batch=2, seq=128, precision="mixed",
+                          tuning=FineTuning(method="lora", rank=8, dropout=0.05))
+    result = engine.measure(setup, device="cpu", iterations=2)
+    assert not result.scaled and result.estimate.setup.target_device == "cpu"
+    for phase, reading in result.phases.items():
+        if phase != "load":
+            assert result.estimate.estimate.phases[phase].tensor_bytes == pytest.approx(reading.peak_bytes, rel=0.03)

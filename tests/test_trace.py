@@ -114,3 +114,22 @@ def test_adafactor_traces_and_matches_analytic_and_measured(fam: str, impl: str)
         measured = real.phases[phase].peak_bytes
         assert traced.phases[phase].tensor_bytes == pytest.approx(measured, rel=0.01), phase
         assert analytic.phases[phase].tensor_bytes == pytest.approx(measured, rel=0.01), phase
+
+
+def test_frozen_parts_trace_and_lora_says_why_not() -> None:
+    """Frozen parts trace like full training (requires_grad off); LoRA/QLoRA traces say the analytic holds."""
+    from bench.accuracy import FAMILIES
+    from memcalc_gui.core.estimate import estimate
+    from memcalc_gui.core.finetune import FineTuning
+    from memcalc_gui.core.model import spec_from_config
+    from memcalc_gui.core.setup import TrainingSetup
+
+    spec = spec_from_config(FAMILIES["gpt2"])
+    frozen = TrainingSetup(model=spec, batch=2, seq=128, precision="fp32", optimizer_impl="single-tensor",
+                           tuning=FineTuning(method="frozen", trainable=("last:1",)))
+    traced = trace_estimate(frozen).estimate
+    analytic = estimate(frozen)
+    for phase in ("forward", "backward", "optimizer_step"):
+        assert analytic.phases[phase].tensor_bytes == pytest.approx(traced.phases[phase].tensor_bytes, rel=0.01)
+    with pytest.raises(TraceError, match="analytic ledger"):
+        trace_estimate(frozen.with_changes(tuning=FineTuning(method="lora")))

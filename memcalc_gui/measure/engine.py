@@ -340,7 +340,9 @@ def measure(
                 if measured.grad_accum > 1 and phase in ("forward", "backward") else ""
             progress(f"iteration {it} of {iterations}: {phase.replace('_', ' ')}{extra}")
 
-    estimate_result = evaluate(measured.with_changes(capacity_bytes=setup.capacity_bytes))
+    # the estimate the measurement is compared with models the device it runs on (CPU dropout masks differ)
+    estimate_result = evaluate(measured.with_changes(capacity_bytes=setup.capacity_bytes,
+                                                     target_device="cuda" if info.kind == "cuda" else "cpu"))
     result = MeasureResult(info, measured, setup, bool(note), note, {}, estimate_result, [])
     try:
         with exclusive_torch_job(should_stop, Cancelled):
@@ -392,7 +394,7 @@ def _measure_cpu(result: MeasureResult, config: dict[str, Any], setup: TrainingS
             config, batch=setup.batch, seq=setup.seq, precision=setup.precision, optimizer=setup.optimizer,
             optimizer_impl=setup.optimizer_impl, attention=setup.attention, checkpointing=setup.checkpointing,
             use_cache=setup.use_cache, grad_accum=setup.grad_accum, iterations=iterations, num_threads=None,
-            on_phase=track_phase,
+            on_phase=track_phase, tuning=setup.tuning if setup.tuning.method != "full" else None,
         )
     except NotImplementedError as exc:  # an optimizer torch lacks, or a family without a reference module
         raise MeasureError(str(exc)) from None
@@ -415,7 +417,7 @@ def _measure_cuda(result: MeasureResult, config: dict[str, Any], setup: Training
                   snapshot: str | Path | None, on_phase: Callable[[str, int, int], None]) -> None:
     """One real training step on CUDA, read through the caching allocator's counters."""
     torch = _import_torch()
-    from .cpu_step import build_model, enable_checkpointing, make_optimizer
+    from .cpu_step import apply_tuning, build_model, enable_checkpointing, make_optimizer
 
     dev = torch.device("cuda", 0)
     torch.cuda.init()
@@ -469,8 +471,11 @@ def _measure_cuda(result: MeasureResult, config: dict[str, Any], setup: Training
                                 use_cache=setup.use_cache)
         if setup.checkpointing == "full":
             enable_checkpointing(model)
-        params = list(model.parameters())
-        param_bytes = nbytes(params) + nbytes(model.buffers())
+        if setup.tuning.method != "full":
+            with dev:
+                model = apply_tuning(model, setup.tuning, config)
+        param_bytes = nbytes(model.parameters()) + nbytes(model.buffers())
+        params = [p for p in model.parameters() if p.requires_grad]
         end("load", True, {"parameters": param_bytes})
         opt = make_optimizer(params, setup.optimizer, setup.optimizer_impl)
         input_ids = torch.randint(0, int(model.config.vocab_size), (setup.batch, setup.seq), device=dev)
