@@ -527,3 +527,17 @@ def test_window_export_error_is_a_message_box_and_nothing_is_lost(window, tmp_pa
     # cancelling the chooser does nothing
     monkeypatch.setattr(QFileDialog, "getSaveFileName", staticmethod(lambda *a: ("", "")))
     assert window.export_report() is None and len(shown) == 1
+
+
+@needs_poppler
+def test_a_qlora_report_states_the_tuning_and_the_parameter_split(tmp_path):
+    from memcalc_gui.core.finetune import FineTuning
+
+    result = evaluate(setup_on("llama-3.1-8b", "rtx-4090", batch=4, seq=2048, checkpointing="full",
+                               tuning=FineTuning(method="qlora")))
+    one = flat(pdf_text(export_report(result, tmp_path / "qlora.pdf", page="a4")))
+    assert "QLoRA r=16 on all-linear" in one and "41,943,040 trainable parameters" in one
+    assert "quantized base" in one and "trainable adapters" in one
+    assert "prepare_model_for_kbit_training" in one  # the assumption behind the fp32 embeddings and head
+    png = export_report(result, tmp_path / "qlora.png")
+    assert QImage(str(png)).width() == 1600

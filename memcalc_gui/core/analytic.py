@@ -286,6 +286,7 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
         "compute_copy_bytes": copies,
         "lm_head_copy_bytes": lm_copy,
         "parallel_notes": notes,  # why a per-GPU number moves with the strategy (the window's banner says it)
+        "parameter_split": parameter_split(spec, setup, params) if tuned else {},
     }
     return Estimate(setup=setup, method="analytic", phases=phases, assumptions=assumptions, details=details)
 
@@ -374,6 +375,25 @@ def _assumptions(spec: ModelSpec, setup: TrainingSetup, opt_note: str) -> tuple[
         f"{setup.allocator_reserve:.0%} of tensor bytes (memory-profiling guide: fragmentation 5–20 %)",
     ]
     return tuple(rows)
+
+
+def parameter_split(spec: ModelSpec, setup: TrainingSetup, params: int) -> dict[str, int]:
+    """The parameters object of a fine-tuning run split by role: the frozen base (quantized part apart) and what
+    trains — what the window's ledger tooltip and the report list."""
+    ft = setup.tuning
+    p = Dtypes.of(setup).param
+    a_bytes = 2 if ft.adapter_dtype == "bf16" else 4
+    if ft.uses_adapters:
+        adapters = ft.adapter_params(spec) * a_bytes
+        out = {"trainable adapters": adapters}
+        if ft.method == "qlora":
+            out["quantized base"] = ft.quantized_bytes(spec)
+            out["other frozen weights (fp32)"] = params - adapters - out["quantized base"]
+        else:
+            out["frozen base"] = params - adapters
+        return out
+    trained = ft.trainable_params(spec) * p
+    return {"trainable": trained, "frozen": params - trained}
 
 
 @dataclass(frozen=True)

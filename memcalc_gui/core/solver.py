@@ -245,7 +245,8 @@ def apply_changes(setup: TrainingSetup, changes: dict[str, Any]) -> TrainingSetu
     """``setup`` with ``changes``: setup fields, and ``gpus``/``strategy``/``offload``/``node_size`` of its
     parallel layout (the names a suggestion and the window's form share). Raises ``InputError`` on a conflict."""
     par = {k: v for k, v in changes.items() if k in PARALLEL_KEYS}
-    tune = {TUNING_KEYS[k]: (tuple(v) if isinstance(v, list) else v) for k, v in changes.items() if k in TUNING_KEYS}
+    tune: dict[str, Any] = {TUNING_KEYS[k]: (tuple(v) if isinstance(v, list) else v)
+                            for k, v in changes.items() if k in TUNING_KEYS}
     rest = {k: v for k, v in changes.items() if k not in PARALLEL_KEYS and k not in TUNING_KEYS}
     if par:
         rest["parallel"] = replace(setup.parallel, **par)

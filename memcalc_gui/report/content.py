@@ -265,7 +265,11 @@ def _setup_rows(result: Result) -> list[tuple[str, str]]:
         ("Gradient checkpointing", s.checkpointing),
         ("use_cache", "True: the loop keeps transformers' k/v cache in forward" if s.use_cache else
          "False, as transformers' Trainer passes in training"),
+        ("Fine-tuning", s.tuning_text()),
     ]
+    split = result.estimate.details.get("parameter_split")
+    if split:
+        rows.append(("Parameters", ", ".join(f"{name} {format_bytes(n)}" for name, n in split.items())))
     if s.capacity_bytes is not None:
         name, nominal = _gpu_name(s.gpu)
         label = f"{name} (sold as {nominal}), " if name else "custom capacity, "
@@ -382,7 +386,7 @@ def _suggestions_table(result: Result) -> tuple[Table | None, str]:
 
 #: The setup fields that decide the tensors (the GPU and the overheads do not).
 TENSOR_FIELDS = ("model", "params", "batch", "seq", "grad_accum", "precision", "optimizer", "optimizer_impl",
-                 "attention", "checkpointing", "use_cache")
+                 "attention", "checkpointing", "use_cache", "tuning")
 
 
 def same_tensors(a: TrainingSetup, b: TrainingSetup) -> bool:

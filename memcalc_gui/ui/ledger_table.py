@@ -18,7 +18,7 @@ from PySide6.QtGui import (
 from PySide6.QtWidgets import QAbstractItemView, QHeaderView, QTableWidget, QTableWidgetItem, QWidget
 
 from ..core.ledger import Estimate
-from ..core.units import in_unit, screen_unit
+from ..core.units import format_bytes, in_unit, screen_unit
 from ..core.vocab import OBJECT_LABELS, OBJECTS, PHASE_LABELS, PHASES
 from ..view.theme import OBJECT_COLORS
 
@@ -109,11 +109,14 @@ class LedgerTable(QTableWidget):
             self.setToolTip(TABLE_TIP.format(unit=unit))
             self._copy_action.setText(f"Copy as TSV ({unit})")
             self.unit_changed.emit(unit)
+        split = estimate.details.get("parameter_split") or {}
+        split_text = "; of which " + ", ".join(f"{k} {format_bytes(v)}" for k, v in split.items()) if split else ""
         for c, phase in enumerate(PHASES):
             ledger = estimate.phases[phase]
             for r, obj in enumerate(OBJECTS):
                 n = ledger.objects[obj]
-                self._set(r, c, n, f"{OBJECT_LABELS[obj]}, {PHASE_LABELS[phase]}: {n:,} bytes")
+                extra = split_text if obj == "parameters" and n else ""
+                self._set(r, c, n, f"{OBJECT_LABELS[obj]}, {PHASE_LABELS[phase]}: {n:,} bytes{extra}")
             self._set(TOTAL_ROW, c, ledger.total_bytes, f"Total, {PHASE_LABELS[phase]}: {ledger.total_bytes:,} bytes")
         if peak_col != self._peak_col:
             self._peak_col = peak_col
