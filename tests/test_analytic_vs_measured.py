@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.accuracy import FAMILIES
+from bench.accuracy import FAMILIES, FROZEN_CASES, LORA_CASES
 from memcalc_gui.core.estimate import estimate
 from memcalc_gui.core.model import spec_from_config
 from memcalc_gui.core.setup import TrainingSetup
@@ -99,17 +99,6 @@ def test_use_cache_changes_nothing_under_checkpointing() -> None:
     assert estimate(setup.with_changes(use_cache=True)).phases == estimate(setup).phases
 
 
-LORA_CASES = [
-    # (family, precision, targets, dropout, checkpointing, rank)
-    ("llama", "fp32", "all-linear", 0.0, "none", 16), ("llama", "mixed", "all-linear", 0.0, "none", 16),
-    ("llama", "fp32", "q_proj,v_proj", 0.0, "none", 16), ("llama", "fp32", "all-linear", 0.05, "none", 16),
-    ("llama", "bf16", "all-linear", 0.0, "none", 16), ("llama", "mixed", "all-linear", 0.0, "full", 8),
-    ("gpt2", "fp32", "all-linear", 0.0, "none", 16), ("gpt2", "mixed", "c_attn", 0.05, "none", 8),
-    ("phi3", "mixed", "all-linear", 0.0, "none", 8), ("phi3", "bf16", "qkv_proj", 0.1, "none", 16),
-    ("gpt_neox", "fp32", "all-linear", 0.05, "none", 16), ("phi", "mixed", "all-linear", 0.0, "none", 16),
-    ("gemma", "mixed", "attention", 0.0, "none", 16), ("qwen2", "mixed", "all-linear", 0.05, "full", 16),
-    ("qwen3", "bf16", "mlp", 0.0, "none", 32),
-]
 
 
 @pytest.mark.parametrize("case", LORA_CASES, ids=lambda c: "-".join(map(str, c)))
@@ -132,9 +121,6 @@ def test_lora_step_agrees_with_a_real_peft_step(case: tuple) -> None:
     assert est.peak_tensor_bytes < full.peak_tensor_bytes
 
 
-FROZEN_CASES = [("llama", "fp32", "last:1"), ("llama", "mixed", "last:2"), ("qwen2", "fp32", "lm_head"),
-                ("gpt2", "fp32", "last:1"), ("llama", "fp32", "lm_head"), ("llama", "mixed", "norms,last:1"),
-                ("llama", "fp32", "embeddings"), ("qwen2", "mixed", "norms")]
 
 
 @pytest.mark.parametrize("case", FROZEN_CASES, ids=lambda c: "-".join(c))
