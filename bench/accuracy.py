@@ -16,6 +16,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -121,15 +122,20 @@ def run_tuning(impl: str) -> list[dict]:
         m = measure_training_step(cfg, tuning=tuning, **kw)
         est = estimate(TrainingSetup(model=spec_from_config(cfg), tuning=tuning, target_device="cpu", **kw))
         full = estimate(TrainingSetup(model=spec_from_config(cfg), target_device="cpu", **kw))
-        row = {"family": fam, "case": f"{prec} {label}", "measured_peak": m.peak_bytes,
-               "analytic_peak": est.peak_tensor_bytes, "quick_peak": full.peak_tensor_bytes,
-               "seconds": time.perf_counter() - t0}
-        for ph in PHASES:
-            meas = m.phases[ph].live_bytes if ph == "load" else m.phases[ph].peak_bytes
-            row[ph] = (est.phases[ph].tensor_bytes - meas) / meas * 100
-        rows.append(row)
-        print(format_row(row), flush=True)
+        rows.append(compare(fam, f"{prec} {label}", m, est, full.peak_tensor_bytes, t0))
     return rows
+
+
+def compare(family: str, case: str, measured: Any, est: Any, other_peak: int, t0: float) -> dict:
+    """One table row: the peak and per-phase errors of ``est`` against ``measured`` (printed as it comes)."""
+    row = {"family": family, "case": case, "measured_peak": measured.peak_bytes,
+           "analytic_peak": est.peak_tensor_bytes, "quick_peak": other_peak, "seconds": time.perf_counter() - t0}
+    for ph in PHASES:
+        # load: the resident parameters (building a tied model briefly allocates an untied head)
+        meas = measured.phases[ph].live_bytes if ph == "load" else measured.phases[ph].peak_bytes
+        row[ph] = (est.phases[ph].tensor_bytes - meas) / meas * 100
+    print(format_row(row), flush=True)
+    return row
 
 
 def run(families: list[str], cases: list[tuple], impl: str) -> list[dict]:
@@ -149,15 +155,8 @@ def run(families: list[str], cases: list[tuple], impl: str) -> list[dict]:
                                   grad_accum=acc, optimizer="adamw", optimizer_impl=impl, use_cache=cache)
             est = estimate(setup, method="analytic")
             quick = estimate(setup.with_changes(model=None, params=spec.num_params), method="quick")
-            row = {"family": fam, "case": f"b{b} s{s} {prec} {att} ckpt={ck} accum={acc}" + (" cache" if cache else ""),
-                   "measured_peak": m.peak_bytes, "analytic_peak": est.peak_tensor_bytes,
-                   "quick_peak": quick.peak_tensor_bytes, "seconds": time.perf_counter() - t0}
-            for ph in PHASES:
-                # load: the resident parameters (building a tied model briefly allocates an untied head)
-                meas = m.phases[ph].live_bytes if ph == "load" else m.phases[ph].peak_bytes
-                row[ph] = (est.phases[ph].tensor_bytes - meas) / meas * 100
-            rows.append(row)
-            print(format_row(row), flush=True)
+            case = f"b{b} s{s} {prec} {att} ckpt={ck} accum={acc}" + (" cache" if cache else "")
+            rows.append(compare(fam, case, m, est, quick.peak_tensor_bytes, t0))
     return rows
 
 
