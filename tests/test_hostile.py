@@ -516,3 +516,18 @@ def test_dropped_code_keys_are_said(corpus, capsys, tmp_path):
     rc, out, err, s = run_cli(["estimate", "--config", str(path)], capsys)
     assert_answered(rc, out, err, s, expect=0)
     assert "Note: auto_map, trust_remote_code ignored" in out
+
+
+TUNING_FLAGS = ["--lora-rank", "--lora-dropout", "--lora-targets", "--trainable"]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(flag=st.sampled_from(TUNING_FLAGS), value=st.one_of(number_text, st.text(max_size=40)),
+       method=st.sampled_from(["lora", "qlora", "frozen"]),
+       preset=st.sampled_from(["gpt2", "qwen2.5-0.5b", "phi-3-mini", "pythia-1b"]))
+def test_generated_fine_tuning_arguments(capsys, flag, value, method, preset):
+    """Hostile values for every fine-tuning flag, with every method and several families: one line, exit 0 or 2."""
+    extra = ["--trainable", "last:2"] if method == "frozen" and flag != "--trainable" else []
+    rc, out, err, s = run_cli(["estimate", "--preset", preset, "--gpu", "rtx-4090", "--tuning", method, *extra,
+                               f"{flag}={value}"], capsys)
+    assert_answered(rc, out, err, s, limit_s=5)

@@ -121,3 +121,25 @@ def test_ctrl_c_closes_the_real_window(tmp_path):
     assert proc.returncode == 0, err
     assert time.perf_counter() - t0 < 5
     assert "Traceback" not in err
+
+
+HOSTILE_TEXT = ["", " ", "0", "-1", "1e400", "nan", "9" * 5000, "abc", "\u202e12", "q_proj,", ",,,", "last:-1",
+                "last:99999999999999999999", "1.5", "all-linear,zz", "norms,lm_head,embeddings,last:3"]
+
+
+@pytest.mark.parametrize("field", ["lora_rank", "lora_dropout", "lora_targets", "trainable"])
+def test_hostile_fine_tuning_fields_mark_themselves(window, field):
+    """Every fine-tuning field under hostile text: the field is marked (or the value is used), the last good
+    result stays on screen, nothing raises."""
+    w = window
+    method = "frozen" if field == "trainable" else "qlora"
+    w.apply_state(w.inputs.state().replace(preset="qwen2.5-0.5b", tuning=method))
+    assert w.refresh()
+    for text in HOSTILE_TEXT:
+        good = w.result
+        w.apply_state(w.inputs.state().replace(**{field: text}))
+        if w.refresh():
+            assert w.result.setup.tuning.method == method
+        else:
+            assert set(w.inputs.errors()) == {field}, (text, w.inputs.errors())
+            assert w.result is good and w.banner.stale_note.isVisible()
