@@ -42,7 +42,7 @@ def private_settings(tmp_path, monkeypatch):
 def window(qtbot):
     w = MainWindow()
     qtbot.addWidget(w)
-    w.resize(1200, 800)
+    w.resize(1280, 800)  # wide enough for "What to change" beside the ledger (narrower: a tab)
     w.show()
     return w
 
@@ -660,8 +660,10 @@ if w.advice_in_tabs:
     w.tabs.setCurrentWidget(w.advice_box)
     for _ in range(5): app.processEvents()
 cards = len([b for b in w.advice.buttons if b.isVisible() and b.visibleRegion().boundingRect().height() > 0])
+ticks = w.chart.plot.getAxis("bottom").height() <= w.chart.plot.getViewBox().sceneBoundingRect().top() + \
+    w.chart.height() - w.chart.plot.getViewBox().sceneBoundingRect().bottom()
 print("hbar", t.horizontalScrollBar().isVisible(), "rows_fit", rows_fit, "tabs", w.advice_in_tabs,
-      "chart", w.chart.height() >= w.chart.minimumHeight(), "cards", cards)
+      "chart", w.chart.height() >= w.chart.minimumHeight() and ticks, "cards", cards)
 """
 MULTI_GPU = {"preset": "llama-3.1-70b", "gpus": "8", "strategy": "fsdp-full-shard", "offload": "both"}
 
@@ -669,6 +671,7 @@ MULTI_GPU = {"preset": "llama-3.1-70b", "gpus": "8", "strategy": "fsdp-full-shar
 @pytest.mark.parametrize(("scale", "width", "height", "changes"), [
     ("1", 1280, 720, {}), ("1.5", 1280, 720, {}), ("1", 1280, 720, MULTI_GPU), ("1.5", 1280, 720, MULTI_GPU),
     ("1", 1366, 768, {}), ("1", 1366, 768, MULTI_GPU), ("1", 1024, 700, {}), ("1", 1024, 700, MULTI_GPU),
+    ("1", 1203, 662, {}), ("1", 1203, 662, MULTI_GPU),  # the window's default size on a 1280×720 screen
 ], ids=lambda v: str(v) if not isinstance(v, dict) else ("multi" if v else "default"))
 def test_ledger_is_whole_and_advice_reachable_on_laptop_screens(scale, width, height, changes, tmp_path):
     """The ledger shows its four phase columns and ten rows without scrolling at 1280×720 (also at 150 % scaling,
@@ -683,7 +686,7 @@ def test_ledger_is_whole_and_advice_reachable_on_laptop_screens(scale, width, he
                           capture_output=True, text=True, env=env, timeout=120, cwd=Path(__file__).parents[1])
     assert proc.returncode == 0, proc.stderr[-2000:]
     line = proc.stdout.strip().splitlines()[-1]
-    narrow = width < 1180
+    narrow = width < 1240
     assert line.startswith(f"hbar False rows_fit True tabs {narrow} chart True cards "), line
     assert int(line.split()[-1]) >= 1
 

@@ -79,7 +79,7 @@ from .workers import STOP_TIMEOUT_MS
 #: a few more, so the whole edit-to-redraw stays well under 50 ms.
 DEBOUNCE_MS = 15
 #: Window width (logical px) below which "What to change" is a tab beside the ledger rather than a column.
-NARROW_WIDTH = 1180
+NARROW_WIDTH = 1240
 #: Typing in one field within this many seconds merges into one undo step.
 MERGE_WINDOW_S = 2.0
 TEXT_FIELDS = frozenset({"preset", "config_path", "params", "batch", "seq", "grad_accum", "capacity", "cuda_context",

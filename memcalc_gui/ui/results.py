@@ -91,7 +91,8 @@ class VerdictBanner(QFrame):
         self.more.setCheckable(True)
         self.more.setAutoRaise(True)
         self.more.setText("Why? ▸")
-        self.more.setToolTip("Show why the per-GPU numbers are what they are (host memory, sharding, buckets)")
+        self.more.setToolTip("Show the largest object, the tensor peak (what max_memory_allocated would show) and, "
+                             "for several GPUs, why the per-GPU numbers are what they are")
         self.more.toggled.connect(self._toggle_extra)
         self.more.setVisible(False)
         lay.addWidget(self.more, 0, Qt.AlignmentFlag.AlignTop)
@@ -109,19 +110,20 @@ class VerdictBanner(QFrame):
         facts = (f"Largest object at the peak: {OBJECT_LABELS[est.dominant_object].lower()} "
                  f"({format_bytes(est.peak.objects[est.dominant_object])}). Tensor peak, what "
                  f"max_memory_allocated would show: {format_bytes(est.peak_tensor_bytes)}.")
-        extra = ""
+        # the headline names the peak and its largest object; the details (tensor peak, per-GPU reasons) fold
+        # behind "Why?" so the chart keeps its phase names and the ledger its rows on a 1280×720 screen
+        detail = ""
         if is_per_gpu(result):
             detail = f"Per GPU: {parallel_label(result.setup)}."
             host = host_text(result)
             if host:
                 detail += f" {host}."
-            reasons = est.details.get("parallel_notes") or ()
-            extra = " ".join([facts, *(f"{r}." for r in reasons)])
-        else:
-            detail = facts
+        reasons = est.details.get("parallel_notes") or ()
+        extra = " ".join([facts, *(f"{r}." for r in reasons)])
         for warning in result.warnings:
             detail += f" ⚠ {warning}"
-        self.detail.setText(detail)
+        self.detail.setText(detail.strip())
+        self.detail.setVisible(bool(detail))
         self.extra.setText(extra)
         self.more.setVisible(bool(extra))
         self.extra.setVisible(bool(extra) and self.more.isChecked())

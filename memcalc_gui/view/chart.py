@@ -55,7 +55,7 @@ class MemoryChart(pg.GraphicsLayoutWidget):
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.setObjectName("memoryChart")
-        self.setMinimumSize(360, 220)
+        self.setMinimumSize(360, 180)  # short enough that the ledger keeps its rows on a 1280×720 screen
         self.setAccessibleName("Memory per phase chart")
         self.ci.setContentsMargins(6, 8, 6, 4)
         self.plot: pg.PlotItem = self.addPlot(row=0, col=0)
