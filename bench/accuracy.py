@@ -95,6 +95,7 @@ LORA_CASES = [
     ("gpt_neox", "fp32", "all-linear", 0.05, "none", 16), ("phi", "mixed", "all-linear", 0.0, "none", 16),
     ("gemma", "mixed", "attention", 0.0, "none", 16), ("qwen2", "mixed", "all-linear", 0.05, "full", 16),
     ("qwen3", "bf16", "mlp", 0.0, "none", 32), ("mistral", "mixed", "q,k,v,o", 0.1, "none", 64),
+    ("gpt_neox", "fp32", "attention", 0.0, "none", 8), ("phi", "mixed", "attention", 0.0, "none", 16),
 ]
 #: Frozen parts: (family, precision, what trains).
 FROZEN_CASES = [("llama", "fp32", "last:1"), ("llama", "mixed", "last:2"), ("qwen2", "fp32", "lm_head"),

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .finetune import layer_linears
 from .model import ModelSpec
 from .setup import TrainingSetup
 
@@ -278,10 +279,9 @@ def tuned_layer_saved(spec: ModelSpec, setup: TrainingSetup, *, first: bool = Fa
         mine = [k for k in kinds if k in adapted]
         if not mine:
             return 0
-        in_bytes = a_bytes  # peft casts x to the adapter dtype first (a no-op when it already has it)
-        if ft.dropout > 0:
-            mask = (mask_bytes or in_bytes) * n if requires_grad else 0
-            saved = 2 * n if d.autocast else in_bytes * n
+        if ft.dropout > 0:  # dropout runs on peft's cast of x to the adapter dtype
+            mask = (mask_bytes or a_bytes) * n if requires_grad else 0
+            saved = 2 * n if d.autocast else a_bytes * n
             return len(mine) * (saved + mask)
         if d.autocast:
             return len(mine) * 2 * n  # lora_A's autocast copy, one per module
@@ -289,11 +289,7 @@ def tuned_layer_saved(spec: ModelSpec, setup: TrainingSetup, *, first: bool = Fa
             return len(mine) * a_bytes * n  # peft's cast, one per module
         return 0 if kept else x_bytes * n  # the same tensor, once
 
-    # in the first layer (fed by frozen embeddings) gradients start at the first adapter: attention keeps its
-    # tensors only after an adapted q/k/v, the rest of the layer only after any attention adapter
-    # (a trainable first norm makes its output, and everything after it, need gradients)
-    attn_grad = not first or norms_train or any(k in adapted for k in ("q", "k", "v", "qkv"))
-    after_attn = not first or attn_grad or "o" in adapted
+    attn_grad, after_attn, mlp_grad = _gradient_flow(spec, set(adapted), norms_train, first)
     consumers = _consumers(spec)
     for idx in range(spec.norms_per_layer):
         requires = not first if idx == 0 else after_attn
@@ -323,14 +319,11 @@ def tuned_layer_saved(spec: ModelSpec, setup: TrainingSetup, *, first: bool = Fa
     full_mlp = mlp_saved(spec, d, t)["mlp"]
     tI = t * inter * d.matmul
     relu = not spec.gated_mlp and spec.hidden_act.lower() == "relu"
-    mlp_grad = after_attn or any(k in adapted for k in ("gate", "up", "gate_up"))
-    if spec.norms_per_layer == 1:
-        mlp_grad = mlp_grad or not first
     items["mlp"] = (full_mlp if relu else full_mlp - tI) if mlp_grad else 0  # down's input goes with its weight
     items["mlp.down_lora"] = lora_inputs(("down",), t * inter, d.matmul, mlp_grad, kept=relu and mlp_grad)
     # the r-wide lora_A outputs lora_B keeps
     r_bytes = 2 if d.autocast else a_bytes
-    items["lora_rank"] = sum(t * ft.rank * r_bytes for _ in adapted)
+    items["lora_rank"] = len(adapted) * t * ft.rank * r_bytes
     n_residual = 1 if spec.parallel_residual else 2
     if residual_saved(spec, d):
         kept_streams = n_residual - (1 if first else 0) - (1 if first and n_residual == 2 and not after_attn else 0)
@@ -338,26 +331,26 @@ def tuned_layer_saved(spec: ModelSpec, setup: TrainingSetup, *, first: bool = Fa
     return items
 
 
+def _gradient_flow(spec: ModelSpec, adapted: set[str], norms_train: bool, first: bool) -> tuple[bool, bool, bool]:
+    """Where gradients flow in a layer with frozen weights: (attention tensors, after the attention, inside the
+    MLP). Only the first layer, fed by frozen embeddings, differs: gradients start at its first adapter (or its
+    trainable first norm) — attention keeps its tensors after an adapted q/k/v, the rest after any attention
+    adapter, the MLP after the attention or its own gate/up adapters (one norm feeds both in parallel blocks)."""
+    if not first:
+        return True, True, True
+    attn = norms_train or bool(adapted & {"q", "k", "v", "qkv"})
+    after = attn or "o" in adapted
+    # the MLP reads the post-attention stream, or in a parallel block the same norm output as the attention
+    mlp = (after and not spec.parallel_residual) or norms_train or bool(adapted & {"gate", "up", "gate_up"})
+    return attn, after, mlp
+
+
 def first_layer_gradless_weights(spec: ModelSpec, setup: TrainingSetup) -> int:
     """Weights of the first layer's linears whose input needs no gradient (frozen embeddings, nothing adapted
     before them): their autocast copies are not kept for backward, since only a needed input gradient uses them."""
     adapted = {lin.kind for lin in setup.tuning.adapted(spec)}
-    attn_grad = any(k in adapted for k in ("q", "k", "v", "qkv"))
-    after_attn = attn_grad or "o" in adapted
-    mlp_in = after_attn if spec.norms_per_layer == 2 else False
-    gate_up_grad = mlp_in or any(k in adapted for k in ("gate", "up", "gate_up"))
-    total = 0
-    from .finetune import layer_linears
-
-    for lin in layer_linears(spec):
-        if lin.kind in ("q", "k", "v", "qkv"):
-            grad_in = False
-        elif lin.kind == "o":
-            grad_in = attn_grad
-        elif lin.kind == "down":
-            grad_in = gate_up_grad
-        else:
-            grad_in = mlp_in
-        if not grad_in:
-            total += lin.weight_params
-    return total
+    attn, after, _mlp = _gradient_flow(spec, adapted, False, True)
+    mlp_in = after and not spec.parallel_residual
+    grad_in = {"q": False, "k": False, "v": False, "qkv": False, "o": attn,
+               "down": mlp_in or bool(adapted & {"gate", "up", "gate_up"})}
+    return sum(lin.weight_params for lin in layer_linears(spec) if not grad_in.get(lin.kind, mlp_in))
