@@ -48,6 +48,10 @@ class Dtypes:
 
     @staticmethod
     def of(setup: TrainingSetup) -> Dtypes:
+        if setup.tuning.method == "qlora" and setup.precision != "mixed":
+            # peft's prepare_model_for_kbit_training casts every unquantized weight to fp32 and the 4-bit linears
+            # return their input's dtype: without autocast the step runs in fp32 around 16-bit matmuls
+            return Dtypes(4, 4, False)
         if setup.precision == "fp32":
             return Dtypes(4, 4, False)
         if setup.precision == "bf16":
@@ -315,12 +319,15 @@ def tuned_layer_saved(spec: ModelSpec, setup: TrainingSetup, *, first: bool = Fa
         # frozen q/k norm weights: the normalised tensor is not kept
         items["attn.qk_norm"] -= t * (spec.q_dim + spec.kv_dim) * (4 if d.matmul == 4 else d.matmul)
     items["attn.o_lora"] = lora_inputs(("o",), t * spec.q_dim, d.matmul, attn_grad, kept=attn_grad)
+    # bitsandbytes' quantized linears return their input's dtype (Linear4bit: ``out.to(inp_dtype)``), so under
+    # autocast a QLoRA layer's projections come out in fp32 where a 16-bit base gives autocast's 16 bits
+    out_bytes_q = max(d.param, d.residual) if ft.method == "qlora" and d.autocast else d.matmul
     # MLP
-    full_mlp = mlp_saved(spec, d, t)["mlp"]
-    tI = t * inter * d.matmul
+    full_mlp = mlp_saved(spec, d, t)["mlp"] * out_bytes_q // d.matmul
+    tI = t * inter * out_bytes_q
     relu = not spec.gated_mlp and spec.hidden_act.lower() == "relu"
     items["mlp"] = (full_mlp if relu else full_mlp - tI) if mlp_grad else 0  # down's input goes with its weight
-    items["mlp.down_lora"] = lora_inputs(("down",), t * inter, d.matmul, mlp_grad, kept=relu and mlp_grad)
+    items["mlp.down_lora"] = lora_inputs(("down",), t * inter, out_bytes_q, mlp_grad, kept=relu and mlp_grad)
     # the r-wide lora_A outputs lora_B keeps
     r_bytes = 2 if d.autocast else a_bytes
     items["lora_rank"] = len(adapted) * t * ft.rank * r_bytes

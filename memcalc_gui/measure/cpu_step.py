@@ -295,16 +295,53 @@ def build_model(
     return model
 
 
-def apply_tuning(model: Any, tuning: FineTuning, config: dict[str, Any]) -> Any:
+def quantize_model(model: Any, tuning: FineTuning, checkpointing: bool, device: str = "cpu") -> Any:
+    """The QLoRA base as users build it: transformers loads the weights through bitsandbytes
+    (``BitsAndBytesConfig``: 4-bit NF4/FP4 with or without double quantization, bf16 compute, or LLM.int8) and
+    peft's ``prepare_model_for_kbit_training`` casts the rest to fp32. The random model goes through a temporary
+    folder, since transformers quantizes while loading."""
+    import shutil
+    import tempfile
+
+    import torch
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    try:
+        from peft import prepare_model_for_kbit_training
+    except ImportError:
+        raise NotImplementedError("QLoRA measurement needs peft and bitsandbytes: pip install 'memcalc[lora]'") \
+            from None
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise NotImplementedError("QLoRA measurement needs bitsandbytes: pip install 'memcalc[lora]'")
+    if tuning.quant == "int8":
+        quant = BitsAndBytesConfig(load_in_8bit=True)
+    else:
+        quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=tuning.quant,
+                                   bnb_4bit_use_double_quant=tuning.double_quant,
+                                   bnb_4bit_compute_dtype=torch.bfloat16)
+    folder = tempfile.mkdtemp(prefix="memcalc-qlora-")
+    try:
+        model.save_pretrained(folder)
+        del model
+        gc.collect()
+        loaded = AutoModelForCausalLM.from_pretrained(folder, quantization_config=quant, trust_remote_code=False,
+                                                      device_map="cpu" if device == "cpu" else {"": 0})
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    loaded.train()
+    return prepare_model_for_kbit_training(loaded, use_gradient_checkpointing=checkpointing)
+
+
+def apply_tuning(model: Any, tuning: FineTuning, config: dict[str, Any], device: str = "cpu") -> Any:
     """Freeze what ``tuning`` does not train: LoRA adds peft adapters (``get_peft_model``, adapters in fp32 as
-    peft keeps them, or bf16 when asked); ``frozen`` leaves only the named parts trainable. QLoRA needs
-    bitsandbytes' quantized layers and is not measured here."""
+    peft keeps them, or bf16 when asked); QLoRA first quantizes the base (:func:`quantize_model`); ``frozen``
+    leaves only the named parts trainable."""
     from ..core.model import spec_from_config
 
-    if tuning.method == "qlora":
-        raise NotImplementedError("QLoRA steps are not measured yet (the estimate covers them)")
     spec = spec_from_config(config)
-    if tuning.method == "lora":
+    if tuning.method == "qlora":
+        model = quantize_model(model, tuning, bool(getattr(model, "is_gradient_checkpointing", False)), device)
+    if tuning.uses_adapters:
         try:
             from peft import LoraConfig, get_peft_model
         except ImportError:

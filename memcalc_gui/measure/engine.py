@@ -473,7 +473,7 @@ def _measure_cuda(result: MeasureResult, config: dict[str, Any], setup: Training
             enable_checkpointing(model)
         if setup.tuning.method != "full":
             with dev:
-                model = apply_tuning(model, setup.tuning, config)
+                model = apply_tuning(model, setup.tuning, config, device="cuda")
         param_bytes = nbytes(model.parameters()) + nbytes(model.buffers())
         params = [p for p in model.parameters() if p.requires_grad]
         end("load", True, {"parameters": param_bytes})
