@@ -344,7 +344,7 @@ def _tuning_assumptions(spec: ModelSpec, setup: TrainingSetup) -> list[str]:
         rows.append("QLoRA (bitsandbytes via transformers' BitsAndBytesConfig): every decoder-layer linear quantized; "
                     "embeddings, norms and the output head in fp32 (peft's prepare_model_for_kbit_training); a 4-bit "
                     "weight is dequantized into a transient in forward and again in backward (the largest one is "
-                    "counted), never kept")
+                    "counted), never kept; its output has its input's dtype (fp32 under autocast)")
     if ft.method == "frozen":
         rows.append("Frozen parts: gradients and optimizer state for the trained parts only; layers below the "
                     "lowest trained part keep no activations (no gradient reaches them)")
