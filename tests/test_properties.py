@@ -88,10 +88,11 @@ def test_lora_needs_less_than_full_and_qlora_less_than_lora(name: str, rank: int
                                                             precision: str, ckpt: str, dropout: float) -> None:
     """LoRA ≤ full fine-tuning; QLoRA's base is smaller than LoRA's; memory grows with the rank.
 
-    One measured exception: on a bf16 base without autocast, peft's fp32 adapters make every adapted module keep
-    its own fp32 cast of its input (and with dropout a 4-byte dropout output and a mask), which can outweigh the
-    gradients and optimizer state LoRA saves; real peft steps on CPU agree (tests/test_analytic_vs_measured.py),
-    so the first property is asserted for fp32 and mixed precision."""
+    Two measured exceptions to the first: on a bf16 base without autocast, peft's fp32 adapters make every adapted
+    module keep its own fp32 cast of its input; and LoRA dropout gives every adapted module its own dropout output
+    and mask. For a small model with long sequences either can outweigh the gradients and optimizer state LoRA
+    saves (real peft steps on CPU agree, tests/test_analytic_vs_measured.py). So the peak is compared without
+    dropout on fp32/mixed bases, and the optimizer step (weights, gradients, state) always."""
     from memcalc_gui.core.finetune import FineTuning
     from memcalc_gui.core.model import preset_spec
 
@@ -99,8 +100,9 @@ def test_lora_needs_less_than_full_and_qlora_less_than_lora(name: str, rank: int
     lora = base.with_changes(tuning=FineTuning(method="lora", rank=rank, dropout=dropout))
     qlora = base.with_changes(tuning=FineTuning(method="qlora", rank=rank, dropout=dropout))
     full_e, lora_e, qlora_e = estimate(base), estimate(lora), estimate(qlora)
-    if precision != "bf16":
+    if precision != "bf16" and dropout == 0:
         assert lora_e.peak_tensor_bytes <= full_e.peak_tensor_bytes
+    assert lora_e.phases["optimizer_step"].tensor_bytes < full_e.phases["optimizer_step"].tensor_bytes
     assert qlora_e.phases["load"].objects["parameters"] < lora_e.phases["load"].objects["parameters"] or \
         precision == "bf16"  # a bf16 base of a small-vocabulary model can undercut the fp32-cast QLoRA extras
     bigger = estimate(lora.with_changes(tuning=FineTuning(method="lora", rank=rank + 8, dropout=dropout)))
