@@ -9,6 +9,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -511,8 +512,21 @@ def entry() -> None:
 
     An interrupt can land inside ``import torch`` or a half-built model; tearing the interpreter down after that
     can raise it again and end the process by the signal instead of the one-line exit. So the interrupted
-    process leaves at once (its output flushed)."""
+    process leaves at once (its output flushed). An interrupt that lands in an object's finalizer is swallowed by
+    Python ("Exception ignored in …"), so the handler also remembers it: a run that then finishes still ends with
+    the one line and 130, never with 0 as if nothing had been asked."""
+    interrupted: list[bool] = []
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        interrupted.append(True)
+        raise KeyboardInterrupt
+
+    with contextlib.suppress(ValueError, OSError):  # not the main thread of an embedding interpreter: keep Python's
+        signal.signal(signal.SIGINT, on_sigint)
     status = main()
+    if interrupted and status != EXIT_INTERRUPTED:
+        _say("memcalc: interrupted")
+        status = EXIT_INTERRUPTED
     if status == EXIT_INTERRUPTED:
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
