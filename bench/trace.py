@@ -3,7 +3,8 @@
     python bench/trace.py            # speed (7B and 70B) and accuracy (every family)
     python bench/trace.py --speed    # speed only
 Targets: a 7B config at batch 4, sequence 4096 in < 10 s and < 1 GiB RSS; 70B in < 60 s;
-trace vs a real CPU measurement within ±1 % on the peak and on each phase, for every family.
+trace vs a real CPU measurement within ±1 % on the peak and on each phase, for every family, and for LoRA (peft)
+and frozen-part fine-tuning (``--tuning``: those cases only).
 """
 
 from __future__ import annotations
@@ -78,13 +79,58 @@ def accuracy() -> None:
           "rounding to every allocation, which the CPU measurement does not have)")
 
 
+#: (family, precision, tuning, checkpointing): LoRA with and without dropout, on a bf16 base, with checkpointing
+#: and bf16 adapters, frozen parts.
+TUNING_CASES = [
+    ("llama", "fp32", dict(method="lora", rank=16), "none"),
+    ("llama", "mixed", dict(method="lora", rank=16, dropout=0.05), "none"),
+    ("qwen2", "bf16", dict(method="lora", rank=8, targets=("q_proj", "v_proj")), "none"),
+    ("gpt2", "mixed", dict(method="lora", rank=8, dropout=0.0), "full"),
+    ("phi3", "fp32", dict(method="lora", rank=4, targets=("mlp",), adapter_dtype="bf16"), "none"),
+    ("mistral", "mixed", dict(method="frozen", trainable=("last:1", "norms")), "none"),
+]
+
+
+def tuning_accuracy() -> None:
+    from memcalc_gui.core.finetune import FineTuning
+    from memcalc_gui.measure.cpu_step import measure_training_step
+    from memcalc_gui.trace.fake import trace_estimate
+
+    print(f"\n{'family':<9}{'case':<42}{'peak err':>9}  " + " ".join(f"{p[:5]:>7}" for p in PHASES))
+    worst = 0.0
+    for fam, prec, kw, ck in TUNING_CASES:
+        cfg = FAMILIES[fam]
+        tuning = FineTuning(**kw)  # type: ignore[arg-type]
+        setup = TrainingSetup(model=spec_from_config(cfg), batch=2, seq=128, precision=prec, checkpointing=ck,
+                              optimizer_impl="single-tensor", cuda_context_bytes=0, allocator_reserve=0.0,
+                              tuning=tuning, target_device="cpu")
+        t = trace_estimate(setup).estimate
+        m = measure_training_step(cfg, batch=2, seq=128, precision=prec, optimizer_impl="single-tensor",
+                                  checkpointing=ck, tuning=tuning)
+        errs = []
+        for p in PHASES:
+            meas = m.phases[p].live_bytes if p == "load" else m.phases[p].peak_bytes
+            errs.append((t.phases[p].tensor_bytes - meas) / meas * 100)
+        peak = (t.peak_tensor_bytes - m.peak_bytes) / m.peak_bytes * 100
+        worst = max(worst, abs(peak), *map(abs, errs))
+        label = " ".join(f"{k}={v if not isinstance(v, tuple) else ','.join(v)}" for k, v in kw.items())
+        print(f"{fam:<9}{f'{prec} {label} ckpt={ck}'[:41]:<42}{peak:>+8.2f}%  "
+              + " ".join(f"{e:>+6.2f}%" for e in errs), flush=True)
+    print(f"\nworst |error| over peaks and phases: {worst:.2f} % (target ±1 %)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--speed", action="store_true")
+    ap.add_argument("--tuning", action="store_true", help="LoRA and frozen-part cases only")
     args = ap.parse_args()
+    if args.tuning:
+        tuning_accuracy()
+        return
     speed()
     if not args.speed:
         accuracy()
+        tuning_accuracy()
 
 
 if __name__ == "__main__":

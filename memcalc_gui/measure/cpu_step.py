@@ -26,10 +26,11 @@ Measurement conventions (decisions, keep them in mind when comparing with an est
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib.util
 import os
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -158,7 +159,7 @@ def measure_training_step(
     if fake:
         from torch._subclasses.fake_tensor import FakeTensorMode
 
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        with FakeTensorMode(allow_non_fake_inputs=True), _fake_module_moves():
             return measure_training_step(
                 config, batch=batch, seq=seq, precision=precision, optimizer=optimizer,
                 optimizer_impl=optimizer_impl, attention=attention, checkpointing=checkpointing,
@@ -253,6 +254,34 @@ def measure_training_step(
         tracker.close()
 
 
+@contextlib.contextmanager
+def _fake_module_moves() -> Iterator[None]:
+    """Let ``Module.to`` convert fake parameters, as peft does when it moves adapters to the base layer's dtype.
+
+    ``Module._apply`` always swaps fake parameters with ``torch.utils.swap_tensors``, which fake tensors refuse
+    (torch 2.13: "Cannot swap t1 because it has weakref associated with it"). Inside a fake run the swap becomes
+    ``param.data = new``: the same parameter object with the new dtype and storage, which is what the swap would
+    leave for every reference the tracker and the optimizer hold. Real tensors keep torch's swap.
+    """
+    import torch
+
+    original = torch.utils.swap_tensors
+
+    def swap(t1: Any, t2: Any) -> None:
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        if isinstance(t1, FakeTensor) and isinstance(t2, torch.Tensor) and t1.shape == t2.shape:
+            t1.data = t2.data
+            return
+        original(t1, t2)
+
+    torch.utils.swap_tensors = swap  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.utils.swap_tensors = original  # type: ignore[assignment]
+
+
 def build_model(
     config: dict[str, Any], *, precision: str = "fp32", attention: str = "sdpa", builder: str = "auto",
     use_cache: bool = False,
@@ -309,10 +338,10 @@ def quantize_model(model: Any, tuning: FineTuning, checkpointing: bool, device: 
     try:
         from peft import prepare_model_for_kbit_training
     except ImportError:
-        raise NotImplementedError("QLoRA measurement needs peft and bitsandbytes: pip install 'memcalc[lora]'") \
+        raise NotImplementedError("QLoRA measurement needs peft and bitsandbytes: pip install 'memcalc-gui[lora]'") \
             from None
     if importlib.util.find_spec("bitsandbytes") is None:
-        raise NotImplementedError("QLoRA measurement needs bitsandbytes: pip install 'memcalc[lora]'")
+        raise NotImplementedError("QLoRA measurement needs bitsandbytes: pip install 'memcalc-gui[lora]'")
     if tuning.quant == "int8":
         quant = BitsAndBytesConfig(load_in_8bit=True)
     else:
@@ -340,12 +369,12 @@ def apply_tuning(model: Any, tuning: FineTuning, config: dict[str, Any], device:
 
     spec = spec_from_config(config)
     if tuning.method == "qlora":
-        model = quantize_model(model, tuning, bool(getattr(model, "is_gradient_checkpointing", False)), device)
+        model = quantize_model(model, tuning, _checkpointing_on(model), device)
     if tuning.uses_adapters:
         try:
             from peft import LoraConfig, get_peft_model
         except ImportError:
-            raise NotImplementedError("LoRA measurement needs peft: pip install 'memcalc[lora]'") from None
+            raise NotImplementedError("LoRA measurement needs peft: pip install 'memcalc-gui[lora]'") from None
         names = sorted({lin.name.rsplit(".", 1)[-1] for lin in tuning.adapted(spec)})
         lora = LoraConfig(r=tuning.rank, lora_alpha=2 * tuning.rank, target_modules=names,
                           lora_dropout=tuning.dropout, task_type="CAUSAL_LM")
@@ -377,6 +406,14 @@ def apply_tuning(model: Any, tuning: FineTuning, config: dict[str, Any], device:
                 if "norm" in type(module).__name__.lower() or name.endswith(("_layernorm", ".norm", "ln_f")):
                     module.requires_grad_(True)
     return model
+
+
+def _checkpointing_on(model: Any) -> bool:
+    """Whether activation checkpointing is on (transformers 5 renames ``is_gradient_checkpointing``)."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(model), name) or name in vars(model):
+            return bool(getattr(model, name))
+    return False
 
 
 def enable_checkpointing(model: Any) -> None:
