@@ -97,11 +97,13 @@ LORA_CASES = [
     ("qwen3", "bf16", "mlp", 0.0, "none", 32), ("mistral", "mixed", "q,k,v,o", 0.1, "none", 64),
     ("gpt_neox", "fp32", "attention", 0.0, "none", 8), ("phi", "mixed", "attention", 0.0, "none", 16),
 ]
-#: QLoRA through transformers' BitsAndBytesConfig and peft on CPU: (family, precision, quantization, dropout, ckpt).
+#: QLoRA through transformers' BitsAndBytesConfig and peft on CPU: (family, precision, quantization, dropout, ckpt,
+#: prepare_model_for_kbit_training).
 QLORA_CASES = [
-    ("llama", "mixed", "nf4", 0.0, "none"), ("llama", "mixed", "nf4", 0.05, "full"),
-    ("gpt2", "mixed", "nf4", 0.0, "none"), ("qwen2", "bf16", "nf4", 0.0, "none"),
-    ("mistral", "mixed", "fp4", 0.0, "none"), ("phi3", "mixed", "nf4", 0.0, "none"),
+    ("llama", "mixed", "nf4", 0.0, "none", True), ("llama", "mixed", "nf4", 0.05, "full", True),
+    ("gpt2", "mixed", "nf4", 0.0, "none", True), ("qwen2", "bf16", "nf4", 0.0, "none", True),
+    ("mistral", "mixed", "fp4", 0.0, "none", True), ("phi3", "mixed", "nf4", 0.0, "none", True),
+    ("llama", "bf16", "nf4", 0.0, "none", False), ("qwen2", "bf16", "nf4", 0.05, "full", False),
 ]
 #: Frozen parts: (family, precision, what trains).
 FROZEN_CASES = [("llama", "fp32", "last:1"), ("llama", "mixed", "last:2"), ("qwen2", "fp32", "lm_head"),
@@ -118,9 +120,9 @@ def run_tuning(impl: str) -> list[dict]:
     for fam, prec, targets, dropout, ck, rank in LORA_CASES:
         cases.append((fam, prec, FineTuning(method="lora", rank=rank, targets=tuple(targets.split(",")),
                                             dropout=dropout), ck, f"lora r{rank} {targets} p={dropout} ckpt={ck}"))
-    for fam, prec, quant, dropout, ck in QLORA_CASES:
-        cases.append((fam, prec, FineTuning(method="qlora", rank=8, quant=quant, dropout=dropout), ck,
-                      f"qlora {quant} r8 p={dropout} ckpt={ck}"))
+    for fam, prec, quant, dropout, ck, prepare in QLORA_CASES:
+        cases.append((fam, prec, FineTuning(method="qlora", rank=8, quant=quant, dropout=dropout, prepare_kbit=prepare),
+                      ck, f"qlora {quant} r8 p={dropout} ckpt={ck}" + ("" if prepare else " no-prep")))
     for fam, prec, parts in FROZEN_CASES:
         cases.append((fam, prec, FineTuning(method="frozen", trainable=tuple(parts.split(","))), "none",
                       f"frozen, trains {parts}"))

@@ -170,6 +170,8 @@ def _install_crash_bridge(app: Any) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .core.setup import OPTIMIZERS
+
     p = argparse.ArgumentParser(
         prog="memcalc-gui",
         description="How much GPU memory one training step needs, phase by phase — and whether it fits.",
@@ -183,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq", metavar="L", help="sequence length")
     p.add_argument("--grad-accum", metavar="K", help="gradient accumulation steps")
     p.add_argument("--precision", choices=("fp32", "mixed", "bf16"))
-    p.add_argument("--optimizer", metavar="NAME", help="adamw, adam, adamw-8bit, sgd, sgd-momentum, adafactor, lion")
+    p.add_argument("--optimizer", metavar="NAME", help=", ".join(OPTIMIZERS))
     p.add_argument("--optimizer-impl", metavar="IMPL", help="foreach, single-tensor or fused")
     p.add_argument("--attention", choices=("sdpa", "eager"))
     p.add_argument("--checkpointing", choices=("none", "full"))

@@ -80,6 +80,7 @@ FLAGS = {
     "adapter_dtype": "--adapter-dtype",
     "quant": "--quant",
     "double_quant": "--double-quant",
+    "prepare_kbit": "--prepare-kbit",
     "trainable": "--trainable",
     "target_device": "--target-device",
 }
@@ -105,7 +106,8 @@ def _add_setup_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq", default="512", metavar="N", help="sequence length in tokens (default 512)")
     p.add_argument("--grad-accum", default="1", metavar="N", help="gradient accumulation steps (default 1)")
     p.add_argument("--precision", default="mixed", choices=PRECISIONS, help="default mixed")
-    p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="default adamw")
+    p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, type=lambda v: v.strip().replace("_", "-"),
+                   help="default adamw (Transformers' spellings such as paged_adamw_8bit work too)")
     p.add_argument("--optimizer-impl", default="foreach", choices=OPTIMIZER_IMPLS,
                    help="step implementation (default foreach, as torch on CUDA)")
     p.add_argument("--attention", default="sdpa", choices=ATTENTIONS, help="default sdpa")
@@ -123,6 +125,9 @@ def _add_setup_args(p: argparse.ArgumentParser) -> None:
     ft.add_argument("--quant", default="nf4", choices=QUANTS, help="QLoRA base quantization (default nf4)")
     ft.add_argument("--no-double-quant", dest="double_quant", action="store_false",
                     help="QLoRA without double quantization of the 4-bit scales")
+    ft.add_argument("--prepare-kbit", default=True, action=argparse.BooleanOptionalAction,
+                    help="QLoRA: peft's prepare_model_for_kbit_training casts embeddings, norms and the output head "
+                         "to fp32 (default on; --no-prepare-kbit keeps the precision's dtype)")
     ft.add_argument("--trainable", metavar="LIST", default="",
                     help="with --tuning frozen: what trains, e.g. last:4,norms,lm_head,embeddings")
     p.add_argument("--target-device", default="cuda", choices=TARGET_DEVICES,
@@ -287,7 +292,8 @@ def tuning_from_args(args: argparse.Namespace) -> FineTuning:
     trainable = tuple(t.strip() for t in str(args.trainable).split(",") if t.strip())
     return FineTuning(method=method, rank=parse_positive_int(args.lora_rank, "lora_rank", MAX_RANK),
                       targets=targets, dropout=dropout, adapter_dtype=args.adapter_dtype, quant=args.quant,
-                      double_quant=bool(args.double_quant), trainable=trainable)
+                      double_quant=bool(args.double_quant), trainable=trainable,
+                      prepare_kbit=bool(getattr(args, "prepare_kbit", True)))
 
 
 def format_ledger(result: Result) -> str:

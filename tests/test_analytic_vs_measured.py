@@ -151,9 +151,9 @@ def test_qlora_step_agrees_with_a_real_bitsandbytes_step(case: tuple) -> None:
     from memcalc_gui.core.finetune import FineTuning
     from memcalc_gui.measure.cpu_step import measure_training_step
 
-    fam, prec, quant, dropout, ck = case
+    fam, prec, quant, dropout, ck, prepare = case
     cfg = FAMILIES[fam]
-    tuning = FineTuning(method="qlora", rank=8, quant=quant, dropout=dropout)
+    tuning = FineTuning(method="qlora", rank=8, quant=quant, dropout=dropout, prepare_kbit=prepare)
     kw = dict(batch=2, seq=128, precision=prec, optimizer_impl="single-tensor", checkpointing=ck)
     m = measure_training_step(cfg, tuning=tuning, **kw)
     est = estimate(TrainingSetup(model=spec_from_config(cfg), tuning=tuning, target_device="cpu", **kw))

@@ -24,6 +24,7 @@ from PySide6.QtGui import QImage
 from memcalc_gui import __version__
 from memcalc_gui.cli import main
 from memcalc_gui.core.errors import InputError, MemcalcError
+from memcalc_gui.core.ledger import shown_objects
 from memcalc_gui.core.model import preset_spec
 from memcalc_gui.core.result import Result, evaluate
 from memcalc_gui.core.setup import TrainingSetup, find_gpu
@@ -121,8 +122,9 @@ def test_pdf_text_has_the_figures_verdict_and_every_object(reports, over):
     over_by = format_bytes(-over.verdict.headroom_bytes)
     assert f"Over by {over_by} in the backward phase" in one  # the headline, as the core words it
     assert "Backward (peak)" in one and "Activations (" in one  # peak phase and dominant object
-    for label in OBJECT_LABELS.values():
-        assert label in text, label
+    for obj in shown_objects(est):
+        assert OBJECT_LABELS[obj] in text, obj
+    assert "Paged optimizer state" not in text  # AdamW: nothing paged, no empty row
     for figure in (f"{setup.num_params:,}", "qwen2", "Qwen/Qwen2.5-7B", "micro-batch", "Largest micro-batch that fits",
                    "none (not even 1)", "1 GiB = 2³⁰ B", __version__):
         assert figure in one, figure

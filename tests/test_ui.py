@@ -75,7 +75,8 @@ def test_default_window_draws_the_core_estimate(window):
     assert_chart_matches_result(w)
     assert w.banner.text.text() == expected.headline()
     assert w.banner.state() == "fits"
-    assert w.table.bytes_at(len(OBJECTS), PHASES.index(expected.estimate.peak_phase)) == expected.estimate.peak_bytes
+    peak_col = PHASES.index(expected.estimate.peak_phase)
+    assert w.table.bytes_at(w.table.total_row, peak_col) == expected.estimate.peak_bytes
     assert "(peak)" in dict(w.chart.plot.getAxis("bottom")._tickLevels[0][0:4])[
         float(PHASES.index(expected.estimate.peak_phase))]
     assert w.chart.capacity_line.isVisible()
@@ -399,13 +400,42 @@ def test_drop_a_config_json(window, tmp_path):
 
 
 # ---- ledger, chart details, about --------------------------------------------------------------
+def test_ledger_lists_the_parameter_parts_and_a_paged_state_only_when_there(window, qtbot):
+    """LoRA: indented sub-rows under Parameters (trainable adapters, frozen base, autocast copies) that add up to
+    the parameters row in every phase; a paged optimizer adds its own row and legend entry; full training on AdamW
+    has neither."""
+    w = window
+    plain_rows = w.table.rowCount()
+    assert ("object", "paged_optimizer_state") not in w.table.rows
+    assert "Paged optimizer state" not in w.chart.legend_labels()
+    w.apply_state(w.inputs.state().replace(preset="llama-3.2-1b", tuning="lora", optimizer="paged-adamw-8bit",
+                                           precision="mixed", model_kind="preset"))
+    qtbot.waitUntil(lambda: w.result is not None and w.result.setup.tuning.method == "lora", timeout=5000)
+    est = w.result.estimate
+    parts = [key for kind, key in w.table.rows if kind == "part"]
+    assert parts == ["trainable adapters", "frozen base", "autocast copies"]
+    params_row = w.table.row_of("object", "parameters")
+    for c, phase in enumerate(PHASES):
+        total = sum(w.table.bytes_at(w.table.row_of("part", key), c) for key in parts)
+        assert total == w.table.bytes_at(params_row, c) == est.phases[phase].objects["parameters"]
+    assert w.table.bytes_at(w.table.row_of("part", "trainable adapters"), 0) == \
+        4 * w.result.setup.tuning.trainable_params(w.result.setup.model)
+    paged_row = w.table.row_of("object", "paged_optimizer_state")
+    assert w.table.bytes_at(paged_row, PHASES.index("optimizer_step")) == \
+        est.phases["optimizer_step"].objects["paged_optimizer_state"] > 0
+    assert "Paged optimizer state" in w.chart.legend_labels()
+    assert w.table.rowCount() == plain_rows + 4
+    tsv = w.table.copy_selection()
+    assert "of which trainable adapters\t" in tsv and "Paged optimizer state\t" in tsv
+
+
 def test_ledger_copies_tsv(window, qtbot):
     w = window
     w.table.clearSelection()
     text = w.table.copy_selection()
     lines = text.strip().split("\n")
     assert lines[0].split("\t") == ["Object (GiB)", "Load", "Forward", "Backward", "Optimizer step"]
-    assert len(lines) == 1 + len(OBJECTS) + 1
+    assert len(lines) == 1 + len(OBJECTS) - 1 + 1  # no paged optimizer state row for AdamW
     assert lines[-1].startswith("Total\t")
     peak = w.result.estimate
     assert float(lines[-1].split("\t")[1 + PHASES.index(peak.peak_phase)]) == pytest.approx(gib(peak.peak_bytes),

@@ -144,7 +144,7 @@ def test_real_trace_replaces_the_drawn_result_and_shows_the_difference(window, q
     assert any("layers.*" in n for n in view.module_names())
     assert "512" in view.rules.text()  # the CUDA rounding rule
     # the ledger table shows the traced totals
-    assert w.table.bytes_at(len(OBJECTS), PHASES.index(traced.estimate.peak_phase)) == traced.estimate.peak_bytes
+    assert w.table.bytes_at(w.table.total_row, PHASES.index(traced.estimate.peak_phase)) == traced.estimate.peak_bytes
     assert not panel.progress_bar.isVisible() and not panel.cancel_button.isVisible()
     # an edit draws the analytic result at once, then the trace of the new setup
     with qtbot.waitSignal(panel.finished, timeout=60_000) as blocker:

@@ -48,7 +48,7 @@ class Dtypes:
 
     @staticmethod
     def of(setup: TrainingSetup) -> Dtypes:
-        if setup.tuning.method == "qlora" and setup.precision != "mixed":
+        if setup.tuning.method == "qlora" and setup.tuning.prepare_kbit and setup.precision != "mixed":
             # peft's prepare_model_for_kbit_training casts every unquantized weight to fp32 and the 4-bit linears
             # return their input's dtype: without autocast the step runs in fp32 around 16-bit matmuls
             return Dtypes(4, 4, False)

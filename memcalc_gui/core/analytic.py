@@ -68,8 +68,9 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
         if d.autocast and ft.uses_adapters and ft.method == "lora":
             copies -= 2 * first_layer_gradless_weights(spec, setup)
     opt = optimizer_cost(setup.optimizer, setup.optimizer_impl, layout, tp.layout_layers if tuned else n_layers,
-                         tp.grad_bytes if tuned else p)
+                         tp.grad_bytes if tuned else p, paging=setup.target_device == "cuda")
     state = opt.state_bytes
+    paged = opt.paged_bytes
     grads_all = tp.grads_bytes if tuned else n_params * p
     accumulating = setup.grad_accum > 1
     inputs = t * 8  # input_ids (labels share the tensor)
@@ -265,9 +266,17 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
     host_bytes = 0
     par = setup.parallel
     if par.is_distributed:
-        states = states_for(spec, setup, state, opt.step_temporary_bytes, copies)
+        states = states_for(spec, setup, state + paged, opt.step_temporary_bytes, copies)
         load, forward, moments, step = per_gpu_ledger(states, par, load, forward, moments, step)
         notes, host_bytes = states.notes, states.host_bytes
+        if paged:  # the strategy splits the whole state; the paged share stays paged
+            per_gpu = forward.get("optimizer_state", 0)
+            paged = per_gpu * paged // (state + paged)
+            for m in (forward, *moments, step):
+                m["optimizer_state"] = per_gpu - paged
+    if paged:
+        for m in (forward, *moments, step):
+            m["paged_optimizer_state"] = paged
     backward = max(moments, key=lambda m: sum(m.values()))
 
     phases = {
@@ -342,7 +351,9 @@ def _tuning_assumptions(spec: ModelSpec, setup: TrainingSetup) -> list[str]:
                                         if ft.dropout > 0 else ""))
     if ft.method == "qlora":
         rows.append("QLoRA (bitsandbytes via transformers' BitsAndBytesConfig): every decoder-layer linear quantized; "
-                    "embeddings, norms and the output head in fp32 (peft's prepare_model_for_kbit_training); a 4-bit "
+                    + ("embeddings, norms and the output head in fp32 (peft's prepare_model_for_kbit_training); "
+                       if ft.prepare_kbit else "embeddings, norms and the output head in the precision's dtype "
+                       "(no prepare_model_for_kbit_training); ") + "a 4-bit "
                     "weight is dequantized into a transient in forward and again in backward (the largest one is "
                     "counted), never kept; its output has its input's dtype (fp32 under autocast)")
     if ft.method == "frozen":
@@ -388,7 +399,7 @@ def parameter_split(spec: ModelSpec, setup: TrainingSetup, params: int) -> dict[
         out = {"trainable adapters": adapters}
         if ft.method == "qlora":
             out["quantized base"] = ft.quantized_bytes(spec)
-            out["other frozen weights (fp32)"] = params - adapters - out["quantized base"]
+            out[f"frozen {'fp32' if p == 4 else 'bf16'} weights"] = params - adapters - out["quantized base"]
         else:
             out["frozen base"] = params - adapters
         return out
@@ -419,9 +430,9 @@ def trainable_parts(spec: ModelSpec, ft: FineTuning, p: int) -> TrainableParts:
     """Parameters, copies and trainable layout for LoRA/QLoRA adapters or frozen parts.
 
     LoRA: the base keeps the precision's dtype, adapters the adapter dtype (peft's fp32 by default). QLoRA: the
-    decoder-layer linears are bitsandbytes-quantized (``FineTuning.quantized_bytes``), everything else fp32 as
-    ``prepare_model_for_kbit_training`` casts it, and the 4-bit weights are dequantized into transients (no
-    autocast copies of them). Frozen: the named parts train in the parameter dtype."""
+    decoder-layer linears are bitsandbytes-quantized (``FineTuning.quantized_bytes``), everything else in ``p``
+    (fp32 once ``prepare_model_for_kbit_training`` cast it), and the 4-bit weights are dequantized into
+    transients (no autocast copies of them). Frozen: the named parts train in the parameter dtype."""
     h = spec.hidden_size
     a_bytes = 2 if ft.adapter_dtype == "bf16" else 4
     parts = {part.strip().lower() for part in ft.trainable}
@@ -437,7 +448,7 @@ def trainable_parts(spec: ModelSpec, ft: FineTuning, p: int) -> TrainableParts:
         matmul_frozen = spec.matmul_weight_params
         if ft.method == "qlora":
             quantized = ft.quantized_params(spec)
-            base = ft.quantized_bytes(spec) + (spec.num_params - quantized) * 4
+            base = ft.quantized_bytes(spec) + (spec.num_params - quantized) * p  # fp32 once prepare_kbit cast it
             matmul_frozen -= quantized  # dequantized into transients, not cached by autocast
         else:
             base = spec.num_params * p

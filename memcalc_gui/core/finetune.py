@@ -105,6 +105,9 @@ class FineTuning:
     quant: Quant = "nf4"
     double_quant: bool = True
     trainable: tuple[str, ...] = ()
+    #: QLoRA: peft's ``prepare_model_for_kbit_training`` casts every unquantized 16-bit weight (embeddings, norms,
+    #: output head) to fp32; off, they keep the precision's dtype.
+    prepare_kbit: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in TUNINGS:
@@ -123,6 +126,8 @@ class FineTuning:
             raise InputError("quant", f"must be one of {', '.join(QUANTS)}, got {self.quant!r}")
         if not isinstance(self.double_quant, bool):
             raise InputError("double_quant", f"must be true or false, got {self.double_quant!r}")
+        if not isinstance(self.prepare_kbit, bool):
+            raise InputError("prepare_kbit", f"must be true or false, got {self.prepare_kbit!r}")
         for part in self.trainable:
             _parse_trainable(part)
         if self.method == "frozen" and not self.trainable:

@@ -12,7 +12,7 @@ from typing import Any
 
 from .errors import MemcalcError
 from .setup import TrainingSetup
-from .vocab import OBJECTS, OVERHEAD_OBJECTS, PHASES, TENSOR_OBJECTS
+from .vocab import OBJECTS, OVERHEAD_OBJECTS, PHASES, TENSOR_OBJECTS, UNIFIED_OBJECTS
 
 SCHEMA = 1
 
@@ -60,7 +60,7 @@ class PhaseLedger:
 def with_overheads(tensor_objects: dict[str, int], phase: str, setup: TrainingSetup) -> PhaseLedger:
     """Add the CUDA context and the allocator reserve (a fraction of the phase's tensor bytes)."""
     objects = dict(tensor_objects)
-    tensor_total = sum(objects.values())
+    tensor_total = sum(v for k, v in objects.items() if k in TENSOR_OBJECTS)  # the allocator's blocks only
     objects["cuda_context"] = setup.cuda_context_bytes
     objects["allocator_reserve"] = round(tensor_total * setup.allocator_reserve)
     return PhaseLedger(phase, objects)
@@ -108,3 +108,27 @@ class Estimate:
     def object_bytes(self, name: str) -> dict[str, int]:
         """One object's bytes across the phases."""
         return {p: self.phases[p].objects[name] for p in PHASES}
+
+
+def shown_objects(estimate: Estimate) -> tuple[str, ...]:
+    """The ledger rows a table lists: every object, the paged optimizer state only when the setup has one."""
+    return tuple(o for o in OBJECTS if o not in UNIFIED_OBJECTS or any(estimate.object_bytes(o).values()))
+
+
+#: The name of the parameters sub-row that holds autocast's 16-bit weight copies (live from forward to backward).
+COPIES_ROW = "autocast copies"
+
+
+def parameter_rows(estimate: Estimate) -> list[tuple[str, dict[str, int]]]:
+    """The parameters object of a fine-tuning estimate split into what the window's and the report's sub-rows list:
+    each stored part (``details["parameter_split"]``: trainable adapters, frozen or quantized base) in every phase,
+    and the rest of the phase's parameters object, autocast's 16-bit copies. Empty for full fine-tuning."""
+    split: dict[str, int] = estimate.details.get("parameter_split") or {}
+    if not split:
+        return []
+    rows = [(name, dict.fromkeys(PHASES, n)) for name, n in split.items()]
+    stored = sum(split.values())
+    rest = {p: max(0, estimate.phases[p].objects["parameters"] - stored) for p in PHASES}
+    if any(rest.values()):
+        rows.append((COPIES_ROW, rest))
+    return rows

@@ -17,13 +17,17 @@ from .setup import Optimizer, OptimizerImpl
 BNB_MIN_8BIT_SIZE = 4096
 #: bitsandbytes blockwise quantisation: one fp32 absmax per block of 256 values, per state.
 BNB_BLOCK = 256
+#: bitsandbytes' paged optimizers page a state tensor only from this many elements on (``Optimizer8bit.
+#: get_state_buffer``: ``p.numel() < 1e5`` stays in PyTorch's allocator); on CPU nothing is paged.
+BNB_PAGED_MIN_SIZE = 100_000
 
 
 @dataclass(frozen=True)
 class OptimizerCost:
-    state_bytes: int
+    state_bytes: int  # in PyTorch's allocator
     step_temporary_bytes: int
     note: str
+    paged_bytes: int = 0  # in CUDA unified memory (bitsandbytes' paged optimizers), outside the allocator
 
 
 def optimizer_cost(
@@ -32,11 +36,13 @@ def optimizer_cost(
     layout: tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]],
     num_layers: int,
     state_dtype_bytes: int,
+    paging: bool = True,
 ) -> OptimizerCost:
     """State kept between steps and the transient peak inside ``optimizer.step()``.
 
     ``layout`` is ``ModelSpec.param_layout()`` (before, one layer, after) in parameter order;
     ``state_dtype_bytes`` is the parameters' element size (torch keeps state in the param dtype).
+    ``paging``: whether the paged optimizers can page (CUDA; on CPU bitsandbytes falls back to plain tensors).
     """
     p = state_dtype_bytes
     before, layer, after = layout
@@ -64,15 +70,31 @@ def optimizer_cost(
             temp = single_tensor(2)
         return OptimizerCost(state, temp,
                              "Adam: exp_avg + exp_avg_sq in the parameter dtype (Transformers docs: 8 B/param)")
-    if optimizer == "adamw-8bit":
-        state = 0
+    if optimizer in ("adamw-8bit", "paged-adamw-8bit", "paged-adamw-32bit"):
+        # bitsandbytes Optimizer2State.init_state: two state buffers per tensor, fp32 for 32-bit or below
+        # min_8bit_size elements (whatever the parameter dtype), else uint8 plus one fp32 absmax per 256 values;
+        # the paged variants put buffers of at least 1e5 elements in unified memory; one fused kernel, no temporaries
+        paged_variant = optimizer.startswith("paged")
+        state = paged = 0
         for r, c, k in tensors:
             n = r * c
-            if n < BNB_MIN_8BIT_SIZE:
-                state += k * 2 * n * 4
+            eight = optimizer != "paged-adamw-32bit" and n >= BNB_MIN_8BIT_SIZE
+            buffers = k * 2 * n * (1 if eight else 4)
+            if paged_variant and paging and n >= BNB_PAGED_MIN_SIZE:
+                paged += buffers
             else:
-                state += k * (2 * n + 2 * 4 * -(-n // BNB_BLOCK))
-        return OptimizerCost(state, 0, "bitsandbytes 8-bit AdamW: 2 B/param + blockwise absmax (Transformers docs)")
+                state += buffers
+            if eight:
+                state += k * 2 * 4 * -(-n // BNB_BLOCK)
+        if optimizer == "adamw-8bit":
+            note = "bitsandbytes 8-bit AdamW: 2 B/param + blockwise absmax (Transformers docs)"
+        else:
+            bits = "8-bit: 2 B/param + blockwise absmax" if "8bit" in optimizer else "32-bit: 8 B/param in fp32"
+            where = ("tensors of at least 100,000 elements in CUDA unified memory, outside PyTorch's allocator "
+                     "(not in max_memory_allocated; the driver can evict them to host memory under pressure, "
+                     "slowly); smaller ones in the allocator") if paging else "on CPU nothing is paged"
+            note = f"bitsandbytes paged AdamW {bits}; {where}"
+        return OptimizerCost(state, 0, note, paged)
     if optimizer == "sgd":
         return OptimizerCost(0, 0, "plain SGD keeps no state")
     if optimizer in ("sgd-momentum", "lion"):

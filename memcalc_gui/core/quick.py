@@ -17,8 +17,8 @@ A_SLOPE = 4.6894e-4
 A_INTERCEPT = 1.8494e6
 
 #: Optimizer state in units of N·P (Hugging Face blog uses 2 for AdamW).
-_STATE_FACTOR = {"adamw": 2.0, "adam": 2.0, "adamw-8bit": 0.5, "sgd": 0.0, "sgd-momentum": 1.0,
-                 "adafactor": 0.0, "lion": 1.0}
+_STATE_FACTOR = {"adamw": 2.0, "adam": 2.0, "adamw-8bit": 0.5, "paged-adamw-8bit": 0.5, "sgd": 0.0,
+                 "sgd-momentum": 1.0, "adafactor": 0.0, "lion": 1.0}
 
 
 def activations_per_token(num_params: int) -> float:
@@ -48,7 +48,8 @@ def estimate_quick(setup: TrainingSetup) -> Estimate:
     n = setup.num_params
     p, p_act = precision_bytes(setup)
     model = n * p
-    state = round(_STATE_FACTOR[setup.optimizer] * n * p)
+    # bitsandbytes' 32-bit states are fp32 whatever the parameter dtype
+    state = 8 * n if setup.optimizer == "paged-adamw-32bit" else round(_STATE_FACTOR[setup.optimizer] * n * p)
     intermediates = n * p
     acts = round(activations_per_token(n) * setup.batch * setup.seq * p_act)
     notes: tuple[str, ...] = ()
@@ -62,13 +63,16 @@ def estimate_quick(setup: TrainingSetup) -> Estimate:
         params, grads, state, intermediates = (states.parameters, states.gradients, states.optimizer_state,
                                                states.optimizer_temporaries)
         notes, host = states.notes, states.host_bytes
+    # a bare count has no tensor sizes: a paged optimizer's state is taken as paged (big tensors hold nearly all)
+    held = "paged_optimizer_state" if setup.optimizer.startswith("paged") and setup.target_device == "cuda" \
+        else "optimizer_state"
     phases = {
         "load": with_overheads({"parameters": params["load"]}, "load", setup),
-        "forward": with_overheads({"parameters": params["forward"], "optimizer_state": state, "activations": acts,
+        "forward": with_overheads({"parameters": params["forward"], held: state, "activations": acts,
                                    "gradients": grads["forward"]}, "forward", setup),
-        "backward": with_overheads({"parameters": params["backward"], "optimizer_state": state,
+        "backward": with_overheads({"parameters": params["backward"], held: state,
                                     "gradients": grads["backward"]}, "backward", setup),
-        "optimizer_step": with_overheads({"parameters": params["optimizer_step"], "optimizer_state": state,
+        "optimizer_step": with_overheads({"parameters": params["optimizer_step"], held: state,
                                           "gradients": grads["optimizer_step"],
                                           "optimizer_temporaries": intermediates}, "optimizer_step", setup),
     }

@@ -43,9 +43,12 @@ class Result:
             pct = v.headroom_bytes / v.capacity_bytes * 100
             return (f"Fits: needs {peak}, {format_bytes(v.headroom_bytes)} headroom "
                     f"({pct:.0f} % of {format_bytes(v.capacity_bytes)}).")
+        paged = est.peak.objects["paged_optimizer_state"]
+        evictable = (f" bitsandbytes can evict the {format_bytes(paged)} of paged optimizer state to host memory, "
+                     "so the step would run, but slowed by paging." if 0 < -v.headroom_bytes <= paged else "")
         return (f"Does not fit: over by {format_bytes(-v.headroom_bytes)} in the "
                 f"{PHASE_LABELS[est.peak_phase].lower()} phase (needs {format_bytes(est.peak_bytes)} of "
-                f"{format_bytes(v.capacity_bytes)}); largest object: {dom}.")
+                f"{format_bytes(v.capacity_bytes)}); largest object: {dom}.{evictable}")
 
     def to_json(self) -> dict[str, Any]:
         est, v = self.estimate, self.verdict

@@ -17,7 +17,8 @@ from .resources import load_json
 from .units import MAX_COUNT, MAX_SIZE_BYTES, format_bytes
 
 Precision = Literal["fp32", "mixed", "bf16"]
-Optimizer = Literal["adamw", "adam", "adamw-8bit", "sgd", "sgd-momentum", "adafactor", "lion"]
+Optimizer = Literal["adamw", "adam", "adamw-8bit", "paged-adamw-8bit", "paged-adamw-32bit", "sgd", "sgd-momentum",
+                    "adafactor", "lion"]
 OptimizerImpl = Literal["foreach", "single-tensor", "fused"]
 Attention = Literal["sdpa", "eager"]
 Checkpointing = Literal["none", "full"]
@@ -25,6 +26,8 @@ Method = Literal["quick", "analytic", "trace"]
 TargetDevice = Literal["cuda", "cpu"]
 
 PRECISIONS: Final = get_args(Precision)
+#: The bitsandbytes optimizers (their own fused kernels; the paged ones keep big states in CUDA unified memory).
+BNB_OPTIMIZERS: Final = ("adamw-8bit", "paged-adamw-8bit", "paged-adamw-32bit")
 OPTIMIZERS: Final = get_args(Optimizer)
 OPTIMIZER_IMPLS: Final = get_args(OptimizerImpl)
 ATTENTIONS: Final = get_args(Attention)
@@ -157,8 +160,10 @@ class TrainingSetup:
             if self.parallel.strategy != "ddp" or self.parallel.offload != "none":
                 raise InputError("strategy", f"{self.tuning.method} is modelled with DDP (replicated) only so far; "
                                              "sharded strategies and offload need full fine-tuning")
-        if self.optimizer == "adamw-8bit" and self.optimizer_impl == "fused":
-            raise InputError("optimizer_impl", "8-bit AdamW has its own kernels; use foreach or single-tensor")
+        if self.optimizer in BNB_OPTIMIZERS and self.optimizer_impl == "fused":
+            name = {"adamw-8bit": "8-bit AdamW", "paged-adamw-8bit": "paged 8-bit AdamW",
+                    "paged-adamw-32bit": "paged 32-bit AdamW"}[self.optimizer]
+            raise InputError("optimizer_impl", f"{name} runs bitsandbytes' own kernels; use foreach or single-tensor")
 
     @property
     def num_params(self) -> int:
@@ -203,6 +208,7 @@ class TrainingSetup:
                 "lora_dropout": self.tuning.dropout, "adapter_dtype": self.tuning.adapter_dtype}
                if self.tuning.uses_adapters else {}),
             **({"quant": self.tuning.quant, "double_quant": self.tuning.double_quant,
+                "prepare_kbit": self.tuning.prepare_kbit,
                 "quantized_params": self.tuning.quantized_params(self.model) if self.model else 0,
                 "quantized_bytes": self.tuning.quantized_bytes(self.model) if self.model else 0}
                if self.tuning.method == "qlora" else {}),
@@ -223,6 +229,7 @@ class TrainingSetup:
         base = ""
         if ft.method == "qlora":
             dq = ", double quantization" if ft.double_quant and ft.quant != "int8" else ""
+            dq += "" if ft.prepare_kbit else ", without prepare_model_for_kbit_training"
             base = (f"; base {ft.quant}{dq}: {format_bytes(ft.quantized_bytes(self.model))} for "
                     f"{ft.quantized_params(self.model):,} weights")
         name = "QLoRA" if ft.method == "qlora" else "LoRA"

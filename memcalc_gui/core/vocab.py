@@ -19,9 +19,12 @@ TENSOR_OBJECTS: Final = (
     "temporaries",
     "inputs",
 )
+#: Device memory outside PyTorch's allocator that the step's own state occupies: bitsandbytes' paged optimizers keep
+#: large state tensors in CUDA unified memory (``cudaMallocManaged``), which the driver can evict to host memory.
+UNIFIED_OBJECTS: Final = ("paged_optimizer_state",)
 #: Device overheads outside PyTorch's tensors.
 OVERHEAD_OBJECTS: Final = ("cuda_context", "allocator_reserve")
-OBJECTS: Final = TENSOR_OBJECTS + OVERHEAD_OBJECTS
+OBJECTS: Final = TENSOR_OBJECTS + UNIFIED_OBJECTS + OVERHEAD_OBJECTS
 
 PHASE_LABELS: Final = {
     "load": "Load",
@@ -37,6 +40,7 @@ OBJECT_LABELS: Final = {
     "activations": "Activations",
     "temporaries": "Temporaries",
     "inputs": "Inputs",
+    "paged_optimizer_state": "Paged optimizer state",
     "cuda_context": "CUDA context",
     "allocator_reserve": "Allocator reserve",
 }

@@ -30,6 +30,7 @@ import contextlib
 import gc
 import importlib.util
 import os
+import warnings
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -42,7 +43,8 @@ if TYPE_CHECKING:
     import torch
 
 PRECISIONS = ("fp32", "mixed", "bf16")
-OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "lion", "adamw-8bit")
+OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "lion", "adamw-8bit", "paged-adamw-8bit",
+              "paged-adamw-32bit")
 OPTIMIZER_IMPLS = ("foreach", "single-tensor", "fused")
 CHECKPOINTING = ("none", "full")
 BUILDERS = ("auto", "transformers", "reference")
@@ -327,8 +329,8 @@ def build_model(
 def quantize_model(model: Any, tuning: FineTuning, checkpointing: bool, device: str = "cpu") -> Any:
     """The QLoRA base as users build it: transformers loads the weights through bitsandbytes
     (``BitsAndBytesConfig``: 4-bit NF4/FP4 with or without double quantization, bf16 compute, or LLM.int8) and
-    peft's ``prepare_model_for_kbit_training`` casts the rest to fp32. The random model goes through a temporary
-    folder, since transformers quantizes while loading."""
+    peft's ``prepare_model_for_kbit_training`` casts the rest to fp32 (unless ``tuning.prepare_kbit`` is off).
+    The random model goes through a temporary folder, since transformers quantizes while loading."""
     import shutil
     import tempfile
 
@@ -348,6 +350,9 @@ def quantize_model(model: Any, tuning: FineTuning, checkpointing: bool, device: 
         quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=tuning.quant,
                                    bnb_4bit_use_double_quant=tuning.double_quant,
                                    bnb_4bit_compute_dtype=torch.bfloat16)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # "Writing model shards", "Loading weights": not the user's output
     folder = tempfile.mkdtemp(prefix="memcalc-qlora-")
     try:
         model.save_pretrained(folder)
@@ -358,6 +363,10 @@ def quantize_model(model: Any, tuning: FineTuning, checkpointing: bool, device: 
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     loaded.train()
+    if not tuning.prepare_kbit:  # the unquantized weights keep the checkpoint's dtype
+        if checkpointing:
+            enable_checkpointing(loaded)
+        return loaded
     return prepare_model_for_kbit_training(loaded, use_gradient_checkpointing=checkpointing)
 
 
@@ -451,14 +460,18 @@ def make_optimizer(
                 "torch.optim.Adafactor has no fused implementation"
             )
         return torch.optim.Adafactor(params, foreach=foreach)
-    if name == "adamw-8bit":
+    if name in ("adamw-8bit", "paged-adamw-8bit", "paged-adamw-32bit"):
         try:
             import bitsandbytes as bnb
         except ImportError:
             raise UnsupportedOptimizerError(
-                "8-bit AdamW needs bitsandbytes: pip install bitsandbytes"
+                f"{name} needs bitsandbytes: pip install bitsandbytes"
             ) from None
-        return bnb.optim.AdamW8bit(params)  # type: ignore[no-any-return]
+        cls = {"adamw-8bit": "AdamW8bit", "paged-adamw-8bit": "PagedAdamW8bit",
+               "paged-adamw-32bit": "PagedAdamW32bit"}[name]
+        with warnings.catch_warnings():  # "paged optimizers are not supported on CPU": the cpu ledger says so
+            warnings.simplefilter("ignore")
+            return getattr(bnb.optim, cls)(params)  # type: ignore[no-any-return]
     raise UnsupportedOptimizerError(f"optimizer {name!r} cannot be measured yet")
 
 

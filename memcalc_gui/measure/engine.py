@@ -30,6 +30,7 @@ from ..core.model import spec_from_config
 from ..core.reconcile import reconcile
 from ..core.result import Result, evaluate
 from ..core.setup import TrainingSetup
+from ..core.units import format_bytes
 from ..core.vocab import PHASES
 from . import exclusive_torch_job
 
@@ -514,6 +515,11 @@ def _measure_cuda(result: MeasureResult, config: dict[str, Any], setup: Training
             result.iterations_live_bytes.append(int(torch.cuda.memory_allocated()))
         result.phases = {name: peaks[name] for name in PHASES if name in peaks}
         result.peak_reserved_bytes = max_reserved
+        # bitsandbytes' paged buffers are CPU-typed views of CUDA managed memory (functional.get_paged)
+        paged = nbytes(v for s in opt.state.values() for v in s.values() if getattr(v, "is_paged", False))
+        if paged:
+            result.notes.append(f"bitsandbytes paged optimizer state: {format_bytes(paged)} in CUDA unified memory, "
+                                "outside the allocator's counters (the estimate lists it apart)")
         result.notes.append("CUDA caching allocator counters (max_memory_allocated per phase, after synchronize); "
                             "objects other than parameters, gradients, state and inputs are the remainder")
     except torch.cuda.OutOfMemoryError:

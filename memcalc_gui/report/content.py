@@ -14,11 +14,12 @@ from typing import TYPE_CHECKING
 
 from .. import __version__
 from ..core.distributed import STRATEGY_LABELS
+from ..core.ledger import shown_objects
 from ..core.result import Result
 from ..core.setup import PRECISION_LABELS, TrainingSetup, gpu_presets
 from ..core.solver import MAX_SEARCH_BATCH
 from ..core.units import format_bytes, format_count, in_unit, screen_unit
-from ..core.vocab import OBJECT_LABELS, OBJECTS, PHASE_LABELS, PHASES
+from ..core.vocab import OBJECT_LABELS, PHASE_LABELS, PHASES
 from ..view.plan_text import (
     BEST_MARK,
     OFFLOAD_TEXT,
@@ -352,7 +353,7 @@ def _ledger_table(result: Result) -> Table:
     est = result.estimate
     unit = screen_unit(max(est.phases[p].total_bytes for p in PHASES))  # one unit, as in the window's ledger
     rows = []
-    for obj in OBJECTS:
+    for obj in shown_objects(est):
         cells = (OBJECT_LABELS[obj], *(_bytes_cell(est.phases[p].objects[obj], unit) for p in PHASES))
         rows.append(Row(cells, color=obj))
     rows.append(Row(("Total", *(_bytes_cell(est.phases[p].total_bytes, unit) for p in PHASES)), strong=True))

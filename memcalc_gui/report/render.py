@@ -36,10 +36,11 @@ from PySide6.QtGui import (
     QTextTable,
 )
 
+from ..core.ledger import shown_objects
 from ..core.result import Result
 from ..core.solver import MAX_GPUS
 from ..core.units import in_unit, screen_unit
-from ..core.vocab import OBJECT_LABELS, OBJECTS, PHASE_LABELS, PHASES
+from ..core.vocab import OBJECT_LABELS, PHASE_LABELS, PHASES
 from ..view.assets import BUNDLED_FAMILY
 from ..view.plan_text import chart_scope, is_per_gpu
 from ..view.theme import FIT_COLOR, NEUTRAL_COLOR, OBJECT_COLORS, OVER_COLOR
@@ -593,7 +594,7 @@ def _png_ledger_html(result: Result, px: int, measured: dict[str, int] | None = 
     head = "".join(f'<th align="right" bgcolor="{PEAK_BG if i == peak_i else HEAD_BG}">'
                    f'{short[p]}{" ▲" if i == peak_i else ""}</th>' for i, p in enumerate(PHASES))
     rows = []
-    for obj in OBJECTS:
+    for obj in shown_objects(est):
         cells = "".join(f'<td align="right"{f" bgcolor={PEAK_BG!r}" if i == peak_i else ""}>'
                         f'{_e(_unit_cell(est.phases[p].objects[obj], unit))}</td>' for i, p in enumerate(PHASES))
         rows.append(f'<tr><td><span style="color:{OBJECT_COLORS[obj]}">■</span>&nbsp;{_e(OBJECT_LABELS[obj])}</td>'

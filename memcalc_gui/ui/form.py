@@ -38,7 +38,12 @@ RECIPES: Final = (
     ("fp32", "fp32", "fp32", "adamw"),
     ("mixed", "Mixed precision (6 B/param)", "mixed", "adamw"),
     ("adam8bit", "8-bit Adam (2 B/param of state)", "mixed", "adamw-8bit"),
+    # the QLoRA paper's recipe (Dettmers et al. 2023, qlora.py): NF4 with double quantization, bf16 compute under
+    # autocast, paged 32-bit AdamW, gradient checkpointing (peft's prepare_model_for_kbit_training turns it on)
+    ("qlora", "QLoRA (4-bit base)", "mixed", "paged-adamw-32bit"),
 )
+#: Recipes that also choose how the model trains (and checkpointing): they match only that method.
+RECIPE_TUNING: Final = {"qlora": "qlora"}
 
 
 @dataclass(frozen=True)
@@ -75,6 +80,7 @@ class FormState:
     adapter_dtype: str = "fp32"
     quant: str = "nf4"
     double_quant: str = "true"
+    prepare_kbit: str = "true"
     trainable: str = "last:4"
 
     def replace(self, **changes: Any) -> FormState:
@@ -136,9 +142,11 @@ def default_state() -> FormState:
     return FormState(capacity=capacity_text(gpu))
 
 
-def recipe_for(precision: str, optimizer: str) -> str | None:
-    """The precision preset that ``precision`` + ``optimizer`` correspond to, if any."""
+def recipe_for(precision: str, optimizer: str, tuning: str = "full") -> str | None:
+    """The precision preset that ``precision`` + ``optimizer`` (and, for QLoRA's, ``tuning``) correspond to."""
     for key, _label, p, o in RECIPES:
+        if key in RECIPE_TUNING and RECIPE_TUNING[key] != tuning:
+            continue
         if (p, o) == (precision, optimizer):
             return key
     return None
@@ -184,6 +192,7 @@ _FIELD_MAP: Final = {
     "adapter_dtype": "adapter_dtype",
     "quant": "quant",
     "double_quant": "double_quant",
+    "prepare_kbit": "prepare_kbit",
     "trainable": "trainable",
 }
 
@@ -348,7 +357,8 @@ def tuning_from_state(state: FormState) -> FineTuning:
     trainable = tuple(t.strip() for t in state.trainable.split(",") if t.strip()) if state.tuning == "frozen" else ()
     return FineTuning(method=state.tuning, rank=rank, targets=targets, dropout=dropout,  # type: ignore[arg-type]
                       adapter_dtype=state.adapter_dtype, quant=state.quant,  # type: ignore[arg-type]
-                      double_quant=state.double_quant == "true", trainable=trainable)
+                      double_quant=state.double_quant == "true", trainable=trainable,
+                      prepare_kbit=state.prepare_kbit != "false")
 
 
 def state_with_changes(state: FormState, changes: dict[str, Any]) -> FormState:

@@ -30,15 +30,17 @@ from PySide6.QtWidgets import (
 )
 
 from ..core.distributed import STRATEGIES, STRATEGY_LABELS, closest_offload, offload_choices
-from ..core.setup import OPTIMIZER_IMPLS, OPTIMIZERS, PRECISION_LABELS, PRECISIONS
+from ..core.setup import BNB_OPTIMIZERS, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISION_LABELS, PRECISIONS
 from ..view.theme import error_color
-from .form import RECIPES, FormState, capacity_text, gpu_by_id, recipe_for
+from .form import RECIPE_TUNING, RECIPES, FormState, capacity_text, gpu_by_id, recipe_for
 from .tooltips import TOOLTIPS
 
 OPTIMIZER_LABELS = {
     "adamw": "AdamW",
     "adam": "Adam",
     "adamw-8bit": "AdamW 8-bit (bitsandbytes)",
+    "paged-adamw-8bit": "Paged AdamW 8-bit (bitsandbytes)",
+    "paged-adamw-32bit": "Paged AdamW 32-bit (bitsandbytes)",
     "sgd": "SGD",
     "sgd-momentum": "SGD with momentum",
     "adafactor": "Adafactor",
@@ -328,6 +330,10 @@ class InputPanel(QWidget):
         self.double_quant.setToolTip(TOOLTIPS["double_quant"])
         self.boxes["double_quant"] = FieldBox(self.double_quant)
         tform.addRow(self.boxes["double_quant"])
+        self.prepare_kbit = QCheckBox("Cast the rest to fp32 (prepare_model_for_kbit_training)")
+        self.prepare_kbit.setToolTip(TOOLTIPS["prepare_kbit"])
+        self.boxes["prepare_kbit"] = FieldBox(self.prepare_kbit)
+        tform.addRow(self.boxes["prepare_kbit"])
         self.trainable = QLineEdit()
         self.trainable.setPlaceholderText("last:4, norms, lm_head, embeddings")
         self._row(tform, "Trainable parts:", "trainable", self.trainable)
@@ -438,6 +444,7 @@ class InputPanel(QWidget):
         self.lora_targets.currentTextChanged.connect(self._changed)
         self.quant.currentIndexChanged.connect(self._changed)
         self.double_quant.toggled.connect(self._changed)
+        self.prepare_kbit.toggled.connect(self._changed)
         self.tuning.currentIndexChanged.connect(self._on_tuning)
         for combo in (self.attention, self.optimizer_impl):
             combo.currentIndexChanged.connect(self._changed)
@@ -463,7 +470,8 @@ class InputPanel(QWidget):
     def _tab_order(self) -> None:
         chain = [self.model_kind, self.preset, self.config_path, self.open_button, self.params, self.batch, self.seq,
                  self.grad_accum, self.checkpointing, self.use_cache, self.attention, self.tuning, self.lora_rank,
-                 self.lora_targets, self.lora_dropout, self.quant, self.double_quant, self.trainable, self.recipe,
+                 self.lora_targets, self.lora_dropout, self.quant, self.double_quant, self.prepare_kbit,
+                 self.trainable, self.recipe,
                  self.precision,
                  self.optimizer, self.optimizer_impl, self.gpu, self.capacity, self.gpus, self.strategy, self.node_size,
                  self.offload, self.cuda_context, self.allocator_reserve]
@@ -555,6 +563,7 @@ class InputPanel(QWidget):
 
     def _on_tuning(self, *_: object) -> None:
         self._sync_tuning()
+        self._sync_recipe()
         self._changed()
 
     def _sync_tuning(self) -> None:
@@ -565,6 +574,7 @@ class InputPanel(QWidget):
         for name, on in (("lora_rank", adapters), ("lora_targets", adapters), ("lora_dropout", adapters),
                          ("quant", method == "qlora"), ("double_quant", method == "qlora" and
                                                        self.quant.currentData() != "int8"),
+                         ("prepare_kbit", method == "qlora"),
                          ("trainable", method == "frozen")):
             self.boxes[name].field.setEnabled(on)
             if name in self.labels:
@@ -591,7 +601,11 @@ class InputPanel(QWidget):
                 try:
                     _set_combo(self.precision, precision)
                     _set_combo(self.optimizer, optimizer)
-                    if optimizer == "adamw-8bit" and self.optimizer_impl.currentData() == "fused":
+                    if rkey in RECIPE_TUNING:  # QLoRA: the method and its checkpointing come with it
+                        _set_combo(self.tuning, RECIPE_TUNING[rkey])
+                        self.checkpointing.setChecked(True)
+                        self._sync_tuning()
+                    if optimizer in BNB_OPTIMIZERS and self.optimizer_impl.currentData() == "fused":
                         _set_combo(self.optimizer_impl, "foreach")
                 finally:
                     self._updating = False
@@ -606,7 +620,8 @@ class InputPanel(QWidget):
         self._changed()
 
     def _sync_recipe(self) -> None:
-        key = recipe_for(self.precision.currentData(), self.optimizer.currentData()) or CUSTOM_RECIPE
+        key = recipe_for(self.precision.currentData(), self.optimizer.currentData(),
+                         self.tuning.currentData()) or CUSTOM_RECIPE
         was = self._updating
         self._updating = True
         try:
@@ -636,6 +651,7 @@ class InputPanel(QWidget):
             lora_dropout=self.lora_dropout.text(),
             quant=self.quant.currentData(),
             double_quant="true" if self.double_quant.isChecked() else "false",
+            prepare_kbit="true" if self.prepare_kbit.isChecked() else "false",
             trainable=self.trainable.text(),
             gpu=self.gpu.currentData() or "",
             capacity=self.capacity.text(),
@@ -680,6 +696,7 @@ class InputPanel(QWidget):
             if self.lora_targets.currentText() != state.lora_targets:
                 self.lora_targets.setEditText(state.lora_targets)
             self.double_quant.setChecked(state.double_quant == "true")
+            self.prepare_kbit.setChecked(state.prepare_kbit != "false")
             self._sync_tuning()
             self._sync_recipe()
         finally:

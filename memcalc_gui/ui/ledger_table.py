@@ -17,15 +17,14 @@ from PySide6.QtGui import (
 )
 from PySide6.QtWidgets import QAbstractItemView, QHeaderView, QTableWidget, QTableWidgetItem, QWidget
 
-from ..core.ledger import Estimate
-from ..core.units import format_bytes, in_unit, screen_unit
-from ..core.vocab import OBJECT_LABELS, OBJECTS, PHASE_LABELS, PHASES
+from ..core.ledger import Estimate, parameter_rows, shown_objects
+from ..core.units import in_unit, screen_unit
+from ..core.vocab import OBJECT_LABELS, OBJECTS, PHASE_LABELS, PHASES, UNIFIED_OBJECTS
 from ..view.theme import OBJECT_COLORS
 
 BYTES_ROLE = Qt.ItemDataRole.UserRole + 1
 #: Column headers (short, so four columns fit beside the object names); the full names are tooltips.
 HEADER_LABELS = {p: PHASE_LABELS[p] for p in PHASES} | {"optimizer_step": "Step"}
-TOTAL_ROW = len(OBJECTS)
 TABLE_TIP = ("{unit} per object and phase (hover a cell for exact bytes). Ctrl+C copies the selection (or the whole "
              "table) as tab-separated values.")
 
@@ -44,13 +43,15 @@ def _cell_text(n: int, unit: str = "GiB") -> str:
 
 
 class LedgerTable(QTableWidget):
-    """Rows: the nine ledger objects and the total; columns: the four phases. Values in :attr:`unit`;
+    """Rows: the ledger objects (the paged optimizer state only when a setup has it), the parameters' parts of a
+    fine-tuning run as indented sub-rows, and the total; columns: the four phases. Values in :attr:`unit`;
     ``unit_changed`` tells the window to relabel its tab."""
 
     unit_changed = Signal(str)
+    rows_changed = Signal()
 
     def __init__(self, parent: QWidget | None = None) -> None:
-        super().__init__(len(OBJECTS) + 1, len(PHASES), parent)
+        super().__init__(0, len(PHASES), parent)
         self.setObjectName("ledgerTable")
         self.setAccessibleName("Ledger: memory objects by phase, GiB")
         self.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
@@ -60,32 +61,23 @@ class LedgerTable(QTableWidget):
         self.setWordWrap(False)
         self.setTabKeyNavigation(False)  # Tab leaves the table (keyboard users move on)
         self.setToolTip(TABLE_TIP.format(unit="GiB"))
-        self.setVerticalHeaderLabels([OBJECT_LABELS[o] for o in OBJECTS] + ["Total"])
         self.setHorizontalHeaderLabels([HEADER_LABELS[p] + "\n" for p in PHASES])
         for c, p in enumerate(PHASES):
             self.horizontalHeaderItem(c).setToolTip(PHASE_LABELS[p])
-        for r, obj in enumerate(OBJECTS):
-            self.verticalHeaderItem(r).setIcon(_swatch(OBJECT_COLORS[obj]))
-        bold = QFont(self.font())
-        bold.setBold(True)
-        self.verticalHeaderItem(TOTAL_ROW).setFont(bold)
+        self._bold = QFont(self.font())
+        self._bold.setBold(True)
         hh = self.horizontalHeader()
         hh.setSectionResizeMode(QHeaderView.ResizeMode.Stretch)
         # narrow enough for four columns beside the object names at 1280×720 and at 150 % scaling: the widest
         # number or single header word (headers wrap onto their second line)
         words = [w for h in HEADER_LABELS.values() for w in h.split()] + ["▲ peak", "99999.99"]
-        hh.setMinimumSectionSize(max(QFontMetrics(bold).horizontalAdvance(w) for w in words) + 10)
+        hh.setMinimumSectionSize(max(QFontMetrics(self._bold).horizontalAdvance(w) for w in words) + 10)
         vh = self.verticalHeader()
         vh.setSectionResizeMode(QHeaderView.ResizeMode.Fixed)
         vh.setDefaultSectionSize(max(20, self.fontMetrics().height() + 6))
-        for r in range(self.rowCount()):
-            for c in range(self.columnCount()):
-                item = QTableWidgetItem("")
-                item.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
-                item.setFlags(Qt.ItemFlag.ItemIsSelectable | Qt.ItemFlag.ItemIsEnabled)
-                if r == TOTAL_ROW:
-                    item.setFont(bold)
-                self.setItem(r, c, item)
+        self.rows: tuple[tuple[str, str], ...] = ()  # (kind, key): ("object", name), ("part", name), ("total", "")
+        self._peak_col = -1
+        self._layout_rows((*(("object", o) for o in OBJECTS if o not in UNIFIED_OBJECTS), ("total", "")))
         copy = QAction("Copy as TSV (GiB)", self)
         copy.setShortcut(QKeySequence.StandardKey.Copy)
         copy.setShortcutContext(Qt.ShortcutContext.WidgetShortcut)
@@ -96,9 +88,48 @@ class LedgerTable(QTableWidget):
         select_all.triggered.connect(self.selectAll)
         self.addActions([copy, copy_bytes, select_all])
         self.setContextMenuPolicy(Qt.ContextMenuPolicy.ActionsContextMenu)
-        self._peak_col = -1
         self.unit = "GiB"
         self._copy_action = copy
+
+    @property
+    def total_row(self) -> int:
+        return len(self.rows) - 1
+
+    def row_of(self, kind: str, key: str = "") -> int:
+        """The row of an object (``"object"``, name), a parameters part (``"part"``, name) or the total."""
+        return self.rows.index((kind, key))
+
+    def _layout_rows(self, rows: tuple[tuple[str, str], ...]) -> None:
+        """Set the rows (kept when they do not change: selection and scroll stay)."""
+        if rows == self.rows:
+            return
+        self.clearSelection()
+        self.setRowCount(len(rows))
+        italic = QFont(self.font())
+        italic.setItalic(True)
+        for r, (kind, key) in enumerate(rows):
+            if kind == "object":
+                head = QTableWidgetItem(_swatch(OBJECT_COLORS[key]), OBJECT_LABELS[key])
+            elif kind == "part":
+                head = QTableWidgetItem(f"   ↳ {key}")
+                head.setFont(italic)
+                head.setToolTip(f"Parameters: {key}")
+            else:
+                head = QTableWidgetItem("Total")
+                head.setFont(self._bold)
+            self.setVerticalHeaderItem(r, head)
+            for c in range(self.columnCount()):
+                item = QTableWidgetItem("")
+                item.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
+                item.setFlags(Qt.ItemFlag.ItemIsSelectable | Qt.ItemFlag.ItemIsEnabled)
+                if kind == "total":
+                    item.setFont(self._bold)
+                elif kind == "part":
+                    item.setFont(italic)
+                self.setItem(r, c, item)
+        self.rows = rows
+        self._peak_col = -1  # new items: paint the peak column again
+        self.rows_changed.emit()
 
     def set_estimate(self, estimate: Estimate) -> None:
         peak_col = PHASES.index(estimate.peak_phase)
@@ -109,15 +140,26 @@ class LedgerTable(QTableWidget):
             self.setToolTip(TABLE_TIP.format(unit=unit))
             self._copy_action.setText(f"Copy as TSV ({unit})")
             self.unit_changed.emit(unit)
-        split = estimate.details.get("parameter_split") or {}
-        split_text = "; of which " + ", ".join(f"{k} {format_bytes(v)}" for k, v in split.items()) if split else ""
+        parts = parameter_rows(estimate)
+        rows: list[tuple[str, str]] = []
+        for obj in shown_objects(estimate):
+            rows.append(("object", obj))
+            if obj == "parameters":
+                rows += [("part", name) for name, _ in parts]
+        self._layout_rows((*rows, ("total", "")))
+        part_bytes = dict(parts)
         for c, phase in enumerate(PHASES):
             ledger = estimate.phases[phase]
-            for r, obj in enumerate(OBJECTS):
-                n = ledger.objects[obj]
-                extra = split_text if obj == "parameters" and n else ""
-                self._set(r, c, n, f"{OBJECT_LABELS[obj]}, {PHASE_LABELS[phase]}: {n:,} bytes{extra}")
-            self._set(TOTAL_ROW, c, ledger.total_bytes, f"Total, {PHASE_LABELS[phase]}: {ledger.total_bytes:,} bytes")
+            for r, (kind, key) in enumerate(self.rows):
+                if kind == "object":
+                    n = ledger.objects[key]
+                    self._set(r, c, n, f"{OBJECT_LABELS[key]}, {PHASE_LABELS[phase]}: {n:,} bytes")
+                elif kind == "part":
+                    n = part_bytes[key][phase]
+                    self._set(r, c, n, f"Parameters, of which {key}, {PHASE_LABELS[phase]}: {n:,} bytes")
+                else:
+                    n = ledger.total_bytes
+                    self._set(r, c, n, f"Total, {PHASE_LABELS[phase]}: {n:,} bytes")
         if peak_col != self._peak_col:
             self._peak_col = peak_col
             for c, phase in enumerate(PHASES):
@@ -150,7 +192,8 @@ class LedgerTable(QTableWidget):
         unit = "bytes" if exact_bytes else self.unit
         lines = ["\t".join([f"Object ({unit})"] + [PHASE_LABELS[PHASES[c]] for c in cols])]
         for r in rows:
-            name = self.verticalHeaderItem(r).text()
+            kind, key = self.rows[r]
+            name = OBJECT_LABELS[key] if kind == "object" else (f"of which {key}" if kind == "part" else "Total")
             cells = []
             for c in cols:
                 n = self.bytes_at(r, c)

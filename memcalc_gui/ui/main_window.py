@@ -95,6 +95,7 @@ FIELD_NAMES = {
     "strategy": "strategy", "node_size": "GPUs per node", "offload": "offload", "general": "input",
     "tuning": "weights trained", "lora_rank": "LoRA rank", "lora_targets": "target modules",
     "lora_dropout": "LoRA dropout", "quant": "base quantization", "double_quant": "double quantization",
+    "prepare_kbit": "fp32 cast of the unquantized weights",
     "trainable": "trainable parts",
 }
 
@@ -261,6 +262,7 @@ class MainWindow(QMainWindow):
         self._fit_timer.setSingleShot(True)
         self._fit_timer.setInterval(0)
         self._fit_timer.timeout.connect(self._fit_ledger_height)
+        self.table.rows_changed.connect(self._fit_timer.start)  # LoRA's parameter sub-rows, a paged optimizer
         advice_box.setToolTip("The largest micro-batch that fits, then the cheapest sets of changes that fit "
                               "(precision last). Click one to apply it; Ctrl+Z undoes.")
         al = QVBoxLayout(advice_box)
@@ -341,8 +343,8 @@ class MainWindow(QMainWindow):
         self._fit_timer.start()  # once the splitters have their new sizes
 
     def _fit_ledger_height(self) -> None:
-        """On a resize, give the bottom row just the ledger's ten rows and the chart the rest, when the chart keeps
-        its minimum height (a user's drag holds until the window is resized again)."""
+        """On a resize (or new ledger rows), give the bottom row just the ledger's rows and the chart the rest, when
+        the chart keeps its minimum height (a user's drag holds until the window is resized again)."""
         t = self.table
         need = (self.tabs.tabBar().sizeHint().height() + t.horizontalHeader().height() + 2 * t.frameWidth()
                 + sum(t.rowHeight(r) for r in range(t.rowCount())) + 4)

@@ -58,6 +58,11 @@ TOOLTIPS: dict[str, str] = {
         "(the mask as bool on CUDA)."
     ),
     "quant": "How bitsandbytes stores the frozen base under QLoRA: NF4 or FP4 (4-bit, blocks of 64), or LLM.int8.",
+    "prepare_kbit": (
+        "peft's prepare_model_for_kbit_training casts every weight bitsandbytes leaves unquantized (embeddings, "
+        "norms, the output head) to fp32 — 4 B instead of 2 per weight, and fp32 activations without autocast. "
+        "Most QLoRA scripts call it; off, those weights keep the precision's dtype."
+    ),
     "double_quant": "Quantize the 4-bit blocks' scales too (bnb_4bit_use_double_quant): ~0.516 instead of 0.5625 B.",
     "trainable": (
         "With 'Some parts': what trains, comma-separated — last:N (the top N decoder layers), norms, lm_head, "
@@ -78,7 +83,9 @@ TOOLTIPS: dict[str, str] = {
         "fp32: 4 B/param weights + 4 B grads + 8 B Adam state.\n"
         "Mixed precision: 6 B/param weights (fp32 master + 16-bit copy, Transformers docs), fp32 grads, "
         "Adam 8 B/param.\n"
-        "8-bit Adam: mixed precision with quantised optimizer state, 2 B/param (Transformers docs)."
+        "8-bit Adam: mixed precision with quantised optimizer state, 2 B/param (Transformers docs).\n"
+        "QLoRA (4-bit base): the QLoRA paper's recipe — NF4 base with double quantization, bf16 autocast, paged "
+        "32-bit AdamW, gradient checkpointing; it also sets Fine-tuning to QLoRA."
     ),
     "precision": (
         "fp32: weights, gradients and activations in 4 bytes (Hugging Face blog: P = 4).\n"
@@ -88,6 +95,8 @@ TOOLTIPS: dict[str, str] = {
     "optimizer": (
         "Optimizer state per parameter (green in the chart): AdamW/Adam keep two moments, 2·N·P "
         "(Hugging Face blog; 8 B/param in fp32, Transformers docs); 8-bit AdamW ≈ 2 B/param (Transformers docs); "
+        "paged AdamW (bitsandbytes, 8-bit or 32-bit) keeps tensors of 100,000 elements or more in CUDA unified "
+        "memory (light green): outside max_memory_allocated, and evicted to host memory when the GPU runs out; "
         "SGD none; "
         "SGD-momentum and Lion one buffer; Adafactor factored second moments (rows + columns)."
     ),

@@ -18,7 +18,7 @@ from PySide6.QtWidgets import QToolTip, QWidget
 
 from ..core.ledger import Estimate
 from ..core.units import format_bytes, in_unit, screen_unit
-from ..core.vocab import OBJECT_LABELS, OBJECTS, PHASE_LABELS, PHASES
+from ..core.vocab import OBJECT_LABELS, OBJECTS, PHASE_LABELS, PHASES, UNIFIED_OBJECTS
 from .theme import OBJECT_COLORS, STACK_ORDER, is_dark
 
 BAR_WIDTH = 0.6
@@ -141,8 +141,8 @@ class MemoryChart(pg.GraphicsLayoutWidget):
         self._legend_side = side
         self._legend_width = width + 48
         self.ci.layout.setColumnStretchFactor(0, 1)
-        for obj in reversed(STACK_ORDER):  # read top-down like the bars
-            self.legend.addItem(self.bars[obj], OBJECT_LABELS[obj])
+        self._legend_objects: tuple[str, ...] = ()
+        self._fill_legend(())
 
         self._estimate: Estimate | None = None
         self._scope: str | None = None
@@ -167,6 +167,7 @@ class MemoryChart(pg.GraphicsLayoutWidget):
         ``per_gpu``: the ledger is one GPU's of several (a distributed setup); the text (e.g. "32 × H100,
         ZeRO-3") becomes the chart's title and the axis says "per GPU". ``None``: a single GPU."""
         self._estimate = estimate
+        self._fill_legend(tuple(o for o in UNIFIED_OBJECTS if any(estimate.object_bytes(o).values())))
         self.unit = screen_unit(max(estimate.phases[p].total_bytes for p in PHASES))
         self._set_scope(per_gpu)
         self._capacity = capacity_bytes
@@ -207,6 +208,19 @@ class MemoryChart(pg.GraphicsLayoutWidget):
         self.plot.setYRange(-ymax * ZERO_MARGIN, ymax, padding=0)
         self.plot.setXRange(-0.55, len(PHASES) - 0.45, padding=0)
         self._layout_measured()
+
+    def _fill_legend(self, present: tuple[str, ...]) -> None:
+        """Every object, top-down like the bars; the paged optimizer state only when a setup has it."""
+        shown = tuple(o for o in reversed(STACK_ORDER) if o not in UNIFIED_OBJECTS or o in present)
+        if shown == self._legend_objects:
+            return
+        self.legend.clear()
+        for obj in shown:
+            self.legend.addItem(self.bars[obj], OBJECT_LABELS[obj])
+        self._legend_objects = shown
+
+    def legend_labels(self) -> list[str]:
+        return [OBJECT_LABELS[o] for o in self._legend_objects]
 
     def _in(self, nbytes: int | float) -> float:
         """Bytes in the chart's unit."""

@@ -22,6 +22,7 @@ OBJECT_COLORS: Final[dict[str, str]] = {
     "optimizer_temporaries": "#D55E00",  # vermillion (Hugging Face blog: red)
     "temporaries": "#56B4E9",  # sky blue
     "inputs": "#CC79A7",  # reddish purple
+    "paged_optimizer_state": "#8CD9BF",  # light bluish green: optimizer state outside the allocator
     "cuda_context": "#6E6E6E",  # dark grey
     "allocator_reserve": "#BDBDBD",  # light grey
 }
@@ -32,6 +33,7 @@ STACK_ORDER: Final = (
     "cuda_context",
     "parameters",
     "optimizer_state",
+    "paged_optimizer_state",
     "gradients",
     "optimizer_temporaries",
     "activations",
