@@ -96,6 +96,9 @@ LORA_CASES = [
     ("gemma", "mixed", "attention", 0.0, "none", 16), ("qwen2", "mixed", "all-linear", 0.05, "full", 16),
     ("qwen3", "bf16", "mlp", 0.0, "none", 32), ("mistral", "mixed", "q,k,v,o", 0.1, "none", 64),
     ("gpt_neox", "fp32", "attention", 0.0, "none", 8), ("phi", "mixed", "attention", 0.0, "none", 16),
+    # a bf16-loaded model under autocast (Trainer's bf16=True): peft's fp32 adapters see autocast, the base does not
+    ("llama", "bf16-autocast", "all-linear", 0.05, "none", 16), ("phi3", "bf16-autocast", "all-linear", 0.0, "none", 8),
+    ("gpt2", "bf16-autocast", "all-linear", 0.0, "full", 16),
 ]
 #: QLoRA through transformers' BitsAndBytesConfig and peft on CPU: (family, precision, quantization, dropout, ckpt,
 #: prepare_model_for_kbit_training).
@@ -104,6 +107,7 @@ QLORA_CASES = [
     ("gpt2", "mixed", "nf4", 0.0, "none", True), ("qwen2", "bf16", "nf4", 0.0, "none", True),
     ("mistral", "mixed", "fp4", 0.0, "none", True), ("phi3", "mixed", "nf4", 0.0, "none", True),
     ("llama", "bf16", "nf4", 0.0, "none", False), ("qwen2", "bf16", "nf4", 0.05, "full", False),
+    ("llama", "bf16-autocast", "nf4", 0.0, "none", True),
 ]
 #: Frozen parts: (family, precision, what trains).
 FROZEN_CASES = [("llama", "fp32", "last:1"), ("llama", "mixed", "last:2"), ("qwen2", "fp32", "lm_head"),

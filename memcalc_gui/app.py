@@ -170,7 +170,7 @@ def _install_crash_bridge(app: Any) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .core.setup import OPTIMIZERS
+    from .core.setup import OPTIMIZERS, PRECISIONS
 
     p = argparse.ArgumentParser(
         prog="memcalc-gui",
@@ -184,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", metavar="B", help="micro-batch")
     p.add_argument("--seq", metavar="L", help="sequence length")
     p.add_argument("--grad-accum", metavar="K", help="gradient accumulation steps")
-    p.add_argument("--precision", choices=("fp32", "mixed", "bf16"))
+    p.add_argument("--precision", choices=PRECISIONS)
     p.add_argument("--optimizer", metavar="NAME", help=", ".join(OPTIMIZERS))
     p.add_argument("--optimizer-impl", metavar="IMPL", help="foreach, single-tensor or fused")
     p.add_argument("--attention", choices=("sdpa", "eager"))

@@ -256,26 +256,37 @@ CODE_CONFIGS = {
 @needs_torch
 @pytest.mark.parametrize("name", sorted(CODE_CONFIGS))
 def test_no_code_a_config_names_ever_runs(name, evil_folder, tmp_path):
-    """Real processes with stdin left open (transformers would prompt and wait there) and the network flag unset."""
+    """A real process with stdin left open (transformers would prompt and wait there), the network flag unset and
+    the config's folder as working directory runs every command that reads the config — estimate, trace, measure,
+    report — one after another (one torch import per config keeps CI short)."""
     folder, marker = evil_folder
     cfg = {**CODE_CONFIGS[name], "name_or_path": str(folder), "_name_or_path": str(folder)}
     path = folder / "config.json"
     path.write_text(json.dumps(cfg))
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
-    for argv in (["estimate"], ["estimate", "--method", "trace"], ["measure", "--device", "cpu", "--iterations", "2"],
-                 ["report", "--out", str(tmp_path / "r.png")]):
-        proc = subprocess.Popen([sys.executable, "-m", "memcalc_gui.cli", *argv, "--config", str(path), *SMALL_STEP],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                cwd=folder, env=dict(env, PYTHONPATH=str(Path(__file__).parents[1])))
-        try:
-            out, err = proc.communicate(timeout=90)
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-        assert proc.returncode in (0, 2), err[-2000:]
-        assert "Do you wish to run the custom code" not in out + err
-        assert "Traceback" not in err
-        assert not marker.exists(), f"{argv}: code named by the config ran"
+    commands = [["estimate"], ["estimate", "--method", "trace"], ["measure", "--device", "cpu", "--iterations", "2"],
+                ["report", "--out", str(tmp_path / "r.png")]]
+    argvs = [[*argv, "--config", str(path), *SMALL_STEP] for argv in commands]
+    child = ("import json\nfrom memcalc_gui.cli import main\ncodes = []\n"
+             f"for argv in {argvs!r}:\n"
+             "    try:\n        codes.append(main(argv))\n"
+             "    except SystemExit as exc:  # a usage error exits as the console entry would\n"
+             "        codes.append(exc.code)\n"
+             "print(json.dumps(codes))")
+    proc = subprocess.Popen([sys.executable, "-c", child], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=folder,
+                            env=dict(env, PYTHONPATH=str(Path(__file__).parents[1])))
+    try:
+        out, err = proc.communicate(timeout=180)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+    assert proc.returncode == 0, err[-2000:]
+    codes = json.loads(out.strip().splitlines()[-1])
+    assert len(codes) == len(commands) and all(c in (0, 2) for c in codes), (codes, err[-2000:])
+    assert "Do you wish to run the custom code" not in out + err
+    assert "Traceback" not in err
+    assert not marker.exists(), "code named by the config ran"
 
 
 # ---- arguments --------------------------------------------------------------------------------------

@@ -218,6 +218,29 @@ def test_precision_recipe_fills_fields_that_stay_editable(window):
     assert w.refresh() and w.result.setup.precision == "bf16"
 
 
+def test_qlora_recipe_sets_the_method_and_checkpointing(window):
+    """The "QLoRA (4-bit base)" preset is the QLoRA paper's recipe: QLoRA, bf16 autocast, paged 32-bit AdamW and
+    checkpointing; it matches only while the method is QLoRA, and the fp32-cast switch is editable under QLoRA."""
+    w = window
+    inputs = w.inputs
+    assert not inputs.prepare_kbit.isEnabled()  # full fine-tuning: nothing to cast
+    inputs.recipe.setCurrentIndex(inputs.recipe.findData("qlora"))
+    s = inputs.state()
+    assert (s.tuning, s.precision, s.optimizer, s.checkpointing) == ("qlora", "mixed", "paged-adamw-32bit", "full")
+    assert inputs.prepare_kbit.isEnabled() and inputs.prepare_kbit.isChecked()
+    assert w.refresh() and w.result.setup.tuning.method == "qlora"
+    assert w.result.estimate.phases["optimizer_step"].objects["paged_optimizer_state"] > 0
+    with_cast = w.result.estimate.phases["load"].objects["parameters"]
+    inputs.prepare_kbit.setChecked(False)
+    assert w.refresh() and w.result.setup.tuning.prepare_kbit is False
+    assert w.result.setup.precision == "mixed"  # fp32 master weights: the cast changes nothing here
+    assert w.result.estimate.phases["load"].objects["parameters"] == with_cast
+    inputs.tuning.setCurrentIndex(inputs.tuning.findData("lora"))
+    assert inputs.recipe.currentData() == "custom"  # the QLoRA preset no longer describes the setup
+    inputs.tuning.setCurrentIndex(inputs.tuning.findData("qlora"))
+    assert inputs.recipe.currentData() == "qlora"
+
+
 def test_every_field_has_a_tooltip_and_is_keyboard_reachable(window):
     w = window
     for name, box in w.inputs.boxes.items():

@@ -39,7 +39,10 @@ class Dtypes:
 
     param: int  # weights, gradients and optimizer state
     matmul: int  # outputs of linear layers and attention
-    autocast: bool
+    autocast: bool  # autocast over fp32 weights: 16-bit copies, fp32 norms and residual stream
+    #: autocast over a bf16 model: a no-op for the bf16 weights (measured: full fine-tuning's bytes equal bf16's),
+    #: but peft's fp32 adapters and their inputs get autocast's 16-bit copies as under mixed precision
+    adapters_autocast: bool = False
 
     @property
     def residual(self) -> int:
@@ -50,12 +53,15 @@ class Dtypes:
     def of(setup: TrainingSetup) -> Dtypes:
         if setup.tuning.method == "qlora" and setup.tuning.prepare_kbit and setup.precision != "mixed":
             # peft's prepare_model_for_kbit_training casts every unquantized weight to fp32 and the 4-bit linears
-            # return their input's dtype: without autocast the step runs in fp32 around 16-bit matmuls
-            return Dtypes(4, 4, False)
+            # return their input's dtype: without autocast the step runs in fp32 around 16-bit matmuls, with it
+            # the model is a mixed-precision one
+            return Dtypes(4, 2, True) if setup.precision == "bf16-autocast" else Dtypes(4, 4, False)
         if setup.precision == "fp32":
             return Dtypes(4, 4, False)
         if setup.precision == "bf16":
             return Dtypes(2, 2, False)
+        if setup.precision == "bf16-autocast":
+            return Dtypes(2, 2, False, adapters_autocast=True)
         return Dtypes(4, 2, True)
 
 
@@ -275,6 +281,8 @@ def tuned_layer_saved(spec: ModelSpec, setup: TrainingSetup, *, first: bool = Fa
     norms_train = "norms" in {p.strip().lower() for p in ft.trainable}
     a_bytes = 2 if ft.adapter_dtype == "bf16" else 4
     mask_bytes = 1 if setup.target_device == "cuda" else None  # None: the input's element size
+    # lora_A's input gets autocast's 16-bit copy: under mixed precision, or fp32 adapters under bf16 autocast
+    autocast_copy = d.autocast or (d.adapters_autocast and a_bytes == 4)
     items: dict[str, int] = {}
 
     def lora_inputs(kinds: tuple[str, ...], n: int, x_bytes: int, requires_grad: bool, kept: bool) -> int:
@@ -285,9 +293,9 @@ def tuned_layer_saved(spec: ModelSpec, setup: TrainingSetup, *, first: bool = Fa
             return 0
         if ft.dropout > 0:  # dropout runs on peft's cast of x to the adapter dtype
             mask = (mask_bytes or a_bytes) * n if requires_grad else 0
-            saved = 2 * n if d.autocast else a_bytes * n
+            saved = 2 * n if autocast_copy else a_bytes * n
             return len(mine) * (saved + mask)
-        if d.autocast:
+        if autocast_copy:
             return len(mine) * 2 * n  # lora_A's autocast copy, one per module
         if x_bytes != a_bytes:
             return len(mine) * a_bytes * n  # peft's cast, one per module
@@ -329,7 +337,7 @@ def tuned_layer_saved(spec: ModelSpec, setup: TrainingSetup, *, first: bool = Fa
     items["mlp"] = (full_mlp if relu else full_mlp - tI) if mlp_grad else 0  # down's input goes with its weight
     items["mlp.down_lora"] = lora_inputs(("down",), t * inter, out_bytes_q, mlp_grad, kept=relu and mlp_grad)
     # the r-wide lora_A outputs lora_B keeps
-    r_bytes = 2 if d.autocast else a_bytes
+    r_bytes = 2 if d.autocast or d.adapters_autocast else a_bytes
     items["lora_rank"] = len(adapted) * t * ft.rank * r_bytes
     n_residual = 1 if spec.parallel_residual else 2
     if residual_saved(spec, d):

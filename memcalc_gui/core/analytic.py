@@ -67,6 +67,8 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
         params, copies, layout = tp.params_bytes, (tp.copies_bytes if d.autocast else 0), tp.layout
         if d.autocast and ft.uses_adapters and ft.method == "lora":
             copies -= 2 * first_layer_gradless_weights(spec, setup)
+        if d.adapters_autocast and ft.uses_adapters and ft.adapter_dtype == "fp32":
+            copies = 2 * ft.adapter_params(spec)  # autocast's bf16 copies of the adapters; the bf16 base needs none
     opt = optimizer_cost(setup.optimizer, setup.optimizer_impl, layout, tp.layout_layers if tuned else n_layers,
                          tp.grad_bytes if tuned else p, paging=setup.target_device == "cuda")
     state = opt.state_bytes
@@ -216,7 +218,7 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
     if tuned:
         if tp.layers_trained:
             bottom = n_layers - tp.layers_trained + 1  # the backward stops at the lowest trained layer
-        layer_copy_w = (copies - lm_copy) // n_layers if d.autocast else 0
+        layer_copy_w = (copies - lm_copy) // n_layers if d.autocast or d.adapters_autocast else 0
         if setup.tuning.method == "qlora":
             down_copy = mlp_copy = 0  # 4-bit weights are dequantized into transients, not cached
     for k in () if head_only else (n_layers, bottom):
@@ -372,6 +374,8 @@ def _assumptions(spec: ModelSpec, setup: TrainingSetup, opt_note: str) -> tuple[
          "mixed": "Mixed precision (bf16/fp16 autocast): fp32 weights + 16-bit copies of matmul weights "
                   "(6 B/param, Transformers docs), fp32 gradients; norms, softmax, residual stream and loss stay fp32",
          "bf16": "bf16: 2 B/param weights, gradients and optimizer state; norms upcast to fp32 inside",
+         "bf16-autocast": "bf16 weights under bf16 autocast: 2 B/param weights, gradients and optimizer state, as "
+                          "bf16 (autocast leaves bf16 weights alone); fp32 adapters get autocast's 16-bit copies",
          }[setup.precision],
         opt_note + f" ({setup.optimizer_impl} step)",
         "Loss: Hugging Face causal-LM loss (fp32 logits copy, log-softmax kept for backward)",

@@ -172,8 +172,8 @@ def model_states(
     """
     psi, n, s = num_params, par.shards, par.strategy
     mixed = precision == "mixed"
-    full_bytes = 2 if precision == "bf16" else 4  # single-GPU weights and gradients (autocast keeps fp32)
-    w = 2 if precision in ("mixed", "bf16") else 4  # weights as ZeRO/FSDP kernels read them
+    full_bytes = 2 if precision in ("bf16", "bf16-autocast") else 4  # weights and gradients (autocast keeps fp32)
+    w = 2 if precision in ("mixed", "bf16", "bf16-autocast") else 4  # weights as ZeRO/FSDP kernels read them
     g = w  # gradients as backward produces them under ZeRO/FSDP
     notes: list[str] = []
     c = {"w_full": 0, "w_part": 0, "master_part": 0, "gathered": 0, "copies": 0,

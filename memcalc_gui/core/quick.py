@@ -30,7 +30,7 @@ def precision_bytes(setup: TrainingSetup) -> tuple[int, int]:
     """P for the N·P terms and for the activation term (mixed keeps fp32 weights, 16-bit activations)."""
     if setup.precision == "fp32":
         return 4, 4
-    if setup.precision == "bf16":
+    if setup.precision in ("bf16", "bf16-autocast"):
         return 2, 2
     return 4, 2
 

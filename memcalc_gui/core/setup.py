@@ -16,7 +16,7 @@ from .model import ModelSpec
 from .resources import load_json
 from .units import MAX_COUNT, MAX_SIZE_BYTES, format_bytes
 
-Precision = Literal["fp32", "mixed", "bf16"]
+Precision = Literal["fp32", "mixed", "bf16", "bf16-autocast"]
 Optimizer = Literal["adamw", "adam", "adamw-8bit", "paged-adamw-8bit", "paged-adamw-32bit", "sgd", "sgd-momentum",
                     "adafactor", "lion"]
 OptimizerImpl = Literal["foreach", "single-tensor", "fused"]
@@ -39,7 +39,10 @@ PRECISION_LABELS: Final = {
     "fp32": "fp32 (4 B/param weights, grads and activations)",
     "mixed": "Mixed precision (6 B/param: fp32 master + 16-bit compute copy)",
     "bf16": "bf16 (pure 16-bit weights, grads and optimizer state)",
+    "bf16-autocast": "bf16 weights under bf16 autocast (a bf16-loaded model with Trainer's bf16=True)",
 }
+#: Precisions whose weights, gradients and optimizer state are 16-bit.
+BF16_WEIGHTS: Final = ("bf16", "bf16-autocast")
 
 #: CUDA context default: PyTorch 2.x with CUDA 12 lazy module loading creates a context of roughly
 #: 0.5 GiB on recent GPUs (PyTorch memory notes measured 1.35–1.64 GB with CUDA 10/11 and eager loading).

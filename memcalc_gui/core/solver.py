@@ -272,7 +272,7 @@ def levers(setup: TrainingSetup) -> list[Lever]:
     if setup.precision == "fp32":
         out.append(Lever("precision", "precision-mixed", "train in mixed precision (bf16 autocast)",
                          {"precision": "mixed"}, "16-bit activations; fp32 master weights"))
-    if setup.precision != "bf16":
+    if setup.precision not in ("bf16", "bf16-autocast"):
         out.append(Lever("precision", "precision-bf16", "keep weights, gradients and optimizer state in bf16",
                          {"precision": "bf16"},
                          "no fp32 master weights: updates lose precision (Kahan summation or stochastic rounding)"))

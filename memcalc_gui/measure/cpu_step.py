@@ -30,7 +30,6 @@ import contextlib
 import gc
 import importlib.util
 import os
-import warnings
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -42,7 +41,7 @@ from memcalc_gui.measure.tracker import LiveStorageTracker, StorageRecord
 if TYPE_CHECKING:
     import torch
 
-PRECISIONS = ("fp32", "mixed", "bf16")
+PRECISIONS = ("fp32", "mixed", "bf16", "bf16-autocast")
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "lion", "adamw-8bit", "paged-adamw-8bit",
               "paged-adamw-32bit")
 OPTIMIZER_IMPLS = ("foreach", "single-tensor", "fused")
@@ -318,7 +317,7 @@ def build_model(
             and not isinstance(value, bool)
         ):
             setattr(cfg, key, 0.0)
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    dtype = torch.bfloat16 if precision in ("bf16", "bf16-autocast") else torch.float32
     model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
         cfg, attn_implementation=attention, dtype=dtype, trust_remote_code=False
     )
@@ -469,16 +468,14 @@ def make_optimizer(
             ) from None
         cls = {"adamw-8bit": "AdamW8bit", "paged-adamw-8bit": "PagedAdamW8bit",
                "paged-adamw-32bit": "PagedAdamW32bit"}[name]
-        with warnings.catch_warnings():  # "paged optimizers are not supported on CPU": the cpu ledger says so
-            warnings.simplefilter("ignore")
-            return getattr(bnb.optim, cls)(params)  # type: ignore[no-any-return]
+        return getattr(bnb.optim, cls)(params)  # type: ignore[no-any-return]
     raise UnsupportedOptimizerError(f"optimizer {name!r} cannot be measured yet")
 
 
 def _forward(model: Any, input_ids: torch.Tensor, precision: str) -> torch.Tensor:
     import torch
 
-    if precision == "mixed":
+    if precision in ("mixed", "bf16-autocast"):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss: torch.Tensor = model(input_ids=input_ids, labels=input_ids).loss
         return loss

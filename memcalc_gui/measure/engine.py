@@ -490,7 +490,7 @@ def _measure_cuda(result: MeasureResult, config: dict[str, Any], setup: Training
                 known = {"parameters": param_bytes, "optimizer_state": state_bytes, "inputs": input_bytes,
                          "gradients": grad_bytes}
                 begin("forward", it, micro)
-                if setup.precision == "mixed":
+                if setup.precision in ("mixed", "bf16-autocast"):
                     with torch.autocast("cuda", dtype=half):
                         loss = model(input_ids=input_ids, labels=input_ids).loss
                 else:

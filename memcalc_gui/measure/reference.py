@@ -868,7 +868,7 @@ def build_reference_model(
     cfg = reference_config(raw, attention=attention)  # unsupported families fail before torch is imported
     import torch
 
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    dtype = torch.bfloat16 if precision in ("bf16", "bf16-autocast") else torch.float32
     model = _classes().causal_lm[cfg.model_type](cfg, dtype)
     model.train()
     return model

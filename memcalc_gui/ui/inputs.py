@@ -48,7 +48,8 @@ OPTIMIZER_LABELS = {
 }
 IMPL_LABELS = {"foreach": "foreach (CUDA default)", "single-tensor": "single-tensor", "fused": "fused"}
 ATTENTION_LABELS = {"sdpa": "SDPA (fused kernels)", "eager": "eager (stores L×L scores)"}
-PRECISION_SHORT = {"fp32": "fp32", "mixed": "Mixed (fp32 master + 16-bit)", "bf16": "bf16 (pure 16-bit)"}
+PRECISION_SHORT = {"fp32": "fp32", "mixed": "Mixed (fp32 master + 16-bit)", "bf16": "bf16 (pure 16-bit)",
+                   "bf16-autocast": "bf16 + autocast"}
 MODEL_KIND_LABELS = {"preset": "Preset", "config": "config.json", "params": "Parameter count only"}
 CUSTOM_RECIPE = "custom"
 OFFLOAD_LABELS = {

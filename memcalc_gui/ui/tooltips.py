@@ -90,7 +90,9 @@ TOOLTIPS: dict[str, str] = {
     "precision": (
         "fp32: weights, gradients and activations in 4 bytes (Hugging Face blog: P = 4).\n"
         "Mixed: fp32 master weights + 16-bit copies of matmul weights (6 B/param, Transformers docs), fp32 gradients, "
-        "16-bit activations.\nbf16: pure 16-bit weights, gradients and optimizer state (2 B/param each)."
+        "16-bit activations.\nbf16: pure 16-bit weights, gradients and optimizer state (2 B/param each).\n"
+        "bf16 + autocast: a bf16-loaded model trained with autocast on (Trainer's bf16=True): the same bytes as "
+        "bf16 for full fine-tuning, but LoRA's fp32 adapters and their inputs get autocast's 16-bit copies."
     ),
     "optimizer": (
         "Optimizer state per parameter (green in the chart): AdamW/Adam keep two moments, 2·N·P "
