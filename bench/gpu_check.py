@@ -14,6 +14,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from memcalc_gui.core.finetune import FineTuning
 from memcalc_gui.core.model import preset_spec
 from memcalc_gui.core.setup import TrainingSetup
 from memcalc_gui.core.units import format_bytes
@@ -26,6 +27,12 @@ SETUPS = [
     dict(preset="qwen2.5-0.5b", batch=4, seq=2048, precision="mixed", checkpointing="full"),
     dict(preset="llama-3.2-1b", batch=4, seq=2048, precision="bf16", optimizer_impl="foreach"),
     dict(preset="qwen2.5-1.5b", batch=2, seq=4096, precision="mixed", optimizer_impl="fused"),
+    # fine-tuning on CUDA: peft LoRA under bf16 autocast (dropout masks as bool), QLoRA through bitsandbytes' CUDA
+    # kernels with the paged 32-bit AdamW (its paged state is outside the allocator's counters)
+    dict(preset="llama-3.2-1b", batch=4, seq=2048, precision="bf16-autocast",
+         tuning=FineTuning(method="lora", rank=16)),
+    dict(preset="llama-3.2-1b", batch=4, seq=2048, precision="mixed", checkpointing="full",
+         optimizer="paged-adamw-32bit", tuning=FineTuning(method="qlora", rank=16)),
 ]
 
 
@@ -41,7 +48,7 @@ def main() -> None:
         spec = preset_spec(kw.pop("preset"))
         setup = TrainingSetup(model=spec, capacity_bytes=info.total_bytes, **kw)  # type: ignore[arg-type]
         label = f"{spec.name} b{setup.batch} s{setup.seq} {setup.precision} {setup.optimizer_impl} " \
-                f"{setup.attention} ckpt={setup.checkpointing}"
+                f"{setup.attention} ckpt={setup.checkpointing} {setup.tuning_short()}"
         try:
             r = measure(setup, device="cuda", iterations=3, full_size=True)
         except Exception as exc:  # report and go on: one script, one table

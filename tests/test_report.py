@@ -541,5 +541,7 @@ def test_a_qlora_report_states_the_tuning_and_the_parameter_split(tmp_path):
     assert "QLoRA r=16 on all-linear" in one and "41,943,040 trainable parameters" in one
     assert "quantized base" in one and "trainable adapters" in one
     assert "prepare_model_for_kbit_training" in one  # the assumption behind the fp32 embeddings and head
+    # the ledger table lists the parameters' parts under the parameters row, as the window does
+    assert "↳ quantized base" in one and "↳ trainable adapters" in one and "↳ autocast copies" in one
     png = export_report(result, tmp_path / "qlora.png")
     assert QImage(str(png)).width() == 1600

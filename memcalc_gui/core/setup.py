@@ -238,6 +238,15 @@ class TrainingSetup:
         name = "QLoRA" if ft.method == "qlora" else "LoRA"
         return (f"{name} r={ft.rank} on {where}, dropout {ft.dropout:g}, {ft.adapter_dtype} adapters: {share}{base}")
 
+    def tuning_short(self) -> str:
+        """A few words for titles: ``QLoRA r=16 (nf4)``, ``LoRA r=8``, ``frozen except last:4``; "" when full."""
+        ft = self.tuning
+        if ft.method == "full":
+            return ""
+        if ft.method == "frozen":
+            return f"frozen except {', '.join(ft.trainable)}"
+        return f"QLoRA r={ft.rank} ({ft.quant})" if ft.method == "qlora" else f"LoRA r={ft.rank}"
+
     def summary(self) -> str:
         """One line: model, shape and options."""
         model = self.model.name if self.model else f"{self.num_params:,} params"
@@ -247,4 +256,5 @@ class TrainingSetup:
         gpus += f", offload {par.offload}" if par.offload != "none" else ""
         return (f"{model}: batch {self.batch} × seq {self.seq} × accum {self.grad_accum}, {self.precision}, "
                 f"{self.optimizer} ({self.optimizer_impl}), {self.attention}, checkpointing {self.checkpointing}"
-                f"{', use_cache' if self.use_cache else ''}{gpus}{cap}")
+                f"{', use_cache' if self.use_cache else ''}"
+                f"{', ' + self.tuning_short() if self.tuning.method != 'full' else ''}{gpus}{cap}")

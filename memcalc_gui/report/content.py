@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from .. import __version__
 from ..core.distributed import STRATEGY_LABELS
-from ..core.ledger import shown_objects
+from ..core.ledger import parameter_rows, shown_objects
 from ..core.result import Result
 from ..core.setup import PRECISION_LABELS, TrainingSetup, gpu_presets
 from ..core.solver import MAX_SEARCH_BATCH
@@ -356,6 +356,9 @@ def _ledger_table(result: Result) -> Table:
     for obj in shown_objects(est):
         cells = (OBJECT_LABELS[obj], *(_bytes_cell(est.phases[p].objects[obj], unit) for p in PHASES))
         rows.append(Row(cells, color=obj))
+        if obj == "parameters":  # a fine-tuning run's parts, as the window's ledger lists them
+            rows += [Row((f"   ↳ {name}", *(_bytes_cell(row[p], unit) for p in PHASES)))
+                     for name, row in parameter_rows(est)]
     rows.append(Row(("Total", *(_bytes_cell(est.phases[p].total_bytes, unit) for p in PHASES)), strong=True))
     rows.append(Row(("Tensors (allocated)", *(_bytes_cell(est.phases[p].tensor_bytes, unit) for p in PHASES))))
     header = ("Object", *(PHASE_LABELS[p] + (" (peak)" if p == est.peak_phase else "") for p in PHASES))
@@ -534,8 +537,9 @@ def build_content(result: Result, *, measurement: MeasureResult | None = None,
         n = setup.parallel.gpus
         gpus = f"{n:,} × {gpu_label(result)}" if setup.capacity_bytes is not None else f"{n:,} GPUs"
         where = f"per GPU on {gpus}, {strategy_text(setup)}"
+    tuned = f"{setup.tuning_short()}, " if setup.tuning.method != "full" else ""
     subtitle = (f"Micro-batch {setup.batch} × sequence {setup.seq:,} × accumulation {setup.grad_accum}, "
-                f"{setup.precision}, {setup.optimizer} — {where}")
+                f"{tuned}{setup.precision}, {setup.optimizer} — {where}")
     ledger = _ledger_table(result)
     suggestions, suggestions_note = _suggestions_table(result)
     modules_table, modules_note = _modules_table(modules or [])

@@ -36,7 +36,7 @@ from PySide6.QtGui import (
     QTextTable,
 )
 
-from ..core.ledger import shown_objects
+from ..core.ledger import parameter_rows, shown_objects
 from ..core.result import Result
 from ..core.solver import MAX_GPUS
 from ..core.units import in_unit, screen_unit
@@ -599,6 +599,11 @@ def _png_ledger_html(result: Result, px: int, measured: dict[str, int] | None = 
                         f'{_e(_unit_cell(est.phases[p].objects[obj], unit))}</td>' for i, p in enumerate(PHASES))
         rows.append(f'<tr><td><span style="color:{OBJECT_COLORS[obj]}">■</span>&nbsp;{_e(OBJECT_LABELS[obj])}</td>'
                     f"{cells}</tr>")
+        if obj == "parameters":  # a fine-tuning run's parts, indented as in the window's ledger
+            for name, row in parameter_rows(est):
+                cells = "".join(f'<td align="right"{f" bgcolor={PEAK_BG!r}" if i == peak_i else ""}><i>'
+                                f'{_e(_unit_cell(row[p], unit))}</i></td>' for i, p in enumerate(PHASES))
+                rows.append(f"<tr><td>&nbsp;&nbsp;&nbsp;<i>↳ {_e(name)}</i></td>{cells}</tr>")
     total = "".join(f'<td align="right"{f" bgcolor={PEAK_BG!r}" if i == peak_i else ""}><b>'
                     f'{_e(_unit_cell(est.phases[p].total_bytes, unit))}</b></td>' for i, p in enumerate(PHASES))
     rows.append(f"<tr><td><b>Total</b></td>{total}</tr>")
