@@ -1,6 +1,13 @@
 """memcalc: how much GPU memory one training step needs, phase by phase."""
 
+import os as _os
+
 __version__ = "0.1.0"
+
+#: Whether the user keeps the Hugging Face Hub offline, read before memcalc sets ``HF_HUB_OFFLINE`` for its own
+#: model building (``memcalc_gui.hub`` fetches a config only when the user's own setting allows it).
+USER_HF_OFFLINE: bool = (_os.environ.get("HF_HUB_OFFLINE") or _os.environ.get("TRANSFORMERS_OFFLINE") or "").strip() \
+    .upper() in ("1", "ON", "YES", "TRUE")
 
 
 def install_hint(extra: str = "measure") -> str:

@@ -83,6 +83,7 @@ FLAGS = {
     "prepare_kbit": "--prepare-kbit",
     "trainable": "--trainable",
     "target_device": "--target-device",
+    "model_id": "--model",
 }
 
 
@@ -97,6 +98,10 @@ def _add_model_args(p: argparse.ArgumentParser, *, params: bool = True) -> None:
     group = p.add_mutually_exclusive_group(required=True)
     group.add_argument("--preset", metavar="NAME", help="built-in model preset (see `memcalc presets`)")
     group.add_argument("--config", metavar="PATH", help="a Hugging Face config.json")
+    group.add_argument("--model", metavar="ORG/NAME",
+                       help="a Hugging Face Hub id (or a local model folder): config.json from the local cache, "
+                            "else from the Hub")
+    p.add_argument("--revision", metavar="REV", help="with --model: a branch, tag or commit (default main)")
     if params:
         group.add_argument("--params", metavar="N", help="parameters only (1.5B, 350M, 1.5e9): rough heuristic")
 
@@ -224,13 +229,20 @@ def resolve_model(args: argparse.Namespace) -> tuple[ModelSpec | None, int | Non
         return None, parse_count(args.params, "params"), notes
     if args.preset is not None:
         return preset_spec(args.preset), None, notes
-    cfg = load_config_file(args.config)
+    name = ""
+    if getattr(args, "model", None) is not None:
+        from .hub import resolve_config
+
+        found = resolve_config(args.model, getattr(args, "revision", None))
+        cfg, source, name = found.config, found.source, found.repo_id
+    else:
+        cfg, source = load_config_file(args.config), str(Path(args.config))
     dropped = code_keys(cfg)
     if dropped:
         notes.append(f"{', '.join(dropped)} ignored: memcalc builds the model classes transformers ships for "
                      f"model_type {str(cfg.get('model_type'))[:40]!r} and never runs code a config names")
     try:
-        return spec_from_config(cfg, source=str(Path(args.config))), None, notes
+        return spec_from_config(cfg, name=name, source=source), None, notes
     except UnsupportedFamilyError:
         from .trace.meta import count_params_on_meta, transformers_available
 

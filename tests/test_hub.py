@@ -1,0 +1,155 @@
+"""``--model org/name``: config.json from a local folder, the local Hugging Face cache or the Hub.
+
+The Hub is a local HTTP server that answers the Hub's file routes (``/{repo}/resolve/{revision}/config.json``,
+HEAD and GET, with the headers huggingface_hub reads and the ``X-Error-Code`` it maps to errors), pointed to with
+``HF_ENDPOINT`` — the real client runs, in a real process, with an empty ``HF_HOME``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+
+from memcalc_gui.core.model import spec_from_config
+
+pytest.importorskip("huggingface_hub")
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 256, "max_position_embeddings": 512}
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+#: repo id → (status, X-Error-Code, body)
+REPOS: dict[str, tuple[int, str, bytes]] = {
+    "org/tiny": (200, "", json.dumps(TINY).encode()),
+    "org/gated": (401, "GatedRepo", b""),
+    "org/missing": (404, "RepoNotFound", b""),
+    "org/noconfig": (404, "EntryNotFound", b""),
+    "org/broken": (200, "", b"{not json"),
+}
+
+
+class HubHandler(BaseHTTPRequestHandler):
+    requests: ClassVar[list[str]] = []
+
+    def _answer(self, body: bool) -> None:
+        HubHandler.requests.append(f"{self.command} {self.path}")
+        parts = self.path.split("?")[0].strip("/").split("/")
+        repo = "/".join(parts[:2])
+        status, code, data = REPOS.get(repo, (404, "RepoNotFound", b""))
+        if parts[2:3] != ["resolve"] or parts[-1] != "config.json":
+            status, code, data = 404, "EntryNotFound", b""
+        self.send_response(status)
+        if code:
+            self.send_header("X-Error-Code", code)
+            self.send_header("X-Error-Message", code)
+        if status == 200:
+            self.send_header("X-Repo-Commit", COMMIT)
+            self.send_header("ETag", f'"{abs(hash(data)):x}"')
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if body:
+            self.wfile.write(data)
+
+    def do_HEAD(self) -> None:
+        self._answer(body=False)
+
+    def do_GET(self) -> None:
+        self._answer(body=True)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture()
+def hub_server() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), HubHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    HubHandler.requests = []
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def run(args: list[str], endpoint: str, hf_home: Path, offline: bool = False) -> tuple[int, str, str, float]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_TOKEN", "HF_HUB_CACHE")}
+    env.update(HF_ENDPOINT=endpoint, HF_HOME=str(hf_home), PYTHONPATH=str(ROOT), HF_HUB_DISABLE_TELEMETRY="1")
+    if offline:
+        env["HF_HUB_OFFLINE"] = "1"
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "memcalc_gui.cli", *args], capture_output=True, text=True,
+                          env=env, timeout=120, stdin=subprocess.DEVNULL)
+    return proc.returncode, proc.stdout, proc.stderr, time.perf_counter() - t0
+
+
+def test_hub_download_then_the_cache_without_network(hub_server: str, tmp_path: Path) -> None:
+    args = ["estimate", "--model", "org/tiny", "--batch", "2", "--seq", "64", "--json"]
+    rc, out, err, _ = run(args, hub_server, tmp_path / "hf")
+    assert rc == 0, err
+    data = json.loads(out)
+    assert data["setup"]["model"]["name"] == "org/tiny" and "(Hub)" in data["setup"]["model"]["source"]
+    assert data["params"] == spec_from_config(TINY).num_params
+    assert any(r.startswith("GET /org/tiny/resolve/main/config.json") for r in HubHandler.requests)
+    # downloaded into HF_HOME's hub cache, where the next run finds it with the network off
+    assert list((tmp_path / "hf" / "hub").glob("models--org--tiny/snapshots/*/config.json"))
+    seen = len(HubHandler.requests)
+    rc, out, err, _ = run(args, hub_server, tmp_path / "hf", offline=True)
+    assert rc == 0, err
+    again = json.loads(out)
+    assert "(local cache)" in again["setup"]["model"]["source"] and again["peak_bytes"] == data["peak_bytes"]
+    assert len(HubHandler.requests) == seen  # no request at all
+    rc, out, err, _ = run(args, "http://127.0.0.1:9", tmp_path / "hf")  # a cache hit never asks the Hub
+    assert rc == 0 and json.loads(out)["peak_bytes"] == data["peak_bytes"]
+
+
+@pytest.mark.parametrize(("repo", "words"), [
+    ("org/gated", "is gated: accept its license"),
+    ("org/missing", "no model org/missing on the Hub"),
+    ("org/noconfig", "has no config.json on the Hub"),
+    ("org/broken", "config.json"),
+])
+def test_hub_failures_are_one_line_naming_the_cause(hub_server: str, tmp_path: Path, repo: str,
+                                                    words: str) -> None:
+    rc, out, err, seconds = run(["estimate", "--model", repo], hub_server, tmp_path / "hf")
+    assert rc == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("memcalc: error: --"), err
+    assert words in lines[0] and "Traceback" not in err
+    assert seconds < 15
+
+
+def test_offline_and_unreachable_hub_say_so_at_once(tmp_path: Path) -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}"
+    rc, _, err, seconds = run(["estimate", "--model", "org/tiny"], closed, tmp_path / "hf")
+    assert rc == 2 and "the Hub cannot be reached" in err and len(err.strip().splitlines()) == 1
+    assert seconds < 15  # no retry with backoff
+    rc, _, err, _ = run(["estimate", "--model", "org/tiny"], closed, tmp_path / "hf", offline=True)
+    assert rc == 2 and "HF_HUB_OFFLINE is set" in err
+
+
+def test_a_local_model_folder_and_bad_ids(tmp_path: Path) -> None:
+    folder = tmp_path / "my-model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(TINY))
+    rc, out, err, _ = run(["estimate", "--model", str(folder), "--json"], "http://127.0.0.1:9", tmp_path / "hf")
+    assert rc == 0, err
+    assert "(local directory)" in json.loads(out)["setup"]["model"]["source"]
+    for bad in ("../etc/passwd", "a/b/c", "org/na me", ""):
+        rc, _, err, _ = run(["estimate", "--model", bad], "http://127.0.0.1:9", tmp_path / "hf")
+        assert rc == 2 and "--model" in err and len(err.strip().splitlines()) == 1, (bad, err)
