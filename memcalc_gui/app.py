@@ -180,6 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     model = p.add_mutually_exclusive_group()
     model.add_argument("--preset", metavar="NAME", help="start from a built-in model preset")
     model.add_argument("--config", metavar="PATH", help="start from a Hugging Face config.json")
+    model.add_argument("--model", metavar="ORG/NAME",
+                       help="start from a Hugging Face Hub id (from the local cache; the window's Fetch downloads it)")
     model.add_argument("--params", metavar="N", help="start from a bare parameter count (1.5B, 350M): method quick")
     p.add_argument("--batch", metavar="B", help="micro-batch")
     p.add_argument("--seq", metavar="L", help="sequence length")
@@ -225,6 +227,8 @@ def _state_from_args(args: argparse.Namespace):  # -> FormState | None
         state = state.replace(model_kind="preset", preset=args.preset.strip().lower())
     elif args.config is not None:
         state = state.replace(model_kind="config", config_path=str(Path(args.config).expanduser().resolve()))
+    elif args.model is not None:
+        state = state.replace(model_kind="hub", hub_id=args.model.strip())
     elif args.params is not None:
         state = state.replace(model_kind="params", params=args.params)
     for name in ("batch", "seq", "grad_accum", "precision", "optimizer", "optimizer_impl", "attention",

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import ClassVar
 
 import pytest
+from PySide6.QtCore import Qt
 
 from memcalc_gui.core.model import spec_from_config
 
@@ -153,3 +154,41 @@ def test_a_local_model_folder_and_bad_ids(tmp_path: Path) -> None:
     for bad in ("../etc/passwd", "a/b/c", "org/na me", ""):
         rc, _, err, _ = run(["estimate", "--model", bad], "http://127.0.0.1:9", tmp_path / "hf")
         assert rc == 2 and "--model" in err and len(err.strip().splitlines()) == 1, (bad, err)
+
+
+def test_the_window_fetches_a_hub_id_then_reads_it_from_the_cache(qtbot, hub_server: str, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Source "Hugging Face Hub id": typing never goes to the network (the field says to fetch); Fetch downloads
+    the config on a worker thread and the estimate follows; a gated id is marked in the field and the last good
+    result stays."""
+    pytest.importorskip("pytestqt")
+    from huggingface_hub import constants
+
+    import memcalc_gui.hub as hub
+    from memcalc_gui.ui.form import FormState
+    from memcalc_gui.ui.main_window import MainWindow
+
+    monkeypatch.setattr(constants, "ENDPOINT", hub_server)
+    template = hub_server + "/{repo_id}/resolve/{revision}/{filename}"
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", template)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(hub, "USER_HF_OFFLINE", False)
+    w = MainWindow(persist=False)
+    qtbot.addWidget(w)
+    good = w.result
+    w.apply_state(FormState().replace(model_kind="hub", hub_id="org/tiny"))
+    assert not w.refresh()
+    assert "fetch it from the Hub" in w.inputs.errors()["hub_id"] and w.result is good
+    assert HubHandler.requests == []  # nothing was asked of the network while typing
+    qtbot.mouseClick(w.inputs.fetch_button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: w.result is not good and w.result.setup.model is not None
+                    and w.result.setup.model.name == "org/tiny", timeout=15000)
+    assert w.result.setup.num_params == spec_from_config(TINY).num_params
+    assert "org/tiny" in w.statusBar().currentMessage()
+    fetched = w.result
+    w.apply_state(w.inputs.state().replace(hub_id="org/gated"))
+    qtbot.mouseClick(w.inputs.fetch_button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: "gated" in w.inputs.errors().get("hub_id", ""), timeout=15000)
+    assert w.result is fetched
+    qtbot.waitUntil(w.inputs.fetch_button.isEnabled, timeout=5000)
+    w.close()

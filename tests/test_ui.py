@@ -809,11 +809,13 @@ def test_source_switch_keeps_each_model_row_level_with_its_label(window):
     def centre_y(widget) -> int:
         return widget.mapTo(inputs, QPoint(0, widget.height() // 2)).y()
 
-    for index in (1, 0, 2, 0, 1):
-        inputs.model_kind.setCurrentIndex(index)
+    fields = {"preset": inputs.preset, "config": inputs.config_path, "hub": inputs.hub_id, "params": inputs.params}
+    for kind in ("config", "preset", "params", "hub", "preset", "config"):
+        inputs.model_kind.setCurrentIndex(inputs.model_kind.findData(kind))
         QApplication.processEvents()
-        field = {0: inputs.preset, 1: inputs.config_path, 2: inputs.params}[index]
-        assert inputs.model_stack.currentIndex() == index
+        field = fields[kind]
+        index = inputs.model_stack.currentIndex()
+        assert field.isVisible() and inputs.model_label.buddy() is field, kind
         assert abs(centre_y(field) - centre_y(inputs.model_label)) <= 3, index
         page = inputs.model_stack.currentWidget()
         assert inputs.model_stack.height() <= page.sizeHint().height() + 2, index

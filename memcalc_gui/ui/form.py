@@ -18,7 +18,7 @@ from typing import Any, Final
 from ..core.distributed import MAX_PARALLEL_GPUS, OFFLOADS, STRATEGIES, Parallelism
 from ..core.errors import ConfigError, InputError
 from ..core.finetune import MAX_RANK, TUNINGS, FineTuning
-from ..core.model import ModelSpec, preset_names, preset_spec, spec_from_file
+from ..core.model import ModelSpec, preset_names, preset_spec, spec_from_config, spec_from_file
 from ..core.setup import (
     DEFAULT_ALLOCATOR_RESERVE,
     DEFAULT_CUDA_CONTEXT_BYTES,
@@ -29,7 +29,7 @@ from ..core.setup import (
 )
 from ..core.units import format_bytes, format_count, parse_count, parse_positive_int, parse_size
 
-MODEL_KINDS: Final = ("preset", "config", "params")
+MODEL_KINDS: Final = ("preset", "config", "hub", "params")
 DEFAULT_PRESET: Final = "qwen2.5-1.5b"
 DEFAULT_GPU: Final = "a100-80gb"
 
@@ -53,6 +53,7 @@ class FormState:
     model_kind: str = "preset"
     preset: str = DEFAULT_PRESET
     config_path: str = ""
+    hub_id: str = ""  # a Hugging Face Hub id (or a local model folder)
     params: str = "1.5B"
     batch: str = "4"
     seq: str = "2048"
@@ -167,6 +168,7 @@ _FIELD_MAP: Final = {
     "preset": "preset",
     "params": "params",
     "config": "config_path",
+    "model_id": "hub_id",
     "batch": "batch",
     "seq": "seq",
     "grad_accum": "grad_accum",
@@ -199,10 +201,10 @@ _FIELD_MAP: Final = {
 
 def form_field(error: InputError, state: FormState) -> str:
     """The form field an ``InputError`` belongs to (config keys belong to the config path)."""
-    if isinstance(error, ConfigError) and state.model_kind == "config" and error.field not in ("preset",):
-        return "config_path"
+    if isinstance(error, ConfigError) and state.model_kind in ("config", "hub") and error.field not in ("preset",):
+        return "config_path" if state.model_kind == "config" else "hub_id"
     if error.field == "model":
-        return {"preset": "preset", "config": "config_path", "params": "params"}[state.model_kind]
+        return {"preset": "preset", "config": "config_path", "hub": "hub_id", "params": "params"}[state.model_kind]
     return _FIELD_MAP.get(error.field, "general")
 
 
@@ -212,6 +214,7 @@ class ModelCache:
     def __init__(self) -> None:
         self._presets: dict[str, ModelSpec] = {}
         self._files: dict[tuple[str, int, int], ModelSpec] = {}
+        self._hub: dict[str, ModelSpec] = {}
         self._names: list[str] | None = None
 
     def names(self) -> list[str]:
@@ -263,6 +266,25 @@ class ModelCache:
         return self._files[key]
 
 
+    def hub(self, model_id: str) -> ModelSpec:
+        """A Hub id's model from this machine only (a local folder or the Hugging Face cache): the window never
+        goes to the network while the user types; "Fetch" downloads the config (:func:`..hub.resolve_config`)."""
+        from ..hub import resolve_config
+
+        key = model_id.strip()
+        if key not in self._hub:
+            found = resolve_config(key, allow_network=False)
+            if len(self._hub) > 32:
+                self._hub.clear()
+            self._hub[key] = spec_from_config(found.config, name=found.repo_id, source=found.source)
+        return self._hub[key]
+
+
+    def forget_hub(self, model_id: str) -> None:
+        """Look ``model_id`` up again (a fetch just put it in the local cache)."""
+        self._hub.pop(model_id.strip(), None)
+
+
 def _reserve_fraction(text: str) -> float:
     raw = text.strip().rstrip("%").strip()
     try:
@@ -299,6 +321,8 @@ def build_setup(state: FormState, cache: ModelCache) -> TrainingSetup:
         attempt("model", lambda: cache.preset(state.preset))
     elif state.model_kind == "config":
         attempt("model", lambda: cache.config(state.config_path))
+    elif state.model_kind == "hub":
+        attempt("model", lambda: cache.hub(state.hub_id))
     elif state.model_kind == "params":
         attempt("params", lambda: parse_count(state.params, "params"))
     else:

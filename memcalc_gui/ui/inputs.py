@@ -50,7 +50,8 @@ IMPL_LABELS = {"foreach": "foreach (CUDA default)", "single-tensor": "single-ten
 ATTENTION_LABELS = {"sdpa": "SDPA (fused kernels)", "eager": "eager (stores L×L scores)"}
 PRECISION_SHORT = {"fp32": "fp32", "mixed": "Mixed (fp32 master + 16-bit)", "bf16": "bf16 (pure 16-bit)",
                    "bf16-autocast": "bf16 + autocast"}
-MODEL_KIND_LABELS = {"preset": "Preset", "config": "config.json", "params": "Parameter count only"}
+MODEL_KIND_LABELS = {"preset": "Preset", "config": "config.json", "hub": "Hugging Face Hub id",
+                     "params": "Parameter count only"}
 CUSTOM_RECIPE = "custom"
 OFFLOAD_LABELS = {
     "none": "None",
@@ -207,6 +208,7 @@ class InputPanel(QWidget):
 
     edited = Signal()
     open_config_requested = Signal()
+    fetch_hub_requested = Signal(str)
 
     def __init__(self, preset_names: list[str], parent: QWidget | None = None, *,
                  preset_details: dict[str, str] | None = None) -> None:
@@ -260,6 +262,21 @@ class InputPanel(QWidget):
         cl.addWidget(self.boxes["config_path"])
         cl.addWidget(self.open_button, 0, Qt.AlignmentFlag.AlignLeft)
 
+        self.hub_id = QLineEdit()
+        self.hub_id.setPlaceholderText("org/name, e.g. meta-llama/Llama-3.1-8B")
+        self.hub_id.setToolTip(TOOLTIPS["hub_id"])
+        self.fetch_button = QPushButton("&Fetch from the Hub")
+        self.fetch_button.setToolTip("Download this model's config.json (only the config) from the Hugging Face Hub. "
+                                     "A model already in the local Hugging Face cache needs no fetch.")
+        self.fetch_button.clicked.connect(lambda: self.fetch_hub_requested.emit(self.hub_id.text().strip()))
+        hub_page = QWidget()
+        hl = QVBoxLayout(hub_page)
+        hl.setContentsMargins(0, 0, 0, 0)
+        hl.setSpacing(4)
+        self.boxes["hub_id"] = FieldBox(self.hub_id)
+        hl.addWidget(self.boxes["hub_id"])
+        hl.addWidget(self.fetch_button, 0, Qt.AlignmentFlag.AlignLeft)
+
         self.params = QLineEdit()
         self.params.setPlaceholderText("1.5B, 350M or 1.5e9")
         self.params.setToolTip(TOOLTIPS["params"])
@@ -268,6 +285,7 @@ class InputPanel(QWidget):
         self.boxes["params"] = FieldBox(self.params)
         self.model_stack.addWidget(self.boxes["preset"])
         self.model_stack.addWidget(config_page)
+        self.model_stack.addWidget(hub_page)
         self.model_stack.addWidget(self.boxes["params"])
         self.model_label = QLabel("&Preset:")
         self.model_label.setBuddy(self.preset)
@@ -403,8 +421,9 @@ class InputPanel(QWidget):
         outer.addWidget(self.boxes["general"])
         outer.addStretch(1)
 
-        for edit in (self.preset.lineEdit(), self.config_path, self.params, self.batch, self.seq, self.grad_accum,
-                     self.capacity, self.gpus, self.node_size, self.cuda_context, self.allocator_reserve):
+        for edit in (self.preset.lineEdit(), self.config_path, self.hub_id, self.params, self.batch, self.seq,
+                     self.grad_accum, self.capacity, self.gpus, self.node_size, self.cuda_context,
+                     self.allocator_reserve):
             edit.installEventFilter(self._undo_filter)
         self._connect()
         self._tab_order()
@@ -434,8 +453,8 @@ class InputPanel(QWidget):
     def _connect(self) -> None:
         self.model_kind.currentIndexChanged.connect(self._on_kind)
         self.preset.currentTextChanged.connect(self._changed)
-        for edit in (self.config_path, self.params, self.batch, self.seq, self.grad_accum, self.cuda_context,
-                     self.allocator_reserve, self.gpus, self.node_size):
+        for edit in (self.config_path, self.hub_id, self.params, self.batch, self.seq, self.grad_accum,
+                     self.cuda_context, self.allocator_reserve, self.gpus, self.node_size):
             edit.textChanged.connect(self._changed)
         self.capacity.textChanged.connect(self._on_capacity)
         self.checkpointing.toggled.connect(self._changed)
@@ -469,8 +488,9 @@ class InputPanel(QWidget):
             completer.popup().hide()
 
     def _tab_order(self) -> None:
-        chain = [self.model_kind, self.preset, self.config_path, self.open_button, self.params, self.batch, self.seq,
-                 self.grad_accum, self.checkpointing, self.use_cache, self.attention, self.tuning, self.lora_rank,
+        chain = [self.model_kind, self.preset, self.config_path, self.open_button, self.hub_id, self.fetch_button,
+                 self.params, self.batch, self.seq, self.grad_accum, self.checkpointing, self.use_cache,
+                 self.attention, self.tuning, self.lora_rank,
                  self.lora_targets, self.lora_dropout, self.quant, self.double_quant, self.prepare_kbit,
                  self.trainable, self.recipe,
                  self.precision,
@@ -498,7 +518,7 @@ class InputPanel(QWidget):
 
     def _sync_kind(self) -> None:
         kind = self.model_kind.currentData()
-        index = {"preset": 0, "config": 1, "params": 2}.get(kind, 0)
+        index = {"preset": 0, "config": 1, "hub": 2, "params": 3}.get(kind, 0)
         self.model_stack.setCurrentIndex(index)
         # a stacked widget is as tall as its tallest page (the config page has a button row) and centres the
         # others: only the current page may ask for room, so the Preset row stays one line, level with its label
@@ -507,7 +527,8 @@ class InputPanel(QWidget):
             policy = QSizePolicy.Policy.Preferred if i == index else QSizePolicy.Policy.Ignored
             page.setSizePolicy(policy, policy)
         self.model_stack.updateGeometry()
-        pages = {0: ("&Preset:", self.preset), 1: ("&JSON file:", self.config_path), 2: ("&Parameters:", self.params)}
+        pages = {0: ("&Preset:", self.preset), 1: ("&JSON file:", self.config_path), 2: ("&Hub id:", self.hub_id),
+                 3: ("&Parameters:", self.params)}
         label, buddy = pages[index]
         self.model_label.setText(label)
         self.model_label.setBuddy(buddy)
@@ -636,6 +657,7 @@ class InputPanel(QWidget):
             model_kind=self.model_kind.currentData(),
             preset=self.preset.currentText().strip(),
             config_path=self.config_path.text().strip(),
+            hub_id=self.hub_id.text().strip(),
             params=self.params.text(),
             batch=self.batch.text(),
             seq=self.seq.text(),
@@ -675,7 +697,7 @@ class InputPanel(QWidget):
                 if i >= 0:
                     self.preset.setCurrentIndex(i)
                 self.preset.setEditText(state.preset)
-            for name in ("config_path", "params", "batch", "seq", "grad_accum", "capacity", "cuda_context",
+            for name in ("config_path", "hub_id", "params", "batch", "seq", "grad_accum", "capacity", "cuda_context",
                          "allocator_reserve", "gpus", "node_size"):
                 edit: QLineEdit = getattr(self, name)
                 value = getattr(state, name)

@@ -73,7 +73,7 @@ from .settings import (
 )
 from .trace_panel import KEY_ENABLED as KEY_TRACE_ENABLED
 from .trace_panel import TracePanel, difference_text
-from .workers import STOP_TIMEOUT_MS
+from .workers import STOP_TIMEOUT_MS, TaskRunner
 
 #: Debounce between the last keystroke and the estimate. Analytic estimates take ~1–3 ms and the redraw
 #: a few more, so the whole edit-to-redraw stays well under 50 ms.
@@ -82,11 +82,12 @@ DEBOUNCE_MS = 15
 NARROW_WIDTH = 1240
 #: Typing in one field within this many seconds merges into one undo step.
 MERGE_WINDOW_S = 2.0
-TEXT_FIELDS = frozenset({"preset", "config_path", "params", "batch", "seq", "grad_accum", "capacity", "cuda_context",
-                         "allocator_reserve", "gpus", "node_size", "lora_rank", "lora_targets", "lora_dropout",
-                         "trainable"})
+TEXT_FIELDS = frozenset({"preset", "config_path", "hub_id", "params", "batch", "seq", "grad_accum", "capacity",
+                         "cuda_context", "allocator_reserve", "gpus", "node_size", "lora_rank", "lora_targets",
+                         "lora_dropout", "trainable"})
 FIELD_NAMES = {
-    "model_kind": "model source", "preset": "preset", "config_path": "config.json", "params": "parameter count",
+    "model_kind": "model source", "preset": "preset", "config_path": "config.json", "hub_id": "Hub id",
+    "params": "parameter count",
     "batch": "micro-batch", "seq": "sequence length", "grad_accum": "gradient accumulation",
     "precision": "precision", "optimizer": "optimizer", "optimizer_impl": "optimizer implementation",
     "attention": "attention", "checkpointing": "checkpointing", "use_cache": "use_cache", "gpu": "GPU",
@@ -214,6 +215,11 @@ class MainWindow(QMainWindow):
         self.inputs = InputPanel(self.cache.names(), preset_details=self.cache.details())
         self.inputs.edited.connect(self.schedule_refresh)
         self.inputs.open_config_requested.connect(self.choose_config)
+        self.inputs.fetch_hub_requested.connect(self.fetch_hub)
+        self.hub_runner = TaskRunner("memcalc-hub-fetch", parent=self)
+        self.hub_runner.finished.connect(self._hub_fetched)
+        self.hub_runner.failed.connect(self._hub_failed)
+        self.hub_runner.running_changed.connect(lambda on: self.inputs.fetch_button.setEnabled(not on))
         left = QScrollArea()
         left.setObjectName("inputScroll")
         left.setWidgetResizable(True)
@@ -643,6 +649,29 @@ class MainWindow(QMainWindow):
         if path:
             self.open_config(path)
 
+    def fetch_hub(self, model_id: str) -> None:
+        """Download a Hub id's config.json off the GUI thread (the network may take seconds); the estimate follows
+        from the local cache it lands in."""
+        if self.hub_runner.is_running():
+            return
+        from ..hub import resolve_config
+
+        self.statusBar().showMessage(f"Fetching {model_id or 'the model'}'s config.json from the Hub…")
+        self.hub_runner.start(lambda _progress, _stop: resolve_config(model_id))
+
+    def _hub_fetched(self, found: Any) -> None:
+        self.cache.forget_hub(found.repo_id)
+        if self.inputs.state().hub_id.strip() != found.repo_id:
+            self.inputs.set_state(self.inputs.state().replace(model_kind="hub", hub_id=found.repo_id))
+        ok = self.refresh()
+        self.statusBar().showMessage(f"{found.repo_id}: config.json from the {found.origin}" if ok else
+                                     f"{found.repo_id}: {self.inputs.errors().get('hub_id', 'see the marked field')}",
+                                     10000)
+
+    def _hub_failed(self, message: str) -> None:
+        self.inputs.show_errors({"hub_id": message})
+        self.statusBar().showMessage(f"Could not fetch: {message}", 15000)
+
     def open_config(self, path: str | Path) -> bool:
         """Use a config.json as the model; a broken one is reported inline and the old result stays."""
         if self._dirty():
@@ -739,9 +768,11 @@ class MainWindow(QMainWindow):
             self.statusBar().repaint()
         self.trace_panel.runner.cancel()
         self.measure_panel.runner.cancel()
+        self.hub_runner.cancel()
         deadline = time.monotonic() + STOP_TIMEOUT_MS / 1000
         self.trace_panel.shutdown(max(0, int((deadline - time.monotonic()) * 1000)))
         self.measure_panel.shutdown(max(0, int((deadline - time.monotonic()) * 1000)))
+        self.hub_runner.stop(max(0, int((deadline - time.monotonic()) * 1000)))
         self.debounce.stop()
         if self._dirty():
             self.refresh()

@@ -12,6 +12,11 @@ TOOLTIPS: dict[str, str] = {
         "A built-in Hugging Face config. Decides N (parameters = N × P bytes, Hugging Face blog: Model Memory = N·P), "
         "the activations each layer keeps and the logits. Type to filter the list."
     ),
+    "hub_id": (
+        "A model's Hugging Face Hub id (org/name) or a local model folder. Its config.json comes from the local "
+        "Hugging Face cache (HF_HOME) when it is there; otherwise press Fetch to download the config (only the "
+        "config) from the Hub — gated models need you logged in (hf auth login) or HF_TOKEN."
+    ),
     "config_path": (
         "A Hugging Face config.json (open it, paste its path, or drop it on the window). The exact parameter "
         "count and per-layer activations come from its sizes; supported families are listed in the error "
