@@ -249,8 +249,9 @@ def resolve_model(args: argparse.Namespace) -> tuple[ModelSpec | None, int | Non
         if not transformers_available():
             raise
         n = count_params_on_meta(cfg)
+        args.unknown_config = cfg  # the trace runs this config (setup.model stays None: no analytic block model)
         notes.append(f"model_type {cfg.get('model_type')!r} has no analytic block model: exact parameter "
-                     "count from transformers on the meta device, memory from the quick heuristic")
+                     "count from transformers on the meta device")
         return None, n, notes
 
 
@@ -317,7 +318,9 @@ def format_ledger(result: Result) -> str:
         lines.append(f"Model      {m.name} — {m.family}, {m.num_params:,} parameters ({format_count(m.num_params)})")
         lines.append(f"Source     {m.source or 'config.json'}")
     else:
-        lines.append(f"Model      {setup.num_params:,} parameters ({format_count(setup.num_params)}), no architecture")
+        kind = setup.extras.get("model_type")
+        what = f"model_type {kind!r} (no analytic block model)" if kind else "no architecture"
+        lines.append(f"Model      {setup.num_params:,} parameters ({format_count(setup.num_params)}), {what}")
     lines.append(f"Setup      micro-batch {setup.batch} × seq {setup.seq} × accumulation {setup.grad_accum} "
                  f"(effective batch {setup.effective_batch}); {setup.precision}; {setup.optimizer} "
                  f"({setup.optimizer_impl}); {setup.attention} attention; checkpointing {setup.checkpointing}"
@@ -378,13 +381,34 @@ def format_ledger(result: Result) -> str:
 def cmd_estimate(args: argparse.Namespace) -> int:
     setup, notes = setup_from_args(args)
     modules: list[tuple[str, int]] = []
+    unknown = getattr(args, "unknown_config", None)  # a config of a family without an analytic block model
+    if unknown is not None:
+        family = str(unknown.get("model_type"))[:40]
+        if args.method == "analytic":
+            raise InputError("method", f"model_type {family!r} has no analytic block model: --method trace runs the "
+                                       "real model on fake tensors (exact, seconds); --method quick is the rough "
+                                       "heuristic")
+        setup.extras["model_type"] = family
+        if args.method == "trace" and setup.parallel.is_distributed:
+            raise InputError("method", f"the trace runs one replica; a per-GPU {setup.parallel.strategy} budget needs "
+                                       f"the block model memcalc does not have for {family!r} yet (--method quick "
+                                       "splits a bare count for DDP and ZeRO-1/2)")
+        if args.method is None and setup.parallel.is_distributed:
+            args.method = "quick"
+            notes.append("per-GPU budget from the rough heuristic: the trace runs one replica, and this family has "
+                         "no block model to split across GPUs")
+        if args.method is None:  # the exact method rather than a heuristic that is off by up to several times
+            args.method = "trace"
+            notes.append("memory by the trace (the real training step on fake tensors, exact): --method quick gives "
+                         "the rough heuristic instantly")
+    elif args.method is None and setup.model is None:
+        args.method = "quick"
     if args.method == "trace":
         from .trace.fake import trace_estimate
 
-        config = setup.model.raw if setup.model is not None else (load_config_file(args.config)
-                                                                  if args.config else None)
+        config = setup.model.raw if setup.model is not None else unknown
         if config is None:
-            raise InputError("method", "trace needs an architecture: give --preset or --config")
+            raise InputError("method", "trace needs an architecture: give --preset, --config or --model")
         traced = trace_estimate(setup, config=config)
         result = traced.result()
         modules = traced.modules

@@ -43,8 +43,9 @@ def estimate_quick(setup: TrainingSetup) -> Estimate:
     """
     par = setup.parallel
     if par.strategy not in ("ddp", "zero1", "zero2"):
-        raise InputError("strategy", "ZeRO-3 and FSDP gather the largest layer at once, which a parameter count "
-                                     "does not give: choose a preset or a config.json")
+        raise InputError("strategy", "ZeRO-3 and FSDP gather the largest layer at once, which a bare parameter "
+                                     "count does not give: choose a preset or a config.json of a family memcalc "
+                                     "models")
     n = setup.num_params
     p, p_act = precision_bytes(setup)
     model = n * p
