@@ -81,6 +81,21 @@ def test_presets_have_published_sizes(name: str, count: int) -> None:
     assert preset_spec(name).num_params == count
 
 
+# Sizes as the model cards (or the Hub's safetensors summary) round them, for presets whose exact count is not quoted:
+# a wrong width or depth in a preset moves the count by far more than the rounding.
+CARD_SIZES = {
+    "llama-3.1-405b": 405.9e9, "llama-3.3-70b": 70.6e9, "tinyllama-1.1b": 1.10e9, "smollm2-1.7b": 1.71e9,
+    "qwen2.5-3b": 3.09e9, "qwen2.5-14b": 14.7e9, "qwen2.5-32b": 32.8e9, "qwen2.5-72b": 72.7e9, "qwen3-1.7b": 1.72e9,
+    "qwen3-4b": 4.02e9, "qwen3-8b": 8.19e9, "qwen3-14b": 14.8e9, "qwen3-32b": 32.8e9, "mistral-nemo-12b": 12.2e9,
+    "mistral-small-24b": 23.6e9, "phi-3-medium": 14.0e9, "phi-4": 14.7e9, "gemma-7b": 8.54e9,
+}
+
+
+@pytest.mark.parametrize("name,size", sorted(CARD_SIZES.items()))
+def test_presets_have_their_model_card_sizes(name: str, size: float) -> None:
+    assert preset_spec(name).num_params == pytest.approx(size, rel=0.005)
+
+
 def test_unknown_family_names_supported_ones() -> None:
     with pytest.raises(UnsupportedFamilyError) as info:
         spec_from_config({"model_type": "mamba", "hidden_size": 8})

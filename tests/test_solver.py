@@ -190,7 +190,7 @@ def test_a_unique_part_of_a_preset_name_is_that_preset():
     from memcalc_gui.ui.form import ModelCache
 
     cache = ModelCache()
-    assert cache.preset("70b").name == "llama-3.1-70b"
+    assert cache.preset("405b").name == "llama-3.1-405b"
     assert cache.preset("LLAMA-2").name == "llama-2-7b"
     with pytest.raises(InputError, match="presets match"):
         cache.preset("qwen")

@@ -683,10 +683,10 @@ def test_enter_on_a_unique_preset_part_accepts_it(window, qtbot):
     w = window
     edit = w.inputs.preset.lineEdit()
     edit.selectAll()
-    qtbot.keyClicks(edit, "70b")
+    qtbot.keyClicks(edit, "nemo")
     qtbot.keyClick(edit, Qt.Key.Key_Return)
-    assert w.inputs.preset.currentText() == "llama-3.1-70b"
-    assert w.refresh() and w.result.setup.model.name == "llama-3.1-70b"
+    assert w.inputs.preset.currentText() == "mistral-nemo-12b"
+    assert w.refresh() and w.result.setup.model.name == "mistral-nemo-12b"
     assert not w.inputs.preset.completer().popup().isVisible()
 
 
@@ -944,3 +944,22 @@ def test_suggesting_lora_applies_it_to_the_form(window):
     w.advice.apply(index)
     assert w.refresh() and w.result.setup.tuning.method in ("lora", "qlora"), titles
     assert w.inputs.state().lora_rank == "16"
+
+
+def test_preset_list_groups_families_smallest_first(window):
+    """Separators split the preset list by family; within one, sizes ascend; every preset is listed once."""
+    combo = window.inputs.preset
+    groups: list[list[str]] = [[]]
+    for i in range(combo.count()):
+        text = combo.itemText(i)
+        if not text:  # a separator
+            groups.append([])
+        else:
+            groups[-1].append(text)
+    cache = window.cache
+    assert sorted(n for g in groups for n in g) == sorted(cache.names())
+    assert len(groups) == len({cache.preset(n).family for n in cache.names()})
+    for group in groups:
+        assert len({cache.preset(n).family for n in group}) == 1
+        sizes = [cache.preset(n).num_params for n in group]
+        assert sizes == sorted(sizes)

@@ -222,6 +222,18 @@ class ModelCache:
             self._names = preset_names()
         return self._names
 
+    def groups(self) -> list[list[str]]:
+        """Preset names grouped by family (families alphabetical, each smallest first): the preset list's order."""
+        by_family: dict[str, list[tuple[int, str]]] = {}
+        for name in self.names():
+            try:
+                spec = self.preset(name)
+            except Exception:  # a broken preset file goes last rather than stopping the window
+                by_family.setdefault("~", []).append((0, name))
+                continue
+            by_family.setdefault(spec.family, []).append((spec.num_params, name))
+        return [[name for _n, name in sorted(items)] for _family, items in sorted(by_family.items())]
+
     def details(self) -> dict[str, str]:
         """Preset name → ``1.54B · qwen2`` (what the preset list shows beside each name)."""
         out: dict[str, str] = {}

@@ -211,7 +211,7 @@ class InputPanel(QWidget):
     fetch_hub_requested = Signal(str)
 
     def __init__(self, preset_names: list[str], parent: QWidget | None = None, *,
-                 preset_details: dict[str, str] | None = None) -> None:
+                 preset_details: dict[str, str] | None = None, preset_groups: list[list[str]] | None = None) -> None:
         super().__init__(parent)
         self.setObjectName("inputPanel")
         self._undo_filter = _KeepUndoForWindow(self)
@@ -233,7 +233,12 @@ class InputPanel(QWidget):
         self.preset = QComboBox()
         self.preset.setEditable(True)
         self.preset.setInsertPolicy(QComboBox.InsertPolicy.NoInsert)
-        self.preset.addItems(preset_names)
+        # the list groups the presets by family (a separator between families, each smallest first); typing
+        # filters them all by any part of the name
+        for i, group in enumerate(preset_groups or [preset_names]):
+            if i:
+                self.preset.insertSeparator(self.preset.count())
+            self.preset.addItems(group)
         self.preset.setMaxVisibleItems(20)
         self.preset.setToolTip(TOOLTIPS["preset"])
         completer = QCompleter(preset_names, self.preset)

@@ -212,7 +212,8 @@ class MainWindow(QMainWindow):
 
     # ---- construction -------------------------------------------------------------------------
     def _build_ui(self) -> None:
-        self.inputs = InputPanel(self.cache.names(), preset_details=self.cache.details())
+        self.inputs = InputPanel(self.cache.names(), preset_details=self.cache.details(),
+                                 preset_groups=self.cache.groups())
         self.inputs.edited.connect(self.schedule_refresh)
         self.inputs.open_config_requested.connect(self.choose_config)
         self.inputs.fetch_hub_requested.connect(self.fetch_hub)
