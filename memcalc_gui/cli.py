@@ -15,11 +15,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from . import __version__
+from . import __version__, install_hint
 from .core.configfile import code_keys
 from .core.distributed import MAX_PARALLEL_GPUS, OFFLOADS, STRATEGIES, Parallelism
 from .core.errors import InputError, MemcalcError, UnsupportedFamilyError, one_line
 from .core.finetune import ADAPTER_DTYPES, MAX_RANK, QUANTS, TUNINGS, FineTuning
+from .core.ledger import Estimate
 from .core.model import ModelSpec, load_config_file, preset_config, preset_names, preset_spec, spec_from_config
 from .core.result import Result, evaluate
 from .core.setup import (
@@ -162,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     est = sub.add_parser("estimate", help="estimate the memory of one training step")
     _add_model_args(est)
     _add_setup_args(est)
-    est.add_argument("--method", choices=("quick", "analytic", "trace"), default=None,
+    est.add_argument("--method", choices=("quick", "analytic", "fitted", "trace"), default=None,
                      help="quick (seed heuristic), analytic (default for an architecture) or trace (the real step "
                           "on fake tensors; needs torch and transformers)")
     est.add_argument("--json", action="store_true", help="print one JSON object (schema 1)")
@@ -332,7 +333,8 @@ def format_ledger(result: Result) -> str:
         lines.append(f"GPUs       {par.gpus} × {par.strategy}" + (f", offload {par.offload}" if par.offload != "none"
                                                                  else "") + " — the ledger is per GPU")
     label = {"quick": "quick (rough Hugging Face blog heuristic)", "analytic": "analytic (tensor by tensor)",
-             "trace": "trace (the real step on fake tensors)"}
+             "trace": "trace (the real step on fake tensors)",
+             "fitted": "fitted (small fake-tensor traces of the real model, evaluated for this shape)"}
     lines.append(f"Method     {label.get(est.method, est.method)}")
     lines.append("")
     width = 22
@@ -385,34 +387,41 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     if unknown is not None:
         family = str(unknown.get("model_type"))[:40]
         if args.method == "analytic":
-            raise InputError("method", f"model_type {family!r} has no analytic block model: --method trace runs the "
-                                       "real model on fake tensors (exact, seconds); --method quick is the rough "
-                                       "heuristic")
+            raise InputError("method", f"model_type {family!r} has no analytic block model: --method fitted (the "
+                                       "default) or trace run the real model on fake tensors (exact, seconds); "
+                                       "--method quick is the rough heuristic")
         setup.extras["model_type"] = family
-        if args.method == "trace" and setup.parallel.is_distributed:
-            raise InputError("method", f"the trace runs one replica; a per-GPU {setup.parallel.strategy} budget needs "
-                                       f"the block model memcalc does not have for {family!r} yet (--method quick "
-                                       "splits a bare count for DDP and ZeRO-1/2)")
+        if args.method in ("trace", "fitted") and setup.parallel.is_distributed:
+            raise InputError("method", f"the {args.method} method runs one replica; a per-GPU "
+                                       f"{setup.parallel.strategy} budget needs the block model memcalc does not have "
+                                       f"for {family!r} yet (--method quick splits a bare count for DDP and ZeRO-1/2)")
         if args.method is None and setup.parallel.is_distributed:
             args.method = "quick"
             notes.append("per-GPU budget from the rough heuristic: the trace runs one replica, and this family has "
                          "no block model to split across GPUs")
-        if args.method is None:  # the exact method rather than a heuristic that is off by up to several times
-            args.method = "trace"
-            notes.append("memory by the trace (the real training step on fake tensors, exact): --method quick gives "
-                         "the rough heuristic instantly")
+        if args.method is None:  # exact, rather than a heuristic that is off by up to several times
+            args.method = "fitted"
     elif args.method is None and setup.model is None:
         args.method = "quick"
+    config = setup.model.raw if setup.model is not None else unknown
+    result: Result | None = None
+    if args.method == "fitted":
+        if config is None:
+            raise InputError("method", "fitted needs an architecture: give --preset, --config or --model")
+        result, note = _fitted_result(setup, config)
+        if note:
+            notes.append(note)
+        if result is None:
+            args.method = "trace"
     if args.method == "trace":
         from .trace.fake import trace_estimate
 
-        config = setup.model.raw if setup.model is not None else unknown
         if config is None:
             raise InputError("method", "trace needs an architecture: give --preset, --config or --model")
         traced = trace_estimate(setup, config=config)
         result = traced.result()
         modules = traced.modules
-    else:
+    elif result is None:
         result = evaluate(setup, args.method)
     if args.json:
         data = result.to_json()
@@ -430,6 +439,29 @@ def cmd_estimate(args: argparse.Namespace) -> int:
             for name, nbytes in modules:
                 _out(f"  {format_bytes(nbytes):>12}  {name}")
     return 0
+
+
+def _fitted_result(setup: TrainingSetup, config: dict[str, Any]) -> tuple[Result | None, str]:
+    """The fitted method's result (calibrated once per config and setup, then cached), or ``None`` and why not
+    (the caller traces the full model). What-ifs that change more than the shape need calibrations of their own
+    and are left out of the suggestions."""
+    from .core.fitted import estimate_fitted
+    from .core.solver import solve
+    from .trace.fake import TraceError, trace_available
+    from .trace.fit import FitError, calibrate
+
+    if not trace_available():
+        raise InputError("method", f"the fitted method traces the model: {install_hint()}")
+    try:
+        fit = calibrate(config, setup, setup.num_params)
+    except (FitError, TraceError) as exc:
+        return None, f"the fitted method does not apply here ({exc}); traced the full model instead"
+
+    def estimator(s: TrainingSetup) -> Estimate:
+        return estimate_fitted(s, fit)
+
+    est = estimator(setup)
+    return Result(est, solve(setup, estimator, est), None), ""
 
 
 def cmd_measure(args: argparse.Namespace) -> int:

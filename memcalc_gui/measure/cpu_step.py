@@ -27,6 +27,7 @@ Measurement conventions (decisions, keep them in mind when comparing with an est
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import importlib.util
 import os
@@ -111,6 +112,8 @@ class StepMeasurement:
     iterations: list[IterationRecord]
     params: int
     top_storages: dict[str, tuple[LiveStorage, ...]] = field(default_factory=dict)
+    #: The live-storage tracker itself (records and event log), when asked for (``keep_tracker=True``).
+    tracker: Any = field(default=None, compare=False, repr=False)
 
     @property
     def peak_bytes(self) -> int:
@@ -144,6 +147,7 @@ def measure_training_step(
     builder: str = "auto",
     use_cache: bool = False,
     tuning: FineTuning | None = None,
+    keep_tracker: bool = False,
 ) -> StepMeasurement:
     """Build the model from ``config`` and measure ``iterations`` training steps on CPU.
 
@@ -160,13 +164,13 @@ def measure_training_step(
     if fake:
         from torch._subclasses.fake_tensor import FakeTensorMode
 
-        with FakeTensorMode(allow_non_fake_inputs=True), _fake_module_moves():
+        with FakeTensorMode(allow_non_fake_inputs=True), _fake_module_moves(), _fake_grouped_mm():
             return measure_training_step(
                 config, batch=batch, seq=seq, precision=precision, optimizer=optimizer,
                 optimizer_impl=optimizer_impl, attention=attention, checkpointing=checkpointing,
                 grad_accum=grad_accum, iterations=iterations, seed=seed, num_threads=None,
                 on_phase=on_phase, fake=False, round_to=round_to, module_names=module_names,
-                builder=builder, use_cache=use_cache, tuning=tuning,
+                builder=builder, use_cache=use_cache, tuning=tuning, keep_tracker=keep_tracker,
             )
 
     def announce(phase: str, it: int, micro: int = 0) -> None:
@@ -247,7 +251,8 @@ def measure_training_step(
                     opt.zero_grad(set_to_none=True)
                 gc.collect()
                 live_end.append(tracker.live_bytes)
-        return _summarize(tracker, iterations, grad_accum, n_params, live_end, round_to)
+        summary = _summarize(tracker, iterations, grad_accum, n_params, live_end, round_to)
+        return dataclasses.replace(summary, tracker=tracker) if keep_tracker else summary
     finally:
         torch.set_num_threads(threads)
         for h in hooks:
@@ -281,6 +286,37 @@ def _fake_module_moves() -> Iterator[None]:
         yield
     finally:
         torch.utils.swap_tensors = original  # type: ignore[assignment]
+
+
+@contextlib.contextmanager
+def _fake_grouped_mm() -> Iterator[None]:
+    """Let fake tensors run ``torch._grouped_mm`` (transformers' default experts kernel) on fp32 weights.
+
+    Its meta kernel accepts bf16 only ("Expected inputs of BF16 type"), while the CPU and CUDA fallback kernels run
+    fp32 and fp16 too (checked on CPU, torch 2.13): inside a fake run the output is made as the meta kernel makes
+    it (``_create_grouped_mm_output_tensor``: tokens × N in the input dtype) for those dtypes as well.
+    """
+    import torch
+    from torch import _meta_registrations as meta
+
+    original = getattr(meta, "_meta_grouped_mm_common", None)
+    create = getattr(meta, "_create_grouped_mm_output_tensor", None)
+    if original is None or create is None:  # another torch: leave it as it is
+        yield
+        return
+
+    def relaxed(mat_a: Any, mat_b: Any, scale_a: Any, scale_b: Any, offs: Any = None, *args: Any,
+                **kwargs: Any) -> Any:
+        if scale_a is None and scale_b is None and mat_a.dtype == mat_b.dtype and \
+                mat_a.dtype in (torch.float32, torch.float16):
+            return create(mat_a, mat_b, offs, kwargs.get("out_dtype"))
+        return original(mat_a, mat_b, scale_a, scale_b, offs, *args, **kwargs)
+
+    meta._meta_grouped_mm_common = relaxed
+    try:
+        yield
+    finally:
+        meta._meta_grouped_mm_common = original
 
 
 def build_model(
@@ -318,11 +354,30 @@ def build_model(
         ):
             setattr(cfg, key, 0.0)
     dtype = torch.bfloat16 if precision in ("bf16", "bf16-autocast") else torch.float32
-    model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
-        cfg, attn_implementation=attention, dtype=dtype, trust_remote_code=False
-    )
+    try:
+        model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+            cfg, attn_implementation=attention, dtype=dtype, trust_remote_code=False
+        )
+    except ValueError as exc:
+        if "scaled_dot_product_attention" in str(exc) and attention == "sdpa":
+            from ..core.errors import InputError
+
+            raise InputError("attention", f"transformers has no SDPA attention for model_type {cfg.model_type!r}: "
+                                          "choose eager") from None
+        raise
     model.train()
     return model
+
+
+#: What the ledger of a mixture-of-experts model assumes about the experts' kernel.
+EXPERTS_NOTE = ("Mixture of experts: transformers' default experts kernel (torch._grouped_mm: one output of "
+                "tokens × top-k rows per projection), balanced routing as the random weights give it")
+_MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+def is_moe_config(cfg: dict[str, Any]) -> bool:
+    """A mixture-of-experts config (any of the expert-count keys transformers' MoE configs use, above 1)."""
+    return any(isinstance(cfg.get(k), int) and not isinstance(cfg.get(k), bool) and cfg[k] > 1 for k in _MOE_KEYS)
 
 
 def quantize_model(model: Any, tuning: FineTuning, checkpointing: bool, device: str = "cpu") -> Any:

@@ -1,0 +1,232 @@
+"""Calibrate the ``fitted`` method (``core.fitted``): a few small fake-tensor traces of the real model.
+
+For each of two layer counts, two traces at shapes ``(b₁, s₁)`` and ``(b₂, s₂)`` whose ratios tell the monomials
+apart (``b`` ×3/2, ``s`` ×2: the six monomials change by 1, 3/2, 2, 3, 4 and 6) run the same ops in the same
+order; each allocation's size in the second trace over the first names its monomial, so every moment of the
+step becomes a polynomial in ``b`` and ``s``. A fifth trace at another layer count and shape checks the fit;
+when it is off by more than :data:`TOLERANCE` (layers that differ, an op sequence that changes with the shape)
+the fit is refused and the caller traces the full model instead. Fits are cached on disk per config, setup
+signature and library versions.
+
+torch and transformers are imported inside functions only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..core.configfile import transformers_kwargs
+from ..core.errors import MemcalcError
+from ..core.fitted import BASIS, FitModel, Moment, Poly, estimate_fitted, signature
+from ..core.ledger import Estimate
+from ..core.setup import TrainingSetup
+from ..core.vocab import PHASES
+
+#: Calibration shapes (micro-batch, sequence): b ×3/2 and s ×2 between them keep the six monomials apart.
+SHAPES = ((2, 64), (3, 128))
+#: The validation trace's shape (neither a calibration shape nor a multiple that could hide a wrong monomial).
+CHECK_SHAPE = (5, 96)
+#: Layer counts traced (fit) and the one that checks the extrapolation.
+LAYERS = (2, 3)
+CHECK_LAYERS = 4
+#: The largest relative error per phase the validation trace may show.
+TOLERANCE = 0.005
+_MONOMIALS = ((0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2))  # (power of b, power of s), in BASIS order
+
+
+class FitError(MemcalcError):
+    """The fit cannot be exact for this model (the caller traces the full model)."""
+
+
+def cache_dir() -> Path:
+    """Where fits are kept: ``MEMCALC_CACHE_DIR``, else the platform's user cache folder."""
+    override = os.environ.get("MEMCALC_CACHE_DIR")
+    if override:
+        return Path(override)
+    if sys.platform == "win32":
+        base = Path(os.environ.get("LOCALAPPDATA", Path.home() / "AppData" / "Local")) / "memcalc" / "Cache"
+    elif sys.platform == "darwin":
+        base = Path.home() / "Library" / "Caches" / "memcalc"
+    else:
+        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "memcalc"
+    return base / "fits"
+
+
+def _key(cfg: dict[str, Any], setup: TrainingSetup) -> str:
+    import torch
+    import transformers
+
+    from .. import __version__
+
+    text = json.dumps({"config": cfg, "signature": signature(setup), "memcalc": __version__,
+                       "torch": torch.__version__, "transformers": transformers.__version__}, sort_keys=True,
+                      default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _trace(cfg: dict[str, Any], layers: int, b: int, s: int, setup: TrainingSetup) -> Any:
+    from ..measure.cpu_step import measure_training_step
+    from .fake import TRACED_MICRO_BATCHES, _unpacked_sequences
+
+    layer_key = next((k for k in ("num_hidden_layers", "n_layer", "num_layers") if k in cfg), "num_hidden_layers")
+    with _unpacked_sequences():
+        return measure_training_step(
+            dict(cfg, **{layer_key: layers}), batch=b, seq=s, precision=setup.precision,
+            optimizer=setup.optimizer, optimizer_impl=setup.optimizer_impl, attention=setup.attention,
+            checkpointing=setup.checkpointing, use_cache=setup.use_cache,
+            grad_accum=TRACED_MICRO_BATCHES, iterations=2, fake=True, keep_tracker=True,
+            tuning=setup.tuning if setup.tuning.method != "full" else None)
+
+
+def _monomial(delta_a: int, delta_b: int) -> Poly:
+    """The monomial c·bⁱ·sʲ through the two shapes' sizes (exact when one fits; else the nearest)."""
+    (b1, s1), (b2, s2) = SHAPES
+    coefs = [0.0] * len(BASIS)
+    if delta_a == 0 and delta_b == 0:
+        return tuple(coefs)  # type: ignore[return-value]
+    best, best_err = 0, math.inf
+    for k, (i, j) in enumerate(_MONOMIALS):
+        if delta_b * b1**i * s1**j == delta_a * b2**i * s2**j:
+            best, best_err = k, 0.0
+            break
+        if delta_a and (delta_b > 0) == (delta_a > 0):
+            err = abs(math.log(delta_b / delta_a) - math.log((b2 / b1) ** i * (s2 / s1) ** j))
+            if err < best_err:
+                best, best_err = k, err
+    i, j = _MONOMIALS[best]
+    coefs[best] = (delta_a or delta_b) / (b1**i * s1**j if delta_a else b2**i * s2**j)
+    return tuple(coefs)  # type: ignore[return-value]
+
+
+def _moments(run_a: Any, run_b: Any, first_micro_only: bool) -> dict[str, list[Moment]]:
+    """Each phase's candidate moments from two aligned traces at the calibration shapes (two accumulation
+    micro-batches: ``first_micro_only`` keeps the first one's forward and backward, a step without accumulation)."""
+    from ..measure.cpu_step import make_classifier
+
+    ta, tb = run_a.tracker, run_b.tracker
+    if len(ta.events) != len(tb.events) or any(ea.kind != eb.kind or ea.phase != eb.phase
+                                               for ea, eb in zip(ta.events, tb.events, strict=True)):
+        raise FitError("the model runs different ops at different shapes")
+    category_of, _ = make_classifier(ta)
+    iterations = 2
+    steady = {(p, it) for p, it in (("load", 0), ("forward", iterations), ("backward", iterations),
+                                    ("optimizer_step", iterations))}
+    windows = ta.windows()
+    inside: dict[int, str] = {}
+    for (phase, it, micro), (start, end) in windows.items():
+        if (phase, it) in steady and not (first_micro_only and micro > 0):
+            for index in range(start, end + 1):
+                inside[index] = phase
+    load_end = max(end for (phase, _it, _m), (_s, end) in windows.items() if phase == "load")
+    live: dict[str, list[float]] = {}
+    out: dict[str, list[Moment]] = {p: [] for p in PHASES}
+    obj_of: dict[int, str] = {}
+    held: dict[int, list[float]] = {}  # each live storage's size polynomial (a free removes exactly what it added)
+    for ea, eb in zip(ta.events, tb.events, strict=True):
+        if ea.kind in ("alloc", "resize", "free") and ea.sid:
+            obj = obj_of.get(ea.sid)
+            if obj is None:
+                obj = obj_of[ea.sid] = category_of(ta.records[ea.sid])
+            acc = live.setdefault(obj, [0.0] * len(BASIS))
+            if ea.kind == "free":
+                change = [-c for c in held.pop(ea.sid, [0.0] * len(BASIS))]
+            else:
+                change = list(_monomial(ea.delta, eb.delta))
+                size = held.setdefault(ea.sid, [0.0] * len(BASIS))
+                for k, c in enumerate(change):
+                    size[k] += c
+            for k, c in enumerate(change):
+                acc[k] += c
+        phase = inside.get(ea.index)
+        if phase is None or phase == "load":
+            if ea.index == load_end:
+                out["load"] = [{o: tuple(v) for o, v in live.items()}]  # type: ignore[misc]
+            continue
+        if ea.kind in ("alloc", "resize") and ea.delta > 0:
+            out[phase].append({o: tuple(v) for o, v in live.items()})  # type: ignore[misc]
+    return {p: _pareto(ms) for p, ms in out.items()}
+
+
+def _pareto(moments: list[Moment]) -> list[Moment]:
+    """The moments that can be the largest for some b, s ≥ 1: drop each one whose total is at or below another's
+    in every coefficient (every monomial is ≥ 1 there)."""
+    totals = [(tuple(sum(p[k] for p in m.values()) for k in range(len(BASIS))), m) for m in moments]
+    totals.sort(key=lambda t: -sum(t[0]))
+    kept: list[tuple[tuple[float, ...], Moment]] = []
+    for coef, moment in totals:
+        if any(all(kc >= c - 1e-6 * max(1.0, abs(c)) for kc, c in zip(kept_coef, coef, strict=True))
+               for kept_coef, _ in kept):
+            continue
+        kept.append((coef, moment))
+    return [m for _, m in kept]
+
+
+def calibrate(config: dict[str, Any], setup: TrainingSetup, num_params: int,
+              progress: Callable[[str], None] | None = None, use_cache: bool = True) -> FitModel:
+    """The fit of ``config`` for ``setup``'s signature: from the cache, or five small traces (a few seconds)."""
+    model_type, kwargs = transformers_kwargs(config)
+    cfg = {"model_type": model_type, **kwargs}
+    layers = next((int(cfg[k]) for k in ("num_hidden_layers", "n_layer", "num_layers")
+                   if isinstance(cfg.get(k), int)), 0)
+    if layers < 1:
+        raise FitError("the config names no layer count")
+    path = cache_dir() / f"{_key(cfg, setup)}.json"
+    if use_cache and path.is_file():
+        try:
+            return FitModel.from_json(json.loads(path.read_text()))
+        except (ValueError, OSError):
+            pass  # a stale or broken cache file: calibrate again
+    t0 = time.perf_counter()
+    moments: dict[int, dict[str, list[Moment]]] = {}
+    accum: dict[int, dict[str, list[Moment]]] = {}
+    for n in LAYERS:
+        if progress is not None:
+            progress(f"tracing {n} layers at two shapes")
+        runs = [_trace(cfg, n, b, s, setup) for b, s in SHAPES]
+        moments[n] = _moments(runs[0], runs[1], first_micro_only=True)
+        accum[n] = _moments(runs[0], runs[1], first_micro_only=False)
+    if progress is not None:
+        progress("checking the fit on a further trace")
+    check = FitModel(model_type, num_params, CHECK_LAYERS, signature(setup), moments, accum)
+    b, s = CHECK_SHAPE
+    real = _trace(cfg, CHECK_LAYERS, b, s, setup)  # two micro-batches: checks the accumulating fit
+    checked: dict[str, float] = {}
+    windows = real.tracker.windows()
+    for phase in PHASES:
+        ph = real.phases[phase]
+        want = ph.live_bytes if phase == "load" else ph.peak_bytes
+        got = sum(check.peak(phase, b, s, accumulating=True).values())
+        errors = [abs(got - want) / want if want else 0.0]
+        if phase in ("forward", "backward"):  # the first micro-batch alone: a step without accumulation
+            start, end = windows[(phase, 2, 0)]
+            first = real.tracker.peak(start, end).bytes
+            errors.append(abs(sum(check.peak(phase, b, s).values()) - first) / first)
+        checked[phase] = max(errors)
+    worst = max(checked.values())
+    if worst > TOLERANCE:
+        raise FitError(f"the fit is off by {worst:.1%} on a check trace (layers that differ, or ops that change "
+                       "with the shape)")
+    fit = FitModel(model_type, num_params, layers, check.signature, moments, accum, checked, time.perf_counter() - t0)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(fit.to_json()))
+        tmp.replace(path)
+    except OSError:
+        pass  # a read-only cache costs a calibration next time, nothing else
+    return fit
+
+
+def fitted_estimate(config: dict[str, Any], setup: TrainingSetup, num_params: int,
+                    progress: Callable[[str], None] | None = None) -> tuple[Estimate, FitModel]:
+    """Calibrate (or load) and evaluate: the ``fitted`` ledger of ``setup``."""
+    fit = calibrate(config, setup, num_params, progress)
+    return estimate_fitted(setup, fit), fit
