@@ -9,6 +9,10 @@ from pathlib import Path
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+if "MEMCALC_CACHE_DIR" not in os.environ:  # fitted-method calibrations of the run, never the user's cache
+    import tempfile
+
+    os.environ["MEMCALC_CACHE_DIR"] = tempfile.mkdtemp(prefix="memcalc-test-fits-")
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:

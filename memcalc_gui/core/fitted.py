@@ -25,7 +25,7 @@ from .vocab import PHASES, TENSOR_OBJECTS
 
 #: The monomials of (b, s) a moment's live bytes are made of.
 BASIS = ("1", "b", "s", "b·s", "s²", "b·s²")
-FIT_SCHEMA = 2
+FIT_SCHEMA = 3
 
 Poly = tuple[float, float, float, float, float, float]
 Moment = dict[str, Poly]  # ledger object → coefficients
@@ -58,49 +58,67 @@ def signature(setup: TrainingSetup) -> dict[str, Any]:
 class FitModel:
     """The calibrated moments of one config and setup signature.
 
-    ``moments[L][phase]`` are the candidate moments traced at ``L`` layers (two layer counts; the peak at another
-    count is extrapolated linearly) of a step without gradient accumulation, ``accum_moments`` the same with
-    accumulation (the calibration traces two micro-batches: the first one's windows are a step without
-    accumulation, both together one with it); ``num_layers`` the config's own count; ``checked`` what the
-    validation trace found (relative error per phase)."""
+    ``moments[phase]`` are the phase's candidate moments, each traced at the two layer counts ``layers`` (the
+    same op in each: its live bytes at ``L`` layers are extrapolated linearly) in a step without gradient
+    accumulation, ``accum_moments`` with it. Load and the optimizer step, whose ops repeat per parameter rather
+    than per layer, keep each layer count's own candidates (``[moments at layers[0], moments at layers[1]]``):
+    their largest moment is the same at every count (the largest tensor's, on top of states that grow with the
+    layers), so the two peaks are extrapolated (the calibration traces two micro-batches: the first one's windows are
+    a step without accumulation, both together one with it); ``num_layers`` is the config's own count;
+    ``checked`` what the validation trace found (relative error per phase)."""
 
     model_type: str
     num_params: int
     num_layers: int
     signature: dict[str, Any]
-    moments: dict[int, dict[str, list[Moment]]]
-    accum_moments: dict[int, dict[str, list[Moment]]]
+    layers: tuple[int, int]
+    moments: dict[str, list[list[Moment]]]
+    accum_moments: dict[str, list[list[Moment]]]
     checked: dict[str, float] = field(default_factory=dict)
     calibration_s: float = 0.0
     notes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if len(self.layers) != 2 or self.layers[0] >= self.layers[1]:
+            raise ValueError("a fit extrapolates between two increasing layer counts")
         for moments in (self.moments, self.accum_moments):
-            if len(moments) != 2 or any(set(m) != set(PHASES) for m in moments.values()):
-                raise ValueError("a fit holds two layer counts, each with all four phases")
+            if set(moments) != set(PHASES) or any(len(pair) != 2 for p, ms in moments.items() for pair in ms
+                                                  if p not in SEPARATE) \
+                    or any(len(moments[p]) != 2 for p in SEPARATE):
+                raise ValueError("a fit holds every phase's moments at both layer counts")
 
     def peak(self, phase: str, b: int, s: int, accumulating: bool = False) -> dict[str, int]:
-        """The phase's peak composition at micro-batch ``b``, sequence ``s`` and the config's layer count."""
-        (la, ma), (lb, mb) = sorted((self.accum_moments if accumulating else self.moments).items())
-        comp_a = _argmax(ma[phase], b, s)
-        comp_b = _argmax(mb[phase], b, s)
+        """The phase's peak composition at micro-batch ``b``, sequence ``s`` and the config's layer count: every
+        candidate moment extrapolated to that count, then the largest."""
+        la, lb = self.layers
         k = (self.num_layers - la) / (lb - la)
-        out: dict[str, int] = {}
-        for obj in TENSOR_OBJECTS:
-            va, vb = comp_a.get(obj, 0.0), comp_b.get(obj, 0.0)
-            value = round(va + k * (vb - va))
-            if value > 0:
-                out[obj] = value
-        return out
+        x = basis(b, s)
+        candidates = (self.accum_moments if accumulating else self.moments)[phase]
+        if phase in SEPARATE:
+            lo, hi = (_largest(ms, x) for ms in candidates)
+            grown = {o: lo.get(o, 0.0) + k * (hi.get(o, 0.0) - lo.get(o, 0.0)) for o in set(lo) | set(hi)}
+            return {o: round(v) for o, v in grown.items() if o in TENSOR_OBJECTS and round(v) > 0}
+        best: dict[str, float] = {}
+        best_total = -1.0
+        for first, second in candidates:
+            comp: dict[str, float] = {}
+            for obj in set(first) | set(second):
+                va = sum(c * v for c, v in zip(first.get(obj, _ZERO), x, strict=True))
+                vb = sum(c * v for c, v in zip(second.get(obj, _ZERO), x, strict=True))
+                comp[obj] = va + k * (vb - va)
+            total = sum(comp.values())
+            if total > best_total:
+                best, best_total = comp, total
+        return {o: round(v) for o, v in best.items() if o in TENSOR_OBJECTS and round(v) > 0}
 
     def to_json(self) -> dict[str, Any]:
-        def dump(moments: dict[int, dict[str, list[Moment]]]) -> dict[str, Any]:
-            return {str(k): {p: [{o: list(c) for o, c in m.items()} for m in ms] for p, ms in v.items()}
-                    for k, v in moments.items()}
+        def dump(moments: dict[str, list[list[Moment]]]) -> dict[str, Any]:
+            return {p: [[{o: list(c) for o, c in m.items()} for m in pair] for pair in ms]
+                    for p, ms in moments.items()}
 
         return {"schema": FIT_SCHEMA, "model_type": self.model_type, "num_params": self.num_params,
-                "num_layers": self.num_layers, "signature": self.signature, "moments": dump(self.moments),
-                "accum_moments": dump(self.accum_moments), "checked": self.checked,
+                "num_layers": self.num_layers, "signature": self.signature, "layers": list(self.layers),
+                "moments": dump(self.moments), "accum_moments": dump(self.accum_moments), "checked": self.checked,
                 "calibration_s": self.calibration_s, "notes": list(self.notes)}
 
     @staticmethod
@@ -108,17 +126,35 @@ class FitModel:
         """Read a cached fit; anything malformed raises ``ValueError`` (the caller calibrates again)."""
         if not isinstance(data, dict) or data.get("schema") != FIT_SCHEMA:
             raise ValueError("not a memcalc fit of this version")
-        def load(raw: Any) -> dict[int, dict[str, list[Moment]]]:
-            return {int(k): {p: [{o: _poly(c) for o, c in m.items()} for m in ms] for p, ms in v.items()}
-                    for k, v in raw.items()}
+
+        def load(raw: Any) -> dict[str, list[list[Moment]]]:
+            return {str(p): [[{str(o): _poly(c) for o, c in m.items()} for m in pair] for pair in ms]
+                    for p, ms in raw.items()}
 
         try:
+            la, lb = (int(v) for v in data["layers"])
             return FitModel(str(data["model_type"]), int(data["num_params"]), int(data["num_layers"]),
-                            dict(data["signature"]), load(data["moments"]), load(data["accum_moments"]),
+                            dict(data["signature"]), (la, lb), load(data["moments"]), load(data["accum_moments"]),
                             {str(k): float(v) for k, v in data["checked"].items()},
                             float(data.get("calibration_s", 0.0)), tuple(str(n) for n in data.get("notes", ())))
         except (KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"malformed fit: {exc}") from None
+
+
+_ZERO: Poly = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+#: Phases whose candidates are kept per layer count (their ops repeat per parameter, not per layer).
+SEPARATE = ("load", "optimizer_step")
+
+
+def _largest(moments: list[Moment], x: tuple[int, ...]) -> dict[str, float]:
+    best: dict[str, float] = {}
+    best_total = -1.0
+    for moment in moments:
+        comp = {o: sum(c * v for c, v in zip(poly, x, strict=True)) for o, poly in moment.items()}
+        total = sum(comp.values())
+        if total > best_total:
+            best, best_total = comp, total
+    return best
 
 
 def _poly(values: Any) -> Poly:
@@ -126,18 +162,6 @@ def _poly(values: Any) -> Poly:
         raise ValueError("a moment needs six coefficients")
     a, b, c, d, e, f = (float(v) for v in values)
     return a, b, c, d, e, f
-
-
-def _argmax(moments: list[Moment], b: int, s: int) -> dict[str, float]:
-    best: dict[str, float] = {}
-    best_total = -1.0
-    x = basis(b, s)
-    for moment in moments:
-        comp = {o: sum(c * v for c, v in zip(poly, x, strict=True)) for o, poly in moment.items()}
-        total = sum(comp.values())
-        if total > best_total:
-            best, best_total = comp, total
-    return best
 
 
 def estimate_fitted(setup: TrainingSetup, fit: FitModel) -> Estimate:
@@ -152,10 +176,10 @@ def estimate_fitted(setup: TrainingSetup, fit: FitModel) -> Estimate:
         if phase == "load":
             objects = {"parameters": sum(objects.values())}
         phases[phase] = with_overheads(objects, phase, setup)
-    worst = max(fit.checked.values(), default=0.0)
+    worst = max((v for k, v in fit.checked.items() if k in PHASES), default=0.0)
     assumptions = (
         f"Fitted from fake-tensor traces of the real {fit.model_type} model (transformers) at "
-        f"{' and '.join(str(k) for k in sorted(fit.moments))} layers: every moment's live bytes as "
+        f"{' and '.join(str(k) for k in fit.layers)} layers: every moment's live bytes as "
         f"{' + '.join(BASIS)} terms per object, the layers extrapolated to {fit.num_layers}; checked on a further "
         f"trace within {worst:.2%}",
         *fit.notes,

@@ -1,0 +1,109 @@
+"""Method ``fitted``: small fake-tensor traces turned into polynomials in micro-batch and sequence, extrapolated
+over the layers — equal to the full trace and to real CPU steps, cached on disk, refused where it cannot hold."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from memcalc_gui.core.errors import InputError
+from memcalc_gui.core.fitted import FitModel, estimate_fitted
+from memcalc_gui.core.setup import TrainingSetup
+from memcalc_gui.core.vocab import PHASES
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from memcalc_gui.trace import fit as fitmod
+from memcalc_gui.trace.fake import trace_estimate
+from memcalc_gui.trace.meta import count_params_on_meta
+
+COMMON = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, vocab_size=1024, hidden_size=128,
+              num_attention_heads=4, num_hidden_layers=6, max_position_embeddings=2048)
+OPT = dict(COMMON, model_type="opt", ffn_dim=256, word_embed_proj_dim=128)
+MIXTRAL = dict(COMMON, model_type="mixtral", intermediate_size=128, num_key_value_heads=2, num_local_experts=4,
+               num_experts_per_tok=2)
+
+
+@pytest.fixture(scope="module")
+def cache_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("fits")
+
+
+@pytest.fixture(autouse=True)
+def private_cache(cache_folder: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("MEMCALC_CACHE_DIR", str(cache_folder))
+    return cache_folder
+
+
+@pytest.fixture()
+def opt_fit() -> FitModel:
+    """OPT's fit (calibrated once for the module: later calls read the cache)."""
+    setup = _setup(OPT)
+    return fitmod.calibrate(OPT, setup, setup.num_params)
+
+
+def _setup(cfg: dict, **kw: object) -> TrainingSetup:
+    base: dict = dict(params=count_params_on_meta(cfg), batch=2, seq=128, optimizer_impl="single-tensor",
+                      cuda_context_bytes=0, allocator_reserve=0.0)
+    base.update(kw)
+    return TrainingSetup(**base)
+
+
+@pytest.mark.parametrize(("cfg", "precision"), [(OPT, "mixed"), (MIXTRAL, "mixed")], ids=["opt", "mixtral"])
+def test_fit_equals_the_full_trace_and_a_real_step(cfg: dict, precision: str) -> None:
+    """Calibrated at 2 and 3 layers, evaluated at the config's 6, at shapes it never traced; MoE included (its
+    experts kernel runs on fake fp32 tensors)."""
+    from memcalc_gui.measure.cpu_step import measure_training_step
+
+    setup = _setup(cfg, precision=precision)
+    fit = fitmod.calibrate(cfg, setup, setup.num_params)
+    assert max(fit.checked[p] for p in PHASES) <= fitmod.TOLERANCE
+    for b, s, accum in ((1, 200, 1), (3, 700, 1), (2, 300, 3)):
+        st = setup.with_changes(batch=b, seq=s, grad_accum=accum)
+        fitted = estimate_fitted(st, fit)
+        traced = trace_estimate(st, config=cfg).estimate
+        for phase in PHASES:  # the trace adds CUDA's 512-byte rounding per allocation; the fit does not
+            assert fitted.phases[phase].tensor_bytes == pytest.approx(traced.phases[phase].tensor_bytes, rel=0.02)
+    real = measure_training_step(cfg, batch=2, seq=96, precision=precision, optimizer_impl="single-tensor")
+    fitted = estimate_fitted(setup.with_changes(seq=96), fit)
+    for phase in ("forward", "backward", "optimizer_step"):
+        assert fitted.phases[phase].tensor_bytes == pytest.approx(real.phases[phase].peak_bytes, rel=0.005), phase
+
+
+def test_a_fit_is_cached_and_a_broken_cache_is_recalibrated(private_cache: Path, opt_fit: FitModel,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    setup = _setup(OPT)
+    first = opt_fit
+    files = [f for f in private_cache.glob("*.json") if json.loads(f.read_text())["model_type"] == "opt"]
+    assert len(files) == 1
+    real_trace = fitmod._trace
+
+    def no_trace(*_a: object, **_k: object) -> None:
+        raise AssertionError("a cached fit needs no trace")
+
+    monkeypatch.setattr(fitmod, "_trace", no_trace)
+    again = fitmod.calibrate(OPT, setup, setup.num_params)
+    assert again.to_json() == first.to_json()
+    files[0].write_text("{not json")
+    monkeypatch.setattr(fitmod, "_trace", real_trace)
+    fresh = fitmod.calibrate(OPT, setup, setup.num_params)
+    assert json.loads(files[0].read_text())["schema"] == fresh.to_json()["schema"]
+
+
+def test_json_round_trip_and_refusals(opt_fit: FitModel) -> None:
+    setup = _setup(OPT)
+    fit = opt_fit
+    assert FitModel.from_json(json.loads(json.dumps(fit.to_json()))) == fit
+    for bad in ({}, {"schema": 999}, dict(fit.to_json(), moments={"forward": [[{"activations": [1, 2]}]]}), [1]):
+        with pytest.raises(ValueError):
+            FitModel.from_json(bad)
+    with pytest.raises(InputError, match="calibration"):  # another signature needs its own fit
+        estimate_fitted(setup.with_changes(checkpointing="full"), fit)
+    with pytest.raises(InputError):
+        estimate_fitted(setup.with_changes(parallel=setup.parallel.__class__(gpus=2)), fit)
+    shallow = dict(OPT, num_hidden_layers=1)
+    with pytest.raises(fitmod.FitError, match="layers"):
+        fitmod.calibrate(shallow, _setup(shallow), 10)
