@@ -20,7 +20,6 @@ from .core.configfile import code_keys
 from .core.distributed import MAX_PARALLEL_GPUS, OFFLOADS, STRATEGIES, Parallelism
 from .core.errors import InputError, MemcalcError, UnsupportedFamilyError, one_line
 from .core.finetune import ADAPTER_DTYPES, MAX_RANK, QUANTS, TUNINGS, FineTuning
-from .core.ledger import Estimate
 from .core.model import ModelSpec, load_config_file, preset_config, preset_names, preset_spec, spec_from_config
 from .core.result import Result, evaluate
 from .core.setup import (
@@ -445,8 +444,7 @@ def _fitted_result(setup: TrainingSetup, config: dict[str, Any]) -> tuple[Result
     """The fitted method's result (calibrated once per config and setup, then cached), or ``None`` and why not
     (the caller traces the full model). What-ifs that change more than the shape need calibrations of their own
     and are left out of the suggestions."""
-    from .core.fitted import estimate_fitted
-    from .core.solver import solve
+    from .core.fitted import evaluate_fitted
     from .trace.fake import TraceError, trace_available
     from .trace.fit import FitError, calibrate
 
@@ -456,12 +454,7 @@ def _fitted_result(setup: TrainingSetup, config: dict[str, Any]) -> tuple[Result
         fit = calibrate(config, setup, setup.num_params)
     except (FitError, TraceError) as exc:
         return None, f"the fitted method does not apply here ({exc}); traced the full model instead"
-
-    def estimator(s: TrainingSetup) -> Estimate:
-        return estimate_fitted(s, fit)
-
-    est = estimator(setup)
-    return Result(est, solve(setup, estimator, est), None), ""
+    return evaluate_fitted(setup, fit), ""
 
 
 def cmd_measure(args: argparse.Namespace) -> int:

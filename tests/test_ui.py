@@ -380,7 +380,7 @@ def write_config(folder: Path, name: str, cfg: object) -> Path:
     return path
 
 
-def test_open_config_and_a_broken_one(window, tmp_path):
+def test_open_config_and_a_broken_one(window, tmp_path, qtbot):
     w = window
     good = write_config(tmp_path / "good", "config.json", load_json("models/qwen2.5-0.5b.json"))
     assert w.open_config(good)
@@ -398,8 +398,9 @@ def test_open_config_and_a_broken_one(window, tmp_path):
 
     cfg = dict(load_json("models/qwen2.5-0.5b.json"), model_type="t5")
     unsupported = write_config(tmp_path / "t5", "config.json", cfg)
-    assert not w.open_config(unsupported)
-    assert "unsupported" in w.inputs.errors()["config_path"]
+    assert not w.open_config(unsupported)  # no block model: the fitted method calibrates, and finds no causal LM
+    qtbot.waitUntil(lambda: "causal language model" in w.inputs.errors().get("config_path", ""), timeout=30000)
+    assert w.result is result
 
     cfg = dict(load_json("models/qwen2.5-0.5b.json"), hidden_size=-3)
     bad_key = write_config(tmp_path / "bad", "config.json", cfg)
@@ -963,3 +964,25 @@ def test_preset_list_groups_families_smallest_first(window):
         assert len({cache.preset(n).family for n in group}) == 1
         sizes = [cache.preset(n).num_params for n in group]
         assert sizes == sorted(sizes)
+
+
+def test_a_family_without_a_block_model_is_fitted_in_the_window(window, qtbot, tmp_path):
+    """An OPT config: the window calibrates the fitted method in a worker (the last result stays meanwhile), then
+    estimates it exactly; a new micro-batch needs no new calibration."""
+    pytest.importorskip("transformers")
+    from memcalc_gui.trace.meta import count_params_on_meta
+
+    w = window
+    cfg = {"model_type": "opt", "hidden_size": 64, "ffn_dim": 128, "num_attention_heads": 4, "num_hidden_layers": 3,
+           "vocab_size": 512, "max_position_embeddings": 512, "word_embed_proj_dim": 64, "pad_token_id": 1}
+    path = write_config(tmp_path / "opt", "config.json", cfg)
+    before = w.result
+    assert not w.open_config(path)
+    assert w.result is before and "Fitting model_type 'opt'" in w.banner.full_text()
+    qtbot.waitUntil(lambda: w.result is not before and w.result.estimate.method == "fitted", timeout=60000)
+    assert w.result.setup.num_params == count_params_on_meta(cfg)
+    assert "opt" in w.inputs.model_info.text() and "fitted" in w.inputs.model_info.text()
+    peak = w.result.estimate.peak_bytes
+    w.apply_state(w.inputs.state().replace(batch="8"))
+    assert w.refresh() and not w.fit_runner.is_running()  # the same fit: no new traces
+    assert w.result.estimate.method == "fitted" and w.result.estimate.peak_bytes > peak

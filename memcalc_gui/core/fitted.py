@@ -20,7 +20,9 @@ from typing import Any
 
 from .errors import InputError
 from .ledger import Estimate, with_overheads
+from .result import Result
 from .setup import TrainingSetup
+from .solver import solve
 from .vocab import PHASES, TENSOR_OBJECTS
 
 #: The monomials of (b, s) a moment's live bytes are made of.
@@ -188,3 +190,13 @@ def estimate_fitted(setup: TrainingSetup, fit: FitModel) -> Estimate:
     )
     return Estimate(setup=setup, method="fitted", phases=phases, assumptions=assumptions,
                     details={"host_bytes": 0, "fit_checked": dict(fit.checked)})
+
+
+def evaluate_fitted(setup: TrainingSetup, fit: FitModel) -> Result:
+    """Estimate and verdict from ``fit``. What-ifs that change more than the shape (precision, checkpointing, the
+    optimizer…) need calibrations of their own and are left out of the suggestions."""
+    def estimator(s: TrainingSetup) -> Estimate:
+        return estimate_fitted(s, fit)
+
+    est = estimator(setup)
+    return Result(est, solve(setup, estimator, est), None)

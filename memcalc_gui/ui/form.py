@@ -9,6 +9,7 @@ No memory is computed here.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import os
 from dataclasses import dataclass
@@ -16,9 +17,9 @@ from pathlib import Path
 from typing import Any, Final
 
 from ..core.distributed import MAX_PARALLEL_GPUS, OFFLOADS, STRATEGIES, Parallelism
-from ..core.errors import ConfigError, InputError
+from ..core.errors import ConfigError, InputError, UnsupportedFamilyError
 from ..core.finetune import MAX_RANK, TUNINGS, FineTuning
-from ..core.model import ModelSpec, preset_names, preset_spec, spec_from_config, spec_from_file
+from ..core.model import ModelSpec, load_config_file, preset_names, preset_spec, spec_from_config
 from ..core.setup import (
     DEFAULT_ALLOCATOR_RESERVE,
     DEFAULT_CUDA_CONTEXT_BYTES,
@@ -208,6 +209,29 @@ def form_field(error: InputError, state: FormState) -> str:
     return _FIELD_MAP.get(error.field, "general")
 
 
+class FitNeeded(Exception):
+    """The model's family has no block model in memcalc: the window estimates it with the fitted method
+    (``core.fitted``), calibrated from the real transformers model in a worker."""
+
+    def __init__(self, config: dict[str, Any], source: str, name: str) -> None:
+        super().__init__(f"model_type {config.get('model_type')!r} needs the fitted method")
+        self.config = config
+        self.source = source
+        self.name = name
+        self.model_type = str(config.get("model_type"))[:40]
+
+
+def _unknown_family(config: dict[str, Any], source: str, name: str, error: UnsupportedFamilyError) -> Exception:
+    """What a config of a family without a block model becomes: a fit request when PyTorch and transformers can
+    trace it, else the error saying what would."""
+    from ..trace.fake import trace_available
+
+    if trace_available() and importlib.util.find_spec("transformers") is not None:
+        return FitNeeded(config, source, name)
+    return ConfigError("model_type", f"{error.reason}; the full build (with PyTorch and transformers) estimates "
+                                     "any transformers family from its real model")
+
+
 class ModelCache:
     """Presets by name and config files by (path, mtime, size): typing never re-reads a file."""
 
@@ -215,6 +239,7 @@ class ModelCache:
         self._presets: dict[str, ModelSpec] = {}
         self._files: dict[tuple[str, int, int], ModelSpec] = {}
         self._hub: dict[str, ModelSpec] = {}
+        self._unknown: dict[Any, Exception] = {}  # families without a block model: what they become
         self._names: list[str] | None = None
 
     def names(self) -> list[str]:
@@ -271,10 +296,18 @@ class ModelCache:
         except OSError:
             raise InputError("config", f"{path} does not exist") from None
         key = (str(path.resolve()), st.st_mtime_ns, st.st_size)
+        if key in self._unknown:
+            raise self._unknown[key]
         if key not in self._files:
             if len(self._files) > 32:
                 self._files.clear()
-            self._files[key] = spec_from_file(path)
+            config = load_config_file(path)
+            try:
+                self._files[key] = spec_from_config(config, source=str(path))
+            except UnsupportedFamilyError as exc:
+                name = str(config.get("_name_or_path") or path.parent.name)
+                self._unknown[key] = _unknown_family(config, str(path), name, exc)
+                raise self._unknown[key] from None
         return self._files[key]
 
 
@@ -284,17 +317,24 @@ class ModelCache:
         from ..hub import resolve_config
 
         key = model_id.strip()
+        if key in self._unknown:
+            raise self._unknown[key]
         if key not in self._hub:
             found = resolve_config(key, allow_network=False)
             if len(self._hub) > 32:
                 self._hub.clear()
-            self._hub[key] = spec_from_config(found.config, name=found.repo_id, source=found.source)
+            try:
+                self._hub[key] = spec_from_config(found.config, name=found.repo_id, source=found.source)
+            except UnsupportedFamilyError as exc:
+                self._unknown[key] = _unknown_family(found.config, found.source, found.repo_id, exc)
+                raise self._unknown[key] from None
         return self._hub[key]
 
 
     def forget_hub(self, model_id: str) -> None:
         """Look ``model_id`` up again (a fetch just put it in the local cache)."""
         self._hub.pop(model_id.strip(), None)
+        self._unknown.pop(model_id.strip(), None)
 
 
 def _reserve_fraction(text: str) -> float:
@@ -322,12 +362,17 @@ def build_setup(state: FormState, cache: ModelCache) -> TrainingSetup:
     """A validated ``TrainingSetup`` from the form, or :class:`FormErrors` naming every bad field."""
     errors: dict[str, str] = {}
     values: dict[str, Any] = {}
+    fit: FitNeeded | None = None
 
     def attempt(name: str, fn: Any) -> None:
+        nonlocal fit
         try:
             values[name] = fn()
         except InputError as exc:
             errors.setdefault(form_field(exc, state), exc.reason)
+        except FitNeeded as exc:  # a family without a block model: a parameter count now, the fitted method later
+            fit = exc
+            values["params"] = 1
 
     if state.model_kind == "preset":
         attempt("model", lambda: cache.preset(state.preset))
@@ -370,6 +415,7 @@ def build_setup(state: FormState, cache: ModelCache) -> TrainingSetup:
             use_cache=state.use_cache == "true",
             gpu=gpu_id,
             capacity_bytes=capacity,
+            extras={"fit": fit} if fit is not None else {},
             **values,
         )
     except InputError as exc:

@@ -9,6 +9,7 @@ the last valid result stays drawn.
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 import traceback
 from pathlib import Path
@@ -217,6 +218,12 @@ class MainWindow(QMainWindow):
         self.inputs.edited.connect(self.schedule_refresh)
         self.inputs.open_config_requested.connect(self.choose_config)
         self.inputs.fetch_hub_requested.connect(self.fetch_hub)
+        self.fits: dict[str, Any] = {}  # fitted-method calibrations by config and setup (or why one failed)
+        self._fit_job: str | None = None
+        self.fit_runner = TaskRunner("memcalc-fit", parent=self)
+        self.fit_runner.finished.connect(self._fit_done)
+        self.fit_runner.failed.connect(self._fit_failed)
+        self.fit_runner.progress.connect(lambda text: self.statusBar().showMessage(f"Fitting: {text}…"))
         self.hub_runner = TaskRunner("memcalc-hub-fetch", parent=self)
         self.hub_runner.finished.connect(self._hub_fetched)
         self.hub_runner.failed.connect(self._hub_failed)
@@ -480,7 +487,14 @@ class MainWindow(QMainWindow):
         state = self.inputs.state()
         try:
             setup = build_setup(state, self.cache)
-            result = evaluate(setup)
+            needed = setup.extras.get("fit")
+            if needed is not None:  # a family without a block model: its fit, or a calibration on the way
+                fitted = self._fitted(needed, setup)
+                if fitted is None:
+                    return False
+                result = fitted
+            else:
+                result = evaluate(setup)
         except FormErrors as exc:
             return self._invalid(exc.errors)
         except InputError as exc:  # a cross-field rule of the core (e.g. a sharded strategy without architecture)
@@ -515,6 +529,62 @@ class MainWindow(QMainWindow):
         self.result_changed.emit(result)
         return True
 
+    # ---- families without a block model: the fitted method ---------------------------------------------------
+    def _fit_key(self, needed: Any, setup: Any) -> str:
+        from ..core.fitted import signature
+
+        return json.dumps({"config": needed.config, "signature": signature(setup)}, sort_keys=True, default=str)
+
+    def _fitted(self, needed: Any, setup: Any) -> Result | None:
+        """The fitted result when this config and setup are calibrated; else start the calibration (seconds, in a
+        worker; the last result stays on screen meanwhile) and return None."""
+        from ..core.fitted import evaluate_fitted
+
+        key = self._fit_key(needed, setup)
+        fit = self.fits.get(key)
+        if isinstance(fit, str):  # the fit failed for this config and setup: say why
+            raise InputError("config" if self.inputs.state().model_kind == "config" else "model_id", fit)
+        if fit is not None:
+            sized = setup.with_changes(params=fit.num_params)
+            sized.extras["model_type"] = needed.model_type
+            sized.extras["model_name"] = needed.name
+            sized.extras["model_source"] = needed.source
+            return evaluate_fitted(sized, fit)
+        if not self.fit_runner.is_running():
+            self._fit_job = key
+            config = needed.config
+
+            def job(progress: Any, _stop: Any) -> Any:
+                from ..trace.fit import calibrate
+                from ..trace.meta import count_params_on_meta
+
+                progress("counting the parameters on the meta device")
+                n = count_params_on_meta(config)
+                return calibrate(config, setup.with_changes(params=n), n, progress)
+
+            self.fit_runner.start(job)
+        message = (f"Fitting model_type {needed.model_type!r} (memcalc has no block model for it): tracing the real "
+                   "transformers model at a few small sizes, once per config and setup — a few seconds")
+        self.banner.set_stale(True, message)
+        self.statusBar().showMessage(message)
+        return None
+
+    def _fit_done(self, fit: Any) -> None:
+        if self._fit_job is not None:
+            self.fits[self._fit_job] = fit
+        self._fit_job = None
+        self.statusBar().clearMessage()
+        if not self._closed:
+            self.refresh()
+
+    def _fit_failed(self, message: str) -> None:
+        if self._fit_job is not None:
+            self.fits[self._fit_job] = message if message.startswith(("model_type", "config")) else \
+                f"the fitted method does not hold for this model: {message}"
+        self._fit_job = None
+        if not self._closed:
+            self.refresh()
+
     def _invalid(self, errors: dict[str, str]) -> bool:
         self.inputs.show_errors(errors)
         names = ", ".join(FIELD_NAMES.get(k, k) for k in errors)
@@ -543,6 +613,11 @@ class MainWindow(QMainWindow):
             self.inputs.set_model_info(
                 f"<b>{m.family}</b> · <b>{m.num_params:,}</b> parameters · {m.num_layers} layers × "
                 f"hidden {m.hidden_size}, vocab {m.vocab_size:,}<br>Source: {m.source or 'config.json'}")
+        elif "model_type" in setup.extras:
+            self.inputs.set_model_info(
+                f"<b>{setup.extras['model_type']}</b> · <b>{setup.num_params:,}</b> parameters (transformers, meta "
+                f"device)<br>No block model in memcalc: the <b>fitted</b> method traces the real model.<br>"
+                f"Source: {setup.extras.get('model_source', 'config.json')}")
         else:
             self.inputs.set_model_info(
                 f"<b>{setup.num_params:,}</b> parameters, no architecture.<br>Method <b>quick</b>: a rough "
@@ -770,10 +845,12 @@ class MainWindow(QMainWindow):
         self.trace_panel.runner.cancel()
         self.measure_panel.runner.cancel()
         self.hub_runner.cancel()
+        self.fit_runner.cancel()
         deadline = time.monotonic() + STOP_TIMEOUT_MS / 1000
         self.trace_panel.shutdown(max(0, int((deadline - time.monotonic()) * 1000)))
         self.measure_panel.shutdown(max(0, int((deadline - time.monotonic()) * 1000)))
         self.hub_runner.stop(max(0, int((deadline - time.monotonic()) * 1000)))
+        self.fit_runner.stop(max(0, int((deadline - time.monotonic()) * 1000)))
         self.debounce.stop()
         if self._dirty():
             self.refresh()

@@ -31,6 +31,7 @@ METHOD_NOTES = {
     "analytic": "analytic: the model's blocks counted tensor by tensor",
     "quick": "quick: a rough heuristic from the parameter count (Hugging Face blog); activations are overestimated",
     "trace": "trace: measured by tracing one step on fake tensors",
+    "fitted": "fitted: small fake-tensor traces of the real model, evaluated for this shape",
 }
 
 
