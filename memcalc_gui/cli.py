@@ -244,11 +244,15 @@ def resolve_model(args: argparse.Namespace) -> tuple[ModelSpec | None, int | Non
     try:
         return spec_from_config(cfg, name=name, source=source), None, notes
     except UnsupportedFamilyError:
-        from .trace.meta import count_params_on_meta, transformers_available
+        from .trace.meta import count_params_and_active_on_meta, transformers_available
 
         if not transformers_available():
             raise
-        n = count_params_on_meta(cfg)
+        n, active = count_params_and_active_on_meta(cfg)
+        if active != n:
+            args.active_params = active
+            notes.append(f"mixture of experts: {active:,} of the {n:,} parameters are used per token (the routed "
+                         "experts count top-k / experts of their size)")
         args.unknown_config = cfg  # the trace runs this config (setup.model stays None: no analytic block model)
         notes.append(f"model_type {cfg.get('model_type')!r} has no analytic block model: exact parameter "
                      "count from transformers on the meta device")
@@ -320,6 +324,8 @@ def format_ledger(result: Result) -> str:
     else:
         kind = setup.extras.get("model_type")
         what = f"model_type {kind!r} (no analytic block model)" if kind else "no architecture"
+        if "active_params" in setup.extras:
+            what += f"; {setup.extras['active_params']:,} active per token"
         lines.append(f"Model      {setup.num_params:,} parameters ({format_count(setup.num_params)}), {what}")
     lines.append(f"Setup      micro-batch {setup.batch} × seq {setup.seq} × accumulation {setup.grad_accum} "
                  f"(effective batch {setup.effective_batch}); {setup.precision}; {setup.optimizer} "
@@ -390,6 +396,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
                                        "default) or trace run the real model on fake tensors (exact, seconds); "
                                        "--method quick is the rough heuristic")
         setup.extras["model_type"] = family
+        if getattr(args, "active_params", None) is not None:
+            setup.extras["active_params"] = args.active_params
         if args.method in ("trace", "fitted") and setup.parallel.is_distributed:
             raise InputError("method", f"the {args.method} method runs one replica; a per-GPU "
                                        f"{setup.parallel.strategy} budget needs the block model memcalc does not have "
@@ -424,6 +432,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         result = evaluate(setup, args.method)
     if args.json:
         data = result.to_json()
+        if getattr(args, "active_params", None) is not None:
+            data["active_params"] = args.active_params
         if notes:
             data["assumptions"] = notes + data["assumptions"]
         if args.method == "trace":

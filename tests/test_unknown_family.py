@@ -59,3 +59,30 @@ def test_an_unknown_family_across_gpus_falls_back_and_says_so(opt_config: str,
     with pytest.raises(SystemExit) as exit_:
         cli_main(["estimate", "--config", opt_config, "--gpus", "4", "--method", "trace"])
     assert exit_.value.code == 2 and "runs one replica" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("cfg", "total", "active"), [
+    (dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+          moe_intermediate_size=768, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+          num_hidden_layers=48, num_experts=128, num_experts_per_tok=8, tie_word_embeddings=False), 30.5e9, 3.3e9),
+    (dict(model_type="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+          num_key_value_heads=8, num_hidden_layers=32, num_local_experts=8, num_experts_per_tok=2), 46.7e9, 12.9e9),
+], ids=["qwen3-30b-a3b", "mixtral-8x7b"])
+def test_moe_total_and_active_parameters_match_the_model_cards(cfg: dict, total: float, active: float) -> None:
+    """Qwen3-30B-A3B (30.5B, 3.3B active) and Mixtral 8x7B (46.7B, 12.9B active), as their model cards say."""
+    from memcalc_gui.trace.meta import count_params_and_active_on_meta
+
+    n, used = count_params_and_active_on_meta(cfg)
+    assert n == pytest.approx(total, rel=0.005) and used == pytest.approx(active, rel=0.02)
+
+
+def test_the_cli_names_the_active_parameters(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = dict(model_type="qwen3_moe", vocab_size=1024, hidden_size=128, intermediate_size=512,
+               moe_intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+               num_hidden_layers=2, num_experts=8, num_experts_per_tok=2, pad_token_id=0)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    assert cli_main(["estimate", "--config", str(path), "--method", "quick", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    routed = 2 * (8 * 256 * 128 + 8 * 128 * 128)  # two layers' fused gate_up and down experts
+    assert data["active_params"] == data["params"] - routed + routed * 2 // 8

@@ -20,6 +20,17 @@ def transformers_available() -> bool:
 
 def count_params_on_meta(config: dict[str, Any]) -> int:
     """``sum(p.numel())`` of ``AutoModelForCausalLM.from_config`` built on the meta device (no memory, offline)."""
+    return count_params_and_active_on_meta(config)[0]
+
+
+#: Config keys of the routed experts per token and of the experts per layer (transformers' MoE configs).
+_TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "top_k")
+_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+def count_params_and_active_on_meta(config: dict[str, Any]) -> tuple[int, int]:
+    """Total parameters, and those one token uses: a mixture-of-experts layer's routed experts
+    (``….experts.*``, the shared experts apart) count ``top_k / num_experts`` of their size."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     import transformers
@@ -39,4 +50,10 @@ def count_params_on_meta(config: dict[str, Any]) -> int:
             raise ConfigError("model_type", f"{model_type!r} is not a causal language model transformers can build "
                                             "(AutoModelForCausalLM)") from None
         raise ConfigError("config", f"transformers could not build a causal LM from it: {exc}") from None
-    return int(sum(p.numel() for p in model.parameters()))
+    total = int(sum(p.numel() for p in model.parameters()))
+    experts = next((int(config[k]) for k in _EXPERT_KEYS if isinstance(config.get(k), int) and config[k] > 1), 0)
+    top_k = next((int(config[k]) for k in _TOP_K_KEYS if isinstance(config.get(k), int) and config[k] > 0), 0)
+    if not experts or not top_k:
+        return total, total
+    routed = sum(p.numel() for name, p in model.named_parameters() if ".experts." in f".{name}")
+    return total, total - routed + routed * min(top_k, experts) // experts
