@@ -107,3 +107,16 @@ def test_json_round_trip_and_refusals(opt_fit: FitModel) -> None:
     shallow = dict(OPT, num_hidden_layers=1)
     with pytest.raises(fitmod.FitError, match="layers"):
         fitmod.calibrate(shallow, _setup(shallow), 10)
+
+
+def test_over_capacity_the_fitted_verdict_searches_what_it_can(opt_fit: FitModel) -> None:
+    """The search over every lever meets changes the fit cannot estimate (checkpointing, precision, 8-bit Adam):
+    it leaves them out instead of failing, and keeps the micro-batch changes."""
+    from memcalc_gui.core.fitted import evaluate_fitted
+
+    setup = _setup(OPT, batch=8, seq=512)
+    peak = estimate_fitted(setup, opt_fit).peak_bytes
+    result = evaluate_fitted(setup.with_changes(capacity_bytes=peak * 2 // 3), opt_fit)
+    assert result.verdict.fits is False and 0 < result.verdict.max_micro_batch < 8
+    keys = {k for s in result.verdict.suggestions for k in s.changes}
+    assert keys <= {"batch", "grad_accum"} and keys

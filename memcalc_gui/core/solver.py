@@ -386,7 +386,16 @@ def _lever_title(lever: Lever, changes: dict[str, Any], strategy: str) -> str:
 
 def _realise(setup: TrainingSetup, estimator: Estimator, capacity: int,
              combo: tuple[Lever, ...]) -> tuple[dict[str, Any], int] | None:
-    """The concrete changes of ``combo`` and the peak after them, or None when they conflict or do not fit."""
+    """The concrete changes of ``combo`` and the peak after them, or None when they conflict, do not fit, or the
+    estimator cannot estimate them (the fitted method knows one precision, optimizer and checkpointing)."""
+    try:
+        return _realise_checked(setup, estimator, capacity, combo)
+    except InputError:
+        return None
+
+
+def _realise_checked(setup: TrainingSetup, estimator: Estimator, capacity: int,
+                     combo: tuple[Lever, ...]) -> tuple[dict[str, Any], int] | None:
     changes: dict[str, Any] = {}
     for lever in combo:
         changes.update(lever.changes)
