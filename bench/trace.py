@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,6 +56,15 @@ def speed() -> None:
         print(f"{name:<16}{b:>6}{s:>6}{d['seconds']:>9.1f}{d['rss'] / 2**30:>9.2f}{d['peak'] / 2**30:>10.1f}  {diff}")
 
 
+def _errors(traced: Any, measured: Any) -> tuple[float, list[float]]:
+    """(trace − measured) / measured in %: the step's peak and each phase (load: the resident bytes)."""
+    errs = []
+    for p in PHASES:
+        meas = measured.phases[p].live_bytes if p == "load" else measured.phases[p].peak_bytes
+        errs.append((traced.phases[p].tensor_bytes - meas) / meas * 100)
+    return (traced.peak_tensor_bytes - measured.peak_bytes) / measured.peak_bytes * 100, errs
+
+
 def accuracy() -> None:
     from memcalc_gui.measure.cpu_step import measure_training_step
     from memcalc_gui.trace.fake import trace_estimate
@@ -67,11 +77,7 @@ def accuracy() -> None:
                                   optimizer_impl="single-tensor", cuda_context_bytes=0, allocator_reserve=0.0)
             t = trace_estimate(setup).estimate
             m = measure_training_step(cfg, batch=b, seq=s, precision=prec, optimizer_impl="single-tensor")
-            errs = []
-            for p in PHASES:
-                meas = m.phases[p].live_bytes if p == "load" else m.phases[p].peak_bytes
-                errs.append((t.phases[p].tensor_bytes - meas) / meas * 100)
-            peak = (t.peak_tensor_bytes - m.peak_bytes) / m.peak_bytes * 100
+            peak, errs = _errors(t, m)
             worst = max(worst, abs(peak), *map(abs, errs))
             print(f"{fam:<11}{f'b{b} s{s} {prec}':<22}{peak:>+8.2f}%  " + " ".join(f"{e:>+6.2f}%" for e in errs),
                   flush=True)
@@ -107,11 +113,7 @@ def tuning_accuracy() -> None:
         t = trace_estimate(setup).estimate
         m = measure_training_step(cfg, batch=2, seq=128, precision=prec, optimizer_impl="single-tensor",
                                   checkpointing=ck, tuning=tuning)
-        errs = []
-        for p in PHASES:
-            meas = m.phases[p].live_bytes if p == "load" else m.phases[p].peak_bytes
-            errs.append((t.phases[p].tensor_bytes - meas) / meas * 100)
-        peak = (t.peak_tensor_bytes - m.peak_bytes) / m.peak_bytes * 100
+        peak, errs = _errors(t, m)
         worst = max(worst, abs(peak), *map(abs, errs))
         label = " ".join(f"{k}={v if not isinstance(v, tuple) else ','.join(v)}" for k, v in kw.items())
         print(f"{fam:<9}{f'{prec} {label} ckpt={ck}'[:41]:<42}{peak:>+8.2f}%  "

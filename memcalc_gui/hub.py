@@ -45,13 +45,6 @@ class HubConfig:
         return f"{self.repo_id} ({self.origin})"
 
 
-def looks_like_hub_id(text: str) -> bool:
-    """``org/name`` rather than a path on this machine."""
-    text = text.strip()
-    return bool(REPO_ID.match(text)) and "/" in text and not Path(text).expanduser().exists() and \
-        ".." not in text and not text.startswith((".", "/", "~"))
-
-
 def _fail(message: str) -> InputError:
     return InputError(FIELD, message)
 

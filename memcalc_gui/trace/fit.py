@@ -26,8 +26,7 @@ from typing import Any
 
 from ..core.configfile import transformers_kwargs
 from ..core.errors import MemcalcError
-from ..core.fitted import BASIS, SEPARATE, FitModel, Moment, Poly, estimate_fitted, signature
-from ..core.ledger import Estimate
+from ..core.fitted import BASIS, SEPARATE, FitModel, Moment, Poly, signature
 from ..core.setup import TrainingSetup
 from ..core.vocab import PHASES
 
@@ -302,10 +301,3 @@ def calibrate(config: dict[str, Any], setup: TrainingSetup, num_params: int,
     except OSError:
         pass  # a read-only cache costs a calibration next time, nothing else
     return fit
-
-
-def fitted_estimate(config: dict[str, Any], setup: TrainingSetup, num_params: int,
-                    progress: Callable[[str], None] | None = None) -> tuple[Estimate, FitModel]:
-    """Calibrate (or load) and evaluate: the ``fitted`` ledger of ``setup``."""
-    fit = calibrate(config, setup, num_params, progress)
-    return estimate_fitted(setup, fit), fit
