@@ -986,3 +986,6 @@ def test_a_family_without_a_block_model_is_fitted_in_the_window(window, qtbot, t
     w.apply_state(w.inputs.state().replace(batch="8"))
     assert w.refresh() and not w.fit_runner.is_running()  # the same fit: no new traces
     assert w.result.estimate.method == "fitted" and w.result.estimate.peak_bytes > peak
+    from memcalc_gui.ui.trace_panel import skip_reason
+
+    assert "fitted estimate of opt" in skip_reason(w.result.setup)  # not "a bare parameter count"

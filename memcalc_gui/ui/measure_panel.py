@@ -580,6 +580,11 @@ class MeasurePanel(QObject):
             self._show_problem("Cannot measure: an input is invalid.", f"Fix the inputs first ({reason}).")
             return False
         setup = w.result.setup
+        if setup.model is None and "model_type" in setup.extras:
+            self._show_problem(f"Measuring {setup.extras['model_type']} from the window is not available yet.",
+                               "Families without a block model in memcalc are estimated by the fitted method; "
+                               "measuring them in the window comes later.")
+            return False
         if setup.model is None:
             self._show_problem("Cannot measure a bare parameter count.",
                                "Measuring builds the model: choose a preset or open a config.json.")

@@ -91,6 +91,10 @@ def trace_job(setup: TrainingSetup) -> Job:
 
 def skip_reason(setup: TrainingSetup) -> str:
     """Why this setup is not traced ("" when it is)."""
+    if setup.model is None and "model_type" in setup.extras:
+        return (f"The fitted estimate of {setup.extras['model_type']} already comes from fake-tensor traces of the "
+                "real model (equal to a full trace on every family checked); a full trace from the window is not "
+                "available for families without a block model yet: `memcalc estimate --config … --method trace`.")
     if setup.model is None:
         return NO_ARCHITECTURE
     return ""
