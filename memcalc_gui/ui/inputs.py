@@ -259,13 +259,7 @@ class InputPanel(QWidget):
         self.open_button = QPushButton("&Open config.json…")
         self.open_button.setToolTip("Open a Hugging Face config.json (Ctrl+O). You can also drop one on the window.")
         self.open_button.clicked.connect(self.open_config_requested)
-        config_page = QWidget()
-        cl = QVBoxLayout(config_page)
-        cl.setContentsMargins(0, 0, 0, 0)
-        cl.setSpacing(4)
-        self.boxes["config_path"] = FieldBox(self.config_path)
-        cl.addWidget(self.boxes["config_path"])
-        cl.addWidget(self.open_button, 0, Qt.AlignmentFlag.AlignLeft)
+        config_page = self._field_page("config_path", self.config_path, self.open_button)
 
         self.hub_id = QLineEdit()
         self.hub_id.setPlaceholderText("org/name, e.g. meta-llama/Llama-3.1-8B")
@@ -274,13 +268,7 @@ class InputPanel(QWidget):
         self.fetch_button.setToolTip("Download this model's config.json (only the config) from the Hugging Face Hub. "
                                      "A model already in the local Hugging Face cache needs no fetch.")
         self.fetch_button.clicked.connect(lambda: self.fetch_hub_requested.emit(self.hub_id.text().strip()))
-        hub_page = QWidget()
-        hl = QVBoxLayout(hub_page)
-        hl.setContentsMargins(0, 0, 0, 0)
-        hl.setSpacing(4)
-        self.boxes["hub_id"] = FieldBox(self.hub_id)
-        hl.addWidget(self.boxes["hub_id"])
-        hl.addWidget(self.fetch_button, 0, Qt.AlignmentFlag.AlignLeft)
+        hub_page = self._field_page("hub_id", self.hub_id, self.fetch_button)
 
         self.params = QLineEdit()
         self.params.setPlaceholderText("1.5B, 350M or 1.5e9")
@@ -516,6 +504,17 @@ class InputPanel(QWidget):
     def _changed(self, *_: object) -> None:
         if not self._updating:
             self.edited.emit()
+
+    def _field_page(self, name: str, field: QWidget, button: QPushButton) -> QWidget:
+        """A model-source page: the field (with its error line) over a left-aligned button."""
+        page = QWidget()
+        layout = QVBoxLayout(page)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.setSpacing(4)
+        self.boxes[name] = FieldBox(field)
+        layout.addWidget(self.boxes[name])
+        layout.addWidget(button, 0, Qt.AlignmentFlag.AlignLeft)
+        return page
 
     def _on_kind(self, *_: object) -> None:
         self._sync_kind()
