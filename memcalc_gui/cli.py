@@ -20,7 +20,15 @@ from .core.configfile import code_keys
 from .core.distributed import MAX_PARALLEL_GPUS, OFFLOADS, STRATEGIES, Parallelism
 from .core.errors import InputError, MemcalcError, UnsupportedFamilyError, one_line
 from .core.finetune import ADAPTER_DTYPES, MAX_RANK, QUANTS, TUNINGS, FineTuning
-from .core.model import ModelSpec, load_config_file, preset_config, preset_names, preset_spec, spec_from_config
+from .core.model import (
+    ModelSpec,
+    load_config_file,
+    preset_config,
+    preset_info,
+    preset_names,
+    preset_source,
+    spec_from_config,
+)
 from .core.result import Result, evaluate
 from .core.setup import (
     ATTENTIONS,
@@ -227,10 +235,12 @@ def resolve_model(args: argparse.Namespace) -> tuple[ModelSpec | None, int | Non
     notes: list[str] = []
     if getattr(args, "params", None) is not None:
         return None, parse_count(args.params, "params"), notes
-    if args.preset is not None:
-        return preset_spec(args.preset), None, notes
     name = ""
-    if getattr(args, "model", None) is not None:
+    if args.preset is not None:
+        name = args.preset.strip().lower()
+        cfg = preset_config(name)
+        source = preset_source(name, cfg)
+    elif getattr(args, "model", None) is not None:
         from .hub import resolve_config
 
         found = resolve_config(args.model, getattr(args, "revision", None))
@@ -365,7 +375,7 @@ def format_ledger(result: Result) -> str:
     lines.append(f"Verdict    {result.headline()}")
     lines += [f"Warning    {w}" for w in result.warnings]
     if verdict.max_micro_batch is not None:
-        lines.append(f"Largest micro-batch that fits: {verdict.max_micro_batch}")
+        lines.append(f"Largest micro-batch that fits: {verdict.max_micro_batch or 'none (micro-batch 1 is over)'}")
     host = int(est.details.get("host_bytes", 0))
     if host:
         lines.append(f"Host memory for offload: {format_bytes(host)} per node")
@@ -398,14 +408,9 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         setup.extras["model_type"] = family
         if getattr(args, "active_params", None) is not None:
             setup.extras["active_params"] = args.active_params
-        if args.method in ("trace", "fitted") and setup.parallel.is_distributed:
-            raise InputError("method", f"the {args.method} method runs one replica; a per-GPU "
-                                       f"{setup.parallel.strategy} budget needs the block model memcalc does not have "
-                                       f"for {family!r} yet (--method quick splits a bare count for DDP and ZeRO-1/2)")
-        if args.method is None and setup.parallel.is_distributed:
-            args.method = "quick"
-            notes.append("per-GPU budget from the rough heuristic: the trace runs one replica, and this family has "
-                         "no block model to split across GPUs")
+        if args.method == "trace" and setup.parallel.is_distributed:
+            raise InputError("method", f"the trace runs one replica; a per-GPU {setup.parallel.strategy} budget of "
+                                       f"{family!r} comes from the fitted method (the default)")
         if args.method is None:  # exact, rather than a heuristic that is off by up to several times
             args.method = "fitted"
     elif args.method is None and setup.model is None:
@@ -454,7 +459,7 @@ def _fitted_result(setup: TrainingSetup, config: dict[str, Any]) -> tuple[Result
     """The fitted method's result (calibrated once per config and setup, then cached), or ``None`` and why not
     (the caller traces the full model). What-ifs that change more than the shape need calibrations of their own
     and are left out of the suggestions."""
-    from .core.fitted import evaluate_fitted
+    from .core.fitted import FitModel, evaluate_fitted, signature
     from .trace.fake import TraceError, trace_available
     from .trace.fit import FitError, calibrate
 
@@ -463,8 +468,23 @@ def _fitted_result(setup: TrainingSetup, config: dict[str, Any]) -> tuple[Result
     try:
         fit = calibrate(config, setup, setup.num_params)
     except (FitError, TraceError) as exc:
+        if setup.parallel.is_distributed:
+            raise InputError("method", f"the fitted method does not apply here ({exc}), and the full trace runs one "
+                                       "replica: estimate one GPU (--gpus 1)") from None
         return None, f"the fitted method does not apply here ({exc}); traced the full model instead"
-    return evaluate_fitted(setup, fit), ""
+    base = signature(setup)
+
+    def more(changed: TrainingSetup) -> FitModel | None:
+        """A what-if's own calibration: traced when only checkpointing changes (the lever that matters most when
+        activations do not fit, a few seconds once), else only a fit already in the cache."""
+        only_checkpointing = {k: v for k, v in signature(changed).items() if k != "checkpointing"} == \
+            {k: v for k, v in base.items() if k != "checkpointing"}
+        try:
+            return calibrate(config, changed, changed.num_params, cached_only=not only_checkpointing)
+        except (FitError, TraceError):
+            return None
+
+    return evaluate_fitted(setup, fit, more), ""
 
 
 def cmd_measure(args: argparse.Namespace) -> int:
@@ -514,9 +534,12 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_presets(args: argparse.Namespace) -> int:
     models = []
     for name in preset_names():
-        spec = preset_spec(name)
-        models.append({"name": name, "family": spec.family, "params": spec.num_params,
-                       "source": preset_config(name).get("_name_or_path", name)})
+        info = preset_info(name)
+        entry: dict[str, Any] = {"name": name, "family": info.family, "params": info.num_params,
+                                 "source": info.hub_id, "block_model": info.block_model}
+        if info.active_params != info.num_params:
+            entry["active_params"] = info.active_params
+        models.append(entry)
     gpus = [{"id": g.id, "name": g.name, "nominal": g.nominal, "capacity_bytes": g.capacity_bytes}
             for g in gpu_presets()]
     if args.json:
@@ -524,7 +547,8 @@ def cmd_presets(args: argparse.Namespace) -> int:
         return 0
     _out("Models")
     for m in models:
-        _out(f"  {m['name']:<16} {m['family']:<10} {m['params']:>15,} params   {m['source']}")
+        active = f" ({m['active_params'] / 1e9:.1f}B active)" if "active_params" in m else ""
+        _out(f"  {m['name']:<18} {m['family']:<12} {m['params']:>16,} params   {m['source']}{active}")
     _out("\nGPUs (capacity as reported to PyTorch)")
     for g in gpus:
         _out(f"  {g['id']:<12} {g['name']:<26} {format_bytes(g['capacity_bytes']):>12}  ({g['nominal']})")

@@ -2,7 +2,8 @@
 directory, the local Hugging Face cache, or the Hub.
 
 Order: a directory (or a ``config.json`` path) the id names on this machine; the local cache
-(``huggingface_hub.try_to_load_from_cache``: ``HF_HOME``/``HF_HUB_CACHE`` honoured), with no network; only then
+(``huggingface_hub.try_to_load_from_cache``: ``HF_HOME``/``HF_HUB_CACHE`` honoured), with no network; the published
+config memcalc bundles as a preset (``_name_or_path`` equal to the id, default revision only); only then
 the Hub (``hf_hub_download`` of ``config.json`` alone: the token from ``HF_TOKEN`` or ``hf auth login``, and
 ``HF_ENDPOINT`` honoured). ``HF_HUB_OFFLINE`` as the user set it keeps the network out (memcalc sets it for its own
 model building, so the user's value is the one seen when the program started). Every failure is one line
@@ -24,6 +25,7 @@ from typing import Any
 from . import USER_HF_OFFLINE, install_hint
 from .core.configfile import read_config
 from .core.errors import InputError, one_line
+from .core.model import preset_config, preset_for_hub_id
 
 #: ``org/name`` as the Hub spells repository ids (huggingface_hub.utils.validate_repo_id): letters, digits and
 #: ``-_.``; at most 96 characters for the name.
@@ -38,11 +40,15 @@ class HubConfig:
     repo_id: str
     config: dict[str, Any]
     path: str
-    origin: str  # "local directory", "local cache" or "Hub"
+    origin: str  # "local directory", "local cache", the bundled preset, or "Hub"
 
     @property
     def source(self) -> str:
         return f"{self.repo_id} ({self.origin})"
+
+
+def _bundled(repo_id: str, preset: str) -> HubConfig:
+    return HubConfig(repo_id, preset_config(preset), f"preset {preset}", f"memcalc's bundled copy, preset {preset}")
 
 
 def _fail(message: str) -> InputError:
@@ -79,16 +85,21 @@ def resolve_config(model_id: str, revision: str | None = None, *, allow_network:
         return HubConfig(text, read_config(file), str(file), "local directory")
     if not REPO_ID.match(text) or ".." in text or "--" in text:
         raise _fail(f"{text[:80]!r} is neither a folder here nor a Hub id (org/name, e.g. meta-llama/Llama-3.1-8B)")
+    preset = preset_for_hub_id(text) if revision in (None, "main") else None
     try:
         import huggingface_hub as hub
         from huggingface_hub import errors
     except ImportError:
+        if preset is not None:
+            return _bundled(text, preset)
         raise _fail(f"Hub ids need huggingface_hub: {install_hint('hf')}") from None
 
     with _user_offline_mode():
         cached = hub.try_to_load_from_cache(text, "config.json", revision=revision)
         if isinstance(cached, str):
             return HubConfig(text, read_config(cached), cached, "local cache")
+        if preset is not None:  # the published config, bundled with memcalc: no network needed
+            return _bundled(text, preset)
         if not allow_network:
             raise _fail(f"{text} is not in the local Hugging Face cache: fetch it from the Hub")
         if USER_HF_OFFLINE:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from memcalc_gui.core.distributed import STRATEGIES, Parallelism
 from memcalc_gui.core.errors import InputError
 from memcalc_gui.core.fitted import FitModel, estimate_fitted
 from memcalc_gui.core.setup import TrainingSetup
@@ -102,8 +103,9 @@ def test_json_round_trip_and_refusals(opt_fit: FitModel) -> None:
             FitModel.from_json(bad)
     with pytest.raises(InputError, match="calibration"):  # another signature needs its own fit
         estimate_fitted(setup.with_changes(checkpointing="full"), fit)
-    with pytest.raises(InputError):
-        estimate_fitted(setup.with_changes(parallel=setup.parallel.__class__(gpus=2)), fit)
+    stale = FitModel.from_json(dict(fit.to_json(), structure={}))
+    with pytest.raises(InputError, match="calibrate again"):
+        estimate_fitted(setup.with_changes(parallel=Parallelism(gpus=2, strategy="zero3")), stale)
     shallow = dict(OPT, num_hidden_layers=1)
     with pytest.raises(fitmod.FitError, match="layers"):
         fitmod.calibrate(shallow, _setup(shallow), 10)
@@ -119,4 +121,50 @@ def test_over_capacity_the_fitted_verdict_searches_what_it_can(opt_fit: FitModel
     result = evaluate_fitted(setup.with_changes(capacity_bytes=peak * 2 // 3), opt_fit)
     assert result.verdict.fits is False and 0 < result.verdict.max_micro_batch < 8
     keys = {k for s in result.verdict.suggestions for k in s.changes}
-    assert keys <= {"batch", "grad_accum"} and keys
+    assert {"batch", "grad_accum"} <= keys <= {"batch", "grad_accum", "strategy", "offload", "gpus"}
+
+
+LLAMA = dict(COMMON, model_type="llama", intermediate_size=344, num_key_value_heads=2)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_the_per_gpu_fitted_ledger_equals_the_analytic_one(strategy: str) -> None:
+    """A family with both methods: the fitted single-replica trace made per-GPU (model states replaced by the
+    strategy's, as ``analytic.per_gpu_ledger`` does) agrees with the analytic per-GPU ledger phase by phase, with and
+    without checkpointing — the sharding rules are shared, the traced moments are the analytic ones."""
+    from memcalc_gui.core.analytic import estimate_analytic
+    from memcalc_gui.core.model import spec_from_config
+
+    spec = spec_from_config(LLAMA)
+    offload = "both" if strategy in ("zero3", "fsdp-full-shard") else "none"
+    for ckpt in ("none", "full"):
+        single = TrainingSetup(model=spec, batch=2, seq=128, optimizer_impl="single-tensor", checkpointing=ckpt,
+                               cuda_context_bytes=0, allocator_reserve=0.0)
+        fit = fitmod.calibrate(LLAMA, single, spec.num_params)
+        assert fit.structure["layer_params"] == spec.layer_params
+        assert fit.structure["largest_module"] == spec.largest_module_params
+        assert fit.structure["root_unit"] == spec.root_unit_params
+        for gpus, off in ((4, "none"), (8, offload)):
+            setup = single.with_changes(batch=3, seq=200, parallel=Parallelism(gpus=gpus, strategy=strategy,
+                                                                               offload=off))  # type: ignore[arg-type]
+            fitted, analytic = estimate_fitted(setup, fit), estimate_analytic(setup)
+            for phase in PHASES:
+                want = analytic.phases[phase].total_bytes
+                assert fitted.phases[phase].total_bytes == pytest.approx(want, rel=0.03), (ckpt, gpus, phase)
+            assert fitted.details["host_bytes"] == pytest.approx(analytic.details["host_bytes"], rel=1e-3)
+
+
+def test_moe_structure_and_per_gpu_state() -> None:
+    """A mixture of experts: the routed experts counted apart, ZeRO-3 gathering the largest module (the fused
+    experts) and sharding the rest over the GPUs."""
+    setup = _setup(MIXTRAL)
+    fit = fitmod.calibrate(MIXTRAL, setup, setup.num_params)
+    st = fit.structure
+    assert st["num_experts"] == 4 and 0 < st["expert_params"] < st["num_params"]
+    assert st["active_params"] == st["num_params"] - st["expert_params"] // 2
+    one = estimate_fitted(setup, fit)
+    eight = estimate_fitted(setup.with_changes(parallel=Parallelism(gpus=8, strategy="zero3")), fit)
+    assert eight.phases["optimizer_step"].objects["optimizer_state"] == pytest.approx(
+        one.phases["optimizer_step"].objects["optimizer_state"] / 8, abs=8)
+    assert eight.phases["forward"].objects["activations"] == one.phases["forward"].objects["activations"]
+    assert any("603" not in a and "largest unit" in a for a in eight.assumptions)

@@ -15,22 +15,29 @@ This module is standard-library only: it holds the calibrated coefficients and e
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .distributed import ModelStates, model_states
 from .errors import InputError
 from .ledger import Estimate, with_overheads
 from .result import Result
 from .setup import TrainingSetup
-from .solver import solve
+from .solver import gpu_plan, solve
 from .vocab import PHASES, TENSOR_OBJECTS
 
 #: The monomials of (b, s) a moment's live bytes are made of.
 BASIS = ("1", "b", "s", "b·s", "s²", "b·s²")
-FIT_SCHEMA = 3
+FIT_SCHEMA = 4
 
 Poly = tuple[float, float, float, float, float, float]
 Moment = dict[str, Poly]  # ledger object → coefficients
+Transform = Callable[[str, dict[str, float]], dict[str, float]]  # (phase, composition) → per-GPU composition
+
+#: The counts of ``FitModel.structure`` (``trace.meta.structure_on_meta``): what a per-GPU budget needs.
+STRUCTURE_KEYS = ("num_params", "active_params", "layer_params", "largest_module", "root_unit", "expert_params",
+                  "num_experts")
 
 
 def basis(b: int, s: int) -> tuple[int, int, int, int, int, int]:
@@ -67,7 +74,8 @@ class FitModel:
     their largest moment is the same at every count (the largest tensor's, on top of states that grow with the
     layers), so the two peaks are extrapolated (the calibration traces two micro-batches: the first one's windows are
     a step without accumulation, both together one with it); ``num_layers`` is the config's own count;
-    ``checked`` what the validation trace found (relative error per phase)."""
+    ``checked`` what the validation trace found (relative error per phase); ``structure`` the counts of the
+    full-size model a per-GPU budget needs (:data:`STRUCTURE_KEYS`)."""
 
     model_type: str
     num_params: int
@@ -79,6 +87,7 @@ class FitModel:
     checked: dict[str, float] = field(default_factory=dict)
     calibration_s: float = 0.0
     notes: tuple[str, ...] = ()
+    structure: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if len(self.layers) != 2 or self.layers[0] >= self.layers[1]:
@@ -89,9 +98,10 @@ class FitModel:
                     or any(len(moments[p]) != 2 for p in SEPARATE):
                 raise ValueError("a fit holds every phase's moments at both layer counts")
 
-    def peak(self, phase: str, b: int, s: int, accumulating: bool = False) -> dict[str, int]:
+    def peak(self, phase: str, b: int, s: int, accumulating: bool = False,
+             transform: Transform | None = None) -> dict[str, int]:
         """The phase's peak composition at micro-batch ``b``, sequence ``s`` and the config's layer count: every
-        candidate moment extrapolated to that count, then the largest."""
+        candidate moment extrapolated to that count (and made per-GPU by ``transform``), then the largest."""
         la, lb = self.layers
         k = (self.num_layers - la) / (lb - la)
         x = basis(b, s)
@@ -99,6 +109,8 @@ class FitModel:
         if phase in SEPARATE:
             lo, hi = (_largest(ms, x) for ms in candidates)
             grown = {o: lo.get(o, 0.0) + k * (hi.get(o, 0.0) - lo.get(o, 0.0)) for o in set(lo) | set(hi)}
+            if transform is not None:
+                grown = transform(phase, grown)
             return {o: round(v) for o, v in grown.items() if o in TENSOR_OBJECTS and round(v) > 0}
         best: dict[str, float] = {}
         best_total = -1.0
@@ -108,6 +120,8 @@ class FitModel:
                 va = sum(c * v for c, v in zip(first.get(obj, _ZERO), x, strict=True))
                 vb = sum(c * v for c, v in zip(second.get(obj, _ZERO), x, strict=True))
                 comp[obj] = va + k * (vb - va)
+            if transform is not None:
+                comp = transform(phase, comp)
             total = sum(comp.values())
             if total > best_total:
                 best, best_total = comp, total
@@ -121,7 +135,7 @@ class FitModel:
         return {"schema": FIT_SCHEMA, "model_type": self.model_type, "num_params": self.num_params,
                 "num_layers": self.num_layers, "signature": self.signature, "layers": list(self.layers),
                 "moments": dump(self.moments), "accum_moments": dump(self.accum_moments), "checked": self.checked,
-                "calibration_s": self.calibration_s, "notes": list(self.notes)}
+                "calibration_s": self.calibration_s, "notes": list(self.notes), "structure": self.structure}
 
     @staticmethod
     def from_json(data: Any) -> FitModel:
@@ -138,8 +152,9 @@ class FitModel:
             return FitModel(str(data["model_type"]), int(data["num_params"]), int(data["num_layers"]),
                             dict(data["signature"]), (la, lb), load(data["moments"]), load(data["accum_moments"]),
                             {str(k): float(v) for k, v in data["checked"].items()},
-                            float(data.get("calibration_s", 0.0)), tuple(str(n) for n in data.get("notes", ())))
-        except (KeyError, TypeError, AttributeError) as exc:
+                            float(data.get("calibration_s", 0.0)), tuple(str(n) for n in data.get("notes", ())),
+                            {str(k): int(v) for k, v in data.get("structure", {}).items()})
+        except (KeyError, TypeError, AttributeError, ValueError) as exc:
             raise ValueError(f"malformed fit: {exc}") from None
 
 
@@ -166,15 +181,60 @@ def _poly(values: Any) -> Poly:
     return a, b, c, d, e, f
 
 
+def per_gpu_states(setup: TrainingSetup, fit: FitModel) -> tuple[Transform, ModelStates]:
+    """The strategy's per-GPU model states for a fitted model, and the transform that puts them into each traced
+    moment (the activations and temporaries of one micro-batch stay as traced).
+
+    The single-GPU optimizer state, step temporaries and autocast copies are read off the fit itself; the unit
+    sizes (largest decoder layer, largest module, root unit) come from the full-size model on the meta device.
+    Rules as ``distributed.model_states`` (DeepSpeed's and FSDP's sharding) and ``analytic.per_gpu_ledger``."""
+    par = setup.parallel
+    st = fit.structure
+    if not all(k in st for k in STRUCTURE_KEYS):
+        raise InputError("method", "this fit predates per-GPU budgets: calibrate again")
+    if setup.tuning.method != "full":
+        raise InputError("tuning", "a per-GPU budget of a fitted model covers full fine-tuning (the trace runs one "
+                                   "replica of the adapters)")
+    step = fit.peak("optimizer_step", 1, 1)
+    load = sum(fit.peak("load", 1, 1).values())
+    forward = fit.peak("forward", 1, 1)
+    copies = max(0, forward.get("parameters", 0) - load) if setup.precision == "mixed" else 0
+    unit = st["largest_module"] if par.strategy == "zero3" else st["layer_params"]
+    states = model_states(par, st["num_params"], unit, setup.precision, step.get("optimizer_state", 0),
+                          step.get("optimizer_temporaries", 0), copies, st["root_unit"])
+
+    def transform(phase: str, comp: dict[str, float]) -> dict[str, float]:
+        out = dict(comp)
+        if par.strategy == "ddp":
+            if phase != "load":
+                out["gradients"] = out.get("gradients", 0.0) + states.gradients["forward"]  # DDP's buckets
+            return out
+        if phase == "load":
+            return {"parameters": float(states.parameters["load"])}
+        out["parameters"] = float(states.parameters[phase])
+        out["gradients"] = float(states.gradients[phase])
+        out["optimizer_state"] = float(states.optimizer_state)
+        if phase == "optimizer_step":
+            out["optimizer_temporaries"] = float(states.optimizer_temporaries)
+        return out
+
+    return transform, states
+
+
 def estimate_fitted(setup: TrainingSetup, fit: FitModel) -> Estimate:
-    """The ledger of ``setup`` from ``fit`` (a calibration of the same config and signature)."""
-    if setup.parallel.is_distributed:
-        raise InputError("strategy", "the fitted method models one GPU (the trace behind it runs one replica)")
+    """The ledger of ``setup`` from ``fit`` (a calibration of the same config and signature); per GPU under a
+    data-parallel strategy (:func:`per_gpu_states`)."""
     if signature(setup) != fit.signature:
         raise InputError("method", "this change needs its own calibration (a few seconds of tracing)")
+    transform: Transform | None = None
+    parallel_notes: tuple[str, ...] = ()
+    host_bytes = 0
+    if setup.parallel.is_distributed:
+        transform, states = per_gpu_states(setup, fit)
+        parallel_notes, host_bytes = states.notes, states.host_bytes
     phases = {}
     for phase in PHASES:
-        objects = fit.peak(phase, setup.batch, setup.seq, setup.grad_accum > 1)
+        objects = fit.peak(phase, setup.batch, setup.seq, setup.grad_accum > 1, transform)
         if phase == "load":
             objects = {"parameters": sum(objects.values())}
         phases[phase] = with_overheads(objects, phase, setup)
@@ -185,18 +245,35 @@ def estimate_fitted(setup: TrainingSetup, fit: FitModel) -> Estimate:
         f"{' + '.join(BASIS)} terms per object, the layers extrapolated to {fit.num_layers}; checked on a further "
         f"trace within {worst:.2%}",
         *fit.notes,
+        *parallel_notes,
         "CUDA's 512-byte rounding of each allocation is not included (well under 0.1 % at training sizes)",
         f"CUDA context {setup.cuda_context_bytes / 2**20:.0f} MiB and allocator reserve {setup.allocator_reserve:.0%}",
     )
     return Estimate(setup=setup, method="fitted", phases=phases, assumptions=assumptions,
-                    details={"host_bytes": 0, "fit_checked": dict(fit.checked)})
+                    details={"host_bytes": host_bytes, "fit_checked": dict(fit.checked),
+                             "parallel_notes": parallel_notes})
 
 
-def evaluate_fitted(setup: TrainingSetup, fit: FitModel) -> Result:
-    """Estimate and verdict from ``fit``. What-ifs that change more than the shape (precision, checkpointing, the
-    optimizer…) need calibrations of their own and are left out of the suggestions."""
+def evaluate_fitted(setup: TrainingSetup, fit: FitModel,
+                    more: Callable[[TrainingSetup], FitModel | None] | None = None) -> Result:
+    """Estimate and verdict from ``fit``. What-ifs that change only the shape or the GPU layout use ``fit``; those
+    that change the calibration's signature (precision, checkpointing, the optimizer…) use the fit ``more`` returns
+    for them, and are left out of the suggestions where it returns ``None``."""
+    setup.extras["fitted"] = True  # sharding, offload and checkpointing what-ifs apply (core.solver.levers)
+    fits = {_signature_key(fit.signature): fit}
+
     def estimator(s: TrainingSetup) -> Estimate:
-        return estimate_fitted(s, fit)
+        key = _signature_key(signature(s))
+        if key not in fits and more is not None:
+            found = more(s)
+            if found is not None:
+                fits[key] = found
+        return estimate_fitted(s, fits.get(key, fit))
 
     est = estimator(setup)
-    return Result(est, solve(setup, estimator, est), None)
+    plan = gpu_plan(setup, estimator) if setup.parallel.is_distributed else None
+    return Result(est, solve(setup, estimator, est), plan)
+
+
+def _signature_key(sig: dict[str, Any]) -> str:
+    return repr(sorted(sig.items()))

@@ -414,7 +414,58 @@ def preset_config(name: str) -> dict[str, Any]:
 
 
 def preset_spec(name: str) -> ModelSpec:
-    """The :class:`ModelSpec` of a built-in preset."""
+    """The :class:`ModelSpec` of a built-in preset (:class:`UnsupportedFamilyError` for a family without a block
+    model: see :func:`preset_info`)."""
     key = name.strip().lower()
     cfg = preset_config(key)
-    return spec_from_config(cfg, name=key, source=f"preset {key} ({cfg.get('_name_or_path', key)})")
+    return spec_from_config(cfg, name=key, source=preset_source(key, cfg))
+
+
+def preset_source(key: str, cfg: dict[str, Any]) -> str:
+    """``preset qwen3-8b (Qwen/Qwen3-8B)``: the source line of a preset's model."""
+    return f"preset {key} ({cfg.get('_name_or_path', key)})"
+
+
+@dataclass(frozen=True)
+class PresetInfo:
+    """What the preset list shows without building a model: the family (``model_type``), the parameter count, the
+    count one token uses (mixture of experts) and the Hub id the config was published under.
+
+    Presets of families without a block model carry their counts as ``_memcalc_num_params`` and
+    ``_memcalc_active_params`` (transformers on the meta device; ``tests/test_params.py`` recounts them), so that
+    the window lists them without importing torch. transformers ignores keys that start with ``_``."""
+
+    name: str
+    family: str
+    num_params: int
+    active_params: int
+    hub_id: str
+    block_model: bool
+
+
+def preset_info(name: str) -> PresetInfo:
+    """The :class:`PresetInfo` of a built-in preset."""
+    key = name.strip().lower()
+    cfg = preset_config(key)
+    family = str(cfg.get("model_type", "")).strip().lower()
+    hub_id = str(cfg.get("_name_or_path", key))
+    if family in SUPPORTED_FAMILIES:
+        n = preset_spec(key).num_params
+        return PresetInfo(key, family, n, n, hub_id, True)
+    n = cfg.get("_memcalc_num_params")
+    active = cfg.get("_memcalc_active_params", n)
+    if not isinstance(n, int) or not isinstance(active, int) or isinstance(n, bool) or not 0 < active <= n:
+        raise ConfigError("preset", f"preset {key} has no stored parameter count (_memcalc_num_params)")
+    return PresetInfo(key, family, n, active, hub_id, False)
+
+
+def block_preset_names() -> list[str]:
+    """The presets whose family memcalc models tensor by tensor (the analytic method applies)."""
+    return [n for n in preset_names()
+            if str(preset_config(n).get("model_type", "")).strip().lower() in SUPPORTED_FAMILIES]
+
+
+def preset_for_hub_id(repo_id: str) -> str | None:
+    """The bundled preset published under ``repo_id`` (case-insensitive), if any."""
+    wanted = repo_id.strip().lower()
+    return next((n for n in preset_names() if str(preset_config(n).get("_name_or_path", "")).lower() == wanted), None)

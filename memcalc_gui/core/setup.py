@@ -179,6 +179,12 @@ class TrainingSetup:
     def effective_batch(self) -> int:
         return self.batch * self.grad_accum
 
+    @property
+    def architecture_known(self) -> bool:
+        """A block model, or a config the fitted method traces (``extras["fitted"]``): what sharding, offload and
+        checkpointing what-ifs need beyond a bare parameter count."""
+        return self.model is not None or bool(self.extras.get("fitted"))
+
     def with_changes(self, **changes: Any) -> TrainingSetup:
         """A copy with some fields changed (validated again)."""
         return replace(self, **changes)

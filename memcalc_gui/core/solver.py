@@ -258,7 +258,7 @@ def apply_changes(setup: TrainingSetup, changes: dict[str, Any]) -> TrainingSetu
 def levers(setup: TrainingSetup) -> list[Lever]:
     """Every change the estimator can express for ``setup`` (the search combines them)."""
     out: list[Lever] = []
-    if setup.model is not None and setup.checkpointing == "none":
+    if setup.architecture_known and setup.checkpointing == "none":
         out.append(Lever("checkpointing", "checkpointing", "turn on gradient checkpointing",
                          {"checkpointing": "full"}, "about 20–30 % slower backward (one extra forward per layer)"))
     if setup.optimizer in ("adamw", "adam"):
@@ -290,7 +290,7 @@ def levers(setup: TrainingSetup) -> list[Lever]:
     if setup.batch > 1:
         out.append(Lever("micro-batch", "micro-batch", "a smaller micro-batch at the same effective batch", {},
                          "more forward/backward passes per optimizer step"))
-    if setup.model is None:
+    if not setup.architecture_known:
         return out  # sharding and offload need the architecture
     par = setup.parallel
     if par.strategy == "ddp":
@@ -504,7 +504,7 @@ def gpu_plan(setup: TrainingSetup, estimator: Estimator) -> GpuPlan | None:
     (DDP, ZeRO-1, ZeRO-2, FSDP SHARD_GRAD_OP, HYBRID, ZeRO-3, FULL_SHARD), keeping the chosen offload.
     """
     cap = setup.capacity_bytes
-    if cap is None or setup.model is None:
+    if cap is None or not setup.architecture_known:
         return None
 
     def peak(strategy: str, gpus: int) -> int | None:

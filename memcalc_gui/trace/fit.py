@@ -29,6 +29,7 @@ from ..core.errors import MemcalcError
 from ..core.fitted import BASIS, SEPARATE, FitModel, Moment, Poly, signature
 from ..core.setup import TrainingSetup
 from ..core.vocab import PHASES
+from .meta import structure_on_meta
 
 #: Calibration shapes (micro-batch, sequence): b ×3/2 and s ×2 between them keep the six monomials apart.
 SHAPES = ((2, 64), (3, 128))
@@ -236,8 +237,10 @@ def _phase_candidates(short: dict[tuple[str, int], _Window], long: dict[tuple[st
 
 
 def calibrate(config: dict[str, Any], setup: TrainingSetup, num_params: int,
-              progress: Callable[[str], None] | None = None, use_cache: bool = True) -> FitModel:
-    """The fit of ``config`` for ``setup``'s signature: from the cache, or five small traces (a few seconds)."""
+              progress: Callable[[str], None] | None = None, use_cache: bool = True,
+              cached_only: bool = False) -> FitModel:
+    """The fit of ``config`` for ``setup``'s signature: from the cache, or five small traces (a few seconds);
+    ``cached_only`` raises :class:`FitError` rather than tracing."""
     model_type, kwargs = transformers_kwargs(config)
     cfg = {"model_type": model_type, **kwargs}
     layers = next((int(cfg[k]) for k in ("num_hidden_layers", "n_layer", "num_layers")
@@ -250,6 +253,8 @@ def calibrate(config: dict[str, Any], setup: TrainingSetup, num_params: int,
             return FitModel.from_json(json.loads(path.read_text()))
         except (ValueError, OSError):
             pass  # a stale or broken cache file: calibrate again
+    if cached_only:
+        raise FitError("not calibrated yet")
     t0 = time.perf_counter()
     windows: list[dict[tuple[str, int], _Window]] = []
     for n in LAYERS:
@@ -292,7 +297,7 @@ def calibrate(config: dict[str, Any], setup: TrainingSetup, num_params: int,
         notes = (f"At micro-batch 1 this model skips copies a batch of several makes: the fit overestimates it by "
                  f"up to {single:.1%} (--method trace is exact there)",)
     fit = FitModel(model_type, num_params, layers, check.signature, LAYERS, moments, accum, checked,
-                   time.perf_counter() - t0, notes)
+                   time.perf_counter() - t0, notes, structure_on_meta(cfg))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")

@@ -31,6 +31,33 @@ _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num
 def count_params_and_active_on_meta(config: dict[str, Any]) -> tuple[int, int]:
     """Total parameters, and those one token uses: a mixture-of-experts layer's routed experts
     (``….experts.*``, the shared experts apart) count ``top_k / num_experts`` of their size."""
+    counts = structure_on_meta(config)
+    return counts["num_params"], counts["active_params"]
+
+
+def structure_on_meta(config: dict[str, Any]) -> dict[str, int]:
+    """The counts a per-GPU budget needs, from the model transformers builds on the meta device:
+    ``num_params``, ``active_params`` (see :func:`count_params_and_active_on_meta`), ``layer_params`` (the largest
+    decoder layer: the unit FSDP wraps), ``largest_module`` (the most parameters one module holds itself, what
+    DeepSpeed's ZeRO-3 estimator gathers at once), ``root_unit`` (what no decoder layer holds: embeddings, final
+    norm, LM head), ``expert_params`` (the routed experts) and ``num_experts``."""
+    model = _build_on_meta(config)
+    total = int(sum(p.numel() for p in model.parameters()))
+    layers = max((m for m in model.modules() if type(m).__name__ == "ModuleList"), key=len, default=None)
+    layer_sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers] if layers is not None else [0]
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    experts = next((int(config[k]) for k in _EXPERT_KEYS if isinstance(config.get(k), int) and config[k] > 1), 0)
+    top_k = next((int(config[k]) for k in _TOP_K_KEYS if isinstance(config.get(k), int) and config[k] > 0), 0)
+    routed = int(sum(p.numel() for name, p in model.named_parameters() if ".experts." in f".{name}")) \
+        if experts and top_k else 0
+    active = total - routed + routed * min(top_k, experts) // experts if routed else total
+    return {"num_params": total, "active_params": int(active), "layer_params": int(max(layer_sizes)),
+            "largest_module": int(largest), "root_unit": total - int(sum(layer_sizes)), "expert_params": routed,
+            "num_experts": experts if routed else 0}
+
+
+def _build_on_meta(config: dict[str, Any]) -> Any:
+    """``AutoModelForCausalLM.from_config`` on the meta device (no memory, offline, no code a config names)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     import transformers
@@ -50,10 +77,4 @@ def count_params_and_active_on_meta(config: dict[str, Any]) -> tuple[int, int]:
             raise ConfigError("model_type", f"{model_type!r} is not a causal language model transformers can build "
                                             "(AutoModelForCausalLM)") from None
         raise ConfigError("config", f"transformers could not build a causal LM from it: {exc}") from None
-    total = int(sum(p.numel() for p in model.parameters()))
-    experts = next((int(config[k]) for k in _EXPERT_KEYS if isinstance(config.get(k), int) and config[k] > 1), 0)
-    top_k = next((int(config[k]) for k in _TOP_K_KEYS if isinstance(config.get(k), int) and config[k] > 0), 0)
-    if not experts or not top_k:
-        return total, total
-    routed = sum(p.numel() for name, p in model.named_parameters() if ".experts." in f".{name}")
-    return total, total - routed + routed * min(top_k, experts) // experts
+    return model

@@ -19,7 +19,17 @@ from typing import Any, Final
 from ..core.distributed import MAX_PARALLEL_GPUS, OFFLOADS, STRATEGIES, Parallelism
 from ..core.errors import ConfigError, InputError, UnsupportedFamilyError
 from ..core.finetune import MAX_RANK, TUNINGS, FineTuning
-from ..core.model import ModelSpec, load_config_file, preset_names, preset_spec, spec_from_config
+from ..core.model import (
+    ModelSpec,
+    PresetInfo,
+    load_config_file,
+    preset_config,
+    preset_info,
+    preset_names,
+    preset_source,
+    preset_spec,
+    spec_from_config,
+)
 from ..core.setup import (
     DEFAULT_ALLOCATOR_RESERVE,
     DEFAULT_CUDA_CONTEXT_BYTES,
@@ -241,6 +251,7 @@ class ModelCache:
         self._hub: dict[str, ModelSpec] = {}
         self._unknown: dict[Any, Exception] = {}  # families without a block model: what they become
         self._names: list[str] | None = None
+        self._infos: dict[str, PresetInfo | None] = {}
 
     def names(self) -> list[str]:
         if self._names is None:
@@ -251,24 +262,32 @@ class ModelCache:
         """Preset names grouped by family (families alphabetical, each smallest first): the preset list's order."""
         by_family: dict[str, list[tuple[int, str]]] = {}
         for name in self.names():
-            try:
-                spec = self.preset(name)
-            except Exception:  # a broken preset file goes last rather than stopping the window
+            info = self.info(name)
+            if info is None:  # a broken preset file goes last rather than stopping the window
                 by_family.setdefault("~", []).append((0, name))
                 continue
-            by_family.setdefault(spec.family, []).append((spec.num_params, name))
+            by_family.setdefault(info.family, []).append((info.num_params, name))
         return [[name for _n, name in sorted(items)] for _family, items in sorted(by_family.items())]
 
     def details(self) -> dict[str, str]:
-        """Preset name → ``1.54B · qwen2`` (what the preset list shows beside each name)."""
+        """Preset name → ``1.54B · qwen2`` (what the preset list shows beside each name; ``30.5B (3.35B active) ·
+        qwen3_moe`` for a mixture of experts)."""
         out: dict[str, str] = {}
         for name in self.names():
-            try:
-                spec = self.preset(name)
-            except Exception:  # a broken preset file shows no detail rather than stopping the window
+            info = self.info(name)
+            if info is None:  # a broken preset file shows no detail rather than stopping the window
                 continue
-            out[name] = f"{format_count(spec.num_params)} · {spec.family}"
+            active = f" ({format_count(info.active_params)} active)" if info.active_params != info.num_params else ""
+            out[name] = f"{format_count(info.num_params)}{active} · {info.family}"
         return out
+
+    def info(self, name: str) -> PresetInfo | None:
+        if name not in self._infos:
+            try:
+                self._infos[name] = preset_info(name)
+            except Exception:  # a broken preset file: listed without details
+                self._infos[name] = None
+        return self._infos[name]
 
     def preset(self, text: str) -> ModelSpec:
         key = text.strip().lower()
@@ -283,7 +302,14 @@ class ModelCache:
                     raise InputError("preset", f"{len(matches)} presets match {text.strip()!r}: choose one")
                 else:
                     raise InputError("preset", f"no preset matches {text.strip()!r}")
-            self._presets[key] = preset_spec(key)
+            if key in self._unknown:
+                raise self._unknown[key]
+            try:
+                self._presets[key] = preset_spec(key)
+            except UnsupportedFamilyError as exc:  # a preset of a family the fitted method estimates
+                config = preset_config(key)
+                self._unknown[key] = _unknown_family(config, preset_source(key, config), key, exc)
+                raise self._unknown[key] from None
         return self._presets[key]
 
     def config(self, path_text: str) -> ModelSpec:

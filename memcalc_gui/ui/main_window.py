@@ -538,7 +538,7 @@ class MainWindow(QMainWindow):
     def _fitted(self, needed: Any, setup: Any) -> Result | None:
         """The fitted result when this config and setup are calibrated; else start the calibration (seconds, in a
         worker; the last result stays on screen meanwhile) and return None."""
-        from ..core.fitted import evaluate_fitted
+        from ..core.fitted import evaluate_fitted, signature
 
         key = self._fit_key(needed, setup)
         fit = self.fits.get(key)
@@ -546,28 +546,48 @@ class MainWindow(QMainWindow):
             raise InputError("config" if self.inputs.state().model_kind == "config" else "model_id", fit)
         if fit is not None:
             sized = setup.with_changes(params=fit.num_params)
-            sized.extras["model_type"] = needed.model_type
-            sized.extras["model_name"] = needed.name
-            sized.extras["model_source"] = needed.source
-            return evaluate_fitted(sized, fit)
+            sized.extras.update(model_type=needed.model_type, model_name=needed.name, model_source=needed.source,
+                                fitted=True)
+            wanted: list[Any] = []
+
+            def more(changed: Any) -> Any:
+                """A what-if's fit from memory; checkpointing's is calibrated next, in the worker (the solver's
+                suggestions gain it on the refresh that follows)."""
+                found = self.fits.get(self._fit_key(needed, changed))
+                if found is None and {k: v for k, v in signature(changed).items() if k != "checkpointing"} == \
+                        {k: v for k, v in signature(sized).items() if k != "checkpointing"}:
+                    wanted.append(changed)
+                return found if not isinstance(found, str) else None
+
+            result = evaluate_fitted(sized, fit, more)
+            if wanted and not self.fit_runner.is_running():
+                self._calibrate(needed, wanted[0], quiet=True)
+            return result
         if not self.fit_runner.is_running():
-            self._fit_job = key
-            config = needed.config
-
-            def job(progress: Any, _stop: Any) -> Any:
-                from ..trace.fit import calibrate
-                from ..trace.meta import count_params_on_meta
-
-                progress("counting the parameters on the meta device")
-                n = count_params_on_meta(config)
-                return calibrate(config, setup.with_changes(params=n), n, progress)
-
-            self.fit_runner.start(job)
+            self._calibrate(needed, setup)
         message = (f"Fitting model_type {needed.model_type!r} (memcalc has no block model for it): tracing the real "
                    "transformers model at a few small sizes, once per config and setup — a few seconds")
         self.banner.set_stale(True, message)
         self.statusBar().showMessage(message)
         return None
+
+    def _calibrate(self, needed: Any, setup: Any, quiet: bool = False) -> None:
+        """Calibrate ``needed``'s config for ``setup``'s signature in the worker; ``quiet`` for a what-if's fit
+        (the result on screen stays current meanwhile)."""
+        self._fit_job = self._fit_key(needed, setup)
+        config = needed.config
+
+        def job(progress: Any, _stop: Any) -> Any:
+            from ..trace.fit import calibrate
+            from ..trace.meta import count_params_on_meta
+
+            progress("counting the parameters on the meta device")
+            n = count_params_on_meta(config)
+            return calibrate(config, setup.with_changes(params=n), n, progress)
+
+        self.fit_runner.start(job)
+        if quiet:
+            self.statusBar().showMessage("Calibrating the gradient-checkpointing what-if for the suggestions…", 5000)
 
     def _fit_done(self, fit: Any) -> None:
         if self._fit_job is not None:
