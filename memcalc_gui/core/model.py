@@ -452,11 +452,12 @@ def preset_info(name: str) -> PresetInfo:
     if family in SUPPORTED_FAMILIES:
         n = preset_spec(key).num_params
         return PresetInfo(key, family, n, n, hub_id, True)
-    n = cfg.get("_memcalc_num_params")
-    active = cfg.get("_memcalc_active_params", n)
-    if not isinstance(n, int) or not isinstance(active, int) or isinstance(n, bool) or not 0 < active <= n:
+    total = cfg.get("_memcalc_num_params")
+    active = cfg.get("_memcalc_active_params", total)
+    if not isinstance(total, int) or not isinstance(active, int) or isinstance(total, bool) \
+            or not 0 < active <= total:
         raise ConfigError("preset", f"preset {key} has no stored parameter count (_memcalc_num_params)")
-    return PresetInfo(key, family, n, active, hub_id, False)
+    return PresetInfo(key, family, total, active, hub_id, False)
 
 
 def block_preset_names() -> list[str]:
