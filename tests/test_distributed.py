@@ -18,7 +18,7 @@ from memcalc_gui.core.distributed import (
 )
 from memcalc_gui.core.errors import InputError
 from memcalc_gui.core.estimate import estimate
-from memcalc_gui.core.model import preset_names, preset_spec
+from memcalc_gui.core.model import block_preset_names, preset_spec
 from memcalc_gui.core.result import evaluate
 from memcalc_gui.core.setup import TrainingSetup, find_gpu
 
@@ -74,7 +74,7 @@ def test_bad_parallelism(bad: dict) -> None:
         Parallelism(**bad)
 
 
-SPECS = {n: preset_spec(n) for n in preset_names()}
+SPECS = {n: preset_spec(n) for n in block_preset_names()}
 
 
 @settings(max_examples=120, deadline=None)

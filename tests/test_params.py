@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 
 from memcalc_gui.core.errors import ConfigError, UnsupportedFamilyError
-from memcalc_gui.core.model import preset_config, preset_names, preset_spec, spec_from_config
+from memcalc_gui.core.model import (
+    preset_config,
+    preset_for_hub_id,
+    preset_info,
+    preset_names,
+    preset_spec,
+    spec_from_config,
+)
 
 # Several shapes per family, covering tied/untied embeddings, GQA, explicit head_dim, biases,
 # gated vs plain MLP, LayerNorm vs RMSNorm, learned vs rotary positions and parallel residual.
@@ -56,8 +63,28 @@ def test_count_matches_transformers(cfg: dict) -> None:
 
 @pytest.mark.parametrize("name", preset_names())
 def test_preset_count_matches_transformers(name: str) -> None:
+    """Block-model presets count their tensors; the others store the count the window lists without torch — both
+    equal transformers' model on the meta device (and so does the MoE active count)."""
     cfg = {k: v for k, v in preset_config(name).items() if not k.startswith("_")}
-    assert preset_spec(name).num_params == _transformers_count(cfg)
+    info = preset_info(name)
+    assert info.num_params == _transformers_count(cfg)
+    if info.block_model:
+        assert preset_spec(name).num_params == info.num_params == info.active_params
+    else:
+        from memcalc_gui.trace.meta import count_params_and_active_on_meta
+
+        assert (info.num_params, info.active_params) == count_params_and_active_on_meta(cfg)
+
+
+def test_the_library_covers_the_families_of_the_year() -> None:
+    """At least 40 presets; MoE and the families without a block model among them; each Hub id resolves to its
+    preset offline."""
+    names = preset_names()
+    families = {preset_info(n).family for n in names}
+    assert len(names) >= 40
+    assert {"llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v2",
+            "deepseek_v3", "gpt_oss", "gemma2", "gemma3_text", "olmo2", "phi3", "granite"} <= families
+    assert preset_for_hub_id("qwen/qwen3-30b-a3b") == "qwen3-30b-a3b" and preset_for_hub_id("no/such") is None
 
 
 # Published sizes of the real checkpoints (model cards / safetensors metadata).
@@ -96,6 +123,27 @@ def test_presets_have_their_model_card_sizes(name: str, size: float) -> None:
     assert preset_spec(name).num_params == pytest.approx(size, rel=0.005)
 
 
+# Presets of families without a block model: (total, active) as the model cards round them. Active counts include
+# the embedding table and LM head (Mixtral's and Qwen's cards count them; gpt-oss's card leaves one of the two out,
+# 3.6B and 5.1B, so its counts here are the card's plus vocab × hidden).
+MOE_CARD_SIZES = {
+    "mixtral-8x7b": (46.7e9, 12.9e9), "qwen3-30b-a3b": (30.5e9, 3.3e9), "qwen3-235b-a22b": (235e9, 22e9),
+    "qwen1.5-moe-a2.7b": (14.3e9, 2.7e9), "olmoe-1b-7b": (6.9e9, 1.3e9), "deepseek-v2-lite": (15.7e9, 2.7e9),
+    "deepseek-v3": (671e9, 37.5e9), "gpt-oss-20b": (20.9e9, 3.6e9 + 201088 * 2880),
+    "gpt-oss-120b": (116.8e9, 5.1e9 + 201088 * 2880), "gemma-2-2b": (2.61e9, 2.61e9), "gemma-2-9b": (9.24e9, 9.24e9),
+    "gemma-2-27b": (27.2e9, 27.2e9), "gemma-3-1b": (1.0e9, 1.0e9), "olmo-2-1b": (1.48e9, 1.48e9),
+    "olmo-2-7b": (7.30e9, 7.30e9), "olmo-2-13b": (13.7e9, 13.7e9), "granite-3.1-8b": (8.17e9, 8.17e9),
+}
+
+
+@pytest.mark.parametrize("name,sizes", sorted(MOE_CARD_SIZES.items()))
+def test_new_family_presets_have_their_model_card_sizes(name: str, sizes: tuple[float, float]) -> None:
+    info = preset_info(name)
+    assert not info.block_model
+    assert info.num_params == pytest.approx(sizes[0], rel=0.005)
+    assert info.active_params == pytest.approx(sizes[1], rel=0.03)
+
+
 def test_unknown_family_names_supported_ones() -> None:
     with pytest.raises(UnsupportedFamilyError) as info:
         spec_from_config({"model_type": "mamba", "hidden_size": 8})
@@ -123,5 +171,7 @@ def test_bad_configs_name_the_field(cfg: object, field: str) -> None:
 
 
 def test_unknown_preset_lists_presets() -> None:
-    with pytest.raises(ConfigError, match=r"qwen2\.5-1\.5b"):
+    with pytest.raises(ConfigError, match=r"did you mean qwen2\.5-1\.5b.*memcalc presets"):
+        preset_spec("qwen2.5-1.5")
+    with pytest.raises(ConfigError, match=r"memcalc presets` lists all"):
         preset_spec("no-such-model")

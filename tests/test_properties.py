@@ -6,11 +6,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from memcalc_gui.core.estimate import estimate
-from memcalc_gui.core.model import preset_names, preset_spec
+from memcalc_gui.core.model import block_preset_names, preset_spec
 from memcalc_gui.core.setup import ATTENTIONS, OPTIMIZER_IMPLS, PRECISIONS, TrainingSetup
 from memcalc_gui.core.vocab import PHASES
 
-SPECS = {name: preset_spec(name) for name in preset_names()}
+SPECS = {name: preset_spec(name) for name in block_preset_names()}
 
 
 @st.composite

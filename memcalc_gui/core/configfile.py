@@ -158,8 +158,6 @@ def _clean(cfg: dict[str, Any]) -> dict[str, Any]:
     for key, value in cfg.items():
         if key in CODE_KEYS or key in LOCATION_KEYS or key.startswith("_"):
             continue
-        if value is None:
-            continue  # a null size means "the class default" (transformers fails on some explicit nulls)
         if isinstance(value, float) and value.is_integer() and (key.endswith(("_size", "_layers", "_heads"))
                                                                  or key in _INT_KEYS):
             value = int(value)
@@ -175,9 +173,17 @@ _INT_KEYS: Final = frozenset({"n_embd", "n_head", "n_layer", "n_inner", "n_posit
                               "num_hidden_layers", "intermediate_size", "hidden_size", "n_ctx"})
 
 
+def without_nulls(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` without its null values (each then the config class's default): the second try when a config
+    class rejects an explicit null. The first try keeps them, since a null can mean "none" where the class default
+    is something (DeepSeek-V2-Lite's ``q_lora_rank: null`` is no query compression; the default is 1536)."""
+    return {k: (without_nulls(v) if isinstance(v, dict) else v) for k, v in kwargs.items() if v is not None}
+
+
 def transformers_kwargs(cfg: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """``(model_type, kwargs)`` for ``AutoConfig.for_model``: code and location keys removed, nulls dropped,
-    integral float sizes made integers, ``model_type`` lower-cased (the form transformers registers)."""
+    """``(model_type, kwargs)`` for ``AutoConfig.for_model``: code and location keys removed, integral float sizes
+    made integers, ``model_type`` lower-cased (the form transformers registers); nulls kept (see
+    :func:`without_nulls`)."""
     model_type = cfg.get("model_type")
     if not isinstance(model_type, str) or not model_type.strip():
         raise ConfigError("model_type", "missing from config.json")

@@ -8,6 +8,7 @@ config leaves out follow each family's transformers ``*Config`` class.
 
 from __future__ import annotations
 
+import difflib
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -406,7 +407,9 @@ def preset_config(name: str) -> dict[str, Any]:
     key = name.strip().lower()
     names = preset_names()
     if key not in names:
-        raise ConfigError("preset", f"unknown preset {name!r}; available: {', '.join(names)}")
+        close = difflib.get_close_matches(key, names, n=4, cutoff=0.5)
+        hint = f"did you mean {', '.join(close)}? " if close else ""
+        raise ConfigError("preset", f"unknown preset {name[:60]!r}; {hint}`memcalc presets` lists all {len(names)}")
     cfg = load_json(f"models/{key}.json")
     if not isinstance(cfg, dict):
         raise ConfigError("preset", f"preset {key} is not a JSON object")

@@ -338,13 +338,14 @@ def build_model(
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     import transformers
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from ..core.configfile import transformers_kwargs
+    from ..trace.meta import auto_config
 
     transformers.logging.set_verbosity_error()  # its warnings about a config's odd keys are not the user's output
     model_type, kwargs = transformers_kwargs(config)  # no auto_map or location keys: nothing a config names runs
-    cfg = AutoConfig.for_model(model_type, **kwargs)
+    cfg = auto_config(model_type, kwargs)
     cfg.use_cache = use_cache
     for key, value in cfg.to_dict().items():
         if (

@@ -9,7 +9,7 @@ import importlib.util
 import os
 from typing import Any
 
-from ..core.configfile import transformers_kwargs
+from ..core.configfile import transformers_kwargs, without_nulls
 from ..core.errors import ConfigError
 
 
@@ -56,6 +56,20 @@ def structure_on_meta(config: dict[str, Any]) -> dict[str, int]:
             "num_experts": experts if routed else 0}
 
 
+def auto_config(model_type: str, kwargs: dict[str, Any]) -> Any:
+    """``AutoConfig.for_model`` with the config's nulls, else without them (a class that rejects an explicit null
+    takes its default); :class:`ConfigError` when transformers rejects it either way."""
+    import transformers
+
+    try:
+        return transformers.AutoConfig.for_model(model_type, **kwargs)
+    except Exception:  # a config class rejects some value: the nulls are the usual cause
+        try:
+            return transformers.AutoConfig.for_model(model_type, **without_nulls(kwargs))
+        except Exception as exc:
+            raise ConfigError("config", f"transformers rejects it: {exc}") from None
+
+
 def _build_on_meta(config: dict[str, Any]) -> Any:
     """``AutoModelForCausalLM.from_config`` on the meta device (no memory, offline, no code a config names)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -65,10 +79,7 @@ def _build_on_meta(config: dict[str, Any]) -> Any:
     model_type, cfg = transformers_kwargs(config)  # no auto_map or location keys: nothing a config names runs
     if model_type not in transformers.CONFIG_MAPPING:
         raise ConfigError("model_type", f"transformers {transformers.__version__} has no model type {model_type!r}")
-    try:
-        hf_config = transformers.AutoConfig.for_model(model_type, **cfg)
-    except Exception as exc:  # a config class rejects some value
-        raise ConfigError("config", f"transformers rejects it: {exc}") from None
+    hf_config = auto_config(model_type, cfg)
     try:
         with torch.device("meta"):
             model = transformers.AutoModelForCausalLM.from_config(hf_config, trust_remote_code=False)
