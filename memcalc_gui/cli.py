@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from . import __version__, install_hint
-from .core.configfile import code_keys
+from .core.configfile import EXPERT_KEYS, code_keys
 from .core.distributed import MAX_PARALLEL_GPUS, OFFLOADS, STRATEGIES, Parallelism
 from .core.errors import InputError, MemcalcError, UnsupportedFamilyError, one_line
 from .core.finetune import ADAPTER_DTYPES, MAX_RANK, QUANTS, TUNINGS, FineTuning
@@ -81,6 +81,7 @@ FLAGS = {
     "strategy": "--strategy",
     "node_size": "--node-size",
     "offload": "--offload",
+    "ep": "--ep",
     "tuning": "--tuning",
     "lora_rank": "--lora-rank",
     "lora_targets": "--lora-targets",
@@ -92,6 +93,7 @@ FLAGS = {
     "trainable": "--trainable",
     "target_device": "--target-device",
     "model_id": "--model",
+    "router_logits": "--router-logits",
 }
 
 
@@ -110,6 +112,9 @@ def _add_model_args(p: argparse.ArgumentParser, *, params: bool = True) -> None:
                        help="a Hugging Face Hub id (or a local model folder): config.json from the local cache, "
                             "else from the Hub")
     p.add_argument("--revision", metavar="REV", help="with --model: a branch, tag or commit (default main)")
+    p.add_argument("--router-logits", choices=("on", "off"), default=None,
+                   help="mixture of experts: output_router_logits (router logits kept and the auxiliary load-balancing "
+                        "loss computed, as transformers does when it is on; default: the config's)")
     if params:
         group.add_argument("--params", metavar="N", help="parameters only (1.5B, 350M, 1.5e9): rough heuristic")
 
@@ -160,6 +165,8 @@ def _add_setup_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--strategy", default="ddp", choices=STRATEGIES, help="how the model state is sharded")
     p.add_argument("--node-size", default="8", metavar="N", help="GPUs per node (fsdp-hybrid, host memory)")
     p.add_argument("--offload", default="none", choices=OFFLOADS, help="offload to CPU (ZeRO-Offload, FSDP CPUOffload)")
+    p.add_argument("--ep", default="1", metavar="N",
+                   help="expert parallelism: a mixture of experts' routed experts split over N of the GPUs (default 1)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -247,6 +254,12 @@ def resolve_model(args: argparse.Namespace) -> tuple[ModelSpec | None, int | Non
         cfg, source, name = found.config, found.source, found.repo_id
     else:
         cfg, source = load_config_file(args.config), str(Path(args.config))
+    router = getattr(args, "router_logits", None)
+    if router is not None:
+        if not any(isinstance(cfg.get(k), int) and cfg[k] > 1 for k in EXPERT_KEYS):
+            raise InputError("router_logits", f"model_type {str(cfg.get('model_type'))[:40]!r} has no router (not a "
+                                              "mixture of experts)")
+        cfg = dict(cfg, output_router_logits=router == "on")
     dropped = code_keys(cfg)
     if dropped:
         notes.append(f"{', '.join(dropped)} ignored: memcalc builds the model classes transformers ships for "
@@ -294,7 +307,8 @@ def setup_from_args(args: argparse.Namespace) -> tuple[TrainingSetup, list[str]]
         kw.update(capacity_bytes=parse_size(args.capacity, "capacity"))
     kw["parallel"] = Parallelism(gpus=parse_positive_int(args.gpus, "gpus", MAX_PARALLEL_GPUS),
                                  strategy=args.strategy, offload=args.offload,
-                                 node_size=parse_positive_int(args.node_size, "node_size", MAX_PARALLEL_GPUS))
+                                 node_size=parse_positive_int(args.node_size, "node_size", MAX_PARALLEL_GPUS),
+                                 ep=parse_positive_int(getattr(args, "ep", "1"), "ep", MAX_PARALLEL_GPUS))
     if args.cuda_context is not None:
         kw["cuda_context_bytes"] = parse_size(args.cuda_context, "cuda_context", allow_zero=True)
     if args.allocator_reserve is not None:
@@ -346,7 +360,9 @@ def format_ledger(result: Result) -> str:
     par = setup.parallel
     if par.is_distributed:
         lines.append(f"GPUs       {par.gpus} × {par.strategy}" + (f", offload {par.offload}" if par.offload != "none"
-                                                                 else "") + " — the ledger is per GPU")
+                                                                 else "")
+                     + (f", experts split over {par.ep} (expert parallelism)" if par.ep > 1 else "")
+                     + " — the ledger is per GPU")
     label = {"quick": "quick (rough Hugging Face blog heuristic)", "analytic": "analytic (tensor by tensor)",
              "trace": "trace (the real step on fake tensors)",
              "fitted": "fitted (small fake-tensor traces of the real model, evaluated for this shape)"}

@@ -135,7 +135,7 @@ def test_bad_models(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     code, _, err = run(capsys, "estimate", "--config", str(tmp_path / "missing.json"))
     assert code == 2 and "--config" in err
     code, _, err = run(capsys, "estimate", "--preset", "nope")
-    assert code == 2 and "--preset" in err and "gpt2" in err
+    assert code == 2 and "--preset" in err and "memcalc presets" in err
     code, _, err = run(capsys, "estimate", "--params", "lots")
     assert code == 2 and "--params" in err
     code, _, err = run(capsys, "estimate")

@@ -29,6 +29,7 @@ from .activations import (
     tuned_layer_saved,
 )
 from .distributed import ModelStates, Parallelism, model_states
+from .errors import InputError
 from .finetune import FineTuning, layer_linears
 from .ledger import Estimate, with_overheads
 from .model import ModelSpec
@@ -306,6 +307,9 @@ def states_for(spec: ModelSpec, setup: TrainingSetup, state_bytes: int, step_tem
                copies: int) -> ModelStates:
     """The strategy's per-GPU model states for this architecture (see ``distributed.model_states``)."""
     par = setup.parallel
+    if par.ep > 1:
+        raise InputError("ep", f"{spec.name} has no routed experts to split (expert parallelism needs a mixture of "
+                               "experts)")
     unit = spec.largest_module_params if par.strategy == "zero3" else spec.layer_params
     return model_states(par, spec.num_params, unit, setup.precision, state_bytes, step_temporaries, copies,
                         spec.root_unit_params)

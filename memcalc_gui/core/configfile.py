@@ -173,6 +173,10 @@ _INT_KEYS: Final = frozenset({"n_embd", "n_head", "n_layer", "n_inner", "n_posit
                               "num_hidden_layers", "intermediate_size", "hidden_size", "n_ctx"})
 
 
+#: Config keys of the routed experts per layer in transformers' mixture-of-experts configs.
+EXPERT_KEYS: Final = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
 def without_nulls(kwargs: dict[str, Any]) -> dict[str, Any]:
     """``kwargs`` without its null values (each then the config class's default): the second try when a config
     class rejects an explicit null. The first try keeps them, since a null can mean "none" where the class default

@@ -33,7 +33,7 @@ and ``deepspeed_zero2_estimate`` reproduces the estimator.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Final, Literal, get_args
 
 from .errors import InputError
@@ -101,9 +101,10 @@ class Parallelism:
     strategy: Strategy = "ddp"
     node_size: int = 8
     offload: Offload = "none"
+    ep: int = 1  # expert parallelism: the routed experts split over this many GPUs (see ``expert_parallel_states``)
 
     def __post_init__(self) -> None:
-        for name in ("gpus", "node_size"):
+        for name in ("gpus", "node_size", "ep"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InputError(name, f"must be a positive integer, got {value!r}")
@@ -119,6 +120,9 @@ class Parallelism:
                                         "(zero3, fsdp-full-shard or fsdp-hybrid)")
         if self.offload != "none" and self.strategy == "ddp":
             raise InputError("offload", "DDP cannot offload; use zero1/2/3 or FSDP")
+        if self.gpus % self.ep:
+            raise InputError("ep", f"expert parallelism over {self.ep} GPUs needs a GPU count it divides, "
+                                   f"got {self.gpus}")
 
     @property
     def shards(self) -> int:
@@ -131,7 +135,7 @@ class Parallelism:
 
     @property
     def is_distributed(self) -> bool:
-        return self.gpus > 1 or self.strategy != "ddp" or self.offload != "none"
+        return self.gpus > 1 or self.strategy != "ddp" or self.offload != "none" or self.ep > 1
 
     @property
     def gpus_per_node(self) -> int:
@@ -289,3 +293,36 @@ def deepspeed_zero3_estimate(num_params: int, largest_layer: int, gpus_per_node:
         gpu = largest + int(18 * num_params / total)
         cpu = (largest_layer if zero_init else num_params) * 4 * gpus_per_node * buffer_factor
     return int(cpu), int(gpu)
+
+
+def expert_parallel_states(par: Parallelism, num_params: int, expert_params: int, dense_unit: int,
+                           expert_unit: int, precision: str, state_bytes_single: int, step_temporaries_single: int,
+                           matmul_copy_bytes: int, root_unit: int) -> ModelStates:
+    """Per-GPU model states with the routed experts split over ``par.ep`` GPUs (expert parallelism, as torchtitan
+    and Megatron-LM lay it out): every GPU holds ``1/ep`` of each MoE layer's experts, an expert group is
+    replicated (DDP) or sharded (ZeRO/FSDP) over the ``gpus/ep`` GPUs that hold the same experts, and the rest
+    of the model (attention, shared experts, router, embeddings) is laid out over all GPUs as the strategy says.
+    The single-GPU optimizer costs and autocast copies are split in proportion to the parameters."""
+    if par.ep == 1:
+        unit = expert_unit + dense_unit  # not split: the caller's unit
+        return model_states(par, num_params, unit, precision, state_bytes_single, step_temporaries_single,
+                            matmul_copy_bytes, root_unit)
+    dense = num_params - expert_params
+    share = expert_params // par.ep
+
+    def part(n: int) -> tuple[int, int, int]:
+        return (state_bytes_single * n // num_params, step_temporaries_single * n // num_params,
+                matmul_copy_bytes * n // num_params)
+
+    d = model_states(replace(par, ep=1), dense, dense_unit, precision, *part(dense), root_unit)
+    e = model_states(replace(par, gpus=par.gpus // par.ep, ep=1), share, expert_unit // par.ep, precision,
+                     *part(share), 0)
+    note = (f"Expert parallelism over {par.ep} GPUs: each holds 1/{par.ep} of the routed experts "
+            f"({share:,} parameters), {'replicated' if par.strategy == 'ddp' else 'sharded'} over the "
+            f"{par.gpus // par.ep} GPU(s) that hold the same experts; the other {dense:,} parameters over all "
+            f"{par.gpus}")
+    return ModelStates(
+        {ph: d.parameters[ph] + e.parameters[ph] for ph in d.parameters},
+        {ph: d.gradients[ph] + e.gradients[ph] for ph in d.gradients},
+        d.optimizer_state + e.optimizer_state, d.optimizer_temporaries + e.optimizer_temporaries,
+        d.host_bytes + e.host_bytes, (note, *d.notes))

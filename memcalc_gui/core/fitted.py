@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .distributed import ModelStates, model_states
+from .distributed import ModelStates, expert_parallel_states, model_states
 from .errors import InputError
 from .ledger import Estimate, with_overheads
 from .result import Result
@@ -29,7 +29,7 @@ from .vocab import PHASES, TENSOR_OBJECTS
 
 #: The monomials of (b, s) a moment's live bytes are made of.
 BASIS = ("1", "b", "s", "b·s", "s²", "b·s²")
-FIT_SCHEMA = 4
+FIT_SCHEMA = 5
 
 Poly = tuple[float, float, float, float, float, float]
 Moment = dict[str, Poly]  # ledger object → coefficients
@@ -37,7 +37,8 @@ Transform = Callable[[str, dict[str, float]], dict[str, float]]  # (phase, compo
 
 #: The counts of ``FitModel.structure`` (``trace.meta.structure_on_meta``): what a per-GPU budget needs.
 STRUCTURE_KEYS = ("num_params", "active_params", "layer_params", "largest_module", "root_unit", "expert_params",
-                  "num_experts")
+                  "num_experts", "top_k", "hidden_size", "layer_expert_params", "largest_expert_module",
+                  "largest_dense_module")
 
 
 def basis(b: int, s: int) -> tuple[int, int, int, int, int, int]:
@@ -199,13 +200,37 @@ def per_gpu_states(setup: TrainingSetup, fit: FitModel) -> tuple[Transform, Mode
     load = sum(fit.peak("load", 1, 1).values())
     forward = fit.peak("forward", 1, 1)
     copies = max(0, forward.get("parameters", 0) - load) if setup.precision == "mixed" else 0
-    unit = st["largest_module"] if par.strategy == "zero3" else st["layer_params"]
-    states = model_states(par, st["num_params"], unit, setup.precision, step.get("optimizer_state", 0),
-                          step.get("optimizer_temporaries", 0), copies, st["root_unit"])
+    state, temps = step.get("optimizer_state", 0), step.get("optimizer_temporaries", 0)
+    buffers = 0
+    if par.ep > 1:
+        if not st["num_experts"]:
+            raise InputError("ep", f"model_type {fit.model_type!r} has no routed experts to split (expert "
+                                   "parallelism needs a mixture of experts)")
+        if st["num_experts"] % par.ep:
+            raise InputError("ep", f"{st['num_experts']} experts per layer do not split evenly over {par.ep} GPUs")
+        zero3 = par.strategy == "zero3"
+        states = expert_parallel_states(
+            par, st["num_params"], st["expert_params"],
+            st["largest_dense_module"] if zero3 else st["layer_params"] - st["layer_expert_params"],
+            st["largest_expert_module"] if zero3 else st["layer_expert_params"], setup.precision, state, temps,
+            copies, st["root_unit"])
+        # the all-to-all dispatch and combine buffers of one MoE layer: every token's top-k hidden states out and
+        # back, balanced routing (torchtitan's and Megatron-LM's token dispatchers)
+        a_bytes = 4 if setup.precision == "fp32" else 2
+        buffers = 2 * setup.batch * setup.seq * st["top_k"] * st["hidden_size"] * a_bytes
+    else:
+        unit = st["largest_module"] if par.strategy == "zero3" else st["layer_params"]
+        states = model_states(par, st["num_params"], unit, setup.precision, state, temps, copies, st["root_unit"])
+    keep = (st["num_params"] - st["expert_params"] + st["expert_params"] // par.ep) / st["num_params"]
 
     def transform(phase: str, comp: dict[str, float]) -> dict[str, float]:
         out = dict(comp)
-        if par.strategy == "ddp":
+        if phase in ("forward", "backward") and buffers:
+            out["temporaries"] = out.get("temporaries", 0.0) + buffers
+        if par.strategy == "ddp":  # replicated: the traced states (the experts' share of them with EP) + buckets
+            for obj in ("parameters", "gradients", "optimizer_state", "optimizer_temporaries"):
+                if obj in out:
+                    out[obj] *= keep
             if phase != "load":
                 out["gradients"] = out.get("gradients", 0.0) + states.gradients["forward"]  # DDP's buckets
             return out
@@ -232,6 +257,10 @@ def estimate_fitted(setup: TrainingSetup, fit: FitModel) -> Estimate:
     if setup.parallel.is_distributed:
         transform, states = per_gpu_states(setup, fit)
         parallel_notes, host_bytes = states.notes, states.host_bytes
+        if setup.parallel.ep > 1:
+            parallel_notes += ("Expert parallelism assumes balanced routing: every GPU's experts get their share of "
+                               "the tokens, and one MoE layer's all-to-all dispatch and combine buffers (tokens × "
+                               "top-k × hidden, each way) are live at a time",)
     phases = {}
     for phase in PHASES:
         objects = fit.peak(phase, setup.batch, setup.seq, setup.grad_accum > 1, transform)

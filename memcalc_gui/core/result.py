@@ -77,6 +77,7 @@ class Result:
             "strategy": est.setup.parallel.strategy,
             "gpus": est.setup.parallel.gpus,
             "offload": est.setup.parallel.offload,
+            "ep": est.setup.parallel.ep,
             "host_bytes": int(est.details.get("host_bytes", 0)),
             "gpu_plan": self.plan.to_json() if self.plan is not None else None,
         }

@@ -212,6 +212,7 @@ class TrainingSetup:
             "strategy": self.parallel.strategy,
             "node_size": self.parallel.node_size,
             "offload": self.parallel.offload,
+            "ep": self.parallel.ep,
             "tuning": self.tuning.method,
             **({"lora_rank": self.tuning.rank, "lora_targets": list(self.tuning.targets),
                 "lora_dropout": self.tuning.dropout, "adapter_dtype": self.tuning.adapter_dtype}
@@ -260,6 +261,7 @@ class TrainingSetup:
         par = self.parallel
         gpus = f", {par.gpus} GPUs {par.strategy}" if par.is_distributed else ""
         gpus += f", offload {par.offload}" if par.offload != "none" else ""
+        gpus += f", experts over {par.ep}" if par.ep > 1 else ""
         return (f"{model}: batch {self.batch} × seq {self.seq} × accum {self.grad_accum}, {self.precision}, "
                 f"{self.optimizer} ({self.optimizer_impl}), {self.attention}, checkpointing {self.checkpointing}"
                 f"{', use_cache' if self.use_cache else ''}"

@@ -219,7 +219,7 @@ MAX_FIXES = 3
 GPU_GROWTH = 8
 MAX_EVALUATIONS = 250
 SHARDED = ("zero2", "zero3", "fsdp-full-shard")
-PARALLEL_KEYS = ("gpus", "strategy", "offload", "node_size")
+PARALLEL_KEYS = ("gpus", "strategy", "offload", "node_size", "ep")
 #: Change keys that edit the fine-tuning method (core.finetune.FineTuning's fields, as the CLI names them).
 TUNING_KEYS = {"tuning": "method", "lora_rank": "rank", "lora_targets": "targets", "lora_dropout": "dropout",
                "adapter_dtype": "adapter_dtype", "quant": "quant", "double_quant": "double_quant",

@@ -9,7 +9,7 @@ import importlib.util
 import os
 from typing import Any
 
-from ..core.configfile import transformers_kwargs, without_nulls
+from ..core.configfile import EXPERT_KEYS, transformers_kwargs, without_nulls
 from ..core.errors import ConfigError
 
 
@@ -25,7 +25,7 @@ def count_params_on_meta(config: dict[str, Any]) -> int:
 
 #: Config keys of the routed experts per token and of the experts per layer (transformers' MoE configs).
 _TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "top_k")
-_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+_EXPERT_KEYS = EXPERT_KEYS
 
 
 def count_params_and_active_on_meta(config: dict[str, Any]) -> tuple[int, int]:
@@ -40,20 +40,32 @@ def structure_on_meta(config: dict[str, Any]) -> dict[str, int]:
     ``num_params``, ``active_params`` (see :func:`count_params_and_active_on_meta`), ``layer_params`` (the largest
     decoder layer: the unit FSDP wraps), ``largest_module`` (the most parameters one module holds itself, what
     DeepSpeed's ZeRO-3 estimator gathers at once), ``root_unit`` (what no decoder layer holds: embeddings, final
-    norm, LM head), ``expert_params`` (the routed experts) and ``num_experts``."""
+    norm, LM head), ``expert_params`` (the routed experts), ``num_experts`` and ``top_k``, ``hidden_size``, and for
+    expert parallelism ``layer_expert_params`` (one layer's routed experts), ``largest_expert_module`` and
+    ``largest_dense_module`` (the largest module outside the routed experts)."""
     model = _build_on_meta(config)
     total = int(sum(p.numel() for p in model.parameters()))
     layers = max((m for m in model.modules() if type(m).__name__ == "ModuleList"), key=len, default=None)
     layer_sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers] if layers is not None else [0]
-    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
     experts = next((int(config[k]) for k in _EXPERT_KEYS if isinstance(config.get(k), int) and config[k] > 1), 0)
     top_k = next((int(config[k]) for k in _TOP_K_KEYS if isinstance(config.get(k), int) and config[k] > 0), 0)
-    routed = int(sum(p.numel() for name, p in model.named_parameters() if ".experts." in f".{name}")) \
-        if experts and top_k else 0
-    active = total - routed + routed * min(top_k, experts) // experts if routed else total
+    moe = bool(experts and top_k)
+
+    def routed(name: str) -> bool:
+        return moe and ".experts." in f".{name}."
+
+    own = [(name, sum(p.numel() for p in m.parameters(recurse=False))) for name, m in model.named_modules()]
+    expert_params = int(sum(p.numel() for name, p in model.named_parameters() if routed(name)))
+    layer_experts = [sum(p.numel() for name, p in layer.named_parameters() if routed(name))
+                     for layer in layers] if layers is not None else [0]
+    active = total - expert_params + expert_params * min(top_k, experts) // experts if moe else total
     return {"num_params": total, "active_params": int(active), "layer_params": int(max(layer_sizes)),
-            "largest_module": int(largest), "root_unit": total - int(sum(layer_sizes)), "expert_params": routed,
-            "num_experts": experts if routed else 0}
+            "largest_module": int(max(n for _name, n in own)), "root_unit": total - int(sum(layer_sizes)),
+            "expert_params": expert_params, "num_experts": experts if expert_params else 0,
+            "top_k": top_k if expert_params else 0, "hidden_size": int(getattr(model.config, "hidden_size", 0) or 0),
+            "layer_expert_params": int(max(layer_experts)),
+            "largest_expert_module": int(max((n for name, n in own if routed(name)), default=0)),
+            "largest_dense_module": int(max(n for name, n in own if not routed(name)))}
 
 
 def auto_config(model_type: str, kwargs: dict[str, Any]) -> Any:

@@ -83,6 +83,7 @@ class FormState:
     gpus: str = "1"
     strategy: str = "ddp"
     node_size: str = "8"
+    ep: str = "1"
     offload: str = "none"
     # fine-tuning (core.finetune.FineTuning); the LoRA fields apply to lora and qlora, trainable to frozen
     tuning: str = "full"
@@ -196,6 +197,7 @@ _FIELD_MAP: Final = {
     "gpus": "gpus",
     "strategy": "strategy",
     "node_size": "node_size",
+    "ep": "ep",
     "offload": "offload",
     "parallel": "strategy",
     "tuning": "tuning",
@@ -418,6 +420,7 @@ def build_setup(state: FormState, cache: ModelCache) -> TrainingSetup:
     attempt("allocator_reserve", lambda: _reserve_fraction(state.allocator_reserve))
     attempt("gpus", lambda: parse_positive_int(state.gpus, "gpus", MAX_PARALLEL_GPUS))
     attempt("node_size", lambda: parse_positive_int(state.node_size, "node_size", MAX_PARALLEL_GPUS))
+    attempt("ep", lambda: parse_positive_int(state.ep or "1", "ep", MAX_PARALLEL_GPUS))
     attempt("tuning", lambda: tuning_from_state(state))
     if errors:
         raise FormErrors(errors)
@@ -426,6 +429,7 @@ def build_setup(state: FormState, cache: ModelCache) -> TrainingSetup:
             gpus=values.pop("gpus"),
             strategy=state.strategy,  # type: ignore[arg-type]
             node_size=values.pop("node_size"),
+            ep=values.pop("ep"),
             offload=state.offload,  # type: ignore[arg-type]
         )
     except InputError as exc:

@@ -397,6 +397,9 @@ class InputPanel(QWidget):
         self.node_size = IntEdit()
         self.node_size.setPlaceholderText("8")
         self._row(gform, "GPUs per &node:", "node_size", self.node_size)
+        self.ep = IntEdit()
+        self.ep.setPlaceholderText("1")
+        self._row(gform, "E&xperts split over:", "ep", self.ep)
         self.offload = _combo(offload_labels("ddp"), TOOLTIPS["offload"])
         self._row(gform, "Offloa&d:", "offload", self.offload)
         self.cuda_context = QLineEdit()
@@ -415,7 +418,7 @@ class InputPanel(QWidget):
         outer.addStretch(1)
 
         for edit in (self.preset.lineEdit(), self.config_path, self.hub_id, self.params, self.batch, self.seq,
-                     self.grad_accum, self.capacity, self.gpus, self.node_size, self.cuda_context,
+                     self.grad_accum, self.capacity, self.gpus, self.node_size, self.ep, self.cuda_context,
                      self.allocator_reserve):
             edit.installEventFilter(self._undo_filter)
         self._connect()
@@ -447,7 +450,7 @@ class InputPanel(QWidget):
         self.model_kind.currentIndexChanged.connect(self._on_kind)
         self.preset.currentTextChanged.connect(self._changed)
         for edit in (self.config_path, self.hub_id, self.params, self.batch, self.seq, self.grad_accum,
-                     self.cuda_context, self.allocator_reserve, self.gpus, self.node_size):
+                     self.cuda_context, self.allocator_reserve, self.gpus, self.node_size, self.ep):
             edit.textChanged.connect(self._changed)
         self.capacity.textChanged.connect(self._on_capacity)
         self.checkpointing.toggled.connect(self._changed)
@@ -488,7 +491,7 @@ class InputPanel(QWidget):
                  self.trainable, self.recipe,
                  self.precision,
                  self.optimizer, self.optimizer_impl, self.gpu, self.capacity, self.gpus, self.strategy, self.node_size,
-                 self.offload, self.cuda_context, self.allocator_reserve]
+                 self.ep, self.offload, self.cuda_context, self.allocator_reserve]
         for a, b in itertools.pairwise(chain):
             QWidget.setTabOrder(a, b)
 
@@ -687,6 +690,7 @@ class InputPanel(QWidget):
             gpus=self.gpus.text(),
             strategy=self.strategy.currentData(),
             node_size=self.node_size.text(),
+            ep=self.ep.text(),
             offload=self.offload.currentData(),
         )
 
@@ -702,7 +706,7 @@ class InputPanel(QWidget):
                     self.preset.setCurrentIndex(i)
                 self.preset.setEditText(state.preset)
             for name in ("config_path", "hub_id", "params", "batch", "seq", "grad_accum", "capacity", "cuda_context",
-                         "allocator_reserve", "gpus", "node_size"):
+                         "allocator_reserve", "gpus", "node_size", "ep"):
                 edit: QLineEdit = getattr(self, name)
                 value = getattr(state, name)
                 if edit.text() != value:

@@ -84,7 +84,7 @@ NARROW_WIDTH = 1240
 #: Typing in one field within this many seconds merges into one undo step.
 MERGE_WINDOW_S = 2.0
 TEXT_FIELDS = frozenset({"preset", "config_path", "hub_id", "params", "batch", "seq", "grad_accum", "capacity",
-                         "cuda_context", "allocator_reserve", "gpus", "node_size", "lora_rank", "lora_targets",
+                         "cuda_context", "allocator_reserve", "gpus", "node_size", "ep", "lora_rank", "lora_targets",
                          "lora_dropout", "trainable"})
 FIELD_NAMES = {
     "model_kind": "model source", "preset": "preset", "config_path": "config.json", "hub_id": "Hub id",
@@ -94,7 +94,8 @@ FIELD_NAMES = {
     "attention": "attention", "checkpointing": "checkpointing", "use_cache": "use_cache", "gpu": "GPU",
     "capacity": "capacity",
     "cuda_context": "CUDA context", "allocator_reserve": "allocator reserve", "gpus": "number of GPUs",
-    "strategy": "strategy", "node_size": "GPUs per node", "offload": "offload", "general": "input",
+    "strategy": "strategy", "node_size": "GPUs per node", "ep": "experts split over", "offload": "offload",
+    "general": "input",
     "tuning": "weights trained", "lora_rank": "LoRA rank", "lora_targets": "target modules",
     "lora_dropout": "LoRA dropout", "quant": "base quantization", "double_quant": "double quantization",
     "prepare_kbit": "fp32 cast of the unquantized weights",

@@ -148,6 +148,13 @@ TOOLTIPS: dict[str, str] = {
         "GPUs per node. FSDP HYBRID_SHARD shards the state over one node's GPUs only; with offload the host "
         "memory is needed once per node (DeepSpeed's estimators: host bytes × GPUs per node × 1.5 buffer factor)."
     ),
+    "ep": (
+        "Expert parallelism (a mixture of experts only): the routed experts of every MoE layer are split over this "
+        "many GPUs, each group of GPUs holding the same experts replicated or sharded by the strategy; attention, "
+        "shared experts, router and embeddings are laid out over all GPUs. It must divide the number of GPUs and "
+        "the experts per layer. Balanced routing is assumed, with one layer's all-to-all buffers live at a time "
+        "(torchtitan's and Megatron-LM's expert-parallel token dispatch)."
+    ),
     "offload": (
         "Move model state to CPU memory; the chart then shows less on the GPU and the host memory needed per "
         "node is listed. The choices are the ones that differ for the strategy.\nZeRO-1/2/3, optimizer: "
