@@ -168,3 +168,34 @@ def test_moe_structure_and_per_gpu_state() -> None:
         one.phases["optimizer_step"].objects["optimizer_state"] / 8, abs=8)
     assert eight.phases["forward"].objects["activations"] == one.phases["forward"].objects["activations"]
     assert any("603" not in a and "largest unit" in a for a in eight.assumptions)
+
+
+def test_expert_parallelism_splits_the_routed_experts() -> None:
+    """--ep N: under DDP each GPU keeps the dense part and 1/N of the routed experts (weights, gradients, Adam
+    state, all in proportion), plus one MoE layer's all-to-all buffers in forward and backward; under ZeRO-3 over
+    the same GPUs the state is sharded 8 ways either way. Expert counts that do not split are refused."""
+    from memcalc_gui.core.distributed import expert_parallel_states
+
+    setup = _setup(MIXTRAL, batch=2, seq=64)
+    fit = fitmod.calibrate(MIXTRAL, setup, setup.num_params)
+    st = fit.structure
+    one = estimate_fitted(setup, fit)
+    ddp = estimate_fitted(setup.with_changes(parallel=Parallelism(gpus=4, ep=4)), fit)
+    keep = (st["num_params"] - st["expert_params"] * 3 / 4) / st["num_params"]
+    load = one.phases["load"].objects["parameters"]
+    assert ddp.phases["load"].objects["parameters"] == pytest.approx(load * keep, rel=1e-3)
+    state = one.phases["optimizer_step"].objects["optimizer_state"]
+    assert ddp.phases["optimizer_step"].objects["optimizer_state"] == pytest.approx(state * keep, rel=1e-3)
+    buffers = 2 * 2 * 64 * st["top_k"] * st["hidden_size"] * 2  # dispatch + combine, bf16 under mixed precision
+    assert ddp.phases["forward"].objects["temporaries"] >= buffers
+    assert any("balanced routing" in a for a in ddp.assumptions)
+    with pytest.raises(InputError, match="do not split evenly"):
+        estimate_fitted(setup.with_changes(parallel=Parallelism(gpus=8, ep=8)), fit)  # 4 experts per layer
+    # the states themselves: ZeRO-3 with EP over all GPUs shards everything as often as without it
+    par = Parallelism(gpus=8, strategy="zero3", ep=4)
+    psi, experts = 10_000_000, 8_000_000
+    with_ep = expert_parallel_states(par, psi, experts, 1000, 4000, "mixed", 8 * psi, 0, 0, 500)
+    assert with_ep.optimizer_state == pytest.approx(psi, rel=1e-6)
+    assert with_ep.parameters["optimizer_step"] == pytest.approx(6 * psi / 8, rel=1e-6)
+    with pytest.raises(InputError, match="ep"):
+        Parallelism(gpus=6, ep=4)

@@ -192,3 +192,23 @@ def test_the_window_fetches_a_hub_id_then_reads_it_from_the_cache(qtbot, hub_ser
     assert w.result is fetched
     qtbot.waitUntil(w.inputs.fetch_button.isEnabled, timeout=5000)
     w.close()
+
+
+def test_the_issue_command_answers_from_the_bundled_config_without_network(hub_server: str, tmp_path: Path) -> None:
+    """`--model Qwen/Qwen3-30B-A3B … --gpus 8 --strategy zero3`: not in the cache, so the published config memcalc
+    bundles answers (the Hub is never asked), and the fitted method gives a per-GPU ledger of the MoE."""
+    args = ["estimate", "--model", "Qwen/Qwen3-30B-A3B", "--batch", "2", "--seq", "4096", "--gpus", "8",
+            "--strategy", "zero3", "--gpu", "h100-80gb", "--json"]
+    rc, out, err, _ = run(args, hub_server, tmp_path / "hf")
+    assert rc == 0, err
+    data = json.loads(out)
+    assert HubHandler.requests == []
+    assert data["method"] == "fitted" and data["per_gpu"] and data["strategy"] == "zero3" and data["gpus"] == 8
+    assert data["params"] == 30_532_122_624 and data["active_params"] == 3_353_032_704
+    step = data["phases"]["optimizer_step"]["objects"]
+    # ZeRO-3 over 8: Adam's two fp32 moments (8 bytes per parameter) split 8 ways; 2 + 4 bytes of 16-bit weights and
+    # fp32 master weights per parameter split too
+    assert step["optimizer_state"] == pytest.approx(data["params"], rel=0.001)
+    assert step["parameters"] == pytest.approx(6 * data["params"] / 8, rel=0.001)
+    assert any("largest unit gathered" in a for a in data["assumptions"])
+    assert data["suggestions"] and data["fits"] is False

@@ -989,3 +989,20 @@ def test_a_family_without_a_block_model_is_fitted_in_the_window(window, qtbot, t
     from memcalc_gui.ui.trace_panel import skip_reason
 
     assert "fitted estimate of opt" in skip_reason(w.result.setup)  # not "a bare parameter count"
+    # per GPU: the same fit, its model states replaced by the strategy's
+    single = w.result.estimate
+    w.apply_state(w.inputs.state().replace(gpus="4", strategy="zero3"))
+    assert w.refresh() and not w.fit_runner.is_running()
+    est = w.result.estimate
+    assert est.method == "fitted" and est.setup.parallel.gpus == 4 and est.details["parallel_notes"]
+    assert est.phases["optimizer_step"].objects["optimizer_state"] < single.phases["optimizer_step"].objects[
+        "optimizer_state"] / 3
+    # over capacity: the checkpointing what-if is calibrated quietly in the worker, then suggested
+    w.apply_state(w.inputs.state().replace(gpus="1", strategy="ddp", gpu="",
+                                           capacity=f"{single.peak_bytes * 0.8 / 2**20:.2f} MiB"))
+    assert w.refresh() and w.result.verdict.fits is False
+
+    def suggested() -> bool:
+        return any(s.changes.get("checkpointing") == "full" for s in w.result.verdict.suggestions)
+
+    qtbot.waitUntil(suggested, timeout=60000)

@@ -51,14 +51,23 @@ def test_analytic_on_an_unknown_family_names_the_alternatives(opt_config: str,
     assert "--method fitted" in err and len(err.splitlines()) == 1
 
 
-def test_an_unknown_family_across_gpus_falls_back_and_says_so(opt_config: str,
-                                                              capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli_main(["estimate", "--config", opt_config, "--gpus", "4", "--strategy", "zero2", "--json"]) == 0
+def test_an_unknown_family_across_gpus_is_fitted_per_gpu(opt_config: str, capsys: pytest.CaptureFixture[str],
+                                                         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fitted replica made per-GPU (tests/test_fitted.py checks it against the analytic ledger); the full trace
+    runs one replica and says so; expert parallelism needs experts; --router-logits needs a router."""
+    monkeypatch.setenv("MEMCALC_CACHE_DIR", str(tmp_path / "fits"))
+    base = ["estimate", "--config", opt_config, "--gpus", "4", "--json"]
+    assert cli_main([*base, "--strategy", "zero2"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["method"] == "quick" and any("rough heuristic" in a for a in data["assumptions"])
-    with pytest.raises(SystemExit) as exit_:
-        cli_main(["estimate", "--config", opt_config, "--gpus", "4", "--method", "trace"])
-    assert exit_.value.code == 2 and "runs one replica" in capsys.readouterr().err
+    assert data["method"] == "fitted" and data["per_gpu"] and data["strategy"] == "zero2"
+    assert any("ZeRO-2 reduces gradients" in a for a in data["assumptions"])
+    for extra, words in ((["--method", "trace"], "runs one replica"), (["--ep", "2"], "no routed experts"),
+                         (["--ep", "3"], "--ep: expert parallelism over 3 GPUs needs a GPU count it divides"),
+                         (["--router-logits", "on"], "--router-logits: model_type 'opt' has no router")):
+        with pytest.raises(SystemExit) as exit_:
+            cli_main([*base, *extra])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and words in err and len(err.strip().splitlines()) == 1, err
 
 
 @pytest.mark.parametrize(("cfg", "total", "active"), [

@@ -549,6 +549,9 @@ class MainWindow(QMainWindow):
             sized = setup.with_changes(params=fit.num_params)
             sized.extras.update(model_type=needed.model_type, model_name=needed.name, model_source=needed.source,
                                 fitted=True)
+            active = fit.structure.get("active_params", fit.num_params)
+            if active != fit.num_params:
+                sized.extras["active_params"] = active
             wanted: list[Any] = []
 
             def more(changed: Any) -> Any:
@@ -561,7 +564,7 @@ class MainWindow(QMainWindow):
                 return found if not isinstance(found, str) else None
 
             result = evaluate_fitted(sized, fit, more)
-            if wanted and not self.fit_runner.is_running():
+            if wanted and result.verdict.fits is False and not self.fit_runner.is_running():  # worth the seconds
                 self._calibrate(needed, wanted[0], quiet=True)
             return result
         if not self.fit_runner.is_running():
@@ -636,8 +639,10 @@ class MainWindow(QMainWindow):
                 f"hidden {m.hidden_size}, vocab {m.vocab_size:,}<br>Source: {m.source or 'config.json'}")
         elif "model_type" in setup.extras:
             self.inputs.set_model_info(
-                f"<b>{setup.extras['model_type']}</b> · <b>{setup.num_params:,}</b> parameters (transformers, meta "
-                f"device)<br>No block model in memcalc: the <b>fitted</b> method traces the real model.<br>"
+                f"<b>{setup.extras['model_type']}</b> · <b>{setup.num_params:,}</b> parameters"
+                + (f", {setup.extras['active_params']:,} active per token" if "active_params" in setup.extras else "")
+                + " (transformers, meta device)<br>No block model in memcalc: the <b>fitted</b> method traces the "
+                "real model.<br>"
                 f"Source: {setup.extras.get('model_source', 'config.json')}")
         else:
             self.inputs.set_model_info(
