@@ -21,6 +21,7 @@ from .core.distributed import MAX_PARALLEL_GPUS, OFFLOADS, STRATEGIES, Paralleli
 from .core.errors import InputError, MemcalcError, UnsupportedFamilyError, one_line
 from .core.finetune import ADAPTER_DTYPES, MAX_RANK, QUANTS, TUNINGS, FineTuning
 from .core.model import (
+    LITE_NOTE,
     ModelSpec,
     load_config_file,
     preset_config,
@@ -28,6 +29,7 @@ from .core.model import (
     preset_names,
     preset_source,
     spec_from_config,
+    stored_count,
 )
 from .core.result import Result, evaluate
 from .core.setup import (
@@ -270,7 +272,11 @@ def resolve_model(args: argparse.Namespace) -> tuple[ModelSpec | None, int | Non
         from .trace.meta import count_params_and_active_on_meta, transformers_available
 
         if not transformers_available():
-            raise
+            stored = stored_count(cfg)
+            if stored is None:
+                raise
+            notes.append(LITE_NOTE.format(family=str(cfg.get("model_type"))[:40]))
+            return None, stored, notes
         n, active = count_params_and_active_on_meta(cfg)
         if active != n:
             args.active_params = active

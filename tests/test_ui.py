@@ -1006,3 +1006,17 @@ def test_a_family_without_a_block_model_is_fitted_in_the_window(window, qtbot, t
         return any(s.changes.get("checkpointing") == "full" for s in w.result.verdict.suggestions)
 
     qtbot.waitUntil(suggested, timeout=60000)
+
+
+def test_without_torch_a_new_family_preset_is_the_heuristic_with_its_reason(window, monkeypatch):
+    """The lite build cannot trace: a Mixtral preset shows the heuristic from its stored count and says so."""
+    import memcalc_gui.trace.fake as fake
+    from memcalc_gui.core.model import preset_info
+
+    monkeypatch.setattr(fake, "trace_available", lambda: False)
+    w = window
+    w.apply_state(w.inputs.state().replace(model_kind="preset", preset="mixtral-8x7b", gpus="1", strategy="ddp"))
+    assert w.refresh()
+    assert w.result.estimate.method == "quick"
+    assert w.result.setup.num_params == preset_info("mixtral-8x7b").num_params
+    assert "no PyTorch and transformers" in w.inputs.model_info.text() and "mixtral" in w.inputs.model_info.text()

@@ -95,3 +95,17 @@ def test_the_cli_names_the_active_parameters(tmp_path: Path, capsys: pytest.Capt
     data = json.loads(capsys.readouterr().out)
     routed = 2 * (8 * 256 * 128 + 8 * 128 * 128)  # two layers' fused gate_up and down experts
     assert data["active_params"] == data["params"] - routed + routed * 2 // 8
+
+
+def test_without_torch_a_new_family_preset_gets_the_heuristic_and_says_why(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lite build (no PyTorch/transformers): a preset of a family without a block model is answered by the
+    heuristic from its stored count, with a note naming the method and why; a bare config still names the build."""
+    import memcalc_gui.trace.meta as meta
+    from memcalc_gui.core.model import preset_info
+
+    monkeypatch.setattr(meta, "transformers_available", lambda: False)
+    assert cli_main(["estimate", "--preset", "mixtral-8x7b", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["method"] == "quick" and data["params"] == preset_info("mixtral-8x7b").num_params
+    assert any("no PyTorch and transformers to trace it" in a for a in data["assumptions"])

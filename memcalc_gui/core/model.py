@@ -455,12 +455,23 @@ def preset_info(name: str) -> PresetInfo:
     if family in SUPPORTED_FAMILIES:
         n = preset_spec(key).num_params
         return PresetInfo(key, family, n, n, hub_id, True)
-    total = cfg.get("_memcalc_num_params")
+    total = stored_count(cfg)
     active = cfg.get("_memcalc_active_params", total)
-    if not isinstance(total, int) or not isinstance(active, int) or isinstance(total, bool) \
-            or not 0 < active <= total:
+    if total is None or not isinstance(active, int) or not 0 < active <= total:
         raise ConfigError("preset", f"preset {key} has no stored parameter count (_memcalc_num_params)")
     return PresetInfo(key, family, total, active, hub_id, False)
+
+
+#: What a build without PyTorch and transformers says when it answers a preset of another family with the heuristic.
+LITE_NOTE = ("model_type {family!r} has no analytic block model and this build has no PyTorch and transformers to "
+             "trace it: the rough heuristic (quick) from the preset's stored parameter count; the full build "
+             "estimates it exactly")
+
+
+def stored_count(cfg: dict[str, Any]) -> int | None:
+    """A preset's stored parameter count (``_memcalc_num_params``), if it has a valid one."""
+    n = cfg.get("_memcalc_num_params")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
 
 
 def block_preset_names() -> list[str]:

@@ -20,6 +20,7 @@ from ..core.distributed import MAX_PARALLEL_GPUS, OFFLOADS, STRATEGIES, Parallel
 from ..core.errors import ConfigError, InputError, UnsupportedFamilyError
 from ..core.finetune import MAX_RANK, TUNINGS, FineTuning
 from ..core.model import (
+    LITE_NOTE,
     ModelSpec,
     PresetInfo,
     load_config_file,
@@ -29,6 +30,7 @@ from ..core.model import (
     preset_source,
     preset_spec,
     spec_from_config,
+    stored_count,
 )
 from ..core.setup import (
     DEFAULT_ALLOCATOR_RESERVE,
@@ -233,6 +235,17 @@ class FitNeeded(Exception):
         self.model_type = str(config.get("model_type"))[:40]
 
 
+class HeuristicOnly(Exception):
+    """A preset of a family without a block model in a build that cannot trace it: the heuristic from its stored
+    parameter count, with the reason shown."""
+
+    def __init__(self, config: dict[str, Any], count: int, reason: str) -> None:
+        super().__init__(reason)
+        self.count = count
+        self.reason = reason
+        self.model_type = str(config.get("model_type"))[:40]
+
+
 def _unknown_family(config: dict[str, Any], source: str, name: str, error: UnsupportedFamilyError) -> Exception:
     """What a config of a family without a block model becomes: a fit request when PyTorch and transformers can
     trace it, else the error saying what would."""
@@ -240,6 +253,9 @@ def _unknown_family(config: dict[str, Any], source: str, name: str, error: Unsup
 
     if trace_available() and importlib.util.find_spec("transformers") is not None:
         return FitNeeded(config, source, name)
+    count = stored_count(config)
+    if count is not None:  # a preset: its stored count gives the heuristic, and the window says why
+        return HeuristicOnly(config, count, LITE_NOTE.format(family=str(config.get("model_type"))[:40]))
     return ConfigError("model_type", f"{error.reason}; the full build (with PyTorch and transformers) estimates "
                                      "any transformers family from its real model")
 
@@ -391,6 +407,7 @@ def build_setup(state: FormState, cache: ModelCache) -> TrainingSetup:
     errors: dict[str, str] = {}
     values: dict[str, Any] = {}
     fit: FitNeeded | None = None
+    lite: dict[str, str] = {}
 
     def attempt(name: str, fn: Any) -> None:
         nonlocal fit
@@ -401,6 +418,9 @@ def build_setup(state: FormState, cache: ModelCache) -> TrainingSetup:
         except FitNeeded as exc:  # a family without a block model: a parameter count now, the fitted method later
             fit = exc
             values["params"] = 1
+        except HeuristicOnly as exc:
+            values["params"] = exc.count
+            lite.update(heuristic_reason=exc.reason, heuristic_model_type=exc.model_type)
 
     if state.model_kind == "preset":
         attempt("model", lambda: cache.preset(state.preset))
@@ -445,7 +465,7 @@ def build_setup(state: FormState, cache: ModelCache) -> TrainingSetup:
             use_cache=state.use_cache == "true",
             gpu=gpu_id,
             capacity_bytes=capacity,
-            extras={"fit": fit} if fit is not None else {},
+            extras={"fit": fit} if fit is not None else dict(lite),
             **values,
         )
     except InputError as exc:

@@ -644,6 +644,10 @@ class MainWindow(QMainWindow):
                 + " (transformers, meta device)<br>No block model in memcalc: the <b>fitted</b> method traces the "
                 "real model.<br>"
                 f"Source: {setup.extras.get('model_source', 'config.json')}")
+        elif "heuristic_reason" in setup.extras:
+            self.inputs.set_model_info(
+                f"<b>{setup.extras['heuristic_model_type']}</b> · <b>{setup.num_params:,}</b> parameters (stored "
+                f"with the preset)<br>Method <b>quick</b>: {setup.extras['heuristic_reason']}.")
         else:
             self.inputs.set_model_info(
                 f"<b>{setup.num_params:,}</b> parameters, no architecture.<br>Method <b>quick</b>: a rough "
