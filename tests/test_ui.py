@@ -959,10 +959,10 @@ def test_preset_list_groups_families_smallest_first(window):
             groups[-1].append(text)
     cache = window.cache
     assert sorted(n for g in groups for n in g) == sorted(cache.names())
-    assert len(groups) == len({cache.preset(n).family for n in cache.names()})
+    assert len(groups) == len({cache.info(n).family for n in cache.names()})
     for group in groups:
-        assert len({cache.preset(n).family for n in group}) == 1
-        sizes = [cache.preset(n).num_params for n in group]
+        assert len({cache.info(n).family for n in group}) == 1
+        sizes = [cache.info(n).num_params for n in group]
         assert sizes == sorted(sizes)
 
 
