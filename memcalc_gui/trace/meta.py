@@ -70,16 +70,16 @@ def structure_on_meta(config: dict[str, Any]) -> dict[str, int]:
 
 def auto_config(model_type: str, kwargs: dict[str, Any]) -> Any:
     """``AutoConfig.for_model`` with the config's nulls, else without them (a class that rejects an explicit null
-    takes its default); :class:`ConfigError` when transformers rejects it either way."""
+    takes its default); transformers' own error when it rejects the config either way."""
     import transformers
 
     try:
         return transformers.AutoConfig.for_model(model_type, **kwargs)
     except Exception:  # a config class rejects some value: the nulls are the usual cause
-        try:
-            return transformers.AutoConfig.for_model(model_type, **without_nulls(kwargs))
-        except Exception as exc:
-            raise ConfigError("config", f"transformers rejects it: {exc}") from None
+        cleaned = without_nulls(kwargs)
+        if cleaned == kwargs:
+            raise
+        return transformers.AutoConfig.for_model(model_type, **cleaned)
 
 
 def _build_on_meta(config: dict[str, Any]) -> Any:
@@ -91,7 +91,10 @@ def _build_on_meta(config: dict[str, Any]) -> Any:
     model_type, cfg = transformers_kwargs(config)  # no auto_map or location keys: nothing a config names runs
     if model_type not in transformers.CONFIG_MAPPING:
         raise ConfigError("model_type", f"transformers {transformers.__version__} has no model type {model_type!r}")
-    hf_config = auto_config(model_type, cfg)
+    try:
+        hf_config = auto_config(model_type, cfg)
+    except Exception as exc:  # a config class rejects some value
+        raise ConfigError("config", f"transformers rejects it: {exc}") from None
     try:
         with torch.device("meta"):
             model = transformers.AutoModelForCausalLM.from_config(hf_config, trust_remote_code=False)

@@ -399,7 +399,7 @@ class InputPanel(QWidget):
         self._row(gform, "GPUs per &node:", "node_size", self.node_size)
         self.ep = IntEdit()
         self.ep.setPlaceholderText("1")
-        self._row(gform, "E&xperts split over:", "ep", self.ep)
+        self._row(gform, "Experts split over:", "ep", self.ep)
         self.offload = _combo(offload_labels("ddp"), TOOLTIPS["offload"])
         self._row(gform, "Offloa&d:", "offload", self.offload)
         self.cuda_context = QLineEdit()
