@@ -196,6 +196,7 @@ def measure_training_step(
     threads = torch.get_num_threads()
     if num_threads is not None:
         torch.set_num_threads(num_threads)
+    frozen = False
     try:
         with tracker:
             announce("load", 0)
@@ -225,6 +226,10 @@ def measure_training_step(
             input_ids = torch.randint(0, vocab_size, (batch, seq), dtype=torch.long)
             tracker.track(input_ids, "inputs")
             gc.collect()
+            # what exists now (imports, the model, the optimizer) lives through the step: the per-iteration
+            # collections then scan only what the step makes (a tenth of the time on a transformers model)
+            gc.freeze()
+            frozen = True
 
             live_end: list[int] = []
             for it in range(1, iterations + 1):
@@ -254,6 +259,8 @@ def measure_training_step(
         summary = _summarize(tracker, iterations, grad_accum, n_params, live_end, round_to)
         return dataclasses.replace(summary, tracker=tracker) if keep_tracker else summary
     finally:
+        if frozen:
+            gc.unfreeze()
         torch.set_num_threads(threads)
         for h in hooks:
             h.remove()

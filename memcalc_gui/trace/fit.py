@@ -13,6 +13,7 @@ torch and transformers are imported inside functions only.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -287,8 +288,9 @@ def calibrate(config: dict[str, Any], setup: TrainingSetup, num_params: int,
                        "with the shape)")
     # micro-batch 1: some models skip a copy there that a batch of several needs (a view of one sequence is
     # already contiguous); the fit, calibrated on batches of several, then overestimates it a little
-    one = _trace(cfg, CHECK_LAYERS, 1, s, setup)
-    single = max(abs(sum(check.peak(p, 1, s, accumulating=True).values())
+    one = _trace(cfg, LAYERS[0], 1, s, setup)  # the fewest layers: the micro-batch, not the depth, is checked
+    shallow = dataclasses.replace(check, num_layers=LAYERS[0])
+    single = max(abs(sum(shallow.peak(p, 1, s, accumulating=True).values())
                      - (one.phases[p].live_bytes if p == "load" else one.phases[p].peak_bytes))
                  / (one.phases[p].live_bytes if p == "load" else one.phases[p].peak_bytes) for p in PHASES)
     checked["micro-batch 1"] = single
