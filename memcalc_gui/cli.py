@@ -38,6 +38,7 @@ from .core.setup import (
     DEFAULT_ALLOCATOR_RESERVE,
     DEFAULT_CUDA_CONTEXT_BYTES,
     LIMITS,
+    LOSSES,
     OPTIMIZER_IMPLS,
     OPTIMIZERS,
     PRECISIONS,
@@ -65,6 +66,8 @@ FLAGS = {
     "optimizer_impl": "--optimizer-impl",
     "attention": "--attention",
     "checkpointing": "--checkpointing",
+    "loss": "--loss",
+    "loss_chunk": "--loss-chunk-size",
     "capacity": "--capacity",
     "gpu": "--gpu",
     "params": "--params",
@@ -132,6 +135,11 @@ def _add_setup_args(p: argparse.ArgumentParser) -> None:
                    help="step implementation (default foreach, as torch on CUDA)")
     p.add_argument("--attention", default="sdpa", choices=ATTENTIONS, help="default sdpa")
     p.add_argument("--checkpointing", default="none", choices=CHECKPOINTINGS, help="gradient checkpointing")
+    p.add_argument("--loss", default="full", choices=LOSSES,
+                   help="full: transformers' loss over the whole logits; chunked: a fused linear cross-entropy "
+                        "(Liger-Kernel's), the logits made a chunk of tokens at a time")
+    p.add_argument("--loss-chunk-size", metavar="ROWS", default=None,
+                   help="with --loss chunked: tokens per chunk (default Liger's rule, about T·H/V)")
     ft = p.add_argument_group("fine-tuning (peft LoRA, QLoRA with bitsandbytes, frozen parts)")
     ft.add_argument("--tuning", default="full", choices=TUNINGS,
                     help="full (default), lora, qlora (LoRA on a 4-/8-bit base) or frozen (only --trainable trains)")
@@ -303,6 +311,9 @@ def setup_from_args(args: argparse.Namespace) -> tuple[TrainingSetup, list[str]]
         attention=args.attention,
         checkpointing=args.checkpointing,
         use_cache=bool(getattr(args, "use_cache", False)),
+        loss=getattr(args, "loss", "full"),
+        loss_chunk=None if getattr(args, "loss_chunk_size", None) is None
+        else parse_positive_int(args.loss_chunk_size, "loss_chunk", LIMITS["seq"] * LIMITS["batch"]),
         tuning=tuning_from_args(args),
         target_device=getattr(args, "target_device", "cuda"),
     )

@@ -32,6 +32,7 @@ from .distributed import ModelStates, Parallelism, model_states
 from .errors import InputError
 from .finetune import FineTuning, layer_linears
 from .ledger import Estimate, with_overheads
+from .loss import chunk_transient_bytes, liger_chunk_rows
 from .model import ModelSpec
 from .optimizer import optimizer_cost
 from .setup import TrainingSetup
@@ -144,15 +145,42 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
         # frozen layers' 16-bit copies are transients; the head's (saved for its input gradient) and the adapters'
         # (cached) remain
         copies = lm_copy + 2 * (ft.adapter_params(spec) if ft.uses_adapters else tp.grads_bytes // tp.grad_bytes)
+    chunked = setup.loss == "chunked"
+    if chunked and lm_copy:  # the head's 16-bit cast is made per chunk and freed (core.loss), not kept
+        copies, lm_copy = max(0, copies - lm_copy), 0
     base_fwd = dict(parameters=params + copies, optimizer_state=state, gradients=grads_live, inputs=inputs)
     # QLoRA: a 4-bit linear's weight is dequantized into a 16-bit transient for its matmul (forward and backward)
     dequant = 2 * max(lin.weight_params for lin in layer_linears(spec)) if ft.method == "qlora" else 0
-    forward = _objects(**base_fwd, activations=acts_fwd + lsm + cache_held,
-                       temporaries=logits + logits32 + labels + final_out_alive)
+    head_trains = not tuned or tp.head_trainable
+    # no gradient below the head (only the head trains): no hidden-state gradient, no layer moments
+    head_only = tuned and not ft.uses_adapters and not tp.layers_trained and \
+        not (tp.embeddings_trainable or tp.norms_trainable)
+    if chunked:
+        # core.loss: the hidden-state and head-weight gradients made in forward, one chunk's transients at a time;
+        # the head keeps no input (its fp32 output under autocast stays held until forward returns)
+        head_saved = final["output"] if (not tuned or tp.head_trainable) else 0
+        grad_x = 0 if head_only else t * h * (4 if d.autocast else max(d.param, d.residual))
+        grad_w32 = v * h * 4 if head_trains else 0
+        rows = setup.loss_chunk or liger_chunk_rows(t, h, v)
+        chunk_tmp = chunk_transient_bytes(min(rows, t), v, h, d.matmul, setup.target_device,
+                                          d.autocast and head_trains)
+        chunk_acts = acts_fwd - (head_saved if d.autocast else 0) + grad_x + cache_held
+        forward = _objects(**dict(base_fwd, gradients=grads_live + grad_w32), activations=chunk_acts,
+                           temporaries=labels + final_out_alive + chunk_tmp)
+        if grad_w32 and p != 4:  # the fp32 accumulator cast to the weight's dtype at the end of forward
+            forward = max(forward, _objects(**dict(base_fwd, gradients=grads_live + grad_w32 + v * h * p),
+                                            activations=chunk_acts, temporaries=labels + final_out_alive),
+                          key=lambda m: sum(m.values()))
+    else:
+        forward = _objects(**base_fwd, activations=acts_fwd + lsm + cache_held,
+                           temporaries=logits + logits32 + labels + final_out_alive)
     if setup.checkpointing == "full":
-        # Inside a checkpointed layer nothing is saved, but its MLP still holds ~3 I-wide tensors at once.
+        # Inside a checkpointed layer nothing is saved, but its MLP still holds ~3 I-wide tensors at once (4 for
+        # the tanh GELU transformers writes in Python ops: fc1's output, x³, and two products)
+        wide = 4 if not spec.gated_mlp and spec.hidden_act.lower() in ("gelu_new", "gelu_fast", "gelu_python_tanh") \
+            else 3
         in_layer = _objects(**base_fwd, activations=layers_saved + rope_tables,
-                            temporaries=3 * t * spec.intermediate_size * d.matmul + t * h * d.residual + dequant)
+                            temporaries=wide * t * spec.intermediate_size * d.matmul + t * h * d.residual + dequant)
         forward = max(forward, in_layer, key=lambda m: sum(m.values()))
 
     # ---- backward moments -------------------------------------------------------------------
@@ -161,16 +189,19 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
     # With checkpointing the layers' 16-bit weight copies die with autocast's cache after forward.
     copies_bwd = lm_copy if ckpt else copies
     base_bwd = dict(base_fwd, parameters=params + copies_bwd)
-    moments.append(_objects(**base_bwd, activations=acts_fwd + lsm, temporaries=2 * t * v * 4))
-    # (B) LM-head backward: logits gradient, hidden-state gradient, the weight gradient appears.
-    head_trains = not tuned or tp.head_trainable
     lm_grad = v * h * p if head_trains else 0
-    # no gradient below the head (only the head trains): no hidden-state gradient, no layer moments
-    head_only = tuned and not ft.uses_adapters and not tp.layers_trained and \
-        not (tp.embeddings_trainable or tp.norms_trainable)
+    if chunked:
+        # (A') the loss backward scales the two gradients in place: the head's becomes .grad (or is added to it)
+        moments.append(_objects(**dict(base_bwd, gradients=(grads_all if accumulating else 0) + lm_grad),
+                                activations=acts_fwd - head_saved + grad_x))
+    else:
+        moments.append(_objects(**base_bwd, activations=acts_fwd + lsm, temporaries=2 * t * v * 4))
+    # (B) LM-head backward: logits gradient, hidden-state gradient, the weight gradient appears.
     lm_tmp = t * v * d.matmul + (0 if head_only else t * h * d.matmul) + \
         (v * h * d.matmul if d.matmul != p and head_trains else 0)
-    if lm_copy and d.matmul != p and head_trains:
+    if chunked:
+        pass  # made in forward
+    elif lm_copy and d.matmul != p and head_trains:
         # Under autocast the head's matmul backward (16-bit weight copy alive, no fp32 gradient yet) and the cast
         # of its 16-bit weight gradient to fp32 (copy released, both gradients alive) are two moments. The fp32
         # gradient becomes .grad, or with accumulation is a temporary added into the existing .grad.
@@ -382,7 +413,12 @@ def _assumptions(spec: ModelSpec, setup: TrainingSetup, opt_note: str) -> tuple[
                           "bf16 (autocast leaves bf16 weights alone); fp32 adapters get autocast's 16-bit copies",
          }[setup.precision],
         opt_note + f" ({setup.optimizer_impl} step)",
-        "Loss: Hugging Face causal-LM loss (fp32 logits copy, log-softmax kept for backward)",
+        ("Loss: chunked fused linear cross-entropy (Liger-Kernel's LigerFusedLinearCrossEntropyLoss), "
+         f"{setup.loss_chunk or liger_chunk_rows(setup.batch * setup.seq, spec.hidden_size, spec.vocab_size):,} "
+         "tokens per chunk: the hidden-state and head-weight gradients are made in forward, the full logits never "
+         "exist" + ("; the CPU ledger models memcalc's torch version of it" if setup.target_device == "cpu" else "")
+         if setup.loss == "chunked" else
+         "Loss: Hugging Face causal-LM loss (fp32 logits copy, log-softmax kept for backward)"),
         ("use_cache=True: transformers' DynamicCache copies every layer's k and v during forward (the loop keeps "
          "the config's default)" + ("; with gradient checkpointing transformers passes the layers no cache, so "
                                      "nothing changes" if setup.checkpointing == "full" else "")

@@ -22,6 +22,8 @@ Optimizer = Literal["adamw", "adam", "adamw-8bit", "paged-adamw-8bit", "paged-ad
 OptimizerImpl = Literal["foreach", "single-tensor", "fused"]
 Attention = Literal["sdpa", "eager"]
 Checkpointing = Literal["none", "full"]
+#: How the loss is computed: transformers' full logits, or a chunked fused linear cross-entropy (Liger's).
+Loss = Literal["full", "chunked"]
 Method = Literal["quick", "analytic", "trace"]
 TargetDevice = Literal["cuda", "cpu"]
 
@@ -32,6 +34,7 @@ OPTIMIZERS: Final = get_args(Optimizer)
 OPTIMIZER_IMPLS: Final = get_args(OptimizerImpl)
 ATTENTIONS: Final = get_args(Attention)
 CHECKPOINTINGS: Final = get_args(Checkpointing)
+LOSSES: Final = get_args(Loss)
 METHODS: Final = get_args(Method)
 TARGET_DEVICES: Final = get_args(TargetDevice)
 
@@ -116,6 +119,10 @@ class TrainingSetup:
     #: Whether the training loop leaves the config's ``use_cache=True`` (transformers then fills a
     #: DynamicCache during forward); Trainer and most loops pass ``use_cache=False``.
     use_cache: bool = False
+    #: ``chunked``: Liger's fused linear cross-entropy (the tokens × vocabulary logits never exist);
+    #: ``loss_chunk`` rows per chunk (``None``: Liger's rule, see ``core.loss``).
+    loss: Loss = "full"
+    loss_chunk: int | None = None
     gpu: str | None = None
     capacity_bytes: int | None = None
     cuda_context_bytes: int = DEFAULT_CUDA_CONTEXT_BYTES
@@ -140,6 +147,14 @@ class TrainingSetup:
         _choice("optimizer_impl", self.optimizer_impl, OPTIMIZER_IMPLS)
         _choice("attention", self.attention, ATTENTIONS)
         _choice("checkpointing", self.checkpointing, CHECKPOINTINGS)
+        _choice("loss", self.loss, LOSSES)
+        if self.loss_chunk is not None:
+            _positive_int("loss_chunk", self.loss_chunk, LIMITS["seq"] * LIMITS["batch"])
+            if self.loss != "chunked":
+                raise InputError("loss_chunk", "a chunk size needs the chunked loss (--loss chunked)")
+        if self.loss == "chunked" and self.model is not None and self.model.lm_head_bias:
+            raise InputError("loss", f"the chunked loss is modelled for a head without a bias; {self.model.family}'s "
+                                     "LM head has one")
         if not isinstance(self.use_cache, bool):
             raise InputError("use_cache", f"must be true or false, got {self.use_cache!r}")
         if self.capacity_bytes is not None:
@@ -203,6 +218,8 @@ class TrainingSetup:
             "optimizer_impl": self.optimizer_impl,
             "attention": self.attention,
             "checkpointing": self.checkpointing,
+            "loss": self.loss,
+            "loss_chunk": self.loss_chunk,
             "use_cache": self.use_cache,
             "gpu": self.gpu,
             "capacity_bytes": self.capacity_bytes,
@@ -264,5 +281,6 @@ class TrainingSetup:
         gpus += f", experts over {par.ep}" if par.ep > 1 else ""
         return (f"{model}: batch {self.batch} × seq {self.seq} × accum {self.grad_accum}, {self.precision}, "
                 f"{self.optimizer} ({self.optimizer_impl}), {self.attention}, checkpointing {self.checkpointing}"
+                f"{', chunked loss' if self.loss == 'chunked' else ''}"
                 f"{', use_cache' if self.use_cache else ''}"
                 f"{', ' + self.tuning_short() if self.tuning.method != 'full' else ''}{gpus}{cap}")

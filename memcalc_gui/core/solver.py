@@ -206,6 +206,7 @@ LEVER_COSTS: dict[str, int] = {
     "precision-mixed": 25,
     "checkpointing": 20,
     "micro-batch": 10,
+    "loss-chunked": 8,  # a different kernel (Liger-Kernel), about as fast: nothing given up but a dependency
     "strategy": 6,
     "strategy:zero2": 5,  # shards optimizer state and gradients only: the least extra communication
     "gpus": 4,
@@ -261,6 +262,11 @@ def levers(setup: TrainingSetup) -> list[Lever]:
     if setup.architecture_known and setup.checkpointing == "none":
         out.append(Lever("checkpointing", "checkpointing", "turn on gradient checkpointing",
                          {"checkpointing": "full"}, "about 20–30 % slower backward (one extra forward per layer)"))
+    if setup.architecture_known and setup.loss == "full" and not (setup.model and setup.model.lm_head_bias):
+        out.append(Lever("loss", "loss-chunked", "compute the loss in chunks (Liger-Kernel's fused linear "
+                         "cross-entropy)", {"loss": "chunked"},
+                         "needs Liger-Kernel (Triton: NVIDIA and AMD GPUs); about as fast; the tokens × vocabulary "
+                         "logits never exist"))
     if setup.optimizer in ("adamw", "adam"):
         out.append(Lever("optimizer", "optimizer-8bit", "use 8-bit AdamW (bitsandbytes)",
                          {"optimizer": "adamw-8bit",

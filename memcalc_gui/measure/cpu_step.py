@@ -47,6 +47,7 @@ OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "lion", "adam
               "paged-adamw-32bit")
 OPTIMIZER_IMPLS = ("foreach", "single-tensor", "fused")
 CHECKPOINTING = ("none", "full")
+LOSSES = ("full", "chunked")
 BUILDERS = ("auto", "transformers", "reference")
 _PHASE_CATEGORY = {
     "load": "parameters",
@@ -148,6 +149,8 @@ def measure_training_step(
     use_cache: bool = False,
     tuning: FineTuning | None = None,
     keep_tracker: bool = False,
+    loss: str = "full",
+    loss_chunk: int | None = None,
 ) -> StepMeasurement:
     """Build the model from ``config`` and measure ``iterations`` training steps on CPU.
 
@@ -159,7 +162,8 @@ def measure_training_step(
     reported compositions; ``module_names`` attributes each storage to the module that created it.
     ``builder`` chooses how the model is built (see :func:`build_model`); ``use_cache`` keeps transformers'
     DynamicCache on in forward (a loop that leaves the config's default); ``tuning`` trains LoRA adapters (peft)
-    or some parts only (see :func:`apply_tuning`).
+    or some parts only (see :func:`apply_tuning`). ``loss="chunked"`` computes the loss with the chunked fused
+    linear cross-entropy (:mod:`.chunked_loss`, Liger's algorithm; ``loss_chunk`` rows per chunk, default Liger's).
     """
     if fake:
         from torch._subclasses.fake_tensor import FakeTensorMode
@@ -170,7 +174,8 @@ def measure_training_step(
                 optimizer_impl=optimizer_impl, attention=attention, checkpointing=checkpointing,
                 grad_accum=grad_accum, iterations=iterations, seed=seed, num_threads=None,
                 on_phase=on_phase, fake=False, round_to=round_to, module_names=module_names,
-                builder=builder, use_cache=use_cache, tuning=tuning, keep_tracker=keep_tracker,
+                builder=builder, use_cache=use_cache, tuning=tuning, keep_tracker=keep_tracker, loss=loss,
+                loss_chunk=loss_chunk,
             )
 
     def announce(phase: str, it: int, micro: int = 0) -> None:
@@ -182,6 +187,7 @@ def measure_training_step(
         optimizer,
         optimizer_impl,
         checkpointing,
+        loss,
         grad_accum,
         iterations,
         batch,
@@ -236,13 +242,13 @@ def measure_training_step(
                 for micro in range(grad_accum):
                     announce("forward", it, micro)
                     with tracker.phase("forward", it, micro):
-                        loss = _forward(model, input_ids, precision)
+                        value = step_forward(model, input_ids, precision, loss, loss_chunk)
                         if grad_accum > 1:
-                            loss = loss / grad_accum
+                            value = value / grad_accum
                     announce("backward", it, micro)
                     with tracker.phase("backward", it, micro):
-                        loss.backward()  # type: ignore[no-untyped-call]
-                        del loss
+                        value.backward()  # type: ignore[no-untyped-call]
+                        del value
                         for p in params:
                             if p.grad is not None:
                                 tracker.track(p.grad, "gradients")
@@ -535,15 +541,25 @@ def make_optimizer(
     raise UnsupportedOptimizerError(f"optimizer {name!r} cannot be measured yet")
 
 
-def _forward(model: Any, input_ids: torch.Tensor, precision: str) -> torch.Tensor:
+def step_forward(model: Any, input_ids: torch.Tensor, precision: str, loss: str = "full",
+                 loss_chunk: int | None = None, device: str = "cpu", half: Any = None) -> torch.Tensor:
+    """The forward of one micro-batch and its loss (autocast to ``half``, bf16 by default, under mixed precision;
+    the chunked loss of :mod:`.chunked_loss` when ``loss="chunked"``)."""
     import torch
 
-    if precision in ("mixed", "bf16-autocast"):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss: torch.Tensor = model(input_ids=input_ids, labels=input_ids).loss
-        return loss
-    out: torch.Tensor = model(input_ids=input_ids, labels=input_ids).loss
-    return out
+    autocast = torch.autocast(device, dtype=half or torch.bfloat16) if precision in ("mixed", "bf16-autocast") \
+        else contextlib.nullcontext()
+    with autocast:
+        if loss == "chunked":
+            from .chunked_loss import chunked_causal_lm_loss
+
+            hf = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft wraps the model
+            hidden = hf.base_model(input_ids=input_ids).last_hidden_state
+            value: torch.Tensor = chunked_causal_lm_loss(hidden, hf.get_output_embeddings().weight, input_ids,
+                                                         loss_chunk)
+            return value
+        out: torch.Tensor = model(input_ids=input_ids, labels=input_ids).loss
+        return out
 
 
 def _check_args(
@@ -551,6 +567,7 @@ def _check_args(
     optimizer: str,
     impl: str,
     checkpointing: str,
+    loss: str,
     grad_accum: int,
     iterations: int,
     batch: int,
@@ -568,6 +585,8 @@ def _check_args(
         raise ValueError(
             f"optimizer_impl must be one of {OPTIMIZER_IMPLS}, not {impl!r}"
         )
+    if loss not in LOSSES:
+        raise ValueError(f"loss must be one of {LOSSES}, not {loss!r}")
     if checkpointing not in CHECKPOINTING:
         raise ValueError(
             f"checkpointing must be one of {CHECKPOINTING}, not {checkpointing!r}"

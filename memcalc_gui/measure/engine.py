@@ -396,6 +396,7 @@ def _measure_cpu(result: MeasureResult, config: dict[str, Any], setup: TrainingS
             optimizer_impl=setup.optimizer_impl, attention=setup.attention, checkpointing=setup.checkpointing,
             use_cache=setup.use_cache, grad_accum=setup.grad_accum, iterations=iterations, num_threads=None,
             on_phase=track_phase, tuning=setup.tuning if setup.tuning.method != "full" else None,
+            loss=setup.loss, loss_chunk=setup.loss_chunk,
         )
     except NotImplementedError as exc:  # an optimizer torch lacks, or a family without a reference module
         raise MeasureError(str(exc)) from None
@@ -418,7 +419,7 @@ def _measure_cuda(result: MeasureResult, config: dict[str, Any], setup: Training
                   snapshot: str | Path | None, on_phase: Callable[[str, int, int], None]) -> None:
     """One real training step on CUDA, read through the caching allocator's counters."""
     torch = _import_torch()
-    from .cpu_step import apply_tuning, build_model, enable_checkpointing, make_optimizer
+    from .cpu_step import apply_tuning, build_model, enable_checkpointing, make_optimizer, step_forward
 
     dev = torch.device("cuda", 0)
     torch.cuda.init()
@@ -490,11 +491,7 @@ def _measure_cuda(result: MeasureResult, config: dict[str, Any], setup: Training
                 known = {"parameters": param_bytes, "optimizer_state": state_bytes, "inputs": input_bytes,
                          "gradients": grad_bytes}
                 begin("forward", it, micro)
-                if setup.precision in ("mixed", "bf16-autocast"):
-                    with torch.autocast("cuda", dtype=half):
-                        loss = model(input_ids=input_ids, labels=input_ids).loss
-                else:
-                    loss = model(input_ids=input_ids, labels=input_ids).loss
+                loss = step_forward(model, input_ids, setup.precision, setup.loss, setup.loss_chunk, "cuda", half)
                 if setup.grad_accum > 1:
                     loss = loss / setup.grad_accum
                 end("forward", steady, known)

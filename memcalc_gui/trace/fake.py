@@ -150,7 +150,8 @@ def trace_estimate(
                 optimizer_impl=setup.optimizer_impl, attention=setup.attention, checkpointing=setup.checkpointing,
                 use_cache=setup.use_cache, grad_accum=min(setup.grad_accum, TRACED_MICRO_BATCHES), iterations=2,
                 fake=True, round_to=CUDA_ROUNDING, module_names=True, on_phase=on_phase,
-                tuning=setup.tuning if setup.tuning.method != "full" else None,
+                tuning=setup.tuning if setup.tuning.method != "full" else None, loss=setup.loss,
+                loss_chunk=setup.loss_chunk,
             )
     except (TraceCancelled, MemcalcError):
         raise

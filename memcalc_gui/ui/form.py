@@ -37,6 +37,7 @@ from ..core.setup import (
     DEFAULT_CUDA_CONTEXT_BYTES,
     GPU,
     LIMITS,
+    LOSSES,
     TrainingSetup,
     gpu_presets,
 )
@@ -75,6 +76,8 @@ class FormState:
     optimizer: str = "adamw"
     optimizer_impl: str = "foreach"
     attention: str = "sdpa"
+    loss: str = "full"
+    loss_chunk: str = ""
     checkpointing: str = "none"
     use_cache: str = "false"  # "true": the loop keeps the config's use_cache=True
     gpu: str = DEFAULT_GPU  # a preset id, or "" for a custom capacity
@@ -121,6 +124,8 @@ class FormState:
             raise ValueError(f"unknown strategy {state.strategy!r}")
         if state.offload not in OFFLOADS:
             raise ValueError(f"unknown offload {state.offload!r}")
+        if state.loss not in LOSSES:
+            raise ValueError(f"unknown loss {state.loss!r}")
         if state.tuning not in TUNINGS:
             raise ValueError(f"unknown tuning {state.tuning!r}")
         return state
@@ -190,6 +195,8 @@ _FIELD_MAP: Final = {
     "optimizer": "optimizer",
     "optimizer_impl": "optimizer_impl",
     "attention": "attention",
+    "loss": "loss",
+    "loss_chunk": "loss_chunk",
     "checkpointing": "checkpointing",
     "use_cache": "use_cache",
     "capacity": "capacity",
@@ -442,6 +449,8 @@ def build_setup(state: FormState, cache: ModelCache) -> TrainingSetup:
     attempt("node_size", lambda: parse_positive_int(state.node_size, "node_size", MAX_PARALLEL_GPUS))
     attempt("ep", lambda: parse_positive_int(state.ep or "1", "ep", MAX_PARALLEL_GPUS))
     attempt("tuning", lambda: tuning_from_state(state))
+    attempt("loss_chunk", lambda: parse_positive_int(state.loss_chunk, "loss_chunk", LIMITS["seq"] * LIMITS["batch"])
+            if state.loss_chunk.strip() and state.loss == "chunked" else None)
     if errors:
         raise FormErrors(errors)
     try:
@@ -461,6 +470,7 @@ def build_setup(state: FormState, cache: ModelCache) -> TrainingSetup:
             optimizer=state.optimizer,  # type: ignore[arg-type]
             optimizer_impl=state.optimizer_impl,  # type: ignore[arg-type]
             attention=state.attention,  # type: ignore[arg-type]
+            loss=state.loss,  # type: ignore[arg-type]
             checkpointing=state.checkpointing,  # type: ignore[arg-type]
             use_cache=state.use_cache == "true",
             gpu=gpu_id,

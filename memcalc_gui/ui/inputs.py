@@ -48,6 +48,7 @@ OPTIMIZER_LABELS = {
 }
 IMPL_LABELS = {"foreach": "foreach (CUDA default)", "single-tensor": "single-tensor", "fused": "fused"}
 ATTENTION_LABELS = {"sdpa": "SDPA (fused kernels)", "eager": "eager (stores L×L scores)"}
+LOSS_LABELS = {"full": "full logits", "chunked": "chunked (Liger)"}
 PRECISION_SHORT = {"fp32": "fp32", "mixed": "Mixed (fp32 master + 16-bit)", "bf16": "bf16 (pure 16-bit)",
                    "bf16-autocast": "bf16 + autocast"}
 MODEL_KIND_LABELS = {"preset": "Preset", "config": "config.json", "hub": "Hugging Face Hub id",
@@ -317,6 +318,11 @@ class InputPanel(QWidget):
         sform.addRow(self.boxes["use_cache"])
         self.attention = _combo(ATTENTION_LABELS, TOOLTIPS["attention"])
         self._row(sform, "A&ttention:", "attention", self.attention)
+        self.loss = _combo(LOSS_LABELS, TOOLTIPS["loss"])
+        self._row(sform, "Loss:", "loss", self.loss)
+        self.loss_chunk = IntEdit()
+        self.loss_chunk.setPlaceholderText("auto (Liger's rule)")
+        self._row(sform, "Loss chunk (tokens):", "loss_chunk", self.loss_chunk)
         outer.addWidget(step_group)
 
         # ---- fine-tuning ----
@@ -464,6 +470,8 @@ class InputPanel(QWidget):
         self.tuning.currentIndexChanged.connect(self._on_tuning)
         for combo in (self.attention, self.optimizer_impl):
             combo.currentIndexChanged.connect(self._changed)
+        self.loss.currentIndexChanged.connect(self._on_loss)
+        self.loss_chunk.textChanged.connect(self._changed)
         for combo in (self.strategy, self.offload):
             combo.currentIndexChanged.connect(self._on_parallel)
         self.precision.currentIndexChanged.connect(self._on_precision_or_optimizer)
@@ -486,7 +494,7 @@ class InputPanel(QWidget):
     def _tab_order(self) -> None:
         chain = [self.model_kind, self.preset, self.config_path, self.open_button, self.hub_id, self.fetch_button,
                  self.params, self.batch, self.seq, self.grad_accum, self.checkpointing, self.use_cache,
-                 self.attention, self.tuning, self.lora_rank,
+                 self.attention, self.loss, self.loss_chunk, self.tuning, self.lora_rank,
                  self.lora_targets, self.lora_dropout, self.quant, self.double_quant, self.prepare_kbit,
                  self.trainable, self.recipe,
                  self.precision,
@@ -613,6 +621,17 @@ class InputPanel(QWidget):
         self.trainable_info.setText(text)
         self.trainable_info.setVisible(bool(text))
 
+    def _on_loss(self, *_: object) -> None:
+        self._sync_loss_chunk()
+        self._changed()
+
+    def _sync_loss_chunk(self) -> None:
+        """The chunk size applies to the chunked loss only."""
+        used = self.loss.currentData() == "chunked"
+        self.loss_chunk.setEnabled(used)
+        if "loss_chunk" in self.labels:
+            self.labels["loss_chunk"].setEnabled(used)
+
     def _sync_node_size(self) -> None:
         """GPUs per node matters for HYBRID_SHARD and, with offload, for the host memory per node."""
         used = self.strategy.currentData() in NODE_SIZE_STRATEGIES or self.offload.currentData() != "none"
@@ -673,6 +692,8 @@ class InputPanel(QWidget):
             optimizer=self.optimizer.currentData(),
             optimizer_impl=self.optimizer_impl.currentData(),
             attention=self.attention.currentData(),
+            loss=self.loss.currentData(),
+            loss_chunk=self.loss_chunk.text(),
             checkpointing="full" if self.checkpointing.isChecked() else "none",
             use_cache="true" if self.use_cache.isChecked() else "false",
             tuning=self.tuning.currentData(),
@@ -711,10 +732,13 @@ class InputPanel(QWidget):
                 value = getattr(state, name)
                 if edit.text() != value:
                     edit.setText(value)
-            for name in ("precision", "optimizer", "optimizer_impl", "attention", "strategy"):
+            for name in ("precision", "optimizer", "optimizer_impl", "attention", "strategy", "loss"):
                 _set_combo(getattr(self, name), getattr(state, name))
             self._sync_offload(state.offload)
             self._sync_node_size()
+            if self.loss_chunk.text() != state.loss_chunk:
+                self.loss_chunk.setText(state.loss_chunk)
+            self._sync_loss_chunk()
             _set_combo(self.gpu, state.gpu, fallback="")  # a GPU no longer in the table: custom capacity
             self.checkpointing.setChecked(state.checkpointing == "full")
             self.use_cache.setChecked(state.use_cache == "true")

@@ -84,14 +84,15 @@ NARROW_WIDTH = 1240
 #: Typing in one field within this many seconds merges into one undo step.
 MERGE_WINDOW_S = 2.0
 TEXT_FIELDS = frozenset({"preset", "config_path", "hub_id", "params", "batch", "seq", "grad_accum", "capacity",
-                         "cuda_context", "allocator_reserve", "gpus", "node_size", "ep", "lora_rank", "lora_targets",
-                         "lora_dropout", "trainable"})
+                         "cuda_context", "allocator_reserve", "gpus", "node_size", "ep", "loss_chunk", "lora_rank",
+                         "lora_targets", "lora_dropout", "trainable"})
 FIELD_NAMES = {
     "model_kind": "model source", "preset": "preset", "config_path": "config.json", "hub_id": "Hub id",
     "params": "parameter count",
     "batch": "micro-batch", "seq": "sequence length", "grad_accum": "gradient accumulation",
     "precision": "precision", "optimizer": "optimizer", "optimizer_impl": "optimizer implementation",
-    "attention": "attention", "checkpointing": "checkpointing", "use_cache": "use_cache", "gpu": "GPU",
+    "attention": "attention", "loss": "loss", "loss_chunk": "loss chunk",
+    "checkpointing": "checkpointing", "use_cache": "use_cache", "gpu": "GPU",
     "capacity": "capacity",
     "cuda_context": "CUDA context", "allocator_reserve": "allocator reserve", "gpus": "number of GPUs",
     "strategy": "strategy", "node_size": "GPUs per node", "ep": "experts split over", "offload": "offload",

@@ -148,6 +148,17 @@ TOOLTIPS: dict[str, str] = {
         "GPUs per node. FSDP HYBRID_SHARD shards the state over one node's GPUs only; with offload the host "
         "memory is needed once per node (DeepSpeed's estimators: host bytes × GPUs per node × 1.5 buffer factor)."
     ),
+    "loss": (
+        "How the loss is computed. Full: transformers' causal-LM loss makes the tokens × vocabulary logits, an fp32 "
+        "copy and the log-softmax, and their gradients in backward — several GiB at long sequences and large "
+        "vocabularies. Chunked: Liger-Kernel's fused linear cross-entropy (LigerFusedLinearCrossEntropyLoss) makes "
+        "the logits a chunk of tokens at a time and computes the hidden-state and head-weight gradients in "
+        "forward, so the full logits never exist."
+    ),
+    "loss_chunk": (
+        "Tokens per chunk of the chunked loss. Empty: Liger's rule, next_power_of_2(ceil(tokens / ceil(V / H))), "
+        "so that one chunk's logits are about as large as the hidden states."
+    ),
     "ep": (
         "Expert parallelism (a mixture of experts only): the routed experts of every MoE layer are split over this "
         "many GPUs, each group of GPUs holding the same experts replicated or sharded by the strategy; attention, "
