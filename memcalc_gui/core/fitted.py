@@ -29,7 +29,7 @@ from .vocab import PHASES, TENSOR_OBJECTS
 
 #: The monomials of (b, s) a moment's live bytes are made of.
 BASIS = ("1", "b", "s", "b·s", "s²", "b·s²")
-FIT_SCHEMA = 5
+FIT_SCHEMA = 6
 
 Poly = tuple[float, float, float, float, float, float]
 Moment = dict[str, Poly]  # ledger object → coefficients

@@ -196,14 +196,25 @@ def _pair(short: _Window, long: _Window) -> list[list[Moment]]:
     return pairs
 
 
+#: The model state: what a per-GPU budget replaces by the strategy's own bytes (core.fitted.per_gpu_states).
+_MODEL_STATE = frozenset({"parameters", "gradients", "optimizer_state", "optimizer_temporaries",
+                          "paged_optimizer_state"})
+
+
 def _candidates(pairs: list[list[Moment]]) -> list[list[Moment]]:
     """The moments that can be a phase's largest for some b, s ≥ 1 and any layer count from the shorter trace's on:
     a moment's live bytes are ``m₁ + k·(m₂ − m₁)`` with k ≥ 0 and every monomial ≥ 1, so one at or below another
-    in every coefficient of both ``m₁`` and ``m₂ − m₁`` is never the largest."""
+    in every coefficient of both ``m₁`` and ``m₂ − m₁`` is never the largest. The same must hold for the moment's
+    bytes outside the model state, so that the largest stays among the candidates once a sharded strategy
+    replaces the model state by a constant of its own (an early backward moment, few gradients beside many
+    activations, is then the peak)."""
     def vector(pair: list[Moment]) -> tuple[float, ...]:
-        first = [sum(p[k] for p in pair[0].values()) for k in range(len(BASIS))]
-        second = [sum(p[k] for p in pair[1].values()) for k in range(len(BASIS))]
-        return tuple(first) + tuple(y - x for x, y in zip(first, second, strict=True))
+        out: tuple[float, ...] = ()
+        for keep in (lambda obj: True, lambda obj: obj not in _MODEL_STATE):
+            first = [sum(p[k] for o, p in pair[0].items() if keep(o)) for k in range(len(BASIS))]
+            second = [sum(p[k] for o, p in pair[1].items() if keep(o)) for k in range(len(BASIS))]
+            out += tuple(first) + tuple(y - x for x, y in zip(first, second, strict=True))
+        return out
 
     scored = sorted(((vector(p), p) for p in pairs), key=lambda t: -sum(t[0]))
     kept: list[tuple[tuple[float, ...], list[Moment]]] = []
