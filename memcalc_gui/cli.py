@@ -133,7 +133,8 @@ def _add_setup_args(p: argparse.ArgumentParser) -> None:
                    help="default adamw (Transformers' spellings such as paged_adamw_8bit work too)")
     p.add_argument("--optimizer-impl", default="foreach", choices=OPTIMIZER_IMPLS,
                    help="step implementation (default foreach, as torch on CUDA)")
-    p.add_argument("--attention", default="sdpa", choices=ATTENTIONS, help="default sdpa")
+    p.add_argument("--attention", default=None, choices=ATTENTIONS,
+                   help="default sdpa (eager for a family transformers runs without SDPA)")
     p.add_argument("--checkpointing", default="none", choices=CHECKPOINTINGS, help="gradient checkpointing")
     p.add_argument("--loss", default="full", choices=LOSSES,
                    help="full: transformers' loss over the whole logits; chunked: a fused linear cross-entropy "
@@ -277,7 +278,7 @@ def resolve_model(args: argparse.Namespace) -> tuple[ModelSpec | None, int | Non
     try:
         return spec_from_config(cfg, name=name, source=source), None, notes
     except UnsupportedFamilyError:
-        from .trace.meta import count_params_and_active_on_meta, transformers_available
+        from .trace.meta import count_params_and_active_on_meta, supports_sdpa, transformers_available
 
         if not transformers_available():
             stored = stored_count(cfg)
@@ -291,6 +292,10 @@ def resolve_model(args: argparse.Namespace) -> tuple[ModelSpec | None, int | Non
             notes.append(f"mixture of experts: {active:,} of the {n:,} parameters are used per token (the routed "
                          "experts count top-k / experts of their size)")
         args.unknown_config = cfg  # the trace runs this config (setup.model stays None: no analytic block model)
+        if getattr(args, "attention", "sdpa") is None and not supports_sdpa(cfg):
+            args.attention = "eager"
+            notes.append(f"eager attention: transformers has no SDPA attention for model_type "
+                         f"{str(cfg.get('model_type'))[:40]!r}")
         notes.append(f"model_type {cfg.get('model_type')!r} has no analytic block model: exact parameter "
                      "count from transformers on the meta device")
         return None, n, notes
@@ -308,7 +313,7 @@ def setup_from_args(args: argparse.Namespace) -> tuple[TrainingSetup, list[str]]
         precision=args.precision,
         optimizer=args.optimizer,
         optimizer_impl=args.optimizer_impl,
-        attention=args.attention,
+        attention=args.attention or "sdpa",
         checkpointing=args.checkpointing,
         use_cache=bool(getattr(args, "use_cache", False)),
         loss=getattr(args, "loss", "full"),

@@ -199,3 +199,26 @@ def test_expert_parallelism_splits_the_routed_experts() -> None:
     assert with_ep.parameters["optimizer_step"] == pytest.approx(6 * psi / 8, rel=1e-6)
     with pytest.raises(InputError, match="ep"):
         Parallelism(gpus=6, ep=4)
+
+
+GPT_OSS = dict(COMMON, model_type="gpt_oss", intermediate_size=128, num_key_value_heads=2, head_dim=32,
+               num_local_experts=4, num_experts_per_tok=2, sliding_window=16,
+               layer_types=["sliding_attention", "full_attention"] * 3)
+DEEPSEEK = dict(COMMON, model_type="deepseek_v3", intermediate_size=256, moe_intermediate_size=64,
+                num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+                first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=64, qk_nope_head_dim=16, qk_rope_head_dim=16,
+                v_head_dim=16, n_group=1, topk_group=1, num_hidden_layers=7)
+
+
+@pytest.mark.parametrize(("cfg", "layers"), [(GPT_OSS, (2, 3)), (DEEPSEEK, (3, 4))], ids=["gpt-oss", "deepseek-v3"])
+def test_layer_patterns_and_dense_prefixes_fit(cfg: dict, layers: tuple[int, int]) -> None:
+    """gpt-oss lists a sliding/full pattern per layer (cut to the traced count); DeepSeek-V3's first layers are
+    dense (traced past them): both fit, equal to the full trace."""
+    setup = _setup(cfg, attention="eager", batch=2, seq=64)
+    fit = fitmod.calibrate(cfg, setup, setup.num_params)
+    assert fit.layers == layers
+    st = setup.with_changes(batch=3, seq=96)
+    traced = trace_estimate(st, config=cfg).estimate
+    fitted = estimate_fitted(st, fit)
+    for phase in PHASES:
+        assert fitted.phases[phase].tensor_bytes == pytest.approx(traced.phases[phase].tensor_bytes, rel=0.005)

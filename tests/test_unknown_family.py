@@ -109,3 +109,16 @@ def test_without_torch_a_new_family_preset_gets_the_heuristic_and_says_why(
     data = json.loads(capsys.readouterr().out)
     assert data["method"] == "quick" and data["params"] == preset_info("mixtral-8x7b").num_params
     assert any("no PyTorch and transformers to trace it" in a for a in data["assumptions"])
+
+
+def test_a_family_without_sdpa_defaults_to_eager(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Gemma 2 has no SDPA attention in transformers: without --attention the CLI chooses eager and says so; asked
+    for SDPA it names the fix."""
+    cfg = dict(model_type="gemma2", vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=2,
+               num_key_value_heads=1, head_dim=32, num_hidden_layers=2, pad_token_id=0)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    assert cli_main(["estimate", "--config", str(path), "--method", "quick", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["setup"]["attention"] == "eager"
+    assert any("no SDPA attention for model_type 'gemma2'" in a for a in data["assumptions"])

@@ -194,3 +194,26 @@ def transformers_kwargs(cfg: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     kwargs = _clean(cfg)
     kwargs.pop("model_type", None)
     return model_type.strip().lower(), kwargs
+
+
+#: Where a config keeps its layer count (the first key present), as transformers' config classes spell it.
+LAYER_KEYS: Final = ("num_hidden_layers", "n_layer", "num_layers")
+
+
+def with_layers(cfg: dict[str, Any], layers: int) -> dict[str, Any]:
+    """``cfg`` with ``layers`` decoder layers: the per-layer lists cut to match (``layer_types`` — gpt-oss's and
+    Gemma 3's sliding/full pattern, which transformers checks against the count — and ``mlp_only_layers``)."""
+    key = next((k for k in LAYER_KEYS if k in cfg), "num_hidden_layers")
+    out = dict(cfg, **{key: layers})
+    if isinstance(cfg.get("layer_types"), list):
+        out["layer_types"] = cfg["layer_types"][:layers]
+    if isinstance(cfg.get("mlp_only_layers"), list):
+        out["mlp_only_layers"] = [i for i in cfg["mlp_only_layers"] if isinstance(i, int) and i < layers]
+    return out
+
+
+def dense_prefix_layers(cfg: dict[str, Any]) -> int:
+    """How many leading decoder layers differ from the rest: DeepSeek-V2/V3's dense layers before the mixture of
+    experts (``first_k_dense_replace``). A fit traces past them."""
+    value = cfg.get("first_k_dense_replace")
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 < value < 1000 else 0

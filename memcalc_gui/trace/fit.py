@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..core.configfile import transformers_kwargs
+from ..core.configfile import dense_prefix_layers, transformers_kwargs, with_layers
 from ..core.errors import MemcalcError
 from ..core.fitted import BASIS, SEPARATE, FitModel, Moment, Poly, signature
 from ..core.setup import TrainingSetup
@@ -78,10 +78,9 @@ def _trace(cfg: dict[str, Any], layers: int, b: int, s: int, setup: TrainingSetu
     from ..measure.cpu_step import measure_training_step
     from .fake import TRACED_MICRO_BATCHES, _unpacked_sequences
 
-    layer_key = next((k for k in ("num_hidden_layers", "n_layer", "num_layers") if k in cfg), "num_hidden_layers")
     with _unpacked_sequences():
         return measure_training_step(
-            dict(cfg, **{layer_key: layers}), batch=b, seq=s, precision=setup.precision,
+            with_layers(cfg, layers), batch=b, seq=s, precision=setup.precision,
             optimizer=setup.optimizer, optimizer_impl=setup.optimizer_impl, attention=setup.attention,
             checkpointing=setup.checkpointing, use_cache=setup.use_cache,
             grad_accum=TRACED_MICRO_BATCHES, iterations=2, fake=True, keep_tracker=True,
@@ -258,8 +257,11 @@ def calibrate(config: dict[str, Any], setup: TrainingSetup, num_params: int,
     cfg = {"model_type": model_type, **kwargs}
     layers = next((int(cfg[k]) for k in ("num_hidden_layers", "n_layer", "num_layers")
                    if isinstance(cfg.get(k), int)), 0)
-    if layers < LAYERS[0]:
-        raise FitError(f"the fit extrapolates from {LAYERS[0]} layers on; this config has {layers}")
+    skip = dense_prefix_layers(cfg)  # DeepSeek's leading dense layers: the fit traces past them
+    pair = (LAYERS[0] + skip, LAYERS[1] + skip)
+    check_layers = CHECK_LAYERS + skip
+    if layers < pair[0]:
+        raise FitError(f"the fit extrapolates from {pair[0]} layers on; this config has {layers}")
     path = cache_dir() / f"{_key(cfg, setup)}.json"
     if use_cache and path.is_file():
         try:
@@ -270,7 +272,7 @@ def calibrate(config: dict[str, Any], setup: TrainingSetup, num_params: int,
         raise FitError("not calibrated yet")
     t0 = time.perf_counter()
     windows: list[dict[tuple[str, int], _Window]] = []
-    for n in LAYERS:
+    for n in pair:
         if progress is not None:
             progress(f"tracing {n} layers at two shapes")
         runs = [_trace(cfg, n, b, s, setup) for b, s in SHAPES]
@@ -279,9 +281,9 @@ def calibrate(config: dict[str, Any], setup: TrainingSetup, num_params: int,
     accum = _phase_candidates(windows[0], windows[1], {0, 1})
     if progress is not None:
         progress("checking the fit on a further trace")
-    check = FitModel(model_type, num_params, CHECK_LAYERS, signature(setup), LAYERS, moments, accum)
+    check = FitModel(model_type, num_params, check_layers, signature(setup), pair, moments, accum)
     b, s = CHECK_SHAPE
-    real = _trace(cfg, CHECK_LAYERS, b, s, setup)  # two micro-batches: checks the accumulating fit
+    real = _trace(cfg, check_layers, b, s, setup)  # two micro-batches: checks the accumulating fit
     checked: dict[str, float] = {}
     windows = real.tracker.windows()
     for phase in PHASES:
@@ -300,8 +302,8 @@ def calibrate(config: dict[str, Any], setup: TrainingSetup, num_params: int,
                        "with the shape)")
     # micro-batch 1: some models skip a copy there that a batch of several needs (a view of one sequence is
     # already contiguous); the fit, calibrated on batches of several, then overestimates it a little
-    one = _trace(cfg, LAYERS[0], 1, s, setup)  # the fewest layers: the micro-batch, not the depth, is checked
-    shallow = dataclasses.replace(check, num_layers=LAYERS[0])
+    one = _trace(cfg, pair[0], 1, s, setup)  # the fewest layers: the micro-batch, not the depth, is checked
+    shallow = dataclasses.replace(check, num_layers=pair[0])
     single = max(abs(sum(shallow.peak(p, 1, s, accumulating=True).values())
                      - (one.phases[p].live_bytes if p == "load" else one.phases[p].peak_bytes))
                  / (one.phases[p].live_bytes if p == "load" else one.phases[p].peak_bytes) for p in PHASES)
@@ -310,7 +312,7 @@ def calibrate(config: dict[str, Any], setup: TrainingSetup, num_params: int,
     if single > TOLERANCE:
         notes = (f"At micro-batch 1 this model skips copies a batch of several makes: the fit overestimates it by "
                  f"up to {single:.1%} (--method trace is exact there)",)
-    fit = FitModel(model_type, num_params, layers, check.signature, LAYERS, moments, accum, checked,
+    fit = FitModel(model_type, num_params, layers, check.signature, pair, moments, accum, checked,
                    time.perf_counter() - t0, notes, structure_on_meta(cfg))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

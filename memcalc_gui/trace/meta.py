@@ -82,6 +82,17 @@ def auto_config(model_type: str, kwargs: dict[str, Any]) -> Any:
         return transformers.AutoConfig.for_model(model_type, **cleaned)
 
 
+def supports_sdpa(config: dict[str, Any]) -> bool:
+    """Whether transformers' causal-LM class for the config's ``model_type`` runs SDPA attention (its
+    ``_supports_sdpa``; Gemma 2 and BLOOM, for instance, do not). Unknown types answer True (the build says more)."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(str(config.get("model_type", "")).strip().lower())
+    cls = getattr(transformers, name, None) if isinstance(name, str) else None
+    return bool(getattr(cls, "_supports_sdpa", True)) if cls is not None else True
+
+
 def _build_on_meta(config: dict[str, Any]) -> Any:
     """``AutoModelForCausalLM.from_config`` on the meta device (no memory, offline, no code a config names)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
