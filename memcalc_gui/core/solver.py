@@ -218,7 +218,7 @@ MAX_FIXES = 3
 #: "More GPUs" suggests at most this many times the current count (at least 8): a run that needs hundreds of GPUs
 #: of this kind to fit is better served by the other levers.
 GPU_GROWTH = 8
-MAX_EVALUATIONS = 250
+MAX_EVALUATIONS = 600
 SHARDED = ("zero2", "zero3", "fsdp-full-shard")
 PARALLEL_KEYS = ("gpus", "strategy", "offload", "node_size", "ep")
 #: Change keys that edit the fine-tuning method (core.finetune.FineTuning's fields, as the CLI names them).
