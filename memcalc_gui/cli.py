@@ -68,6 +68,7 @@ FLAGS = {
     "checkpointing": "--checkpointing",
     "loss": "--loss",
     "loss_chunk": "--loss-chunk-size",
+    "optimizer_in_backward": "--optimizer-in-backward",
     "capacity": "--capacity",
     "gpu": "--gpu",
     "params": "--params",
@@ -139,6 +140,9 @@ def _add_setup_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--loss", default="full", choices=LOSSES,
                    help="full: transformers' loss over the whole logits; chunked: a fused linear cross-entropy "
                         "(Liger-Kernel's), the logits made a chunk of tokens at a time")
+    p.add_argument("--optimizer-in-backward", action="store_true",
+                   help="step each parameter in backward as soon as its gradient is ready, and free the gradient "
+                        "(PyTorch's recipe, torchtune's optimizer_in_bwd; no gradient accumulation)")
     p.add_argument("--loss-chunk-size", metavar="ROWS", default=None,
                    help="with --loss chunked: tokens per chunk (default Liger's rule, about T·H/V)")
     ft = p.add_argument_group("fine-tuning (peft LoRA, QLoRA with bitsandbytes, frozen parts)")
@@ -317,6 +321,7 @@ def setup_from_args(args: argparse.Namespace) -> tuple[TrainingSetup, list[str]]
         checkpointing=args.checkpointing,
         use_cache=bool(getattr(args, "use_cache", False)),
         loss=getattr(args, "loss", "full"),
+        optimizer_in_backward=bool(getattr(args, "optimizer_in_backward", False)),
         loss_chunk=None if getattr(args, "loss_chunk_size", None) is None
         else parse_positive_int(args.loss_chunk_size, "loss_chunk", LIMITS["seq"] * LIMITS["batch"]),
         tuning=tuning_from_args(args),

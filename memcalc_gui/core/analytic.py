@@ -295,6 +295,28 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
     # ---- optimizer step ---------------------------------------------------------------------
     step = _objects(parameters=params, gradients=grads_all, optimizer_state=state, inputs=inputs,
                     optimizer_temporaries=opt.step_temporary_bytes)
+    if setup.optimizer_in_backward:
+        # each parameter is stepped as its gradient is accumulated, and the gradient freed: no gradients pile up,
+        # the largest step (the LM head's, or the embedding's) runs inside backward, and the optimizer phase keeps
+        # the weights and the state only
+        big = max((r * c for r, c in layout[0] + layout[1] + layout[2]), default=0)
+        one = optimizer_cost(setup.optimizer, setup.optimizer_impl, ([], [], [(big, 1)]), 1,
+                             tp.grad_bytes if tuned else p, paging=setup.target_device == "cuda")
+        # a tied head's gradient waits in autograd's input buffer for the embedding's (one accumulation, one step at
+        # the end); the last moment, the embedding backward, already counts it among its temporaries
+        waiting = lm_grad if spec.tied_embeddings and head_trains else 0
+        moments = [dict(m, gradients=min(m.get("gradients", 0), waiting) if i < len(moments) - 1 else 0)
+                   for i, m in enumerate(moments)]
+        if head_trains and not head_only and not spec.tied_embeddings:
+            # the head's own step: its gradient and the hidden states' beside the activations
+            head_acts = acts_fwd - head_saved + grad_x if chunked else acts_fwd
+            moments.append(_objects(parameters=params + copies_bwd, optimizer_state=state, inputs=inputs,
+                                    activations=head_acts, temporaries=0 if chunked else t * h * d.matmul,
+                                    gradients=lm_grad, optimizer_temporaries=one.step_temporary_bytes))
+        moments.append(_objects(parameters=params, optimizer_state=state, inputs=inputs,
+                                gradients=big * (tp.grad_bytes if tuned else p),
+                                optimizer_temporaries=one.step_temporary_bytes))
+        step = _objects(parameters=params, optimizer_state=state, inputs=inputs)
     load = {"parameters": params}
     notes: tuple[str, ...] = ()
     host_bytes = 0

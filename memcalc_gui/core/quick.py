@@ -42,6 +42,10 @@ def estimate_quick(setup: TrainingSetup) -> Estimate:
     them from a bare parameter count; ZeRO-3 and FSDP gather the largest layer, which a count does not give.
     """
     par = setup.parallel
+    for name, on in (("loss", setup.loss != "full"), ("optimizer_in_backward", setup.optimizer_in_backward)):
+        if on:
+            raise InputError(name, "the heuristic has no loss or per-parameter step to change: choose a preset or a "
+                                   "config.json")
     if par.ep > 1:
         raise InputError("ep", "expert parallelism splits the routed experts, which a bare parameter count does not "
                                "give: choose a preset or a config.json of the mixture of experts")

@@ -123,6 +123,9 @@ class TrainingSetup:
     #: ``loss_chunk`` rows per chunk (``None``: Liger's rule, see ``core.loss``).
     loss: Loss = "full"
     loss_chunk: int | None = None
+    #: Each parameter stepped as soon as its gradient is accumulated, the gradient freed (PyTorch's "optimizer step
+    #: in backward" recipe; torchtune's ``optimizer_in_bwd``): no gradients kept, no accumulation.
+    optimizer_in_backward: bool = False
     gpu: str | None = None
     capacity_bytes: int | None = None
     cuda_context_bytes: int = DEFAULT_CUDA_CONTEXT_BYTES
@@ -155,6 +158,13 @@ class TrainingSetup:
         if self.loss == "chunked" and self.model is not None and self.model.lm_head_bias:
             raise InputError("loss", f"the chunked loss is modelled for a head without a bias; {self.model.family}'s "
                                      "LM head has one")
+        if not isinstance(self.optimizer_in_backward, bool):
+            raise InputError("optimizer_in_backward", f"must be true or false, got {self.optimizer_in_backward!r}")
+        if self.optimizer_in_backward and self.grad_accum > 1:
+            raise InputError("optimizer_in_backward", "the step in backward applies every micro-batch's gradients "
+                                                      "at once: it cannot accumulate (gradient accumulation 1)")
+        if self.optimizer_in_backward and self.parallel.is_distributed:
+            raise InputError("optimizer_in_backward", "the step in backward is modelled on one GPU")
         if not isinstance(self.use_cache, bool):
             raise InputError("use_cache", f"must be true or false, got {self.use_cache!r}")
         if self.capacity_bytes is not None:
@@ -220,6 +230,7 @@ class TrainingSetup:
             "checkpointing": self.checkpointing,
             "loss": self.loss,
             "loss_chunk": self.loss_chunk,
+            "optimizer_in_backward": self.optimizer_in_backward,
             "use_cache": self.use_cache,
             "gpu": self.gpu,
             "capacity_bytes": self.capacity_bytes,
@@ -282,5 +293,6 @@ class TrainingSetup:
         return (f"{model}: batch {self.batch} × seq {self.seq} × accum {self.grad_accum}, {self.precision}, "
                 f"{self.optimizer} ({self.optimizer_impl}), {self.attention}, checkpointing {self.checkpointing}"
                 f"{', chunked loss' if self.loss == 'chunked' else ''}"
+                f"{', optimizer step in backward' if self.optimizer_in_backward else ''}"
                 f"{', use_cache' if self.use_cache else ''}"
                 f"{', ' + self.tuning_short() if self.tuning.method != 'full' else ''}{gpus}{cap}")

@@ -207,6 +207,7 @@ LEVER_COSTS: dict[str, int] = {
     "checkpointing": 20,
     "micro-batch": 10,
     "loss-chunked": 8,  # a different kernel (Liger-Kernel), about as fast: nothing given up but a dependency
+    "optimizer-in-backward": 12,  # a custom loop step: no gradient accumulation or clipping over all gradients
     "strategy": 6,
     "strategy:zero2": 5,  # shards optimizer state and gradients only: the least extra communication
     "gpus": 4,
@@ -267,6 +268,13 @@ def levers(setup: TrainingSetup) -> list[Lever]:
                          "cross-entropy)", {"loss": "chunked"},
                          "needs Liger-Kernel (Triton: NVIDIA and AMD GPUs); about as fast; the tokens × vocabulary "
                          "logits never exist"))
+    if setup.model is not None and not setup.optimizer_in_backward and setup.grad_accum == 1 \
+            and not setup.parallel.is_distributed:
+        out.append(Lever("step", "optimizer-in-backward", "step the optimizer in backward (gradients freed as they "
+                         "are made)", {"optimizer_in_backward": True},
+                         "a training loop that steps each parameter from a post-accumulate-grad hook (PyTorch's "
+                         "recipe, torchtune's optimizer_in_bwd): no gradient accumulation, no clipping by the global "
+                         "norm"))
     if setup.optimizer in ("adamw", "adam"):
         out.append(Lever("optimizer", "optimizer-8bit", "use 8-bit AdamW (bitsandbytes)",
                          {"optimizer": "adamw-8bit",
@@ -293,7 +301,7 @@ def levers(setup: TrainingSetup) -> list[Lever]:
     if setup.model is not None and setup.attention == "eager":
         out.append(Lever("attention", "attention-sdpa", "use SDPA attention instead of eager", {"attention": "sdpa"},
                          "no L×L score matrices kept"))
-    if setup.batch > 1:
+    if setup.batch > 1 and not setup.optimizer_in_backward:  # the step in backward cannot accumulate
         out.append(Lever("micro-batch", "micro-batch", "a smaller micro-batch at the same effective batch", {},
                          "more forward/backward passes per optimizer step"))
     if not setup.architecture_known:

@@ -151,6 +151,7 @@ def measure_training_step(
     keep_tracker: bool = False,
     loss: str = "full",
     loss_chunk: int | None = None,
+    optimizer_in_backward: bool = False,
 ) -> StepMeasurement:
     """Build the model from ``config`` and measure ``iterations`` training steps on CPU.
 
@@ -164,6 +165,9 @@ def measure_training_step(
     DynamicCache on in forward (a loop that leaves the config's default); ``tuning`` trains LoRA adapters (peft)
     or some parts only (see :func:`apply_tuning`). ``loss="chunked"`` computes the loss with the chunked fused
     linear cross-entropy (:mod:`.chunked_loss`, Liger's algorithm; ``loss_chunk`` rows per chunk, default Liger's).
+    ``optimizer_in_backward`` steps each parameter as soon as its gradient is accumulated and frees the gradient
+    (one optimizer per parameter, run from ``register_post_accumulate_grad_hook``: PyTorch's "optimizer step in
+    backward" recipe, torchtune's ``optimizer_in_bwd``); the optimizer phase then has nothing left to do.
     """
     if fake:
         from torch._subclasses.fake_tensor import FakeTensorMode
@@ -175,7 +179,7 @@ def measure_training_step(
                 grad_accum=grad_accum, iterations=iterations, seed=seed, num_threads=None,
                 on_phase=on_phase, fake=False, round_to=round_to, module_names=module_names,
                 builder=builder, use_cache=use_cache, tuning=tuning, keep_tracker=keep_tracker, loss=loss,
-                loss_chunk=loss_chunk,
+                loss_chunk=loss_chunk, optimizer_in_backward=optimizer_in_backward,
             )
 
     def announce(phase: str, it: int, micro: int = 0) -> None:
@@ -219,11 +223,22 @@ def measure_training_step(
                     tracker.track(b, "parameters")
                 params = [p for p in model.parameters() if p.requires_grad]
             n_params = sum(p.numel() for p in model.parameters())
-            opt = make_optimizer(params, optimizer, optimizer_impl)
+            if optimizer_in_backward and grad_accum > 1:
+                raise ValueError("the optimizer step in backward cannot accumulate gradients (grad_accum must be 1)")
+            per_param = {p: make_optimizer([p], optimizer, optimizer_impl) for p in params} \
+                if optimizer_in_backward else {}
+            opt = make_optimizer(params, optimizer, optimizer_impl) if not optimizer_in_backward else None
 
             def tag_grad(param: torch.Tensor) -> None:
                 if param.grad is not None:
                     tracker.track(param.grad, "gradients")
+                if optimizer_in_backward:  # the step of this parameter, now; its gradient freed
+                    step = per_param[param]
+                    step.step()
+                    for value in step.state[param].values():
+                        if isinstance(value, torch.Tensor):
+                            tracker.track(value, "optimizer_state")
+                    step.zero_grad(set_to_none=True)
 
             hooks.extend(p.register_post_accumulate_grad_hook(tag_grad) for p in params)
             if module_names:
@@ -254,12 +269,13 @@ def measure_training_step(
                                 tracker.track(p.grad, "gradients")
                 announce("optimizer_step", it)
                 with tracker.phase("optimizer_step", it):
-                    opt.step()
-                    for state in opt.state.values():
-                        for value in state.values():
-                            if isinstance(value, torch.Tensor):
-                                tracker.track(value, "optimizer_state")
-                    opt.zero_grad(set_to_none=True)
+                    if opt is not None:  # else each parameter was stepped in backward
+                        opt.step()
+                        for state in opt.state.values():
+                            for value in state.values():
+                                if isinstance(value, torch.Tensor):
+                                    tracker.track(value, "optimizer_state")
+                        opt.zero_grad(set_to_none=True)
                 gc.collect()
                 live_end.append(tracker.live_bytes)
         summary = _summarize(tracker, iterations, grad_accum, n_params, live_end, round_to)

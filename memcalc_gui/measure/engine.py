@@ -396,7 +396,7 @@ def _measure_cpu(result: MeasureResult, config: dict[str, Any], setup: TrainingS
             optimizer_impl=setup.optimizer_impl, attention=setup.attention, checkpointing=setup.checkpointing,
             use_cache=setup.use_cache, grad_accum=setup.grad_accum, iterations=iterations, num_threads=None,
             on_phase=track_phase, tuning=setup.tuning if setup.tuning.method != "full" else None,
-            loss=setup.loss, loss_chunk=setup.loss_chunk,
+            loss=setup.loss, loss_chunk=setup.loss_chunk, optimizer_in_backward=setup.optimizer_in_backward,
         )
     except NotImplementedError as exc:  # an optimizer torch lacks, or a family without a reference module
         raise MeasureError(str(exc)) from None

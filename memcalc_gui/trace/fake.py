@@ -151,7 +151,7 @@ def trace_estimate(
                 use_cache=setup.use_cache, grad_accum=min(setup.grad_accum, TRACED_MICRO_BATCHES), iterations=2,
                 fake=True, round_to=CUDA_ROUNDING, module_names=True, on_phase=on_phase,
                 tuning=setup.tuning if setup.tuning.method != "full" else None, loss=setup.loss,
-                loss_chunk=setup.loss_chunk,
+                loss_chunk=setup.loss_chunk, optimizer_in_backward=setup.optimizer_in_backward,
             )
     except (TraceCancelled, MemcalcError):
         raise

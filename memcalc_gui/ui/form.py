@@ -80,6 +80,7 @@ class FormState:
     loss_chunk: str = ""
     checkpointing: str = "none"
     use_cache: str = "false"  # "true": the loop keeps the config's use_cache=True
+    optimizer_in_backward: str = "false"
     gpu: str = DEFAULT_GPU  # a preset id, or "" for a custom capacity
     capacity: str = ""
     cuda_context: str = format_bytes(DEFAULT_CUDA_CONTEXT_BYTES, digits=0)
@@ -197,6 +198,7 @@ _FIELD_MAP: Final = {
     "attention": "attention",
     "loss": "loss",
     "loss_chunk": "loss_chunk",
+    "optimizer_in_backward": "optimizer_in_backward",
     "checkpointing": "checkpointing",
     "use_cache": "use_cache",
     "capacity": "capacity",
@@ -473,6 +475,7 @@ def build_setup(state: FormState, cache: ModelCache) -> TrainingSetup:
             loss=state.loss,  # type: ignore[arg-type]
             checkpointing=state.checkpointing,  # type: ignore[arg-type]
             use_cache=state.use_cache == "true",
+            optimizer_in_backward=state.optimizer_in_backward == "true",
             gpu=gpu_id,
             capacity_bytes=capacity,
             extras={"fit": fit} if fit is not None else dict(lite),

@@ -378,6 +378,10 @@ class InputPanel(QWidget):
         self._row(pform, "Optimi&zer:", "optimizer", self.optimizer)
         self.optimizer_impl = _combo({i: IMPL_LABELS.get(i, i) for i in OPTIMIZER_IMPLS}, TOOLTIPS["optimizer_impl"])
         self._row(pform, "&Implementation:", "optimizer_impl", self.optimizer_impl)
+        self.optimizer_in_backward = QCheckBox("Step in backward (gradients freed as made)")
+        self.optimizer_in_backward.setToolTip(TOOLTIPS["optimizer_in_backward"])
+        self.boxes["optimizer_in_backward"] = FieldBox(self.optimizer_in_backward)
+        pform.addRow(self.boxes["optimizer_in_backward"])
         outer.addWidget(prec_group)
 
         # ---- GPU ----
@@ -461,6 +465,7 @@ class InputPanel(QWidget):
         self.capacity.textChanged.connect(self._on_capacity)
         self.checkpointing.toggled.connect(self._changed)
         self.use_cache.toggled.connect(self._changed)
+        self.optimizer_in_backward.toggled.connect(self._changed)
         for edit in (self.lora_rank, self.lora_dropout, self.trainable):
             edit.textChanged.connect(self._changed)
         self.lora_targets.currentTextChanged.connect(self._changed)
@@ -498,7 +503,8 @@ class InputPanel(QWidget):
                  self.lora_targets, self.lora_dropout, self.quant, self.double_quant, self.prepare_kbit,
                  self.trainable, self.recipe,
                  self.precision,
-                 self.optimizer, self.optimizer_impl, self.gpu, self.capacity, self.gpus, self.strategy, self.node_size,
+                 self.optimizer, self.optimizer_impl, self.optimizer_in_backward, self.gpu, self.capacity, self.gpus,
+                 self.strategy, self.node_size,
                  self.ep, self.offload, self.cuda_context, self.allocator_reserve]
         for a, b in itertools.pairwise(chain):
             QWidget.setTabOrder(a, b)
@@ -696,6 +702,7 @@ class InputPanel(QWidget):
             loss_chunk=self.loss_chunk.text(),
             checkpointing="full" if self.checkpointing.isChecked() else "none",
             use_cache="true" if self.use_cache.isChecked() else "false",
+            optimizer_in_backward="true" if self.optimizer_in_backward.isChecked() else "false",
             tuning=self.tuning.currentData(),
             lora_rank=self.lora_rank.text(),
             lora_targets=self.lora_targets.currentText(),
@@ -742,6 +749,7 @@ class InputPanel(QWidget):
             _set_combo(self.gpu, state.gpu, fallback="")  # a GPU no longer in the table: custom capacity
             self.checkpointing.setChecked(state.checkpointing == "full")
             self.use_cache.setChecked(state.use_cache == "true")
+            self.optimizer_in_backward.setChecked(state.optimizer_in_backward == "true")
             _set_combo(self.tuning, state.tuning)
             _set_combo(self.quant, state.quant)
             for name in ("lora_rank", "lora_dropout", "trainable"):

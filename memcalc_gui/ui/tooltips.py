@@ -155,6 +155,12 @@ TOOLTIPS: dict[str, str] = {
         "the logits a chunk of tokens at a time and computes the hidden-state and head-weight gradients in "
         "forward, so the full logits never exist."
     ),
+    "optimizer_in_backward": (
+        "Step each parameter as soon as its gradient is accumulated, then free the gradient (PyTorch's tutorial "
+        "\"How to save memory by fusing the optimizer step into the backward pass\"; torchtune's optimizer_in_bwd). "
+        "No gradients pile up in backward and the optimizer phase keeps only the weights and the state. It needs a "
+        "training loop that does it, and rules out gradient accumulation and clipping by the global norm."
+    ),
     "loss_chunk": (
         "Tokens per chunk of the chunked loss. Empty: Liger's rule, next_power_of_2(ceil(tokens / ceil(V / H))), "
         "so that one chunk's logits are about as large as the hidden states."
