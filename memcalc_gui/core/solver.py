@@ -361,6 +361,9 @@ def search_fixes(setup: TrainingSetup, estimator: Estimator, capacity: int) -> l
         groups.setdefault(lever.group, []).append(lever)
     kept: list[tuple[frozenset[str], Suggestion]] = []
     kept_groups: list[tuple[frozenset[str], Suggestion]] = []
+    routes = _routes(setup, estimator, capacity, groups)
+    if not routes:
+        return []  # not even everything one way allows fits: no set of these changes does
     evaluations = 0
     for combo in _combinations(groups):
         keys = frozenset(lv.key for lv in combo)
@@ -384,7 +387,50 @@ def search_fixes(setup: TrainingSetup, estimator: Estimator, capacity: int) -> l
                          base_peak - peak, True, "; ".join(lv.tradeoff for lv in combo))
         kept.append((keys, fix))
         kept_groups.append((groups_used, fix))
+    if not kept and routes:  # the cheap sets ran out of budget: the leanest fitting route, minimised
+        return [_minimised(setup, estimator, capacity, routes[0], base_peak)]
     return [s for _, s in kept]
+
+
+#: Sets of everything one way of fitting allows (lever keys; those a setup lacks are skipped): sharded over more
+#: GPUs, adapters on a quantized base, or one GPU with every single-GPU saving. None fitting means no set fits.
+ROUTES: tuple[tuple[str, ...], ...] = (
+    ("strategy:fsdp-full-shard", "offload-both", "checkpointing", "loss-chunked", "micro-batch", "gpus"),
+    ("tuning-qlora", "checkpointing", "loss-chunked", "micro-batch", "attention-sdpa"),
+    ("precision-bf16", "optimizer-8bit", "checkpointing", "loss-chunked", "optimizer-in-backward", "attention-sdpa"),
+)
+
+
+def _routes(setup: TrainingSetup, estimator: Estimator, capacity: int,
+            groups: dict[str, list[Lever]]) -> list[tuple[Lever, ...]]:
+    """The :data:`ROUTES` that fit, each as its levers: a few estimates that tell a hopeless setup at once."""
+    by_key = {lv.key: lv for options in groups.values() for lv in options}
+    out = []
+    for route in ROUTES:
+        combo = tuple(by_key[k] for k in route if k in by_key)
+        # more GPUs or a smaller micro-batch are refused when they change nothing: try the route without them too
+        for drop in ((), ("gpus",), ("micro-batch",), ("gpus", "micro-batch")):
+            trial = tuple(lv for lv in combo if lv.key not in drop)
+            if trial and _realise(setup, estimator, capacity, trial) is not None:
+                out.append(trial)
+                break
+    return out
+
+
+def _minimised(setup: TrainingSetup, estimator: Estimator, capacity: int, combo: tuple[Lever, ...],
+               base_peak: int) -> Suggestion:
+    """``combo`` (which fits) without every lever it still fits without, dearest first."""
+    found = _realise(setup, estimator, capacity, combo)
+    assert found is not None
+    for lever in sorted(combo, key=lambda lv: -lv.cost):
+        rest = tuple(lv for lv in combo if lv is not lever)
+        if rest and (again := _realise(setup, estimator, capacity, rest)) is not None:
+            combo, found = rest, again
+    changes, peak = found
+    strategy = changes.get("strategy", setup.parallel.strategy)
+    title = "; ".join(_lever_title(lv, changes, strategy) for lv in combo)
+    return Suggestion("fix:" + "+".join(sorted(lv.key for lv in combo)), title[0].upper() + title[1:], changes,
+                      peak, base_peak - peak, True, "; ".join(lv.tradeoff for lv in combo))
 
 
 def _lever_title(lever: Lever, changes: dict[str, Any], strategy: str) -> str:
