@@ -34,7 +34,6 @@ from .core.model import (
 from .core.result import Result, evaluate
 from .core.setup import (
     ATTENTIONS,
-    CHECKPOINTINGS,
     DEFAULT_ALLOCATOR_RESERVE,
     DEFAULT_CUDA_CONTEXT_BYTES,
     LIMITS,
@@ -136,7 +135,9 @@ def _add_setup_args(p: argparse.ArgumentParser) -> None:
                    help="step implementation (default foreach, as torch on CUDA)")
     p.add_argument("--attention", default=None, choices=ATTENTIONS,
                    help="default sdpa (eager for a family transformers runs without SDPA)")
-    p.add_argument("--checkpointing", default="none", choices=CHECKPOINTINGS, help="gradient checkpointing")
+    p.add_argument("--checkpointing", default="none", metavar="none|full|every:N",
+                   help="gradient checkpointing: none, every decoder layer (full), or every N-th layer (every:2 keeps "
+                        "every other layer's activations: torchtitan's selective layer checkpointing)")
     p.add_argument("--loss", default="full", choices=LOSSES,
                    help="full: transformers' loss over the whole logits; chunked: a fused linear cross-entropy "
                         "(Liger-Kernel's), the logits made a chunk of tokens at a time")

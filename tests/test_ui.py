@@ -1020,3 +1020,27 @@ def test_without_torch_a_new_family_preset_is_the_heuristic_with_its_reason(wind
     assert w.result.estimate.method == "quick"
     assert w.result.setup.num_params == preset_info("mixtral-8x7b").num_params
     assert "no PyTorch and transformers" in w.inputs.model_info.text() and "mixtral" in w.inputs.model_info.text()
+
+
+def test_the_new_techniques_are_window_controls(window):
+    """Checkpoint every N-th layer, the chunked loss and the step in backward: each a control, each in the setup
+    the core estimates, a bad every-N value marked on its own field with the last result kept."""
+    w = window
+    w.apply_state(w.inputs.state().replace(model_kind="preset", preset="llama-3.2-1b", gpus="1", strategy="ddp",
+                                           grad_accum="1"))
+    assert w.refresh()
+    w.inputs.checkpointing.setChecked(True)
+    w.inputs.ckpt_every.setText("2")
+    w.inputs.loss.setCurrentIndex(w.inputs.loss.findData("chunked"))
+    w.inputs.optimizer_in_backward.setChecked(True)
+    state = w.inputs.state()
+    assert (state.checkpointing, state.loss, state.optimizer_in_backward) == ("every:2", "chunked", "true")
+    assert w.refresh()
+    s = w.result.setup
+    assert (s.checkpointing, s.loss, s.optimizer_in_backward) == ("every:2", "chunked", True)
+    good = w.result
+    w.inputs.ckpt_every.setText("0")
+    assert not w.refresh() and w.result is good
+    assert "every:N" in w.inputs.errors()["ckpt_every"]
+    w.apply_state(w.inputs.state())  # round trip through the saved form
+    assert w.inputs.state().checkpointing == "every:0"

@@ -35,7 +35,8 @@ from .ledger import Estimate, with_overheads
 from .loss import chunk_transient_bytes, liger_chunk_rows
 from .model import ModelSpec
 from .optimizer import optimizer_cost
-from .setup import TrainingSetup
+from .setup import TrainingSetup, checkpoint_every
+from .units import ordinal
 
 #: cross_entropy's target bookkeeping: padded labels (B·(L+1)) and shifted labels (B·L), int64.
 LABEL_BYTES = 8
@@ -107,7 +108,14 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
         if not tp.embeddings_trainable and not tp.layers_trained:
             first_layer = sum(tuned_layer_saved(spec, setup, first=True).values())
         keep_stream = keep_stream and tp.embeddings_trainable  # the embedding output needs no gradient
-    if setup.checkpointing == "full":
+    every = checkpoint_every(setup.checkpointing)
+    every = None if every == 1 else every  # every:1 is full checkpointing
+    n_ck = n_layers // every if every else 0  # layers N, 2N, … (torchtitan's ac_freq)
+
+    def checkpointed(j: int) -> bool:  # decoder layer j (1-based)
+        return ckpt or (every is not None and j % every == 0)
+
+    if setup.checkpointing in ("full", "every:1"):
         # Non-reentrant checkpointing keeps each layer's input; the final norm keeps the last output.
         layers_saved = n_layers * stream + (stream if keep_stream else 0)
         ckpt = True
@@ -124,13 +132,18 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
             below = 0
         layers_saved = tp.layers_trained * s_layer + below
         ckpt = False
+    elif every is not None:
+        # every N-th layer checkpointed (layers N, 2N, …): those keep their input, the others what they save
+        layers_saved = n_ck * stream + (n_layers - n_ck) * s_layer + (stream if keep_stream else 0)
+        ckpt = False
     else:
         layers_saved = (n_layers - 1) * s_layer + first_layer + (stream if keep_stream else 0)  # + embedding out
         ckpt = False
     model_saved = rope_tables + final_saved
     acts_fwd = layers_saved + model_saved
     # use_cache=True: the DynamicCache's copies that nothing saves live until the model returns
-    cache_held = n_layers * cache_changes(spec, d, t, setup.attention)[1] if setup.use_cache and not ckpt else 0
+    cache_held = (n_layers - n_ck) * cache_changes(spec, d, t, setup.attention)[1] \
+        if setup.use_cache and not ckpt else 0
 
     # ---- forward peak: at the loss ----------------------------------------------------------
     logits = t * v * d.matmul
@@ -174,7 +187,7 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
     else:
         forward = _objects(**base_fwd, activations=acts_fwd + lsm + cache_held,
                            temporaries=logits + logits32 + labels + final_out_alive)
-    if setup.checkpointing == "full":
+    if ckpt or n_ck:
         # Inside a checkpointed layer nothing is saved, but its MLP still holds ~3 I-wide tensors at once (4 for
         # the tanh GELU transformers writes in Python ops: fc1's output, x³, and two products)
         wide = 4 if not spec.gated_mlp and spec.hidden_act.lower() in ("gelu_new", "gelu_fast", "gelu_python_tanh") \
@@ -187,7 +200,9 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
     moments: list[dict[str, int]] = []
     # (A) cross-entropy backward: log-softmax + its gradient + the logits gradient, all fp32.
     # With checkpointing the layers' 16-bit weight copies die with autocast's cache after forward.
-    copies_bwd = lm_copy if ckpt else copies
+    # every N-th layer: the checkpointed layers' copies die too, the others' stay saved
+    copies_bwd = lm_copy if ckpt else copies - n_ck * (spec.layer_params - spec.norms_per_layer * h *
+                                                      (2 if spec.norm_bias else 1)) * 2 * d.autocast
     base_bwd = dict(base_fwd, parameters=params + copies_bwd)
     lm_grad = v * h * p if head_trains else 0
     if chunked:
@@ -260,10 +275,13 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
             earlier = k * stream
         elif tuned and not tp.layers_trained:
             earlier = (first_layer + (below - 1) * s_layer) if below else 0
+        elif n_ck:  # the layers below keep their input or what they save; a checkpointed one keeps its own input
+            earlier = sum(stream if checkpointed(j) else s_layer for j in range(bottom, k)) + \
+                (stream if checkpointed(k) else stream_kept)
         else:
             earlier = stream_kept + below * s_layer
         current = (first_layer if tuned and not tp.layers_trained and k == 1 else s_layer) - stream_kept
-        copies_before = 0 if ckpt else (k - 1) * layer_copy_w
+        copies_before = 0 if ckpt else sum(0 if checkpointed(j) else layer_copy_w for j in range(1, k))
         grads_before = grads_all if accumulating else head_grads + done * g_layer
         acc_tmp_mlp = g_down if accumulating else 0
         # MLP moment
@@ -426,7 +444,7 @@ def _assumptions(spec: ModelSpec, setup: TrainingSetup, opt_note: str) -> tuple[
     rows = [
         f"Steady-state iteration (optimizer state exists; gradients freed by zero_grad(set_to_none=True){accum})",
         f"{spec.family} block counted tensor by tensor ({setup.attention} attention, "
-        f"{'full gradient checkpointing' if setup.checkpointing == 'full' else 'no checkpointing'})",
+        f"{CHECKPOINT_WORDS.get(setup.checkpointing) or _every_words(setup.checkpointing)})",
         {"fp32": "fp32: 4 B/param weights, gradients and activations",
          "mixed": "Mixed precision (bf16/fp16 autocast): fp32 weights + 16-bit copies of matmul weights "
                   "(6 B/param, Transformers docs), fp32 gradients; norms, softmax, residual stream and loss stay fp32",
@@ -452,6 +470,13 @@ def _assumptions(spec: ModelSpec, setup: TrainingSetup, opt_note: str) -> tuple[
         f"{setup.allocator_reserve:.0%} of tensor bytes (memory-profiling guide: fragmentation 5–20 %)",
     ]
     return tuple(rows)
+
+
+CHECKPOINT_WORDS = {"full": "full gradient checkpointing", "none": "no checkpointing"}
+
+
+def _every_words(checkpointing: str) -> str:
+    return f"every {ordinal(int(checkpointing[6:]))} layer checkpointed (torchtitan's selective layer checkpointing)"
 
 
 def parameter_split(spec: ModelSpec, setup: TrainingSetup, params: int) -> dict[str, int]:

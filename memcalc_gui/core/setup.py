@@ -21,7 +21,9 @@ Optimizer = Literal["adamw", "adam", "adamw-8bit", "paged-adamw-8bit", "paged-ad
                     "adafactor", "lion"]
 OptimizerImpl = Literal["foreach", "single-tensor", "fused"]
 Attention = Literal["sdpa", "eager"]
-Checkpointing = Literal["none", "full"]
+#: ``none``, ``full`` (every decoder layer) or ``every:N`` (every N-th layer: torchtitan's selective layer
+#: checkpointing, ``ac_freq``); see :func:`checkpoint_every`.
+Checkpointing = str
 #: How the loss is computed: transformers' full logits, or a chunked fused linear cross-entropy (Liger's).
 Loss = Literal["full", "chunked"]
 Method = Literal["quick", "analytic", "trace"]
@@ -33,7 +35,7 @@ BNB_OPTIMIZERS: Final = ("adamw-8bit", "paged-adamw-8bit", "paged-adamw-32bit")
 OPTIMIZERS: Final = get_args(Optimizer)
 OPTIMIZER_IMPLS: Final = get_args(OptimizerImpl)
 ATTENTIONS: Final = get_args(Attention)
-CHECKPOINTINGS: Final = get_args(Checkpointing)
+CHECKPOINTINGS: Final = ("none", "full", "every:N")
 LOSSES: Final = get_args(Loss)
 METHODS: Final = get_args(Method)
 TARGET_DEVICES: Final = get_args(TargetDevice)
@@ -83,6 +85,24 @@ def find_gpu(name: str) -> GPU:
     if len(matches) == 1:
         return matches[0]
     raise InputError("gpu", f"unknown GPU {name!r}; available: {', '.join(g.id for g in presets)}")
+
+
+def checkpoint_every(value: object) -> int | None:
+    """How often layers are checkpointed: ``None`` for none, 1 for every layer (``full``), N for ``every:N`` (layers
+    N, 2N, … counted from the first, as torchtitan's ``ac_freq`` picks them). Raises :class:`InputError`."""
+    if value == "none":
+        return None
+    if value == "full":
+        return 1
+    text = value.strip().lower() if isinstance(value, str) else ""
+    if text.startswith("every:"):
+        try:
+            n = int(text[6:])
+        except ValueError:
+            n = 0
+        if 1 <= n <= 100_000:
+            return n
+    raise InputError("checkpointing", f"must be none, full or every:N (N ≥ 1, every N-th layer), got {value!r}")
 
 
 def _choice(field_name: str, value: object, options: tuple[str, ...]) -> None:
@@ -149,7 +169,10 @@ class TrainingSetup:
         _choice("optimizer", self.optimizer, OPTIMIZERS)
         _choice("optimizer_impl", self.optimizer_impl, OPTIMIZER_IMPLS)
         _choice("attention", self.attention, ATTENTIONS)
-        _choice("checkpointing", self.checkpointing, CHECKPOINTINGS)
+        checkpoint_every(self.checkpointing)  # raises InputError naming the field
+        if self.checkpointing.startswith("every:") and self.tuning.method != "full":
+            raise InputError("checkpointing", "every N-th layer is modelled for full fine-tuning; LoRA, QLoRA and "
+                                              "frozen parts take none or full")
         _choice("loss", self.loss, LOSSES)
         if self.loss_chunk is not None:
             _positive_int("loss_chunk", self.loss_chunk, LIMITS["seq"] * LIMITS["batch"])

@@ -205,6 +205,7 @@ LEVER_COSTS: dict[str, int] = {
     "offload-optimizer": 30,
     "precision-mixed": 25,
     "checkpointing": 20,
+    "checkpointing-every-2": 15,
     "micro-batch": 10,
     "loss-chunked": 8,  # a different kernel (Liger-Kernel), about as fast: nothing given up but a dependency
     "optimizer-in-backward": 12,  # a custom loop step: no gradient accumulation or clipping over all gradients
@@ -263,6 +264,10 @@ def levers(setup: TrainingSetup) -> list[Lever]:
     if setup.architecture_known and setup.checkpointing == "none":
         out.append(Lever("checkpointing", "checkpointing", "turn on gradient checkpointing",
                          {"checkpointing": "full"}, "about 20–30 % slower backward (one extra forward per layer)"))
+        if setup.tuning.method == "full":
+            out.append(Lever("checkpointing", "checkpointing-every-2", "checkpoint every other layer "
+                             "(torchtitan's selective layer checkpointing)", {"checkpointing": "every:2"},
+                             "about 10–15 % slower backward (half the layers run forward twice)"))
     if setup.architecture_known and setup.loss == "full" and not (setup.model and setup.model.lm_head_bias):
         out.append(Lever("loss", "loss-chunked", "compute the loss in chunks (Liger-Kernel's fused linear "
                          "cross-entropy)", {"loss": "chunked"},

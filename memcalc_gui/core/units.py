@@ -174,3 +174,9 @@ def format_count(n: int) -> str:
         if n >= factor:
             return f"{n / factor:.{3 if factor >= 10**9 else 1}f}{suffix}".replace(".000B", "B")
     return str(n)
+
+
+def ordinal(n: int) -> str:
+    """``2nd``, ``3rd``, ``11th``, ``21st``: a count in words people read."""
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"

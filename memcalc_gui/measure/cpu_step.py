@@ -213,8 +213,9 @@ def measure_training_step(
             with tracker.phase("load", 0):
                 model = build_model(config, precision=precision, attention=attention, builder=builder,
                                     use_cache=use_cache)
-                if checkpointing == "full":
-                    enable_checkpointing(model)
+                if checkpointing != "none":
+                    enable_checkpointing(model, every=int(checkpointing[6:]) if checkpointing.startswith("every:")
+                                         else 1)
                 if tuning is not None and tuning.method != "full":
                     model = apply_tuning(model, tuning, config)
                 for p in model.parameters():
@@ -509,8 +510,10 @@ def _checkpointing_on(model: Any) -> bool:
     return False
 
 
-def enable_checkpointing(model: Any) -> None:
-    """Full activation checkpointing of every decoder layer (non-reentrant)."""
+def enable_checkpointing(model: Any, every: int = 1) -> None:
+    """Activation checkpointing (non-reentrant) of every decoder layer, or of every ``every``-th one (layers N, 2N, …
+    counted from the first, as torchtitan's selective layer checkpointing picks them): transformers checkpoints a
+    layer whose ``gradient_checkpointing`` is set, so the others are switched back off."""
     kwargs = {"use_reentrant": False}
     enable = getattr(model, "activation_checkpointing_enable", None)
     # transformers 5 deprecates gradient_checkpointing_enable in favour of this name
@@ -518,6 +521,12 @@ def enable_checkpointing(model: Any) -> None:
         enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if every > 1:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+
+        layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+        for i, layer in enumerate(layers, start=1):
+            layer.gradient_checkpointing = i % every == 0
 
 
 def make_optimizer(
@@ -603,9 +612,10 @@ def _check_args(
         )
     if loss not in LOSSES:
         raise ValueError(f"loss must be one of {LOSSES}, not {loss!r}")
-    if checkpointing not in CHECKPOINTING:
+    if checkpointing not in CHECKPOINTING and not (checkpointing.startswith("every:")
+                                                   and checkpointing[6:].isdigit() and int(checkpointing[6:]) >= 1):
         raise ValueError(
-            f"checkpointing must be one of {CHECKPOINTING}, not {checkpointing!r}"
+            f"checkpointing must be one of {CHECKPOINTING} or every:N, not {checkpointing!r}"
         )
     for name, value in (
         ("grad_accum", grad_accum),

@@ -29,7 +29,7 @@ from ..core.errors import InputError, MemcalcError, one_line
 from ..core.model import spec_from_config
 from ..core.reconcile import reconcile
 from ..core.result import Result, evaluate
-from ..core.setup import TrainingSetup
+from ..core.setup import TrainingSetup, checkpoint_every
 from ..core.units import format_bytes
 from ..core.vocab import PHASES
 from . import exclusive_torch_job
@@ -471,8 +471,9 @@ def _measure_cuda(result: MeasureResult, config: dict[str, Any], setup: Training
         with dev:  # build on the GPU directly (no CPU copy of the weights)
             model = build_model(config, precision=setup.precision, attention=setup.attention,
                                 use_cache=setup.use_cache)
-        if setup.checkpointing == "full":
-            enable_checkpointing(model)
+        every = checkpoint_every(setup.checkpointing)
+        if every is not None:
+            enable_checkpointing(model, every=every)
         if setup.tuning.method != "full":
             with dev:
                 model = apply_tuning(model, setup.tuning, config, device="cuda")

@@ -18,7 +18,7 @@ from ..core.ledger import parameter_rows, shown_objects
 from ..core.result import Result
 from ..core.setup import PRECISION_LABELS, TrainingSetup, gpu_presets
 from ..core.solver import MAX_SEARCH_BATCH
-from ..core.units import format_bytes, format_count, in_unit, screen_unit
+from ..core.units import format_bytes, format_count, in_unit, ordinal, screen_unit
 from ..core.vocab import OBJECT_LABELS, PHASE_LABELS, PHASES
 from ..view.plan_text import (
     BEST_MARK,
@@ -48,6 +48,9 @@ DEEPSPEED = "DeepSpeed"
 FSDP = "PyTorch FSDP"
 DDP = "PyTorch DDP"
 MEMCALC = "memcalc"
+LIGER = "Liger-Kernel"
+TORCHTITAN = "torchtitan"
+PT_OPT_BWD = "PyTorch tutorial"
 
 SOURCES: dict[str, str] = {
     SEED_000: "Hugging Face blog, “Visualize and understand GPU memory in PyTorch” — phases, colours, "
@@ -73,6 +76,12 @@ SOURCES: dict[str, str] = {
          "gradient_as_bucket_view = False keeps a second copy of every gradient).",
     MEMCALC: "memcalc’s own measurements — a live-storage tracker on CPU, exact to the byte against the PyTorch "
              "profiler (tests/test_analytic_vs_measured.py).",
+    LIGER: "Liger-Kernel, liger_kernel/ops/fused_linear_cross_entropy.py — the chunked fused linear cross-entropy: "
+           "chunks of next_power_of_2(⌈T / ⌈V/H⌉⌉) tokens, gradients made in forward; its memory benchmark.",
+    TORCHTITAN: "torchtitan, activation checkpointing options — selective layer checkpointing of every N-th block "
+                "(ac_freq).",
+    PT_OPT_BWD: "PyTorch tutorial “How to save memory by fusing the optimizer step into the backward pass” — a "
+                "step per parameter from register_post_accumulate_grad_hook, the gradient freed.",
 }
 
 METHOD_LABELS = {
@@ -109,6 +118,9 @@ _KEYWORD_SOURCES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("FSDP", (FSDP,)),
     ("DDP", (DDP,)),
     ("largest unit gathered", (DEEPSPEED, FSDP)),
+    ("Liger", (LIGER,)),
+    ("torchtitan", (TORCHTITAN,)),
+    ("step in backward", (PT_OPT_BWD,)),
 )
 
 
@@ -483,12 +495,23 @@ def _formulas(result: Result, measured: bool) -> list[tuple[str, tuple[str, ...]
             ("Activations: the tensors autograd saves, counted per op of the actual block (SDPA keeps q, k, v, the "
              "output and a logsumexp; eager attention adds B·heads·L² scores); for a GPT-3 block this reduces to "
              "sbh(34 + 5as/h).", (KORTHIKANTI, MEMCALC)),
-            ("Loss: B·L·V logits in the compute dtype, an fp32 copy and the log-softmax kept for backward.",
-             (MEMCALC,)),
         ]
+        if s.loss == "full":
+            rows.append(("Loss: B·L·V logits in the compute dtype, an fp32 copy and the log-softmax kept for "
+                         "backward.", (MEMCALC,)))
         if s.checkpointing == "full":
             rows.append(("Full checkpointing keeps each layer’s input (B·L·h) and recomputes the block in backward "
                          "(memory-profiling guide: 40–60 % less activation memory).", (SEED_003,)))
+        elif s.checkpointing.startswith("every:"):
+            rows.append((f"Every {ordinal(int(s.checkpointing[6:]))} layer checkpointed: those keep their input "
+                         "(B·L·h), the others what they save; one layer recomputed at a time in backward.",
+                         (TORCHTITAN,)))
+        if s.loss == "chunked":
+            rows.append(("Chunked loss: no B·L·V logits; the hidden-state gradient (B·L·h) and the fp32 head-weight "
+                         "gradient (V·h) made in forward beside one chunk’s logits.", (LIGER,)))
+        if s.optimizer_in_backward:
+            rows.append(("Optimizer step in backward: each gradient stepped and freed as it is accumulated; the "
+                         "optimizer phase keeps weights and state only.", (PT_OPT_BWD,)))
     if s.parallel.is_distributed:
         rows += [
             ("Per GPU, mixed precision + Adam: DDP keeps (2 + 2 + K)Ψ with K = 12 on every GPU; ZeRO-1 2Ψ + 2Ψ + "

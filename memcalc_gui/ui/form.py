@@ -229,6 +229,8 @@ def form_field(error: InputError, state: FormState) -> str:
         return "config_path" if state.model_kind == "config" else "hub_id"
     if error.field == "model":
         return {"preset": "preset", "config": "config_path", "hub": "hub_id", "params": "params"}[state.model_kind]
+    if error.field == "checkpointing" and state.checkpointing.startswith("every:"):
+        return "ckpt_every"  # the every-N-th field made it
     return _FIELD_MAP.get(error.field, "general")
 
 

@@ -311,6 +311,11 @@ class InputPanel(QWidget):
         self.checkpointing.setToolTip(TOOLTIPS["checkpointing"])
         self.boxes["checkpointing"] = FieldBox(self.checkpointing)
         sform.addRow(self.boxes["checkpointing"])
+        self.ckpt_every = IntEdit()
+        self.ckpt_every.setObjectName("checkpointEvery")
+        self.ckpt_every.setPlaceholderText("every layer")
+        self.ckpt_every.setToolTip(TOOLTIPS["ckpt_every"])
+        self._row(sform, "Checkpoint every N-th:", "ckpt_every", self.ckpt_every)
         self.use_cache = QCheckBox("&Keep use_cache (k/v cache in forward)")
         self.use_cache.setObjectName("useCache")
         self.use_cache.setToolTip(TOOLTIPS["use_cache"])
@@ -463,7 +468,8 @@ class InputPanel(QWidget):
                      self.cuda_context, self.allocator_reserve, self.gpus, self.node_size, self.ep):
             edit.textChanged.connect(self._changed)
         self.capacity.textChanged.connect(self._on_capacity)
-        self.checkpointing.toggled.connect(self._changed)
+        self.checkpointing.toggled.connect(self._on_checkpointing)
+        self.ckpt_every.textChanged.connect(self._changed)
         self.use_cache.toggled.connect(self._changed)
         self.optimizer_in_backward.toggled.connect(self._changed)
         for edit in (self.lora_rank, self.lora_dropout, self.trainable):
@@ -499,7 +505,7 @@ class InputPanel(QWidget):
     def _tab_order(self) -> None:
         chain = [self.model_kind, self.preset, self.config_path, self.open_button, self.hub_id, self.fetch_button,
                  self.params, self.batch, self.seq, self.grad_accum, self.checkpointing, self.use_cache,
-                 self.attention, self.loss, self.loss_chunk, self.tuning, self.lora_rank,
+                 self.ckpt_every, self.attention, self.loss, self.loss_chunk, self.tuning, self.lora_rank,
                  self.lora_targets, self.lora_dropout, self.quant, self.double_quant, self.prepare_kbit,
                  self.trainable, self.recipe,
                  self.precision,
@@ -627,6 +633,23 @@ class InputPanel(QWidget):
         self.trainable_info.setText(text)
         self.trainable_info.setVisible(bool(text))
 
+    def _checkpointing_value(self) -> str:
+        """none, full, or every:N from the checkbox and the every-N-th field (empty or 1: every layer)."""
+        if not self.checkpointing.isChecked():
+            return "none"
+        text = self.ckpt_every.text().strip()
+        return "full" if text in ("", "1") else f"every:{text}"
+
+    def _on_checkpointing(self, *_: object) -> None:
+        self._sync_ckpt_every()
+        self._changed()
+
+    def _sync_ckpt_every(self) -> None:
+        on = self.checkpointing.isChecked()
+        self.ckpt_every.setEnabled(on)
+        if "ckpt_every" in self.labels:
+            self.labels["ckpt_every"].setEnabled(on)
+
     def _on_loss(self, *_: object) -> None:
         self._sync_loss_chunk()
         self._changed()
@@ -700,7 +723,7 @@ class InputPanel(QWidget):
             attention=self.attention.currentData(),
             loss=self.loss.currentData(),
             loss_chunk=self.loss_chunk.text(),
-            checkpointing="full" if self.checkpointing.isChecked() else "none",
+            checkpointing=self._checkpointing_value(),
             use_cache="true" if self.use_cache.isChecked() else "false",
             optimizer_in_backward="true" if self.optimizer_in_backward.isChecked() else "false",
             tuning=self.tuning.currentData(),
@@ -747,7 +770,11 @@ class InputPanel(QWidget):
                 self.loss_chunk.setText(state.loss_chunk)
             self._sync_loss_chunk()
             _set_combo(self.gpu, state.gpu, fallback="")  # a GPU no longer in the table: custom capacity
-            self.checkpointing.setChecked(state.checkpointing == "full")
+            self.checkpointing.setChecked(state.checkpointing != "none")
+            every = state.checkpointing[6:] if state.checkpointing.startswith("every:") else ""
+            if self.ckpt_every.text() != every:
+                self.ckpt_every.setText(every)
+            self._sync_ckpt_every()
             self.use_cache.setChecked(state.use_cache == "true")
             self.optimizer_in_backward.setChecked(state.optimizer_in_backward == "true")
             _set_combo(self.tuning, state.tuning)

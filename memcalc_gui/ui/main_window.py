@@ -92,7 +92,7 @@ FIELD_NAMES = {
     "batch": "micro-batch", "seq": "sequence length", "grad_accum": "gradient accumulation",
     "precision": "precision", "optimizer": "optimizer", "optimizer_impl": "optimizer implementation",
     "attention": "attention", "loss": "loss", "loss_chunk": "loss chunk",
-    "optimizer_in_backward": "step in backward",
+    "optimizer_in_backward": "step in backward", "ckpt_every": "checkpoint every N-th layer",
     "checkpointing": "checkpointing", "use_cache": "use_cache", "gpu": "GPU",
     "capacity": "capacity",
     "cuda_context": "CUDA context", "allocator_reserve": "allocator reserve", "gpus": "number of GPUs",

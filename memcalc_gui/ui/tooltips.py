@@ -155,6 +155,11 @@ TOOLTIPS: dict[str, str] = {
         "the logits a chunk of tokens at a time and computes the hidden-state and head-weight gradients in "
         "forward, so the full logits never exist."
     ),
+    "ckpt_every": (
+        "With checkpointing on: checkpoint every N-th decoder layer only (layers N, 2N, …), the others keep their "
+        "activations — torchtitan's selective layer checkpointing (ac_freq). Empty or 1: every layer. Fewer "
+        "checkpointed layers recompute less and keep more."
+    ),
     "optimizer_in_backward": (
         "Step each parameter as soon as its gradient is accumulated, then free the gradient (PyTorch's tutorial "
         "\"How to save memory by fusing the optimizer step into the backward pass\"; torchtune's optimizer_in_bwd). "
