@@ -261,6 +261,9 @@ def apply_changes(setup: TrainingSetup, changes: dict[str, Any]) -> TrainingSetu
 def levers(setup: TrainingSetup) -> list[Lever]:
     """Every change the estimator can express for ``setup`` (the search combines them)."""
     out: list[Lever] = []
+    if setup.architecture_known and setup.checkpointing.startswith("every:"):
+        out.append(Lever("checkpointing", "checkpointing", "checkpoint every layer", {"checkpointing": "full"},
+                         "about 20–30 % slower backward (one extra forward per layer)"))
     if setup.architecture_known and setup.checkpointing == "none":
         out.append(Lever("checkpointing", "checkpointing", "turn on gradient checkpointing",
                          {"checkpointing": "full"}, "about 20–30 % slower backward (one extra forward per layer)"))
