@@ -4,6 +4,7 @@ hook and its gradient freed. Real CPU steps run it; the analytic ledger and the 
 from __future__ import annotations
 
 import pytest
+from tiny_models import CONFIGS
 
 from memcalc_gui.core.distributed import Parallelism
 from memcalc_gui.core.errors import InputError
@@ -12,14 +13,6 @@ from memcalc_gui.core.model import block_preset_names, preset_spec, spec_from_co
 from memcalc_gui.core.setup import TrainingSetup
 from memcalc_gui.core.solver import levers
 
-COMMON = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, max_position_embeddings=1024)
-CONFIGS = {
-    "llama": dict(COMMON, model_type="llama", vocab_size=8192, hidden_size=128, intermediate_size=256,
-                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
-    "qwen2-tied": dict(COMMON, model_type="qwen2", vocab_size=16000, hidden_size=64, intermediate_size=256,
-                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
-    "gpt2": dict(model_type="gpt2", vocab_size=8000, n_embd=128, n_layer=2, n_head=4, n_positions=1024),
-}
 #: (family, precision, optimizer implementation, loss, checkpointing)
 CASES = [("llama", "fp32", "foreach", "full", "none"), ("llama", "mixed", "single-tensor", "chunked", "none"),
          ("llama", "bf16", "foreach", "full", "full"), ("qwen2-tied", "mixed", "foreach", "full", "none"),

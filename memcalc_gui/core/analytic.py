@@ -214,9 +214,8 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
     # (B) LM-head backward: logits gradient, hidden-state gradient, the weight gradient appears.
     lm_tmp = t * v * d.matmul + (0 if head_only else t * h * d.matmul) + \
         (v * h * d.matmul if d.matmul != p and head_trains else 0)
-    if chunked:
-        pass  # made in forward
-    elif lm_copy and d.matmul != p and head_trains:
+    # (the chunked loss made the head's gradients in forward: no head backward)
+    if not chunked and lm_copy and d.matmul != p and head_trains:
         # Under autocast the head's matmul backward (16-bit weight copy alive, no fp32 gradient yet) and the cast
         # of its 16-bit weight gradient to fp32 (copy released, both gradients alive) are two moments. The fp32
         # gradient becomes .grad, or with accumulation is a temporary added into the existing .grad.
@@ -226,7 +225,7 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
         moments.append(_objects(parameters=params + copies_bwd - lm_copy, optimizer_state=state, inputs=inputs,
                                 gradients=grads_all if accumulating else lm_grad, activations=acts_fwd,
                                 temporaries=t * h * d.matmul + v * h * d.matmul + (lm_grad if accumulating else 0)))
-    else:
+    elif not chunked:
         moments.append(_objects(
             parameters=params + copies_bwd, optimizer_state=state, inputs=inputs,
             gradients=grads_all if accumulating else lm_grad,

@@ -23,9 +23,8 @@ def count_params_on_meta(config: dict[str, Any]) -> int:
     return count_params_and_active_on_meta(config)[0]
 
 
-#: Config keys of the routed experts per token and of the experts per layer (transformers' MoE configs).
+#: Config keys of the routed experts per token (transformers' MoE configs; the experts per layer: EXPERT_KEYS).
 _TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "top_k")
-_EXPERT_KEYS = EXPERT_KEYS
 
 
 def count_params_and_active_on_meta(config: dict[str, Any]) -> tuple[int, int]:
@@ -47,7 +46,7 @@ def structure_on_meta(config: dict[str, Any]) -> dict[str, int]:
     total = int(sum(p.numel() for p in model.parameters()))
     layers = max((m for m in model.modules() if type(m).__name__ == "ModuleList"), key=len, default=None)
     layer_sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers] if layers is not None else [0]
-    experts = next((int(config[k]) for k in _EXPERT_KEYS if isinstance(config.get(k), int) and config[k] > 1), 0)
+    experts = next((int(config[k]) for k in EXPERT_KEYS if isinstance(config.get(k), int) and config[k] > 1), 0)
     top_k = next((int(config[k]) for k in _TOP_K_KEYS if isinstance(config.get(k), int) and config[k] > 0), 0)
     moe = bool(experts and top_k)
 
