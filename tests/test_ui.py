@@ -1044,3 +1044,18 @@ def test_the_new_techniques_are_window_controls(window):
     assert "every:N" in w.inputs.errors()["ckpt_every"]
     w.apply_state(w.inputs.state())  # round trip through the saved form
     assert w.inputs.state().checkpointing == "every:0"
+
+
+def test_a_family_without_sdpa_switches_the_window_to_eager(window, qtbot, tmp_path):
+    """Gemma 2 runs without SDPA in transformers: the calibration says so, and the window switches attention to
+    eager (an edit the user can undo) and estimates it, rather than leaving an error on a default setting."""
+    pytest.importorskip("transformers")
+    w = window
+    cfg = {"model_type": "gemma2", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+           "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "num_hidden_layers": 3,
+           "pad_token_id": 0}
+    path = write_config(tmp_path / "gemma2", "config.json", cfg)
+    w.apply_state(w.inputs.state().replace(attention="sdpa", gpus="1", strategy="ddp"))
+    assert not w.open_config(path)
+    qtbot.waitUntil(lambda: w.result.estimate.method == "fitted", timeout=90000)
+    assert w.inputs.state().attention == "eager" and w.result.setup.attention == "eager"

@@ -604,6 +604,15 @@ class MainWindow(QMainWindow):
             self.refresh()
 
     def _fit_failed(self, message: str) -> None:
+        if "no SDPA attention" in message and self.inputs.state().attention == "sdpa" and not self._closed:
+            # a family transformers runs without SDPA (Gemma 2, gpt-oss): switch to eager, as the CLI does, and say
+            # so; the switch is an ordinary edit (undo brings SDPA back)
+            self._fit_job = None
+            self.inputs.set_state(self.inputs.state().replace(attention="eager"))
+            self.statusBar().showMessage(f"Attention set to eager: {message.split(': ', 1)[-1].split(': choose')[0]}",
+                                         10000)
+            self.schedule_refresh()
+            return
         if self._fit_job is not None:
             self.fits[self._fit_job] = message if message.startswith(("model_type", "config")) else \
                 f"the fitted method does not hold for this model: {message}"
