@@ -432,7 +432,9 @@ def format_ledger(result: Result) -> str:
         lines.append("What would change it (peak after the change):")
         for i, s in enumerate(verdict.suggestions, 1):
             fit = "" if s.fits is None else ("  → fits" if s.fits else "  → still over")
-            lines.append(f"  {i}. {s.title}: {format_bytes(s.peak_bytes)} (saves {format_bytes(s.saves_bytes)}){fit}")
+            host = f", host {format_bytes(s.host_bytes)} per node" if s.host_bytes else ""
+            lines.append(f"  {i}. {s.title}: {format_bytes(s.peak_bytes)} (saves {format_bytes(s.saves_bytes)}"
+                         f"{host}){fit}")
     lines.append("")
     lines.append("Assumptions:")
     lines += [f"  - {a}" for a in est.assumptions]

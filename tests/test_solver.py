@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from memcalc_gui.core.estimate import estimate
 from memcalc_gui.core.model import preset_spec
+from memcalc_gui.core.result import evaluate
 from memcalc_gui.core.setup import TrainingSetup, find_gpu
 from memcalc_gui.core.solver import (
     LEVER_COSTS,
@@ -203,3 +204,14 @@ def test_largest_divisor_matches_brute_force(n, limit):
 
     expected = max((d for d in range(1, min(n, limit) + 1) if n % d == 0), default=1)
     assert _largest_divisor_at_most(n, limit) == expected
+
+
+def test_suggestions_say_the_host_memory_they_need():
+    """A fix that offloads names the host memory its setup needs (JSON host_bytes); one that does not, none."""
+    setup = _setup("llama-3.1-70b", "rtx-4090", batch=1, seq=2048)
+    rows = evaluate(setup).verdict.suggestions
+    offloading = [s for s in rows if s.changes.get("offload", "none") != "none"]
+    assert offloading and all(s.host_bytes > 0 and s.to_json()["host_bytes"] == s.host_bytes for s in offloading)
+    for s in offloading:
+        assert s.host_bytes == estimate(apply_changes(setup, s.changes)).details["host_bytes"]
+    assert all(s.host_bytes == 0 for s in rows if "offload" not in s.changes)

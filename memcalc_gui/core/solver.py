@@ -30,6 +30,8 @@ class Suggestion:
     saves_bytes: int
     fits: bool | None
     tradeoff: str = ""
+    #: Host memory the changed setup needs (offloaded state), per node.
+    host_bytes: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -40,6 +42,7 @@ class Suggestion:
             "saves_bytes": self.saves_bytes,
             "fits": self.fits,
             "tradeoff": self.tradeoff,
+            "host_bytes": self.host_bytes,
         }
 
 
@@ -185,11 +188,24 @@ def suggestions(setup: TrainingSetup, estimator: Estimator, capacity_bytes: int 
         rows.append(Suggestion(key, title, changes, peak, base_peak - peak, ok, tradeoff))
     rows.sort(key=lambda s: (not s.fits, -s.saves_bytes))
     if capacity_bytes is None or base_peak <= capacity_bytes:
-        return tuple(rows)
+        return _with_host(setup, estimator, tuple(rows))
     fixes = search_fixes(setup, estimator, capacity_bytes)
     singles = {tuple(sorted(f.changes.items(), key=str)) for f in fixes}
     rows = [r for r in rows if tuple(sorted(r.changes.items(), key=str)) not in singles]
-    return tuple(fixes) + tuple(r for r in rows if not r.fits) + tuple(r for r in rows if r.fits)
+    return _with_host(setup, estimator,
+                      tuple(fixes) + tuple(r for r in rows if not r.fits) + tuple(r for r in rows if r.fits))
+
+
+def _with_host(setup: TrainingSetup, estimator: Estimator, rows: tuple[Suggestion, ...]) -> tuple[Suggestion, ...]:
+    """Each suggestion with the host memory its setup needs (offload), so a fix says what it leaves on the host."""
+    out = []
+    for row in rows:
+        try:
+            host = int(estimator(apply_changes(setup, row.changes)).details.get("host_bytes", 0) or 0)
+        except InputError:
+            host = 0
+        out.append(replace(row, host_bytes=host) if host else row)
+    return tuple(out)
 
 
 # ---- the search over every lever ----------------------------------------------------------------------

@@ -387,6 +387,8 @@ def _suggestions_table(result: Result) -> tuple[Table | None, str]:
     rows = []
     for i, s in enumerate(v.suggestions, 1):
         fit = "—" if s.fits is None else ("fits" if s.fits else "still over")
+        if s.host_bytes:
+            fit += f"; host {format_bytes(s.host_bytes)} per node"
         rows.append(Row((str(i), s.title, format_bytes(s.peak_bytes), format_bytes(s.saves_bytes), fit, s.tradeoff),
                         highlight=bool(s.fits)))
     table = Table(("#", "Change", "Peak after", "Saves", "Result", "Trade-off"), tuple(rows),

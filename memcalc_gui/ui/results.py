@@ -375,7 +375,7 @@ class AdvicePanel(QWidget):
 def describe(s: Suggestion, capacity_bytes: int | None = None) -> str:
     """``Peak 43.34 GiB · headroom 35.81 GiB`` (``over by …`` when it does not fit; ``saves …`` without a
     capacity). What it saves is in the card's tooltip."""
-    peak = f"Peak {format_bytes(s.peak_bytes)}"
+    peak = f"Peak {format_bytes(s.peak_bytes)}" + (f" (host {format_bytes(s.host_bytes)})" if s.host_bytes else "")
     if capacity_bytes is None or s.fits is None:
         return f"{peak} · saves {format_bytes(s.saves_bytes)}"
     if s.peak_bytes <= capacity_bytes:
