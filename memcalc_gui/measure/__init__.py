@@ -8,8 +8,10 @@ from collections.abc import Callable, Iterator
 
 #: One torch job at a time per process. A measurement and a trace both change process-wide torch state (the
 #: default dtype while transformers builds a model, the thread count, the random seed) and import
-#: transformers' lazy modules, which fail when two threads import them at once ("cannot import name …").
-_TORCH_JOB = threading.Lock()
+#: transformers' lazy modules, which fail when two threads import them at once ("cannot import name …"); a fit's
+#: calibration also patches torch functions for its fake runs, which a second run in another thread would see.
+#: Re-entrant: a calibration holds it while it builds the model on the meta device, which takes it too.
+_TORCH_JOB = threading.RLock()
 
 
 @contextlib.contextmanager

@@ -270,6 +270,16 @@ def calibrate(config: dict[str, Any], setup: TrainingSetup, num_params: int,
             pass  # a stale or broken cache file: calibrate again
     if cached_only:
         raise FitError("not calibrated yet")
+    from ..measure import exclusive_torch_job
+
+    with exclusive_torch_job():  # one torch job at a time: a trace or a measurement in another thread waits
+        return _calibrate(cfg, setup, num_params, model_type, layers, (pair, check_layers), path, progress)
+
+
+def _calibrate(cfg: dict[str, Any], setup: TrainingSetup, num_params: int, model_type: str, layers: int,
+               counts: tuple[tuple[int, int], int], path: Path, progress: Callable[[str], None] | None) -> FitModel:
+    """The traces and the fit of :func:`calibrate` (``counts``: the two layer counts traced, and the check's)."""
+    pair, check_layers = counts
     t0 = time.perf_counter()
     windows: list[dict[tuple[str, int], _Window]] = []
     for n in pair:

@@ -93,7 +93,15 @@ def supports_sdpa(config: dict[str, Any]) -> bool:
 
 
 def _build_on_meta(config: dict[str, Any]) -> Any:
-    """``AutoModelForCausalLM.from_config`` on the meta device (no memory, offline, no code a config names)."""
+    """``AutoModelForCausalLM.from_config`` on the meta device (no memory, offline, no code a config names), as
+    the process's one torch job (transformers' lazy imports fail when two threads run them at once)."""
+    from ..measure import exclusive_torch_job
+
+    with exclusive_torch_job():
+        return _build_on_meta_now(config)
+
+
+def _build_on_meta_now(config: dict[str, Any]) -> Any:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     import transformers
