@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import math
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
 
@@ -482,5 +483,11 @@ def block_preset_names() -> list[str]:
 
 def preset_for_hub_id(repo_id: str) -> str | None:
     """The bundled preset published under ``repo_id`` (case-insensitive), if any."""
-    wanted = repo_id.strip().lower()
-    return next((n for n in preset_names() if str(preset_config(n).get("_name_or_path", "")).lower() == wanted), None)
+    return _presets_by_hub_id().get(repo_id.strip().lower())
+
+
+@lru_cache(maxsize=1)
+def _presets_by_hub_id() -> dict[str, str]:
+    """Hub id (lower case) → preset name, read once: the window looks ids up as the user types, and the bundled
+    presets do not change while the program runs."""
+    return {str(preset_config(n).get("_name_or_path", "")).lower(): n for n in reversed(preset_names())}
