@@ -33,6 +33,7 @@ from .core.model import (
 )
 from .core.result import Result, evaluate
 from .core.setup import (
+    ACTIVATION_OFFLOADS,
     ATTENTIONS,
     DEFAULT_ALLOCATOR_RESERVE,
     DEFAULT_CUDA_CONTEXT_BYTES,
@@ -68,6 +69,7 @@ FLAGS = {
     "loss": "--loss",
     "loss_chunk": "--loss-chunk-size",
     "optimizer_in_backward": "--optimizer-in-backward",
+    "activation_offload": "--activation-offload",
     "capacity": "--capacity",
     "gpu": "--gpu",
     "params": "--params",
@@ -144,6 +146,10 @@ def _add_setup_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--optimizer-in-backward", action="store_true",
                    help="step each parameter in backward as soon as its gradient is ready, and free the gradient "
                         "(PyTorch's recipe, torchtune's optimizer_in_bwd; no gradient accumulation)")
+    p.add_argument("--activation-offload", default="none", choices=ACTIVATION_OFFLOADS,
+                   help="keep saved activations in host memory: checkpoint-inputs (with --checkpointing full: each "
+                        "layer's input, torchtune's OffloadActivations) or all (every saved tensor, weights "
+                        "included: torch.autograd.graph.save_on_cpu)")
     p.add_argument("--loss-chunk-size", metavar="ROWS", default=None,
                    help="with --loss chunked: tokens per chunk (default Liger's rule, about T·H/V)")
     ft = p.add_argument_group("fine-tuning (peft LoRA, QLoRA with bitsandbytes, frozen parts)")
@@ -323,6 +329,7 @@ def setup_from_args(args: argparse.Namespace) -> tuple[TrainingSetup, list[str]]
         use_cache=bool(getattr(args, "use_cache", False)),
         loss=getattr(args, "loss", "full"),
         optimizer_in_backward=bool(getattr(args, "optimizer_in_backward", False)),
+        activation_offload=getattr(args, "activation_offload", "none"),
         loss_chunk=None if getattr(args, "loss_chunk_size", None) is None
         else parse_positive_int(args.loss_chunk_size, "loss_chunk", LIMITS["seq"] * LIMITS["batch"]),
         tuning=tuning_from_args(args),

@@ -1046,6 +1046,26 @@ def test_the_new_techniques_are_window_controls(window):
     assert w.inputs.state().checkpointing == "every:0"
 
 
+def test_activation_offload_is_a_window_control(window):
+    """The offload choice reaches the setup, the result says the host memory, and checkpoint inputs without
+    checkpointing marks the offload field and keeps the last result."""
+    w = window
+    w.apply_state(w.inputs.state().replace(model_kind="preset", preset="llama-3.2-1b", gpus="1", strategy="ddp",
+                                           checkpointing="full", batch="4", seq="2048"))
+    assert w.refresh()
+    combo = w.inputs.activation_offload
+    combo.setCurrentIndex(combo.findData("checkpoint-inputs"))
+    assert w.refresh()
+    assert w.result.setup.activation_offload == "checkpoint-inputs"
+    assert w.result.estimate.details["host_bytes"] > 0
+    good = w.result
+    w.inputs.checkpointing.setChecked(False)
+    assert not w.refresh() and w.result is good
+    assert "checkpointing" in w.inputs.errors()["activation_offload"]
+    w.apply_state(w.inputs.state())  # round trip through the saved form
+    assert w.inputs.state().activation_offload == "checkpoint-inputs"
+
+
 def test_a_family_without_sdpa_switches_the_window_to_eager(window, qtbot, tmp_path):
     """Gemma 2 runs without SDPA in transformers: the calibration says so, and the window switches attention to
     eager (an edit the user can undo) and estimates it, rather than leaving an error on a default setting."""

@@ -145,6 +145,24 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
     cache_held = (n_layers - n_ck) * cache_changes(spec, d, t, setup.attention)[1] \
         if setup.use_cache and not ckpt else 0
 
+    # ---- activation offloading ---------------------------------------------------------------
+    # What the decoder body saves goes to the host as it is saved (save_on_cpu; torchtune's OffloadActivations); the
+    # head and the loss run after the body and keep theirs (the head's input). Checkpointed layers keep the rotary
+    # tables their recomputation is called with; without checkpointing those exist only as host copies after forward.
+    offload = setup.activation_offload
+    head_in = final["output"]
+    kept_fwd = acts_fwd if offload == "none" else head_in + (rope_tables if ckpt else 0)
+    offload_host = 0
+    if offload != "none":
+        # a tensor saved by two ops is copied twice: RMSNorm's fp32 input (pow and mul) and rsqrt (mul and its own
+        # backward); without autocast q/k/v (and gate/up) save the one normalised input each
+        norm_dup = t * h * 4 + t * 4 if spec.norm == "rmsnorm" else 0
+        offload_host = acts_fwd - head_in - (rope_tables if ckpt else 0) + inputs + norm_dup
+        if not ckpt:  # every linear's saved weight (its 16-bit cast under autocast) is copied too
+            shared = 0 if d.autocast else (2 + (1 if spec.gated_mlp else 0)) * t * h * d.matmul
+            offload_host += (spec.matmul_weight_params - v * h) * (2 if d.autocast else p) + n_layers * (
+                rope_tables + spec.norms_per_layer * norm_dup + shared)
+
     # ---- forward peak: at the loss ----------------------------------------------------------
     logits = t * v * d.matmul
     logits32 = t * v * 4 if d.matmul != 4 else 0
@@ -177,7 +195,7 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
         rows = setup.loss_chunk or liger_chunk_rows(t, h, v)
         chunk_tmp = chunk_transient_bytes(min(rows, t), v, h, d.matmul, setup.target_device,
                                           d.autocast and head_trains)
-        chunk_acts = acts_fwd - (head_saved if d.autocast else 0) + grad_x + cache_held
+        chunk_acts = kept_fwd - (head_saved if d.autocast else 0) + grad_x + cache_held
         forward = _objects(**dict(base_fwd, gradients=grads_live + grad_w32), activations=chunk_acts,
                            temporaries=labels + final_out_alive + chunk_tmp)
         if grad_w32 and p != 4:  # the fp32 accumulator cast to the weight's dtype at the end of forward
@@ -185,15 +203,19 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
                                             activations=chunk_acts, temporaries=labels + final_out_alive),
                           key=lambda m: sum(m.values()))
     else:
-        forward = _objects(**base_fwd, activations=acts_fwd + lsm + cache_held,
+        forward = _objects(**base_fwd, activations=kept_fwd + lsm + cache_held,
                            temporaries=logits + logits32 + labels + final_out_alive)
-    if ckpt or n_ck:
-        # Inside a checkpointed layer nothing is saved, but its MLP still holds ~3 I-wide tensors at once (4 for
-        # the tanh GELU transformers writes in Python ops: fc1's output, x³, and two products)
-        wide = 4 if not spec.gated_mlp and spec.hidden_act.lower() in ("gelu_new", "gelu_fast", "gelu_python_tanh") \
-            else 3
-        in_layer = _objects(**base_fwd, activations=layers_saved + rope_tables,
-                            temporaries=wide * t * spec.intermediate_size * d.matmul + t * h * d.residual + dequant)
+    # Inside a checkpointed layer nothing is saved, but its MLP still holds ~3 I-wide tensors at once (4 for the tanh
+    # GELU transformers writes in Python ops: fc1's output, x³, and two products)
+    wide = 4 if not spec.gated_mlp and spec.hidden_act.lower() in ("gelu_new", "gelu_fast", "gelu_python_tanh") else 3
+    if ckpt or n_ck or offload != "none":
+        # offloaded: no layer keeps anything on the device, but the layer's own frames hold four residual-stream
+        # tensors at its MLP (its input, the residual, the norm's output, the attention block's sum; measured on
+        # Llama, Qwen2 and GPT-2, which holds a little more at its attention: within 2.4 %)
+        streams = 1 if offload == "none" else 4
+        in_layer = _objects(**base_fwd, activations=(layers_saved if offload == "none" else 0) + rope_tables,
+                            temporaries=wide * t * spec.intermediate_size * d.matmul + dequant +
+                            streams * t * h * d.residual)
         forward = max(forward, in_layer, key=lambda m: sum(m.values()))
 
     # ---- backward moments -------------------------------------------------------------------
@@ -201,16 +223,16 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
     # (A) cross-entropy backward: log-softmax + its gradient + the logits gradient, all fp32.
     # With checkpointing the layers' 16-bit weight copies die with autocast's cache after forward.
     # every N-th layer: the checkpointed layers' copies die too, the others' stay saved
-    copies_bwd = lm_copy if ckpt else copies - n_ck * (spec.layer_params - spec.norms_per_layer * h *
-                                                      (2 if spec.norm_bias else 1)) * 2 * d.autocast
+    copies_bwd = lm_copy if ckpt or offload != "none" else \
+        copies - n_ck * (spec.layer_params - spec.norms_per_layer * h * (2 if spec.norm_bias else 1)) * 2 * d.autocast
     base_bwd = dict(base_fwd, parameters=params + copies_bwd)
     lm_grad = v * h * p if head_trains else 0
     if chunked:
         # (A') the loss backward scales the two gradients in place: the head's becomes .grad (or is added to it)
         moments.append(_objects(**dict(base_bwd, gradients=(grads_all if accumulating else 0) + lm_grad),
-                                activations=acts_fwd - head_saved + grad_x))
+                                activations=kept_fwd - head_saved + grad_x))
     else:
-        moments.append(_objects(**base_bwd, activations=acts_fwd + lsm, temporaries=2 * t * v * 4))
+        moments.append(_objects(**base_bwd, activations=kept_fwd + lsm, temporaries=2 * t * v * 4))
     # (B) LM-head backward: logits gradient, hidden-state gradient, the weight gradient appears.
     lm_tmp = t * v * d.matmul + (0 if head_only else t * h * d.matmul) + \
         (v * h * d.matmul if d.matmul != p and head_trains else 0)
@@ -220,16 +242,16 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
         # of its 16-bit weight gradient to fp32 (copy released, both gradients alive) are two moments. The fp32
         # gradient becomes .grad, or with accumulation is a temporary added into the existing .grad.
         moments.append(_objects(parameters=params + copies_bwd, optimizer_state=state, inputs=inputs,
-                                gradients=grads_all if accumulating else 0, activations=acts_fwd,
+                                gradients=grads_all if accumulating else 0, activations=kept_fwd,
                                 temporaries=lm_tmp))
         moments.append(_objects(parameters=params + copies_bwd - lm_copy, optimizer_state=state, inputs=inputs,
-                                gradients=grads_all if accumulating else lm_grad, activations=acts_fwd,
+                                gradients=grads_all if accumulating else lm_grad, activations=kept_fwd,
                                 temporaries=t * h * d.matmul + v * h * d.matmul + (lm_grad if accumulating else 0)))
     elif not chunked:
         moments.append(_objects(
             parameters=params + copies_bwd, optimizer_state=state, inputs=inputs,
             gradients=grads_all if accumulating else lm_grad,
-            activations=acts_fwd, temporaries=lm_tmp + (lm_grad if accumulating else 0),
+            activations=kept_fwd, temporaries=lm_tmp + (lm_grad if accumulating else 0),
         ))
     # (C) decoder layers: the first processed (the last layer) and the last processed (the first), each
     # at its MLP backward (three I-wide gradients beside the residual-stream gradient) and at its
@@ -271,7 +293,9 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
         done = n_layers - k
         below = k - bottom  # layers under this one that keep activations
         if ckpt:
-            earlier = k * stream
+            # offloaded: only this layer's input, copied back (torchtune prefetches the next one on a GPU stream)
+            earlier = k * stream if offload == "none" else \
+                stream * (2 if offload == "checkpoint-inputs" and setup.target_device == "cuda" and k > bottom else 1)
         elif tuned and not tp.layers_trained:
             earlier = (first_layer + (below - 1) * s_layer) if below else 0
         elif n_ck:  # the layers below keep their input or what they save; a checkpointed one keeps its own input
@@ -283,6 +307,21 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
         copies_before = 0 if ckpt else sum(0 if checkpointed(j) else layer_copy_w for j in range(1, k))
         grads_before = grads_all if accumulating else head_grads + done * g_layer
         acc_tmp_mlp = g_down if accumulating else 0
+        if offload == "all" and not ckpt:
+            # every saved tensor comes back as its own backward node runs and dies with it; the rotary tables and the
+            # 16-bit weight copies exist only on the host. MLP: the gradient of the gate·up product beside the two
+            # operands copied back and their two gradients (one operand and its gradient for a plain MLP);
+            # attention: what it saved, copied back, beside its gradients
+            unpacked = (2 if spec.gated_mlp else 4 if wide == 4 else 1) * tI  # the tanh GELU's products save 4
+            moments.append(_objects(
+                parameters=params, optimizer_state=state, inputs=inputs,
+                gradients=grads_before + (0 if accumulating else g_down),
+                temporaries=grad_stream + n_mlp_grads * tI + unpacked + acc_tmp_mlp + dequant))
+            moments.append(_objects(
+                parameters=params, optimizer_state=state, inputs=inputs,
+                gradients=grads_before + (0 if accumulating else g_mlp + g_out),
+                temporaries=grad_stream + attn_tmp + attn_part + (g_out if accumulating else 0) + dequant))
+            continue
         # MLP moment
         moments.append(_objects(
             parameters=params + copies_before + layer_copy_w - down_copy, optimizer_state=state,
@@ -336,12 +375,12 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
         step = _objects(parameters=params, optimizer_state=state, inputs=inputs)
     load = {"parameters": params}
     notes: tuple[str, ...] = ()
-    host_bytes = 0
+    host_bytes = offload_host
     par = setup.parallel
     if par.is_distributed:
         states = states_for(spec, setup, state + paged, opt.step_temporary_bytes, copies)
         load, forward, moments, step = per_gpu_ledger(states, par, load, forward, moments, step)
-        notes, host_bytes = states.notes, states.host_bytes
+        notes, host_bytes = states.notes, states.host_bytes + offload_host
         if paged:  # the strategy splits the whole state; the paged share stays paged
             per_gpu = forward.get("optimizer_state", 0)
             paged = per_gpu * paged // (state + paged)
@@ -361,6 +400,7 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
     assumptions = _assumptions(spec, setup, opt.note) + notes
     details = {
         "host_bytes": host_bytes,
+        "offloaded_activation_bytes": offload_host,
         "activations_per_layer_bytes": s_layer,
         "activations_per_layer": per_layer,
         "saved_activations_bytes": acts_fwd,
@@ -465,12 +505,24 @@ def _assumptions(spec: ModelSpec, setup: TrainingSetup, opt_note: str) -> tuple[
          "use_cache=False, as transformers' Trainer passes it in training (a loop that keeps the config's "
          "use_cache=True holds k/v copies in forward: choose it to see them)"),
         *_tuning_assumptions(spec, setup),
+        *([OFFLOAD_WORDS[setup.activation_offload] + (
+            "; on a GPU the next layer's input is prefetched while this one runs (one more in flight)"
+            if setup.activation_offload == "checkpoint-inputs" and setup.target_device == "cuda" else "")]
+          if setup.activation_offload != "none" else []),
         f"CUDA context {setup.cuda_context_bytes / 2**20:.0f} MiB; allocator reserve "
         f"{setup.allocator_reserve:.0%} of tensor bytes (memory-profiling guide: fragmentation 5–20 %)",
     ]
     return tuple(rows)
 
 
+OFFLOAD_WORDS = {
+    "checkpoint-inputs": "Activation offloading of the decoder body (torchtune's OffloadActivations): tensors it saves "
+                         "of 1 KiB or more, parameters apart, live in host memory (with checkpointing: each layer's "
+                         "input) and come back when backward needs them; the head and the loss keep theirs",
+    "all": "Activation offloading of the decoder body (torch.autograd.graph.save_on_cpu): every tensor it saves, "
+           "weights included, is copied to host memory (once per op that saves it) and back as its backward node "
+           "runs; the head and the loss keep theirs; host bytes count the copies",
+}
 CHECKPOINT_WORDS = {"full": "full gradient checkpointing", "none": "no checkpointing"}
 
 

@@ -52,6 +52,9 @@ def poly_value(poly: Poly | list[float], b: int, s: int) -> float:
 def signature(setup: TrainingSetup) -> dict[str, Any]:
     """What a calibration depends on besides the config: every choice except the shape, the layer count and the
     GPU (which only set capacity and overheads)."""
+    if setup.activation_offload != "none":
+        raise InputError("activation_offload", "the fitted method does not model activation offloading yet (its host "
+                                               "memory is not fitted): trace this setup (--method trace)")
     ft = setup.tuning
     return {
         "precision": setup.precision, "optimizer": setup.optimizer, "optimizer_impl": setup.optimizer_impl,

@@ -42,7 +42,8 @@ def estimate_quick(setup: TrainingSetup) -> Estimate:
     them from a bare parameter count; ZeRO-3 and FSDP gather the largest layer, which a count does not give.
     """
     par = setup.parallel
-    for name, on in (("loss", setup.loss != "full"), ("optimizer_in_backward", setup.optimizer_in_backward)):
+    for name, on in (("loss", setup.loss != "full"), ("optimizer_in_backward", setup.optimizer_in_backward),
+                     ("activation_offload", setup.activation_offload != "none")):
         if on:
             raise InputError(name, "the heuristic has no loss or per-parameter step to change: choose a preset or a "
                                    "config.json")

@@ -26,6 +26,9 @@ Attention = Literal["sdpa", "eager"]
 Checkpointing = str
 #: How the loss is computed: transformers' full logits, or a chunked fused linear cross-entropy (Liger's).
 Loss = Literal["full", "chunked"]
+#: What the decoder body saves for backward goes to host memory: nothing, the checkpointed layers' inputs (torchtune's
+#: OffloadActivations with activation checkpointing) or every saved tensor (``torch.autograd.graph.save_on_cpu``).
+ActivationOffload = Literal["none", "checkpoint-inputs", "all"]
 Method = Literal["quick", "analytic", "trace"]
 TargetDevice = Literal["cuda", "cpu"]
 
@@ -37,6 +40,7 @@ OPTIMIZER_IMPLS: Final = get_args(OptimizerImpl)
 ATTENTIONS: Final = get_args(Attention)
 CHECKPOINTINGS: Final = ("none", "full", "every:N")
 LOSSES: Final = get_args(Loss)
+ACTIVATION_OFFLOADS: Final = get_args(ActivationOffload)
 METHODS: Final = get_args(Method)
 TARGET_DEVICES: Final = get_args(TargetDevice)
 
@@ -146,6 +150,8 @@ class TrainingSetup:
     #: Each parameter stepped as soon as its gradient is accumulated, the gradient freed (PyTorch's "optimizer step
     #: in backward" recipe; torchtune's ``optimizer_in_bwd``): no gradients kept, no accumulation.
     optimizer_in_backward: bool = False
+    #: Saved activations kept in host memory during the step (see ``ActivationOffload``).
+    activation_offload: ActivationOffload = "none"
     gpu: str | None = None
     capacity_bytes: int | None = None
     cuda_context_bytes: int = DEFAULT_CUDA_CONTEXT_BYTES
@@ -188,6 +194,17 @@ class TrainingSetup:
                                                       "at once: it cannot accumulate (gradient accumulation 1)")
         if self.optimizer_in_backward and self.parallel.is_distributed:
             raise InputError("optimizer_in_backward", "the step in backward is modelled on one GPU")
+        _choice("activation_offload", self.activation_offload, ACTIVATION_OFFLOADS)
+        if self.activation_offload == "checkpoint-inputs" and self.checkpointing != "full":
+            raise InputError("activation_offload", "checkpoint-inputs offloads what checkpointed layers keep: it needs "
+                                                   "full checkpointing (--checkpointing full)")
+        if self.activation_offload == "all" and self.checkpointing.startswith("every:"):
+            raise InputError("activation_offload", "offloading every saved tensor is modelled with no or full "
+                                                   "checkpointing, not every N-th layer")
+        if self.activation_offload != "none" and self.tuning.method != "full":
+            raise InputError("activation_offload", "activation offloading is modelled for full fine-tuning")
+        if self.activation_offload != "none" and self.use_cache:
+            raise InputError("activation_offload", "activation offloading is modelled with use_cache off")
         if not isinstance(self.use_cache, bool):
             raise InputError("use_cache", f"must be true or false, got {self.use_cache!r}")
         if self.capacity_bytes is not None:
@@ -254,6 +271,7 @@ class TrainingSetup:
             "loss": self.loss,
             "loss_chunk": self.loss_chunk,
             "optimizer_in_backward": self.optimizer_in_backward,
+            "activation_offload": self.activation_offload,
             "use_cache": self.use_cache,
             "gpu": self.gpu,
             "capacity_bytes": self.capacity_bytes,
@@ -317,5 +335,6 @@ class TrainingSetup:
                 f"{self.optimizer} ({self.optimizer_impl}), {self.attention}, checkpointing {self.checkpointing}"
                 f"{', chunked loss' if self.loss == 'chunked' else ''}"
                 f"{', optimizer step in backward' if self.optimizer_in_backward else ''}"
+                f"{f', activations offloaded ({self.activation_offload})' if self.activation_offload != 'none' else ''}"
                 f"{', use_cache' if self.use_cache else ''}"
                 f"{', ' + self.tuning_short() if self.tuning.method != 'full' else ''}{gpus}{cap}")

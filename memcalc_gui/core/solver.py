@@ -221,6 +221,9 @@ LEVER_COSTS: dict[str, int] = {
     "offload-optimizer": 30,
     "precision-mixed": 25,
     "checkpointing": 20,
+    "checkpointing-offload": 24,  # checkpointing plus a copy of each layer's input to the host and back
+    "offload-checkpoint-inputs": 6,  # with checkpointing already on: one hidden state per layer over PCIe, overlapped
+    "offload-activations-all": 35,  # every saved tensor over PCIe twice, synchronously: slow
     "checkpointing-every-2": 15,
     "micro-batch": 10,
     "loss-chunked": 8,  # a different kernel (Liger-Kernel), about as fast: nothing given up but a dependency
@@ -287,6 +290,24 @@ def levers(setup: TrainingSetup) -> list[Lever]:
             out.append(Lever("checkpointing", "checkpointing-every-2", "checkpoint every other layer "
                              "(torchtitan's selective layer checkpointing)", {"checkpointing": "every:2"},
                              "about 10–15 % slower backward (half the layers run forward twice)"))
+    if setup.model is not None and setup.tuning.method == "full" and setup.activation_offload == "none" \
+            and not setup.use_cache:
+        inputs_tradeoff = ("needs torchtune's OffloadActivations (or a saved-tensors hook of your own): each layer's "
+                           "input crosses PCIe twice, overlapped with compute on a side stream; host memory for one "
+                           "hidden state per layer")
+        if setup.checkpointing == "full":
+            out.append(Lever("activation-offload", "offload-checkpoint-inputs", "offload the checkpointed layers' "
+                             "inputs to host memory (torchtune's OffloadActivations)",
+                             {"activation_offload": "checkpoint-inputs"}, inputs_tradeoff))
+        elif setup.checkpointing == "none":
+            out.append(Lever("checkpointing", "checkpointing-offload", "checkpoint every layer and offload its input "
+                             "to host memory (torchtune's OffloadActivations)",
+                             {"checkpointing": "full", "activation_offload": "checkpoint-inputs"},
+                             "about 20–30 % slower backward (one extra forward per layer); " + inputs_tradeoff))
+            out.append(Lever("activation-offload", "offload-activations-all", "keep every saved activation in host "
+                             "memory (PyTorch's save_on_cpu)", {"activation_offload": "all"},
+                             "every saved tensor, weights included, crosses PCIe twice, synchronously unless pinned: "
+                             "often slower than checkpointing; host memory for all of them"))
     if setup.architecture_known and setup.loss == "full" and not (setup.model and setup.model.lm_head_bias):
         out.append(Lever("loss", "loss-chunked", "compute the loss in chunks (Liger-Kernel's fused linear "
                          "cross-entropy)", {"loss": "chunked"},
@@ -412,8 +433,32 @@ def search_fixes(setup: TrainingSetup, estimator: Estimator, capacity: int) -> l
         kept.append((keys, fix))
         kept_groups.append((groups_used, fix))
     if not kept and routes:  # the cheap sets ran out of budget: the leanest fitting route, minimised
-        return [_minimised(setup, estimator, capacity, routes[0], base_peak)]
+        kept.append((frozenset(), _minimised(setup, estimator, capacity, routes[0], base_peak)))
+    local = _on_this_gpu(setup, estimator, capacity, groups, base_peak)
+    if local is not None and all(local.changes != fix.changes for _, fix in kept):
+        kept.append((frozenset(), local))
     return [s for _, s in kept]
+
+
+#: Lever groups that keep the run as it is planned: the same GPUs, the same micro-batch, full fine-tuning.
+SAME_RUN_GROUPS = frozenset({"checkpointing", "activation-offload", "loss", "step", "optimizer", "precision",
+                             "attention"})
+
+
+def _on_this_gpu(setup: TrainingSetup, estimator: Estimator, capacity: int, groups: dict[str, list[Lever]],
+                 base_peak: int) -> Suggestion | None:
+    """The cheapest set of techniques that fits without more GPUs, a smaller micro-batch or adapters (the run as
+    planned), minimised; ``None`` when none does within :data:`MAX_EVALUATIONS` // 4 sets."""
+    local = {g: options for g, options in groups.items() if g in SAME_RUN_GROUPS}
+    for evaluations, combo in enumerate(_combinations(local)):
+        if evaluations >= MAX_EVALUATIONS // 4:
+            return None
+        if _realise(setup, estimator, capacity, combo) is not None:
+            fix = _minimised(setup, estimator, capacity, combo, base_peak)
+            where = "this GPU" if not setup.parallel.is_distributed else f"these {setup.parallel.gpus} GPUs"
+            return replace(fix, key="fix-here:" + fix.key.removeprefix("fix:"),
+                           title=f"On {where} at micro-batch {setup.batch:,}: {fix.title[0].lower()}{fix.title[1:]}")
+    return None
 
 
 #: Sets of everything one way of fitting allows (lever keys; those a setup lacks are skipped): sharded over more
@@ -422,6 +467,8 @@ ROUTES: tuple[tuple[str, ...], ...] = (
     ("strategy:fsdp-full-shard", "offload-both", "checkpointing", "loss-chunked", "micro-batch", "gpus"),
     ("tuning-qlora", "checkpointing", "loss-chunked", "micro-batch", "attention-sdpa"),
     ("precision-bf16", "optimizer-8bit", "checkpointing", "loss-chunked", "optimizer-in-backward", "attention-sdpa"),
+    ("precision-bf16", "optimizer-8bit", "checkpointing-offload", "loss-chunked", "optimizer-in-backward",
+     "attention-sdpa"),
 )
 
 

@@ -48,6 +48,9 @@ OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "lion", "adam
 OPTIMIZER_IMPLS = ("foreach", "single-tensor", "fused")
 CHECKPOINTING = ("none", "full")
 LOSSES = ("full", "chunked")
+OFFLOADS = ("none", "checkpoint-inputs", "all")
+#: torchtune's OffloadActivations leaves tensors under this many bytes on the device (``min_offload_size``).
+OFFLOAD_MIN_BYTES = 1024
 BUILDERS = ("auto", "transformers", "reference")
 _PHASE_CATEGORY = {
     "load": "parameters",
@@ -113,6 +116,8 @@ class StepMeasurement:
     iterations: list[IterationRecord]
     params: int
     top_storages: dict[str, tuple[LiveStorage, ...]] = field(default_factory=dict)
+    #: The most host memory the step held at once (offloaded activations); 0 without offloading.
+    host_bytes: int = 0
     #: The live-storage tracker itself (records and event log), when asked for (``keep_tracker=True``).
     tracker: Any = field(default=None, compare=False, repr=False)
 
@@ -152,6 +157,7 @@ def measure_training_step(
     loss: str = "full",
     loss_chunk: int | None = None,
     optimizer_in_backward: bool = False,
+    activation_offload: str = "none",
 ) -> StepMeasurement:
     """Build the model from ``config`` and measure ``iterations`` training steps on CPU.
 
@@ -168,6 +174,8 @@ def measure_training_step(
     ``optimizer_in_backward`` steps each parameter as soon as its gradient is accumulated and frees the gradient
     (one optimizer per parameter, run from ``register_post_accumulate_grad_hook``: PyTorch's "optimizer step in
     backward" recipe, torchtune's ``optimizer_in_bwd``); the optimizer phase then has nothing left to do.
+    ``activation_offload`` moves what the decoder body saves for backward to host memory (see :func:`offload_hooks`):
+    ``all`` as ``torch.autograd.graph.save_on_cpu`` does, ``checkpoint-inputs`` as torchtune's OffloadActivations.
     """
     if fake:
         from torch._subclasses.fake_tensor import FakeTensorMode
@@ -180,6 +188,7 @@ def measure_training_step(
                 on_phase=on_phase, fake=False, round_to=round_to, module_names=module_names,
                 builder=builder, use_cache=use_cache, tuning=tuning, keep_tracker=keep_tracker, loss=loss,
                 loss_chunk=loss_chunk, optimizer_in_backward=optimizer_in_backward,
+                activation_offload=activation_offload,
             )
 
     def announce(phase: str, it: int, micro: int = 0) -> None:
@@ -197,6 +206,8 @@ def measure_training_step(
         batch,
         seq,
     )
+    if activation_offload not in OFFLOADS:
+        raise ValueError(f"activation_offload must be one of {OFFLOADS}, not {activation_offload!r}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
@@ -244,6 +255,8 @@ def measure_training_step(
             hooks.extend(p.register_post_accumulate_grad_hook(tag_grad) for p in params)
             if module_names:
                 hooks.extend(_module_hooks(model, tracker))
+            if activation_offload != "none":
+                hooks.extend(offload_hooks(model, tracker, activation_offload))
             vocab_size = int(model.config.vocab_size)
             input_ids = torch.randint(0, vocab_size, (batch, seq), dtype=torch.long)
             tracker.track(input_ids, "inputs")
@@ -280,6 +293,7 @@ def measure_training_step(
                 gc.collect()
                 live_end.append(tracker.live_bytes)
         summary = _summarize(tracker, iterations, grad_accum, n_params, live_end, round_to)
+        summary = dataclasses.replace(summary, host_bytes=tracker.host_peak_bytes)
         return dataclasses.replace(summary, tracker=tracker) if keep_tracker else summary
     finally:
         if frozen:
@@ -727,6 +741,85 @@ def _summarize(
                 kept.append(row)
         top[ph] = tuple(kept)
     return StepMeasurement("cpu", phases, records, n_params, top)
+
+
+def offload_hooks(model: Any, tracker: LiveStorageTracker | None, mode: str) -> list[Any]:
+    """Offload what the decoder body saves for backward to host memory while its forward runs.
+
+    ``all``: every saved tensor, parameters included, is copied to the host and copied back when its backward node
+    runs (``torch.autograd.graph.save_on_cpu``). ``checkpoint-inputs``: as torchtune's ``OffloadActivations``,
+    parameters and tensors under 1 KiB stay; with checkpointing what is left to save is each layer's input. With a
+    ``tracker`` (a CPU step) the host copy is a tracker-ignored clone and the copy back a tracked clone; without one
+    (a CUDA step) the copies go to pinned host memory and back, synchronously (torchtune overlaps them on a side
+    stream), and :func:`host_peak` reads the host bytes held. The hooks cover the decoder body only: the head and
+    the loss run after it, as in torchtune, whose loss is outside the offloading context and needs its tensors at once.
+    """
+    import torch
+
+    hf = model.get_base_model() if hasattr(model, "get_base_model") else model
+    body = hf.base_model
+    everything = mode == "all"
+
+    def pack(tensor: torch.Tensor) -> Any:
+        if not everything and (isinstance(tensor, torch.nn.Parameter)
+                               or tensor.numel() * tensor.element_size() < OFFLOAD_MIN_BYTES):
+            return (False, tensor)
+        if tracker is None:
+            copy = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout, pin_memory=True)
+            copy.copy_(tensor)
+            _HOST.add(copy)
+            return (tensor.device, copy)
+        with tracker.host():
+            copy = tensor.detach().clone()
+        tracker.add_host(copy)
+        return (True, copy)
+
+    def unpack(packed: Any) -> torch.Tensor:
+        where, tensor = packed
+        if where is False:
+            return tensor  # type: ignore[no-any-return]
+        return tensor.clone() if where is True else tensor.to(where)  # type: ignore[no-any-return]
+
+    contexts: list[Any] = []
+
+    def enter(*_: Any) -> None:
+        ctx = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+        ctx.__enter__()
+        contexts.append(ctx)
+
+    def leave(*_: Any) -> None:
+        if contexts:
+            contexts.pop().__exit__(None, None, None)
+
+    return [body.register_forward_pre_hook(enter), body.register_forward_hook(leave, always_call=True)]
+
+
+class _HostBytes:
+    """Live and peak bytes of the pinned host copies a CUDA step's offloading made (freed with their packs)."""
+
+    def __init__(self) -> None:
+        self.live = self.peak = 0
+
+    def add(self, tensor: Any) -> None:
+        import weakref
+
+        size = tensor.untyped_storage().nbytes()
+        self.live += size
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(tensor.untyped_storage(), self._free, size).atexit = False
+
+    def _free(self, size: int) -> None:
+        self.live -= size
+
+
+_HOST = _HostBytes()
+
+
+def host_peak(reset: bool = False) -> int:
+    """The most pinned host memory the CUDA step's offloading held (``reset``: start counting again)."""
+    if reset:
+        _HOST.peak = _HOST.live
+    return _HOST.peak
 
 
 def _module_hooks(model: Any, tracker: LiveStorageTracker) -> list[Any]:

@@ -99,6 +99,8 @@ class MeasureResult:
     snapshot: str | None = None
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    #: The most host memory the step held (offloaded activations); 0 without offloading.
+    host_bytes: int = 0
 
     @property
     def measured_peak_bytes(self) -> int:
@@ -180,6 +182,7 @@ class MeasureResult:
             "snapshot": self.snapshot,
             "seconds": round(self.seconds, 3),
             "notes": self.notes,
+            "host_bytes": self.host_bytes,
         }
 
 
@@ -397,6 +400,7 @@ def _measure_cpu(result: MeasureResult, config: dict[str, Any], setup: TrainingS
             use_cache=setup.use_cache, grad_accum=setup.grad_accum, iterations=iterations, num_threads=None,
             on_phase=track_phase, tuning=setup.tuning if setup.tuning.method != "full" else None,
             loss=setup.loss, loss_chunk=setup.loss_chunk, optimizer_in_backward=setup.optimizer_in_backward,
+            activation_offload=setup.activation_offload,
         )
     except NotImplementedError as exc:  # an optimizer torch lacks, or a family without a reference module
         raise MeasureError(str(exc)) from None
@@ -411,6 +415,7 @@ def _measure_cpu(result: MeasureResult, config: dict[str, Any], setup: TrainingS
         objects = {"parameters": peak} if name == "load" else dict(ph.objects)
         result.phases[name] = PhaseReading(peak, ph.live_bytes, objects)
     result.iterations_live_bytes = [r.live_bytes_end for r in m.iterations]
+    result.host_bytes = m.host_bytes
     result.notes.append("CPU tensor measurement (live-storage tracker): every tensor storage, split by "
                         "ledger object; no CUDA context or allocator cache on a CPU")
 
@@ -419,7 +424,15 @@ def _measure_cuda(result: MeasureResult, config: dict[str, Any], setup: Training
                   snapshot: str | Path | None, on_phase: Callable[[str, int, int], None]) -> None:
     """One real training step on CUDA, read through the caching allocator's counters."""
     torch = _import_torch()
-    from .cpu_step import apply_tuning, build_model, enable_checkpointing, make_optimizer, step_forward
+    from .cpu_step import (
+        apply_tuning,
+        build_model,
+        enable_checkpointing,
+        host_peak,
+        make_optimizer,
+        offload_hooks,
+        step_forward,
+    )
 
     dev = torch.device("cuda", 0)
     torch.cuda.init()
@@ -480,6 +493,9 @@ def _measure_cuda(result: MeasureResult, config: dict[str, Any], setup: Training
         param_bytes = nbytes(model.parameters()) + nbytes(model.buffers())
         params = [p for p in model.parameters() if p.requires_grad]
         end("load", True, {"parameters": param_bytes})
+        if setup.activation_offload != "none":
+            offloading = offload_hooks(model, None, setup.activation_offload)
+            host_peak(reset=True)
         opt = make_optimizer(params, setup.optimizer, setup.optimizer_impl)
         input_ids = torch.randint(0, int(model.config.vocab_size), (setup.batch, setup.seq), device=dev)
         input_bytes = nbytes([input_ids])
@@ -513,6 +529,10 @@ def _measure_cuda(result: MeasureResult, config: dict[str, Any], setup: Training
             result.iterations_live_bytes.append(int(torch.cuda.memory_allocated()))
         result.phases = {name: peaks[name] for name in PHASES if name in peaks}
         result.peak_reserved_bytes = max_reserved
+        if setup.activation_offload != "none":
+            result.host_bytes = host_peak()
+            for h in offloading:
+                h.remove()
         # bitsandbytes' paged buffers are CPU-typed views of CUDA managed memory (functional.get_paged)
         paged = nbytes(v for s in opt.state.values() for v in s.values() if getattr(v, "is_paged", False))
         if paged:

@@ -103,6 +103,11 @@ class LiveStorageTracker:
         self.iteration = 0
         self.micro = 0
         self._mode: Any = None
+        #: Host memory (activation offloading): copies made inside :meth:`host` are not device storages; their live
+        #: bytes and peak are counted here instead.
+        self.host_live_bytes = 0
+        self.host_peak_bytes = 0
+        self._host_depth = 0
 
     # ------------------------------------------------------------------ mode
     def __enter__(self) -> Self:
@@ -143,6 +148,30 @@ class LiveStorageTracker:
         finally:
             self._log("end", 0, 0, "")
             self.phase_name, self.iteration, self.micro = previous
+
+    # ------------------------------------------------------------ host memory
+    @contextmanager
+    def host(self) -> Iterator[None]:
+        """Ops inside this block make host copies (offloaded activations): not registered as device storages;
+        add them with :meth:`add_host`."""
+        self._host_depth += 1
+        try:
+            yield
+        finally:
+            self._host_depth -= 1
+
+    def add_host(self, tensor: torch.Tensor) -> None:
+        """Count ``tensor``'s storage as host memory until it is freed."""
+        size = tensor.untyped_storage().nbytes()
+        with self._lock:
+            self.host_live_bytes += size
+            self.host_peak_bytes = max(self.host_peak_bytes, self.host_live_bytes)
+        fin = weakref.finalize(tensor.untyped_storage(), self._on_host_free, size)
+        fin.atexit = False
+
+    def _on_host_free(self, size: int) -> None:
+        with self._lock:
+            self.host_live_bytes -= size
 
     # ------------------------------------------------------------ tracking
     def track(
@@ -234,6 +263,8 @@ class LiveStorageTracker:
         import torch
         from torch.utils._pytree import tree_flatten
 
+        if self._host_depth:
+            return
         name = str(func)
         source: int | None = None
         if name in CAST_OPS and args and isinstance(args[0], torch.Tensor):

@@ -51,6 +51,8 @@ MEMCALC = "memcalc"
 LIGER = "Liger-Kernel"
 TORCHTITAN = "torchtitan"
 PT_OPT_BWD = "PyTorch tutorial"
+TORCHTUNE = "torchtune"
+PT_SAVE_ON_CPU = "PyTorch autograd docs"
 
 SOURCES: dict[str, str] = {
     SEED_000: "Hugging Face blog, “Visualize and understand GPU memory in PyTorch” — phases, colours, "
@@ -82,6 +84,11 @@ SOURCES: dict[str, str] = {
                 "(ac_freq).",
     PT_OPT_BWD: "PyTorch tutorial “How to save memory by fusing the optimizer step into the backward pass” — a "
                 "step per parameter from register_post_accumulate_grad_hook, the gradient freed.",
+    TORCHTUNE: "torchtune, training/_activation_offloading.py (OffloadActivations) — saved tensors of 1 KiB or more, "
+               "parameters apart, copied to host memory in forward and back in backward on a side stream; used with "
+               "activation checkpointing, so what goes is each layer's input.",
+    PT_SAVE_ON_CPU: "PyTorch documentation, “Autograd mechanics: hooks for saved tensors” — "
+                    "torch.autograd.graph.save_on_cpu copies every saved tensor to the CPU and back in backward.",
 }
 
 METHOD_LABELS = {
@@ -121,6 +128,8 @@ _KEYWORD_SOURCES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Liger", (LIGER,)),
     ("torchtitan", (TORCHTITAN,)),
     ("step in backward", (PT_OPT_BWD,)),
+    ("OffloadActivations", (TORCHTUNE,)),
+    ("save_on_cpu", (PT_SAVE_ON_CPU,)),
 )
 
 
@@ -276,6 +285,9 @@ def _setup_rows(result: Result) -> list[tuple[str, str]]:
         ("Optimizer", f"{s.optimizer} ({s.optimizer_impl} step)"),
         ("Attention", s.attention),
         ("Gradient checkpointing", s.checkpointing),
+        *([("Activation offload", {"checkpoint-inputs": "checkpointed layers' inputs in host memory (torchtune)",
+                                   "all": "every saved tensor in host memory (save_on_cpu)"}[s.activation_offload])]
+          if s.activation_offload != "none" else []),
         ("use_cache", "True: the loop keeps transformers' k/v cache in forward" if s.use_cache else
          "False, as transformers' Trainer passes in training"),
         ("Fine-tuning", s.tuning_text()),
@@ -299,7 +311,8 @@ def _setup_rows(result: Result) -> list[tuple[str, str]]:
         if par.strategy == "fsdp-hybrid" or par.offload != "none":
             rows.append(("GPUs per node", f"{par.node_size:,}"))
         if par.offload != "none":
-            rows.append(("Host memory", f"{format_bytes(host_bytes(result))} per node for the offloaded state"))
+            rows.append(("Host memory", f"{format_bytes(host_bytes(result))} per node for the offloaded state"
+                         + (" and activations" if s.activation_offload != "none" else "")))
     rows += [
         ("CUDA context", f"{format_bytes(s.cuda_context_bytes)} outside PyTorch"),
         ("Allocator reserve", f"{s.allocator_reserve:.0%} of the tensor bytes of each phase"),
@@ -346,7 +359,7 @@ def _verdict_rows(result: Result) -> list[tuple[str, str]]:
     else:
         rows.append(("Headroom", "— (no GPU)"))
     rows.append(("Largest micro-batch that fits", _max_batch_text(result)))
-    if result.setup.parallel.offload != "none":
+    if host_bytes(result):
         rows.append(("Host memory", f"{format_bytes(host_bytes(result))} per node (offload)"))
     return rows
 
@@ -514,6 +527,13 @@ def _formulas(result: Result, measured: bool) -> list[tuple[str, tuple[str, ...]
         if s.optimizer_in_backward:
             rows.append(("Optimizer step in backward: each gradient stepped and freed as it is accumulated; the "
                          "optimizer phase keeps weights and state only.", (PT_OPT_BWD,)))
+        if s.activation_offload == "checkpoint-inputs":
+            rows.append(("Checkpoint inputs offloaded: each layer’s input (B·L·h) lives in host memory and comes back "
+                         "for its recomputation; the GPU keeps one or two at a time.", (TORCHTUNE,)))
+        elif s.activation_offload == "all":
+            rows.append(("Every saved tensor offloaded: the GPU holds one layer’s working set in forward and one "
+                         "backward node’s saved tensors at a time; the host holds a copy per saving op, weights’ "
+                         "copies included.", (PT_SAVE_ON_CPU,)))
     if s.parallel.is_distributed:
         rows += [
             ("Per GPU, mixed precision + Adam: DDP keeps (2 + 2 + K)Ψ with K = 12 on every GPU; ZeRO-1 2Ψ + 2Ψ + "

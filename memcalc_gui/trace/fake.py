@@ -152,6 +152,7 @@ def trace_estimate(
                 fake=True, round_to=CUDA_ROUNDING, module_names=True, on_phase=on_phase,
                 tuning=setup.tuning if setup.tuning.method != "full" else None, loss=setup.loss,
                 loss_chunk=setup.loss_chunk, optimizer_in_backward=setup.optimizer_in_backward,
+                activation_offload=setup.activation_offload,
             )
     except (TraceCancelled, MemcalcError):
         raise
@@ -176,7 +177,8 @@ def trace_estimate(
         else:
             objects[name] = {k: v for k, v in ph.objects.items() if v}
     notes: tuple[str, ...] = ()
-    host_bytes = 0
+    offloaded = m.host_bytes  # the most offloaded activations the step held in host memory
+    host_bytes = offloaded
     if setup.parallel.is_distributed and setup.model is not None:
         # The trace runs one replica; the strategy's per-GPU model states replace the traced ones. Sharded
         # strategies hold their state throughout, so each phase peaks where the transient memory does.
@@ -189,7 +191,7 @@ def trace_estimate(
         load, fwd, (bwd,), stp = per_gpu_ledger(states, setup.parallel, objects["load"], objects["forward"],
                                                [objects["backward"]], step)
         objects = {"load": load, "forward": fwd, "backward": bwd, "optimizer_step": stp}
-        notes, host_bytes = states.notes, states.host_bytes
+        notes, host_bytes = states.notes, states.host_bytes + offloaded * setup.parallel.gpus_per_node
     phases = {name: with_overheads(objects[name], name, setup) for name in PHASES}
     rules = [
         "Traced on fake tensors (device cpu): every tensor storage of two real training iterations, "
@@ -204,7 +206,7 @@ def trace_estimate(
     modules = group_modules(m.phases["forward"].modules)[:TOP_MODULES]
     est = Estimate(setup=setup, method="trace", phases=phases, assumptions=tuple(rules) + notes,
                    details={"seconds": seconds, "modules": modules, "host_bytes": host_bytes,
-                            "parallel_notes": notes})
+                            "offloaded_activation_bytes": offloaded, "parallel_notes": notes})
     analytic = estimate(setup) if setup.model is not None else None
     return TraceResult(est, modules, seconds, analytic, rules)
 

@@ -85,7 +85,8 @@ def _trace(cfg: dict[str, Any], layers: int, b: int, s: int, setup: TrainingSetu
             checkpointing=setup.checkpointing, use_cache=setup.use_cache,
             grad_accum=TRACED_MICRO_BATCHES, iterations=2, fake=True, keep_tracker=True,
             tuning=setup.tuning if setup.tuning.method != "full" else None, loss=setup.loss,
-            loss_chunk=setup.loss_chunk, optimizer_in_backward=setup.optimizer_in_backward)
+            loss_chunk=setup.loss_chunk, optimizer_in_backward=setup.optimizer_in_backward,
+            activation_offload=setup.activation_offload)
 
 
 def _monomial(delta_a: int, delta_b: int) -> Poly:

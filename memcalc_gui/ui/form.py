@@ -33,6 +33,7 @@ from ..core.model import (
     stored_count,
 )
 from ..core.setup import (
+    ACTIVATION_OFFLOADS,
     DEFAULT_ALLOCATOR_RESERVE,
     DEFAULT_CUDA_CONTEXT_BYTES,
     GPU,
@@ -81,6 +82,7 @@ class FormState:
     checkpointing: str = "none"
     use_cache: str = "false"  # "true": the loop keeps the config's use_cache=True
     optimizer_in_backward: str = "false"
+    activation_offload: str = "none"
     gpu: str = DEFAULT_GPU  # a preset id, or "" for a custom capacity
     capacity: str = ""
     cuda_context: str = format_bytes(DEFAULT_CUDA_CONTEXT_BYTES, digits=0)
@@ -127,6 +129,8 @@ class FormState:
             raise ValueError(f"unknown offload {state.offload!r}")
         if state.loss not in LOSSES:
             raise ValueError(f"unknown loss {state.loss!r}")
+        if state.activation_offload not in ACTIVATION_OFFLOADS:
+            raise ValueError(f"unknown activation offload {state.activation_offload!r}")
         if state.tuning not in TUNINGS:
             raise ValueError(f"unknown tuning {state.tuning!r}")
         return state
@@ -199,6 +203,7 @@ _FIELD_MAP: Final = {
     "loss": "loss",
     "loss_chunk": "loss_chunk",
     "optimizer_in_backward": "optimizer_in_backward",
+    "activation_offload": "activation_offload",
     "checkpointing": "checkpointing",
     "use_cache": "use_cache",
     "capacity": "capacity",
@@ -478,6 +483,7 @@ def build_setup(state: FormState, cache: ModelCache) -> TrainingSetup:
             checkpointing=state.checkpointing,  # type: ignore[arg-type]
             use_cache=state.use_cache == "true",
             optimizer_in_backward=state.optimizer_in_backward == "true",
+            activation_offload=state.activation_offload,  # type: ignore[arg-type]
             gpu=gpu_id,
             capacity_bytes=capacity,
             extras={"fit": fit} if fit is not None else dict(lite),

@@ -49,6 +49,8 @@ OPTIMIZER_LABELS = {
 IMPL_LABELS = {"foreach": "foreach (CUDA default)", "single-tensor": "single-tensor", "fused": "fused"}
 ATTENTION_LABELS = {"sdpa": "SDPA (fused kernels)", "eager": "eager (stores L×L scores)"}
 LOSS_LABELS = {"full": "full logits", "chunked": "chunked (Liger)"}
+ACTIVATION_OFFLOAD_LABELS = {"none": "none", "checkpoint-inputs": "checkpoint inputs (torchtune)",
+                             "all": "every saved tensor (save_on_cpu)"}
 PRECISION_SHORT = {"fp32": "fp32", "mixed": "Mixed (fp32 master + 16-bit)", "bf16": "bf16 (pure 16-bit)",
                    "bf16-autocast": "bf16 + autocast"}
 MODEL_KIND_LABELS = {"preset": "Preset", "config": "config.json", "hub": "Hugging Face Hub id",
@@ -323,6 +325,9 @@ class InputPanel(QWidget):
         sform.addRow(self.boxes["use_cache"])
         self.attention = _combo(ATTENTION_LABELS, TOOLTIPS["attention"])
         self._row(sform, "A&ttention:", "attention", self.attention)
+        self.activation_offload = _combo(ACTIVATION_OFFLOAD_LABELS, TOOLTIPS["activation_offload"])
+        self.activation_offload.setObjectName("activationOffload")
+        self._row(sform, "Offload activations:", "activation_offload", self.activation_offload)
         self.loss = _combo(LOSS_LABELS, TOOLTIPS["loss"])
         self._row(sform, "Loss:", "loss", self.loss)
         self.loss_chunk = IntEdit()
@@ -482,6 +487,7 @@ class InputPanel(QWidget):
         for combo in (self.attention, self.optimizer_impl):
             combo.currentIndexChanged.connect(self._changed)
         self.loss.currentIndexChanged.connect(self._on_loss)
+        self.activation_offload.currentIndexChanged.connect(self._changed)
         self.loss_chunk.textChanged.connect(self._changed)
         for combo in (self.strategy, self.offload):
             combo.currentIndexChanged.connect(self._on_parallel)
@@ -505,8 +511,8 @@ class InputPanel(QWidget):
     def _tab_order(self) -> None:
         chain = [self.model_kind, self.preset, self.config_path, self.open_button, self.hub_id, self.fetch_button,
                  self.params, self.batch, self.seq, self.grad_accum, self.checkpointing, self.use_cache,
-                 self.ckpt_every, self.attention, self.loss, self.loss_chunk, self.tuning, self.lora_rank,
-                 self.lora_targets, self.lora_dropout, self.quant, self.double_quant, self.prepare_kbit,
+                 self.ckpt_every, self.attention, self.activation_offload, self.loss, self.loss_chunk, self.tuning,
+                 self.lora_rank, self.lora_targets, self.lora_dropout, self.quant, self.double_quant, self.prepare_kbit,
                  self.trainable, self.recipe,
                  self.precision,
                  self.optimizer, self.optimizer_impl, self.optimizer_in_backward, self.gpu, self.capacity, self.gpus,
@@ -723,6 +729,7 @@ class InputPanel(QWidget):
             attention=self.attention.currentData(),
             loss=self.loss.currentData(),
             loss_chunk=self.loss_chunk.text(),
+            activation_offload=self.activation_offload.currentData(),
             checkpointing=self._checkpointing_value(),
             use_cache="true" if self.use_cache.isChecked() else "false",
             optimizer_in_backward="true" if self.optimizer_in_backward.isChecked() else "false",
@@ -762,7 +769,8 @@ class InputPanel(QWidget):
                 value = getattr(state, name)
                 if edit.text() != value:
                     edit.setText(value)
-            for name in ("precision", "optimizer", "optimizer_impl", "attention", "strategy", "loss"):
+            for name in ("precision", "optimizer", "optimizer_impl", "attention", "strategy", "loss",
+                         "activation_offload"):
                 _set_combo(getattr(self, name), getattr(state, name))
             self._sync_offload(state.offload)
             self._sync_node_size()

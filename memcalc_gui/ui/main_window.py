@@ -92,6 +92,7 @@ FIELD_NAMES = {
     "batch": "micro-batch", "seq": "sequence length", "grad_accum": "gradient accumulation",
     "precision": "precision", "optimizer": "optimizer", "optimizer_impl": "optimizer implementation",
     "attention": "attention", "loss": "loss", "loss_chunk": "loss chunk",
+    "activation_offload": "activation offload",
     "optimizer_in_backward": "step in backward", "ckpt_every": "checkpoint every N-th layer",
     "checkpointing": "checkpointing", "use_cache": "use_cache", "gpu": "GPU",
     "capacity": "capacity",

@@ -155,6 +155,13 @@ TOOLTIPS: dict[str, str] = {
         "the logits a chunk of tokens at a time and computes the hidden-state and head-weight gradients in "
         "forward, so the full logits never exist."
     ),
+    "activation_offload": (
+        "Keep what the decoder layers save for backward in host (CPU) memory and copy it back when backward needs it. "
+        "Checkpoint inputs: with gradient checkpointing each layer keeps only its input, and that goes to the host "
+        "(torchtune's OffloadActivations, which overlaps the copies with compute). Every saved tensor: PyTorch's "
+        "torch.autograd.graph.save_on_cpu, weights' saved copies included, without checkpointing. The head and the "
+        "loss keep theirs on the GPU. The result shows the host memory it needs."
+    ),
     "ckpt_every": (
         "With checkpointing on: checkpoint every N-th decoder layer only (layers N, 2N, …), the others keep their "
         "activations — torchtitan's selective layer checkpointing (ac_freq). Empty or 1: every layer. Fewer "

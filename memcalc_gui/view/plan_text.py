@@ -92,11 +92,21 @@ def host_bytes(result: Result) -> int:
 def host_text(result: Result) -> str:
     """``Host (CPU) memory for offload: 1.2 TiB per node (8 GPUs per node)``, or "" without offload."""
     par = result.setup.parallel
-    if par.offload == "none":
-        return ""
     n = host_bytes(result)
+    if not n:
+        return ""
+    what = []
+    if par.offload != "none":
+        what.append("DeepSpeed's 1.5× buffer factor on the offloaded state")
+    if result.setup.activation_offload != "none":
+        what.append(f"offloaded activations {format_bytes(activation_host_bytes(result))} per GPU")
     return (f"Host (CPU) memory for offload: {format_bytes(n)} per node ({par.gpus_per_node} GPU"
-            f"{'s' if par.gpus_per_node != 1 else ''} per node, DeepSpeed's 1.5× buffer factor)")
+            f"{'s' if par.gpus_per_node != 1 else ''} per node; {'; '.join(what)})")
+
+
+def activation_host_bytes(result: Result) -> int:
+    """The host bytes one GPU's offloaded activations take (0 without activation offloading)."""
+    return int(result.estimate.details.get("offloaded_activation_bytes", 0) or 0)
 
 
 def min_gpus_items(result: Result) -> list[tuple[str, int | None]]:
