@@ -89,6 +89,7 @@ FLAGS = {
     "node_size": "--node-size",
     "offload": "--offload",
     "ep": "--ep",
+    "reshard_after_forward": "--reshard-after-forward",
     "tuning": "--tuning",
     "lora_rank": "--lora-rank",
     "lora_targets": "--lora-targets",
@@ -187,6 +188,9 @@ def _add_setup_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--strategy", default="ddp", choices=STRATEGIES, help="how the model state is sharded")
     p.add_argument("--node-size", default="8", metavar="N", help="GPUs per node (fsdp-hybrid, host memory)")
     p.add_argument("--offload", default="none", choices=OFFLOADS, help="offload to CPU (ZeRO-Offload, FSDP CPUOffload)")
+    p.add_argument("--reshard-after-forward", default="on", choices=("on", "off"),
+                   help="with --strategy fsdp2: free each layer's gathered weights after its forward (on, the "
+                        "default) or keep them until its backward (off: less communication, more memory)")
     p.add_argument("--ep", default="1", metavar="N",
                    help="expert parallelism: a mixture of experts' routed experts split over N of the GPUs (default 1)")
 
@@ -343,7 +347,8 @@ def setup_from_args(args: argparse.Namespace) -> tuple[TrainingSetup, list[str]]
     kw["parallel"] = Parallelism(gpus=parse_positive_int(args.gpus, "gpus", MAX_PARALLEL_GPUS),
                                  strategy=args.strategy, offload=args.offload,
                                  node_size=parse_positive_int(args.node_size, "node_size", MAX_PARALLEL_GPUS),
-                                 ep=parse_positive_int(getattr(args, "ep", "1"), "ep", MAX_PARALLEL_GPUS))
+                                 ep=parse_positive_int(getattr(args, "ep", "1"), "ep", MAX_PARALLEL_GPUS),
+                                 reshard_after_forward=getattr(args, "reshard_after_forward", "on") == "on")
     if args.cuda_context is not None:
         kw["cuda_context_bytes"] = parse_size(args.cuda_context, "cuda_context", allow_zero=True)
     if args.allocator_reserve is not None:
@@ -396,6 +401,7 @@ def format_ledger(result: Result) -> str:
     if par.is_distributed:
         lines.append(f"GPUs       {par.gpus} × {par.strategy}" + (f", offload {par.offload}" if par.offload != "none"
                                                                  else "")
+                     + ("" if par.reshard_after_forward else ", not resharded after forward")
                      + (f", experts split over {par.ep} (expert parallelism)" if par.ep > 1 else "")
                      + " — the ledger is per GPU")
     label = {"quick": "quick (rough Hugging Face blog heuristic)", "analytic": "analytic (tensor by tensor)",

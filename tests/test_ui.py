@@ -1066,6 +1066,27 @@ def test_activation_offload_is_a_window_control(window):
     assert w.inputs.state().activation_offload == "checkpoint-inputs"
 
 
+def test_fsdp2_and_its_reshard_option_are_window_controls(window):
+    """FSDP2 is a strategy; its reshard-after-forward box is live for it only, reaches the setup, and raises the
+    per-GPU peak when cleared (every layer stays gathered from forward to backward)."""
+    w = window
+    w.apply_state(w.inputs.state().replace(model_kind="preset", preset="llama-3.2-1b", gpus="8", strategy="ddp"))
+    assert w.refresh()
+    assert not w.inputs.reshard_after_forward.isEnabled()
+    w.inputs.strategy.setCurrentIndex(w.inputs.strategy.findData("fsdp2"))
+    assert w.inputs.reshard_after_forward.isEnabled()
+    assert w.refresh()
+    on = w.result
+    assert on.setup.parallel.strategy == "fsdp2" and on.setup.parallel.reshard_after_forward
+    w.inputs.reshard_after_forward.setChecked(False)
+    assert w.inputs.state().reshard_after_forward == "false"
+    assert w.refresh()
+    assert not w.result.setup.parallel.reshard_after_forward
+    assert w.result.estimate.phases["forward"].total_bytes > on.estimate.phases["forward"].total_bytes
+    w.apply_state(w.inputs.state())  # round trip through the saved form
+    assert not w.inputs.reshard_after_forward.isChecked()
+
+
 def test_a_family_without_sdpa_switches_the_window_to_eager(window, qtbot, tmp_path):
     """Gemma 2 runs without SDPA in transformers: the calibration says so, and the window switches attention to
     eager (an edit the user can undo) and estimates it, rather than leaving an error on a default setting."""

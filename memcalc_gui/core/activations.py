@@ -58,6 +58,10 @@ class Dtypes:
             return Dtypes(4, 2, True) if setup.precision == "bf16-autocast" else Dtypes(4, 4, False)
         if setup.precision == "fp32":
             return Dtypes(4, 4, False)
+        if setup.precision == "mixed" and setup.parallel.strategy == "fsdp2":
+            # FSDP2's MixedPrecisionPolicy (torchtitan): bf16 weights gathered, bf16 compute without autocast; the
+            # fp32 sharded weights, gradients and optimizer state are the strategy's (core.distributed)
+            return Dtypes(2, 2, False)
         if setup.precision == "bf16":
             return Dtypes(2, 2, False)
         if setup.precision == "bf16-autocast":

@@ -57,7 +57,8 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
     h, v = spec.hidden_size, spec.vocab_size
     n_layers = spec.num_layers
     n_params = spec.num_params
-    p = d.param
+    # FSDP2 under mixed precision computes in bf16, but its weights, gradients and optimizer state are fp32
+    p = 4 if setup.precision == "mixed" and setup.parallel.strategy == "fsdp2" else d.param
 
     ft = setup.tuning
     tuned = ft.method != "full"
@@ -208,6 +209,7 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
     # Inside a checkpointed layer nothing is saved, but its MLP still holds ~3 I-wide tensors at once (4 for the tanh
     # GELU transformers writes in Python ops: fc1's output, x³, and two products)
     wide = 4 if not spec.gated_mlp and spec.hidden_act.lower() in ("gelu_new", "gelu_fast", "gelu_python_tanh") else 3
+    fwd_candidates = [("loss", forward)]
     if ckpt or n_ck or offload != "none":
         # offloaded: no layer keeps anything on the device, but the layer's own frames hold four residual-stream
         # tensors at its MLP (its input, the residual, the norm's output, the attention block's sum; measured on
@@ -216,10 +218,12 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
         in_layer = _objects(**base_fwd, activations=(layers_saved if offload == "none" else 0) + rope_tables,
                             temporaries=wide * t * spec.intermediate_size * d.matmul + dequant +
                             streams * t * h * d.residual)
+        fwd_candidates.append(("layer", in_layer))
         forward = max(forward, in_layer, key=lambda m: sum(m.values()))
 
     # ---- backward moments -------------------------------------------------------------------
     moments: list[dict[str, int]] = []
+    where: list[tuple[str, int]] = []  # each moment: loss, head, mlp/attn of layer k, embedding (FSDP2)
     # (A) cross-entropy backward: log-softmax + its gradient + the logits gradient, all fp32.
     # With checkpointing the layers' 16-bit weight copies die with autocast's cache after forward.
     # every N-th layer: the checkpointed layers' copies die too, the others' stay saved
@@ -229,9 +233,11 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
     lm_grad = v * h * p if head_trains else 0
     if chunked:
         # (A') the loss backward scales the two gradients in place: the head's becomes .grad (or is added to it)
+        where.append(("loss", 0))
         moments.append(_objects(**dict(base_bwd, gradients=(grads_all if accumulating else 0) + lm_grad),
                                 activations=kept_fwd - head_saved + grad_x))
     else:
+        where.append(("loss", 0))
         moments.append(_objects(**base_bwd, activations=kept_fwd + lsm, temporaries=2 * t * v * 4))
     # (B) LM-head backward: logits gradient, hidden-state gradient, the weight gradient appears.
     lm_tmp = t * v * d.matmul + (0 if head_only else t * h * d.matmul) + \
@@ -241,13 +247,16 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
         # Under autocast the head's matmul backward (16-bit weight copy alive, no fp32 gradient yet) and the cast
         # of its 16-bit weight gradient to fp32 (copy released, both gradients alive) are two moments. The fp32
         # gradient becomes .grad, or with accumulation is a temporary added into the existing .grad.
+        where.append(("head", 0))
         moments.append(_objects(parameters=params + copies_bwd, optimizer_state=state, inputs=inputs,
                                 gradients=grads_all if accumulating else 0, activations=kept_fwd,
                                 temporaries=lm_tmp))
+        where.append(("head", 0))
         moments.append(_objects(parameters=params + copies_bwd - lm_copy, optimizer_state=state, inputs=inputs,
                                 gradients=grads_all if accumulating else lm_grad, activations=kept_fwd,
                                 temporaries=t * h * d.matmul + v * h * d.matmul + (lm_grad if accumulating else 0)))
     elif not chunked:
+        where.append(("head", 0))
         moments.append(_objects(
             parameters=params + copies_bwd, optimizer_state=state, inputs=inputs,
             gradients=grads_all if accumulating else lm_grad,
@@ -289,7 +298,9 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
         layer_copy_w = (copies - lm_copy) // n_layers if d.autocast or d.adapters_autocast else 0
         if setup.tuning.method == "qlora":
             down_copy = mlp_copy = 0  # 4-bit weights are dequantized into transients, not cached
-    for k in () if head_only else (n_layers, bottom):
+    # FSDP2 shards each finished layer's gradients, so its peak can be at any layer: every one is a moment there
+    layer_moments = range(n_layers, bottom - 1, -1) if setup.parallel.strategy == "fsdp2" else (n_layers, bottom)
+    for k in () if head_only else layer_moments:
         done = n_layers - k
         below = k - bottom  # layers under this one that keep activations
         if ckpt:
@@ -313,16 +324,19 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
             # operands copied back and their two gradients (one operand and its gradient for a plain MLP);
             # attention: what it saved, copied back, beside its gradients
             unpacked = (2 if spec.gated_mlp else 4 if wide == 4 else 1) * tI  # the tanh GELU's products save 4
+            where.append(("mlp", k))
             moments.append(_objects(
                 parameters=params, optimizer_state=state, inputs=inputs,
                 gradients=grads_before + (0 if accumulating else g_down),
                 temporaries=grad_stream + n_mlp_grads * tI + unpacked + acc_tmp_mlp + dequant))
+            where.append(("attn", k))
             moments.append(_objects(
                 parameters=params, optimizer_state=state, inputs=inputs,
                 gradients=grads_before + (0 if accumulating else g_mlp + g_out),
                 temporaries=grad_stream + attn_tmp + attn_part + (g_out if accumulating else 0) + dequant))
             continue
         # MLP moment
+        where.append(("mlp", k))
         moments.append(_objects(
             parameters=params + copies_before + layer_copy_w - down_copy, optimizer_state=state,
             inputs=inputs,
@@ -331,6 +345,7 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
             temporaries=grad_stream + n_mlp_grads * tI + acc_tmp_mlp + dequant,
         ))
         # attention moment (the MLP of this layer is done)
+        where.append(("attn", k))
         moments.append(_objects(
             parameters=params + copies_before + layer_copy_w - mlp_copy, optimizer_state=state, inputs=inputs,
             gradients=grads_before + (0 if accumulating else g_mlp + g_out),
@@ -346,6 +361,7 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
         emb_tmp = grad_stream + (3 if accumulating else 2) * v * h * p
     else:
         emb_tmp = grad_stream + (v * h * p if accumulating else 0)
+    where.append(("embedding", n_layers))
     moments.append(_objects(parameters=params, optimizer_state=state, inputs=inputs, gradients=grads_all,
                             temporaries=emb_tmp))
     # ---- optimizer step ---------------------------------------------------------------------
@@ -379,7 +395,10 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
     par = setup.parallel
     if par.is_distributed:
         states = states_for(spec, setup, state + paged, opt.step_temporary_bytes, copies)
-        load, forward, moments, step = per_gpu_ledger(states, par, load, forward, moments, step)
+        if par.strategy == "fsdp2" and par.ep == 1:
+            load, forward, moments, step = fsdp2_ledger(spec, setup, states, fwd_candidates, moments, where, step, p)
+        else:
+            load, forward, moments, step = per_gpu_ledger(states, par, load, forward, moments, step)
         notes, host_bytes = states.notes, states.host_bytes + offload_host
         if paged:  # the strategy splits the whole state; the paged share stays paged
             per_gpu = forward.get("optimizer_state", 0)
@@ -452,6 +471,66 @@ def per_gpu_ledger(
     load = dict(load) if par.strategy == "ddp" else {"parameters": states.parameters["load"]}
     return (load, replace(forward, "forward"), [replace(m, "backward") for m in moments],
             replace(step, "optimizer_step"))
+
+
+def fsdp2_ledger(
+    spec: ModelSpec, setup: TrainingSetup, states: ModelStates, fwd_candidates: list[tuple[str, dict[str, int]]],
+    moments: list[dict[str, int]], where: list[tuple[str, int]], step: dict[str, int], p: int,
+) -> tuple[dict[str, int], dict[str, int], list[dict[str, int]], dict[str, int]]:
+    """The per-GPU ledger under FSDP2, moment by moment (checked against real 2- and 4-process gloo steps,
+    ``tests/test_fsdp2.py``).
+
+    Each GPU keeps its parameter shard and the root unit (embeddings, final norm, head: not resharded after forward)
+    gathered throughout, plus the last all-gather's output, which FSDP2 keeps until the next all-gather (instead of
+    ``record_stream``); a decoder layer is gathered while its forward or backward runs (every layer from its forward
+    to its backward without ``reshard_after_forward``). Gradients: a finished layer's are reduce-scattered into its
+    shard; the root unit's stay unsharded until the end of backward; the running layer's are unsharded, in the
+    gathered dtype. Without resharding the backward gathers nothing, and the last forward all-gather's output is gone
+    by then. ``p`` is the single-GPU ledger's gradient element size.
+    """
+    par = setup.parallel
+    n, nl = par.shards, spec.num_layers
+    big = spec.layer_params
+    w = 4 if setup.precision == "fp32" else 2  # gathered weights and unsharded gradients
+    shard = 2 if setup.precision in ("bf16", "bf16-autocast") else 4  # sharded weights and gradients
+    base = states.parameters["optimizer_step"] + spec.root_unit_params * w + big * w
+    accumulating = setup.grad_accum > 1
+    all_shards = states.gradients["optimizer_step"]
+
+    def objects(m: dict[str, int], gathered_layers: int, grads: int) -> dict[str, int]:
+        return _objects(**dict(m, parameters=base + gathered_layers * big * w, gradients=grads,
+                               optimizer_state=states.optimizer_state))
+
+    keep_all = 0 if par.reshard_after_forward else nl  # layers kept gathered from forward to backward
+    recompute = setup.checkpointing != "none"
+    forward = max((objects(m, max(keep_all, 1 if at == "layer" else 0), all_shards if accumulating else 0)
+                   for at, m in fwd_candidates), key=lambda m: sum(m.values()))
+    out = []
+    for m, (at, k) in zip(moments, where, strict=True):
+        single = m.get("gradients", 0)
+        if at in ("mlp", "attn"):
+            done = nl - k
+            # the single-GPU moment's gradients: the head's and the finished layers' (p bytes) and this layer's
+            unsharded = 0 if accumulating else (single - done * big * p) * w // p
+            sharded = all_shards if accumulating else -(-done * big * shard // n)
+            # recomputing a checkpointed layer runs its forward hooks again: one more layer gathered (measured)
+            gathered = (k if keep_all else 1) + (1 if recompute else 0)
+        elif at == "embedding":
+            unsharded = spec.root_unit_params * w
+            sharded = all_shards if accumulating else -(-nl * big * shard // n)
+            gathered = 0
+        else:  # the loss and the head: no layer finished yet
+            unsharded = 0 if accumulating else single * w // p
+            sharded = all_shards if accumulating else 0
+            gathered = keep_all
+        moment = objects(m, gathered, unsharded + sharded)
+        if keep_all:  # no all-gather in backward: the forward's last output is gone
+            moment["parameters"] -= big * w
+        out.append(moment)
+    step = _objects(**dict(step, parameters=states.parameters["optimizer_step"], gradients=all_shards,
+                           optimizer_state=states.optimizer_state,
+                           optimizer_temporaries=states.optimizer_temporaries))
+    return {"parameters": states.parameters["load"]}, forward, out, step
 
 
 def _tuning_assumptions(spec: ModelSpec, setup: TrainingSetup) -> list[str]:

@@ -17,7 +17,15 @@ zero3                  2/N + 4/N + gathered unit    4/N + 2/N + unit grads      
 fsdp-full-shard        4/N + gathered units (16b)   4/N + unit grads              8/N
 fsdp-shard-grad-op     4/N + all params (16-bit)    4/N + unit grads              8/N
 fsdp-hybrid            as full-shard over a node    as full-shard over a node     8/node
+fsdp2                  4/N + gathered units (16b)   4/N + unit grads (16b + fp32) 8/N
+fsdp2, no reshard      4/N + all params (16-bit)    4/N + unit grads (16b + fp32) 8/N
 =====================  ===========================  ============================  ======================
+
+FSDP2 (``fully_shard``, per-parameter DTensor sharding) follows torchtitan's defaults: every decoder layer and then
+the root model wrapped, ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` under mixed precision (the
+gathered weights are bf16 and the step computes in bf16 without autocast; each unit's gradients are reduce-scattered
+from an fp32 copy), the root not resharded after forward, and one unit prefetched; ``reshard_after_forward=False``
+keeps every unit gathered from its forward to its backward (torchtitan's docs: less communication, more memory).
 
 Sources: Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models"
 (2020), the (2 + 2 + K)Ψ family and Figure 1 (Ψ = 7.5B, N = 64, K = 12: 120 / 31.4 / 16.6 / 1.9 GB);
@@ -38,7 +46,7 @@ from typing import Final, Literal, get_args
 
 from .errors import InputError
 
-Strategy = Literal["ddp", "zero1", "zero2", "zero3", "fsdp-full-shard", "fsdp-shard-grad-op", "fsdp-hybrid"]
+Strategy = Literal["ddp", "zero1", "zero2", "zero3", "fsdp-full-shard", "fsdp-shard-grad-op", "fsdp-hybrid", "fsdp2"]
 Offload = Literal["none", "optimizer", "params", "both"]
 STRATEGIES: Final = get_args(Strategy)
 OFFLOADS: Final = get_args(Offload)
@@ -58,9 +66,11 @@ STRATEGY_LABELS: Final = {
     "fsdp-full-shard": "FSDP FULL_SHARD",
     "fsdp-shard-grad-op": "FSDP SHARD_GRAD_OP",
     "fsdp-hybrid": "FSDP HYBRID_SHARD",
+    "fsdp2": "FSDP2 (fully_shard)",
 }
 #: Preference when several strategies fit: least communication first.
-PREFERENCE: Final = ("ddp", "zero1", "zero2", "fsdp-shard-grad-op", "fsdp-hybrid", "zero3", "fsdp-full-shard")
+PREFERENCE: Final = ("ddp", "zero1", "zero2", "fsdp-shard-grad-op", "fsdp-hybrid", "zero3", "fsdp2",
+                     "fsdp-full-shard")
 
 
 def offload_choices(strategy: str) -> tuple[str, ...]:
@@ -102,6 +112,9 @@ class Parallelism:
     node_size: int = 8
     offload: Offload = "none"
     ep: int = 1  # expert parallelism: the routed experts split over this many GPUs (see ``expert_parallel_states``)
+    #: FSDP2's ``reshard_after_forward``: free each unit's gathered weights after its forward (gather again in
+    #: backward), or keep them until its backward.
+    reshard_after_forward: bool = True
 
     def __post_init__(self) -> None:
         for name in ("gpus", "node_size", "ep"):
@@ -112,10 +125,15 @@ class Parallelism:
                 raise InputError(name, f"must be at most {MAX_PARALLEL_GPUS:,}, got {value:,}")
         if self.strategy not in STRATEGIES:
             raise InputError("strategy", f"must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
+        if not isinstance(self.reshard_after_forward, bool):
+            raise InputError("reshard_after_forward", f"must be on or off, got {self.reshard_after_forward!r}")
+        if not self.reshard_after_forward and self.strategy != "fsdp2":
+            raise InputError("reshard_after_forward", "reshard after forward is FSDP2's option (--strategy fsdp2); "
+                                                      "FSDP1's SHARD_GRAD_OP is its no-reshard strategy")
         if self.offload not in OFFLOADS:
             raise InputError("offload", f"must be one of {', '.join(OFFLOADS)}, got {self.offload!r}")
         if self.offload in ("params", "both") and self.strategy not in ("zero3", "fsdp-full-shard", "fsdp-hybrid",
-                                                                          "fsdp-shard-grad-op"):
+                                                                          "fsdp-shard-grad-op", "fsdp2"):
             raise InputError("offload", "parameter offload needs a strategy that shards parameters "
                                         "(zero3, fsdp-full-shard or fsdp-hybrid)")
         if self.offload != "none" and self.strategy == "ddp":
@@ -207,13 +225,15 @@ def model_states(
         c["w_part"] = _ceil_div(psi * shard_bytes, n)
         c["master_part"] = _ceil_div(psi * 4, n) if (mixed and not fsdp) else 0
         c["g_part"] = _ceil_div(psi * (4 if mixed else g), n)
-        if s == "fsdp-shard-grad-op":
+        if s == "fsdp-shard-grad-op" or (s == "fsdp2" and not par.reshard_after_forward):
             c["gathered"] = psi * w  # not resharded after forward: every unit stays gathered until backward
         elif fsdp:
             c["gathered"] = root_unit * w + 2 * largest_unit * w  # root unit + current and prefetched unit
         else:
             c["gathered"] = 2 * largest_unit * w  # current and prefetched unit
         c["unit_grads"] = largest_unit * g
+        if s == "fsdp2" and mixed:  # reduce_dtype=fp32: the unit's bf16 gradients are cast up to reduce-scatter
+            c["unit_grads"] += largest_unit * 4
         notes.append(f"{STRATEGY_LABELS[s]}: the largest unit gathered at once has {largest_unit:,} parameters")
     host = 0
     if par.offload != "none":

@@ -78,6 +78,7 @@ class Result:
             "gpus": est.setup.parallel.gpus,
             "offload": est.setup.parallel.offload,
             "ep": est.setup.parallel.ep,
+            "reshard_after_forward": est.setup.parallel.reshard_after_forward,
             "host_bytes": int(est.details.get("host_bytes", 0)),
             "gpu_plan": self.plan.to_json() if self.plan is not None else None,
         }

@@ -282,6 +282,7 @@ class TrainingSetup:
             "node_size": self.parallel.node_size,
             "offload": self.parallel.offload,
             "ep": self.parallel.ep,
+            "reshard_after_forward": self.parallel.reshard_after_forward,
             "tuning": self.tuning.method,
             **({"lora_rank": self.tuning.rank, "lora_targets": list(self.tuning.targets),
                 "lora_dropout": self.tuning.dropout, "adapter_dtype": self.tuning.adapter_dtype}
@@ -331,6 +332,7 @@ class TrainingSetup:
         gpus = f", {par.gpus} GPUs {par.strategy}" if par.is_distributed else ""
         gpus += f", offload {par.offload}" if par.offload != "none" else ""
         gpus += f", experts over {par.ep}" if par.ep > 1 else ""
+        gpus += ", not resharded after forward" if not par.reshard_after_forward else ""
         return (f"{model}: batch {self.batch} × seq {self.seq} × accum {self.grad_accum}, {self.precision}, "
                 f"{self.optimizer} ({self.optimizer_impl}), {self.attention}, checkpointing {self.checkpointing}"
                 f"{', chunked loss' if self.loss == 'chunked' else ''}"

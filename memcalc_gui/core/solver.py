@@ -240,7 +240,7 @@ MAX_FIXES = 3
 #: of this kind to fit is better served by the other levers.
 GPU_GROWTH = 8
 MAX_EVALUATIONS = 600
-SHARDED = ("zero2", "zero3", "fsdp-full-shard")
+SHARDED = ("zero2", "zero3", "fsdp-full-shard", "fsdp2")
 PARALLEL_KEYS = ("gpus", "strategy", "offload", "node_size", "ep")
 #: Change keys that edit the fine-tuning method (core.finetune.FineTuning's fields, as the CLI names them).
 TUNING_KEYS = {"tuning": "method", "lora_rank": "rank", "lora_targets": "targets", "lora_dropout": "dropout",
@@ -323,7 +323,7 @@ def levers(setup: TrainingSetup) -> list[Lever]:
     if setup.optimizer in ("adamw", "adam"):
         out.append(Lever("optimizer", "optimizer-8bit", "use 8-bit AdamW (bitsandbytes)",
                          {"optimizer": "adamw-8bit",
-                          "optimizer_impl": "foreach" if setup.optimizer_impl == "fused" else setup.optimizer_impl},
+                          **({"optimizer_impl": "foreach"} if setup.optimizer_impl == "fused" else {})},
                          "quantised optimizer state; needs bitsandbytes"))
         if setup.optimizer_impl != "fused":
             out.append(Lever("optimizer", "optimizer-fused", "use the fused optimizer implementation",
@@ -369,7 +369,7 @@ def levers(setup: TrainingSetup) -> list[Lever]:
 
 STRATEGY_TITLES: dict[str, str] = {"zero1": "ZeRO-1", "zero2": "ZeRO-2 (DeepSpeed)", "zero3": "ZeRO-3 (DeepSpeed)",
                                    "fsdp-full-shard": "FSDP FULL_SHARD", "fsdp-shard-grad-op": "FSDP SHARD_GRAD_OP",
-                                   "fsdp-hybrid": "FSDP HYBRID_SHARD"}
+                                   "fsdp-hybrid": "FSDP HYBRID_SHARD", "fsdp2": "FSDP2 (fully_shard, torchtitan)"}
 
 
 def _combinations(groups: dict[str, list[Lever]]) -> list[tuple[Lever, ...]]:
@@ -442,7 +442,7 @@ def search_fixes(setup: TrainingSetup, estimator: Estimator, capacity: int) -> l
 
 #: Lever groups that keep the run as it is planned: the same GPUs, the same micro-batch, full fine-tuning.
 SAME_RUN_GROUPS = frozenset({"checkpointing", "activation-offload", "loss", "step", "optimizer", "precision",
-                             "attention"})
+                             "attention", "offload"})
 
 
 def _on_this_gpu(setup: TrainingSetup, estimator: Estimator, capacity: int, groups: dict[str, list[Lever]],

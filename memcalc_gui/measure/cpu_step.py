@@ -158,6 +158,8 @@ def measure_training_step(
     loss_chunk: int | None = None,
     optimizer_in_backward: bool = False,
     activation_offload: str = "none",
+    parallelize: Callable[[Any], Any] | None = None,
+    autocast: bool = True,
 ) -> StepMeasurement:
     """Build the model from ``config`` and measure ``iterations`` training steps on CPU.
 
@@ -176,6 +178,8 @@ def measure_training_step(
     backward" recipe, torchtune's ``optimizer_in_bwd``); the optimizer phase then has nothing left to do.
     ``activation_offload`` moves what the decoder body saves for backward to host memory (see :func:`offload_hooks`):
     ``all`` as ``torch.autograd.graph.save_on_cpu`` does, ``checkpoint-inputs`` as torchtune's OffloadActivations.
+    ``parallelize(model)`` shards the built model in place (one rank of :mod:`.distributed`); ``autocast=False`` runs
+    mixed precision without autocast (FSDP2's MixedPrecisionPolicy casts the gathered weights instead).
     """
     if fake:
         from torch._subclasses.fake_tensor import FakeTensorMode
@@ -188,7 +192,7 @@ def measure_training_step(
                 on_phase=on_phase, fake=False, round_to=round_to, module_names=module_names,
                 builder=builder, use_cache=use_cache, tuning=tuning, keep_tracker=keep_tracker, loss=loss,
                 loss_chunk=loss_chunk, optimizer_in_backward=optimizer_in_backward,
-                activation_offload=activation_offload,
+                activation_offload=activation_offload, parallelize=parallelize, autocast=autocast,
             )
 
     def announce(phase: str, it: int, micro: int = 0) -> None:
@@ -229,6 +233,8 @@ def measure_training_step(
                                          else 1)
                 if tuning is not None and tuning.method != "full":
                     model = apply_tuning(model, tuning, config)
+                if parallelize is not None:
+                    parallelize(model)
                 for p in model.parameters():
                     tracker.track(p, "parameters")
                 for b in model.buffers():
@@ -271,7 +277,7 @@ def measure_training_step(
                 for micro in range(grad_accum):
                     announce("forward", it, micro)
                     with tracker.phase("forward", it, micro):
-                        value = step_forward(model, input_ids, precision, loss, loss_chunk)
+                        value = step_forward(model, input_ids, precision if autocast else "fp32", loss, loss_chunk)
                         if grad_accum > 1:
                             value = value / grad_accum
                     announce("backward", it, micro)

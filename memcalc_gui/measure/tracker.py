@@ -113,11 +113,27 @@ class LiveStorageTracker:
     def __enter__(self) -> Self:
         self._mode = _mode_class()(self)
         self._mode.__enter__()
+        _watch_resizes(self, True)
         return self
 
     def __exit__(self, *exc: object) -> None:
         mode, self._mode = self._mode, None
+        _watch_resizes(self, False)
         mode.__exit__(*exc)
+
+    def _on_storage_resize(self, storage: Any) -> None:
+        """A tracked storage resized in place (FSDP2 frees an unsharded parameter with ``resize_(0)`` and
+        allocates it again the same way): no op the dispatch mode sees, so ``UntypedStorage.resize_`` reports it."""
+        with self._lock:
+            sid = self._by_pyid.get(id(storage))
+            if sid is None:
+                return
+            rec = self.records[sid]
+            size = storage.nbytes()
+            if size != rec.nbytes:
+                delta = size - rec.nbytes
+                rec.nbytes = size
+                self._log("resize", sid, delta, "resize_")
 
     def close(self) -> None:
         """Detach every pending finalizer (frees after this are no longer logged)."""
@@ -178,11 +194,11 @@ class LiveStorageTracker:
         self, tensor: torch.Tensor, tag: str | None = None, op: str = "track"
     ) -> int:
         """Register ``tensor``'s storage (if new) and add ``tag``; return the storage id."""
-        return self._register(tensor, op, tag=tag)
+        return self._register(_local(tensor), op, tag=tag)
 
     def sid_of(self, tensor: torch.Tensor) -> int | None:
         """The storage id of ``tensor`` if its storage is tracked and alive."""
-        return self._by_pyid.get(id(tensor.untyped_storage()))
+        return self._by_pyid.get(id(_local(tensor).untyped_storage()))
 
     def _register(
         self,
@@ -271,7 +287,7 @@ class LiveStorageTracker:
             source = self.sid_of(args[0])
         for leaf in tree_flatten(out)[0]:
             if isinstance(leaf, torch.Tensor) and leaf.layout == torch.strided:
-                self._register(leaf, name, source_sid=source)
+                self._register(_local(leaf), name, source_sid=source)
 
     # ------------------------------------------------------------ analysis
     def live_sids(self) -> list[int]:
@@ -370,6 +386,41 @@ def _mode_class() -> type:
             return out
 
     return _TrackingMode
+
+
+_RESIZE_WATCHERS: list[LiveStorageTracker] = []
+_ORIGINAL_RESIZE: list[Any] = []
+
+
+def _watch_resizes(tracker: LiveStorageTracker, on: bool) -> None:
+    """Route ``torch.UntypedStorage.resize_`` through the active trackers while any is entered."""
+    import torch
+
+    if on:
+        if not _RESIZE_WATCHERS:
+            original = torch.UntypedStorage.resize_
+            _ORIGINAL_RESIZE.append(original)
+
+            def resize_(storage: Any, size: int) -> Any:
+                out = original(storage, size)
+                for watcher in list(_RESIZE_WATCHERS):
+                    watcher._on_storage_resize(storage)
+                return out
+
+            torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        _RESIZE_WATCHERS.append(tracker)
+        return
+    if tracker in _RESIZE_WATCHERS:
+        _RESIZE_WATCHERS.remove(tracker)
+    if not _RESIZE_WATCHERS and _ORIGINAL_RESIZE:
+        torch.UntypedStorage.resize_ = _ORIGINAL_RESIZE.pop()  # type: ignore[method-assign]
+
+
+def _local(tensor: Any) -> Any:
+    """This rank's shard of a DTensor (FSDP2's sharded parameters, gradients and optimizer state): the memory this
+    process holds; other tensors as they are."""
+    local = getattr(tensor, "_local_tensor", None)
+    return local if local is not None and type(tensor).__name__ == "DTensor" else tensor
 
 
 def _local_scalar_dense() -> Any:

@@ -27,6 +27,7 @@ from ..core.configfile import transformers_kwargs
 from ..core.errors import InputError, MemcalcError, one_line
 from ..core.estimate import estimate
 from ..core.ledger import Estimate, with_overheads
+from ..core.optimizer import optimizer_cost
 from ..core.result import Result
 from ..core.setup import TrainingSetup
 from ..core.solver import gpu_plan, solve
@@ -142,11 +143,15 @@ def trace_estimate(
             progress("building the model on fake tensors" if phase == "load"
                      else f"iteration {it} of 2: {phase.replace('_', ' ')}")
 
+    # FSDP2 under mixed precision computes in bf16 (its MixedPrecisionPolicy) over fp32 shards: trace the bf16 step,
+    # and take the fp32 state the strategy shards from the optimizer's rule
+    fsdp2_mixed = setup.parallel.strategy == "fsdp2" and setup.precision == "mixed"
+    compute = "bf16" if fsdp2_mixed else setup.precision
     t0 = time.perf_counter()
     try:
         with exclusive_torch_job(should_stop, TraceCancelled), _unpacked_sequences():
             m = measure_training_step(
-                cfg, batch=setup.batch, seq=setup.seq, precision=setup.precision, optimizer=setup.optimizer,
+                cfg, batch=setup.batch, seq=setup.seq, precision=compute, optimizer=setup.optimizer,
                 optimizer_impl=setup.optimizer_impl, attention=setup.attention, checkpointing=setup.checkpointing,
                 use_cache=setup.use_cache, grad_accum=min(setup.grad_accum, TRACED_MICRO_BATCHES), iterations=2,
                 fake=True, round_to=CUDA_ROUNDING, module_names=True, on_phase=on_phase,
@@ -186,8 +191,12 @@ def trace_estimate(
             for name in ("forward", "backward"):
                 objects[name] = {k: v for k, v in m.phases[name].transient_objects.items() if v}
         step = objects["optimizer_step"]
-        states = states_for(setup.model, setup, step.get("optimizer_state", 0), step.get("optimizer_temporaries", 0),
-                            m.phases["forward"].compute_copy_bytes)
+        state, temps = step.get("optimizer_state", 0), step.get("optimizer_temporaries", 0)
+        if fsdp2_mixed:
+            cost = optimizer_cost(setup.optimizer, setup.optimizer_impl, setup.model.param_layout(),
+                                  setup.model.num_layers, 4)
+            state, temps = cost.state_bytes + cost.paged_bytes, cost.step_temporary_bytes
+        states = states_for(setup.model, setup, state, temps, m.phases["forward"].compute_copy_bytes)
         load, fwd, (bwd,), stp = per_gpu_ledger(states, setup.parallel, objects["load"], objects["forward"],
                                                [objects["backward"]], step)
         objects = {"load": load, "forward": fwd, "backward": bwd, "optimizer_step": stp}

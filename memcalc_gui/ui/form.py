@@ -92,6 +92,7 @@ class FormState:
     strategy: str = "ddp"
     node_size: str = "8"
     ep: str = "1"
+    reshard_after_forward: str = "true"  # FSDP2's reshard_after_forward
     offload: str = "none"
     # fine-tuning (core.finetune.FineTuning); the LoRA fields apply to lora and qlora, trainable to frozen
     tuning: str = "full"
@@ -214,6 +215,7 @@ _FIELD_MAP: Final = {
     "strategy": "strategy",
     "node_size": "node_size",
     "ep": "ep",
+    "reshard_after_forward": "reshard_after_forward",
     "offload": "offload",
     "parallel": "strategy",
     "tuning": "tuning",
@@ -468,6 +470,7 @@ def build_setup(state: FormState, cache: ModelCache) -> TrainingSetup:
             strategy=state.strategy,  # type: ignore[arg-type]
             node_size=values.pop("node_size"),
             ep=values.pop("ep"),
+            reshard_after_forward=state.reshard_after_forward != "false",
             offload=state.offload,  # type: ignore[arg-type]
         )
     except InputError as exc:

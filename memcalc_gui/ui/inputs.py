@@ -414,6 +414,12 @@ class InputPanel(QWidget):
         self._row(gform, "Num&ber of GPUs:", "gpus", self.gpus)
         self.strategy = _combo({k: STRATEGY_LABELS.get(k, k) for k in STRATEGIES}, TOOLTIPS["strategy"])
         self._row(gform, "Str&ategy:", "strategy", self.strategy)
+        self.reshard_after_forward = QCheckBox("Reshard after forward (FSDP2)")
+        self.reshard_after_forward.setObjectName("reshardAfterForward")
+        self.reshard_after_forward.setToolTip(TOOLTIPS["reshard_after_forward"])
+        self.reshard_after_forward.setChecked(True)
+        self.boxes["reshard_after_forward"] = FieldBox(self.reshard_after_forward)
+        gform.addRow(self.boxes["reshard_after_forward"])
         self.node_size = IntEdit()
         self.node_size.setPlaceholderText("8")
         self._row(gform, "GPUs per &node:", "node_size", self.node_size)
@@ -477,6 +483,7 @@ class InputPanel(QWidget):
         self.ckpt_every.textChanged.connect(self._changed)
         self.use_cache.toggled.connect(self._changed)
         self.optimizer_in_backward.toggled.connect(self._changed)
+        self.reshard_after_forward.toggled.connect(self._changed)
         for edit in (self.lora_rank, self.lora_dropout, self.trainable):
             edit.textChanged.connect(self._changed)
         self.lora_targets.currentTextChanged.connect(self._changed)
@@ -516,7 +523,7 @@ class InputPanel(QWidget):
                  self.trainable, self.recipe,
                  self.precision,
                  self.optimizer, self.optimizer_impl, self.optimizer_in_backward, self.gpu, self.capacity, self.gpus,
-                 self.strategy, self.node_size,
+                 self.strategy, self.reshard_after_forward, self.node_size,
                  self.ep, self.offload, self.cuda_context, self.allocator_reserve]
         for a, b in itertools.pairwise(chain):
             QWidget.setTabOrder(a, b)
@@ -594,7 +601,12 @@ class InputPanel(QWidget):
         if self.sender() is self.strategy:
             self._sync_offload()
         self._sync_node_size()
+        self._sync_reshard()
         self._changed()
+
+    def _sync_reshard(self) -> None:
+        """Reshard after forward is FSDP2's option: the box is live for fsdp2 only (its choice is kept)."""
+        self.reshard_after_forward.setEnabled(self.strategy.currentData() == "fsdp2")
 
     def _sync_offload(self, wanted: str | None = None) -> None:
         """Offer the offload kinds that differ for the chosen strategy, keeping the closest to ``wanted`` (or to
@@ -749,6 +761,8 @@ class InputPanel(QWidget):
             strategy=self.strategy.currentData(),
             node_size=self.node_size.text(),
             ep=self.ep.text(),
+            reshard_after_forward="true" if self.reshard_after_forward.isChecked() or
+            self.strategy.currentData() != "fsdp2" else "false",
             offload=self.offload.currentData(),
         )
 
@@ -774,6 +788,8 @@ class InputPanel(QWidget):
                 _set_combo(getattr(self, name), getattr(state, name))
             self._sync_offload(state.offload)
             self._sync_node_size()
+            self.reshard_after_forward.setChecked(state.reshard_after_forward != "false")
+            self._sync_reshard()
             if self.loss_chunk.text() != state.loss_chunk:
                 self.loss_chunk.setText(state.loss_chunk)
             self._sync_loss_chunk()

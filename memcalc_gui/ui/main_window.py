@@ -98,6 +98,7 @@ FIELD_NAMES = {
     "capacity": "capacity",
     "cuda_context": "CUDA context", "allocator_reserve": "allocator reserve", "gpus": "number of GPUs",
     "strategy": "strategy", "node_size": "GPUs per node", "ep": "experts split over", "offload": "offload",
+    "reshard_after_forward": "reshard after forward",
     "general": "input",
     "tuning": "weights trained", "lora_rank": "LoRA rank", "lora_targets": "target modules",
     "lora_dropout": "LoRA dropout", "quant": "base quantization", "double_quant": "double quantization",

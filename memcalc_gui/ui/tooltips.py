@@ -177,6 +177,12 @@ TOOLTIPS: dict[str, str] = {
         "Tokens per chunk of the chunked loss. Empty: Liger's rule, next_power_of_2(ceil(tokens / ceil(V / H))), "
         "so that one chunk's logits are about as large as the hidden states."
     ),
+    "reshard_after_forward": (
+        "FSDP2 (torch.distributed.fsdp.fully_shard): free each decoder layer's gathered weights after its forward "
+        "and gather them again for its backward (on, the default), or keep every layer gathered from its forward to "
+        "its backward (off: less communication, the whole model's 16-bit weights on every GPU at the end of "
+        "forward). The root unit (embeddings, final norm, head) stays gathered either way."
+    ),
     "ep": (
         "Expert parallelism (a mixture of experts only): the routed experts of every MoE layer are split over this "
         "many GPUs, each group of GPUs holding the same experts replicated or sharded by the strategy; attention, "

@@ -25,6 +25,7 @@ STRATEGY_SHORT: Final = {
     "fsdp-full-shard": "FSDP full shard",
     "fsdp-shard-grad-op": "FSDP shard-grad-op",
     "fsdp-hybrid": "FSDP hybrid shard",
+    "fsdp2": "FSDP2",
 }
 #: Appended to the best strategy's label in :func:`plan_rows`.
 BEST_MARK: Final = " — best"
@@ -53,6 +54,8 @@ def strategy_text(setup: TrainingSetup) -> str:
     text = STRATEGY_LABELS.get(par.strategy, par.strategy)
     if par.strategy == "fsdp-hybrid":
         text += f" ({par.node_size} GPUs per node)"
+    if not par.reshard_after_forward:
+        text += ", not resharded after forward"
     if par.offload != "none":
         text += f", {OFFLOAD_TEXT[par.offload]}"
     return text
@@ -69,6 +72,8 @@ def chart_scope(setup: TrainingSetup) -> str:
     """The chart's short title: ``32 GPUs, ZeRO-3, optimizer offload``."""
     par = setup.parallel
     text = f"{par.gpus:,} GPU{'s' if par.gpus != 1 else ''}, {STRATEGY_SHORT.get(par.strategy, par.strategy)}"
+    if not par.reshard_after_forward:
+        text += " (no reshard)"
     if par.offload != "none":
         text += f", {'optimizer' if par.offload == 'optimizer' else 'parameter'} offload"
     return text
@@ -97,11 +102,11 @@ def host_text(result: Result) -> str:
         return ""
     what = []
     if par.offload != "none":
-        what.append("DeepSpeed's 1.5× buffer factor on the offloaded state")
+        what.append("DeepSpeed's 1.5× buffer factor")
     if result.setup.activation_offload != "none":
-        what.append(f"offloaded activations {format_bytes(activation_host_bytes(result))} per GPU")
+        what.append(f"activations {format_bytes(activation_host_bytes(result))} per GPU")
     return (f"Host (CPU) memory for offload: {format_bytes(n)} per node ({par.gpus_per_node} GPU"
-            f"{'s' if par.gpus_per_node != 1 else ''} per node; {'; '.join(what)})")
+            f"{'s' if par.gpus_per_node != 1 else ''} per node, {', '.join(what)})")
 
 
 def activation_host_bytes(result: Result) -> int:
