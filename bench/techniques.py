@@ -4,7 +4,7 @@ Runs real training steps of small models of three families (Llama, tied Qwen2, G
 prints the analytic ledger's forward and backward peaks beside the measured ones, and the host bytes where the
 technique uses host memory. Usage::
 
-    python -m bench.techniques [--technique offload|fsdp2] [--family llama]
+    python -m bench.techniques [--technique offload|fsdp2|selective] [--family llama]
 
 ``fsdp2`` runs ``fully_shard`` over 2 or 4 real CPU processes (gloo) and shows rank 0 against the per-GPU ledger.
 
@@ -43,7 +43,12 @@ def fsdp2_cases() -> Iterator[dict[str, Any]]:
             yield dict(ranks=ranks, reshard_after_forward=reshard, checkpointing=ckpt, precision=precision)
 
 
-TECHNIQUES = {"offload": offload_cases, "fsdp2": fsdp2_cases}
+def selective_cases() -> Iterator[dict[str, Any]]:
+    for precision in ("fp32", "mixed", "bf16"):
+        yield dict(checkpointing="selective", precision=precision)
+
+
+TECHNIQUES = {"offload": offload_cases, "fsdp2": fsdp2_cases, "selective": selective_cases}
 
 
 def run(technique: str, families: list[str]) -> list[str]:

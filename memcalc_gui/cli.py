@@ -138,8 +138,9 @@ def _add_setup_args(p: argparse.ArgumentParser) -> None:
                    help="step implementation (default foreach, as torch on CUDA)")
     p.add_argument("--attention", default=None, choices=ATTENTIONS,
                    help="default sdpa (eager for a family transformers runs without SDPA)")
-    p.add_argument("--checkpointing", default="none", metavar="none|full|every:N",
-                   help="gradient checkpointing: none, every decoder layer (full), or every N-th layer (every:2 keeps "
+    p.add_argument("--checkpointing", default="none", metavar="none|full|selective|every:N",
+                   help="gradient checkpointing: none, every decoder layer (full), every layer keeping its matmul and "
+                        "attention outputs (selective: torchtitan's per-op policy), or every N-th layer (every:2 keeps "
                         "every other layer's activations: torchtitan's selective layer checkpointing)")
     p.add_argument("--loss", default="full", choices=LOSSES,
                    help="full: transformers' loss over the whole logits; chunked: a fused linear cross-entropy "

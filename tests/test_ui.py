@@ -1066,6 +1066,28 @@ def test_activation_offload_is_a_window_control(window):
     assert w.inputs.state().activation_offload == "checkpoint-inputs"
 
 
+def test_per_op_selective_checkpointing_is_a_window_control(window):
+    """The per-op box makes checkpointing "selective", disables the every-N-th field, and lands between none and full;
+    with eager attention its box is marked and the last result kept."""
+    w = window
+    w.apply_state(w.inputs.state().replace(model_kind="preset", preset="llama-3.2-1b", gpus="1", strategy="ddp",
+                                           checkpointing="full", attention="sdpa", batch="4", seq="2048"))
+    assert w.refresh()
+    full = w.result.estimate.phases["forward"].tensor_bytes
+    w.inputs.ckpt_selective.setChecked(True)
+    assert not w.inputs.ckpt_every.isEnabled()
+    assert w.inputs.state().checkpointing == "selective"
+    assert w.refresh()
+    assert w.result.setup.checkpointing == "selective"
+    assert w.result.estimate.phases["forward"].tensor_bytes > full
+    good = w.result
+    w.inputs.attention.setCurrentIndex(w.inputs.attention.findData("eager"))
+    assert not w.refresh() and w.result is good
+    assert "SDPA" in w.inputs.errors()["ckpt_selective"]
+    w.apply_state(w.inputs.state())
+    assert w.inputs.ckpt_selective.isChecked()
+
+
 def test_fsdp2_and_its_reshard_option_are_window_controls(window):
     """FSDP2 is a strategy; its reshard-after-forward box is live for it only, reaches the setup, and raises the
     per-GPU peak when cleared (every layer stays gathered from forward to backward)."""

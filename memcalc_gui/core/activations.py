@@ -251,6 +251,30 @@ def layer_saved(spec: ModelSpec, setup: TrainingSetup) -> dict[str, int]:
 
 
 # ---- fine-tuning: frozen weights and LoRA adapters ------------------------------------------------------
+def selective_saved(spec: ModelSpec, d: Dtypes, batch: int, seq: int, attention: str) -> tuple[int, int]:
+    """What a layer keeps under torchtitan's per-op selective checkpointing besides its input: the output of every
+    other bias-free matrix product (``aten.mm``, counted in the layer's order; a linear with a bias runs ``addmm``,
+    which the policy recomputes) and the attention kernel's output and log-sum-exp (SDPA; eager attention's batched
+    products and softmax are recomputed). Returns (all of it, the part alive beside the MLP's working set while the
+    layer's forward is at its MLP: the attention block's kept outputs and a kept gate projection, which would
+    otherwise die at its activation)."""
+    t = batch * seq
+    kept = early = count = 0
+    for lin in layer_linears(spec):
+        bias = spec.qkv_bias if lin.kind in ("q", "k", "v", "qkv") else spec.out_bias if lin.kind == "o" \
+            else spec.mlp_bias
+        if bias or spec.family == "gpt2":  # GPT-2's Conv1D is addmm whatever its bias
+            continue
+        count += 1
+        if count % 2 == 1:
+            kept += t * lin.d_out * d.matmul
+            early += t * lin.d_out * d.matmul if lin.kind in ("q", "k", "v", "qkv", "o", "gate") else 0
+    if attention == "sdpa":
+        out = t * spec.q_dim * d.matmul + batch * spec.num_heads * seq * 4
+        kept, early = kept + out, early + out
+    return kept, early
+
+
 def _consumers(spec: ModelSpec) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """Linear kinds reading the first and the second norm's output (one norm feeds both in parallel blocks)."""
     attn = ("qkv",) if spec.fused_qkv else ("q", "k", "v")

@@ -26,6 +26,7 @@ from .activations import (
     mlp_saved,
     norm_saved,
     residual_saved,
+    selective_saved,
     tuned_layer_saved,
 )
 from .distributed import ModelStates, Parallelism, model_states
@@ -116,9 +117,12 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
     def checkpointed(j: int) -> bool:  # decoder layer j (1-based)
         return ckpt or (every is not None and j % every == 0)
 
-    if setup.checkpointing in ("full", "every:1"):
+    # per-op selective checkpointing (torchtitan): each layer also keeps some matmul and attention outputs
+    sac, sac_early = selective_saved(spec, d, b, seq, setup.attention) if setup.checkpointing == "selective" \
+        else (0, 0)
+    if setup.checkpointing in ("full", "every:1", "selective"):
         # Non-reentrant checkpointing keeps each layer's input; the final norm keeps the last output.
-        layers_saved = n_layers * stream + (stream if keep_stream else 0)
+        layers_saved = n_layers * (stream + sac) + (stream if keep_stream else 0)
         ckpt = True
     elif tuned and not ft.uses_adapters:
         # frozen parts: trained layers keep what full training keeps; frozen layers keep what gradients flowing
@@ -218,6 +222,14 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
         in_layer = _objects(**base_fwd, activations=(layers_saved if offload == "none" else 0) + rope_tables,
                             temporaries=wide * t * spec.intermediate_size * d.matmul + dequant +
                             streams * t * h * d.residual)
+        if ckpt and offload == "none":
+            # every layer checkpointed (per-op selective: also its kept outputs): the layers below keep their input
+            # (and kept outputs), this one its input and what it kept so far; beside the MLP's working set its frames
+            # hold the attention block's residual sum and the norm's output (GPT-2 also its attention output, in a
+            # tuple, and the token and position embeddings); the final norm has not run yet
+            held = 2 * t * h * d.residual + ((2 * t + seq) * h * d.residual if spec.family == "gpt2" else 0)
+            in_layer = _objects(**base_fwd, activations=n_layers * stream + (n_layers - 1) * sac + sac_early +
+                                rope_tables, temporaries=wide * t * spec.intermediate_size * d.matmul + held)
         fwd_candidates.append(("layer", in_layer))
         forward = max(forward, in_layer, key=lambda m: sum(m.values()))
 
@@ -305,7 +317,7 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
         below = k - bottom  # layers under this one that keep activations
         if ckpt:
             # offloaded: only this layer's input, copied back (torchtune prefetches the next one on a GPU stream)
-            earlier = k * stream if offload == "none" else \
+            earlier = k * stream + (k - 1) * sac if offload == "none" else \
                 stream * (2 if offload == "checkpoint-inputs" and setup.target_device == "cuda" and k > bottom else 1)
         elif tuned and not tp.layers_trained:
             earlier = (first_layer + (below - 1) * s_layer) if below else 0
@@ -502,7 +514,9 @@ def fsdp2_ledger(
                                optimizer_state=states.optimizer_state))
 
     keep_all = 0 if par.reshard_after_forward else nl  # layers kept gathered from forward to backward
-    recompute = setup.checkpointing != "none"
+    # recomputing a checkpointed layer gathers one layer more; kept gathered, only a cast gather (mixed precision's
+    # bf16 copy) does (measured on real 2- and 4-process steps)
+    recompute = setup.checkpointing != "none" and (par.reshard_after_forward or setup.precision == "mixed")
     forward = max((objects(m, max(keep_all, 1 if at == "layer" else 0), all_shards if accumulating else 0)
                    for at, m in fwd_candidates), key=lambda m: sum(m.values()))
     out = []
@@ -602,7 +616,9 @@ OFFLOAD_WORDS = {
            "weights included, is copied to host memory (once per op that saves it) and back as its backward node "
            "runs; the head and the loss keep theirs; host bytes count the copies",
 }
-CHECKPOINT_WORDS = {"full": "full gradient checkpointing", "none": "no checkpointing"}
+CHECKPOINT_WORDS = {"full": "full gradient checkpointing", "none": "no checkpointing",
+                    "selective": "per-op selective checkpointing of every layer (torchtitan's op policy: each layer "
+                                 "keeps its input, every other matrix product's output and the attention output)"}
 
 
 def _every_words(checkpointing: str) -> str:

@@ -21,8 +21,9 @@ Optimizer = Literal["adamw", "adam", "adamw-8bit", "paged-adamw-8bit", "paged-ad
                     "adafactor", "lion"]
 OptimizerImpl = Literal["foreach", "single-tensor", "fused"]
 Attention = Literal["sdpa", "eager"]
-#: ``none``, ``full`` (every decoder layer) or ``every:N`` (every N-th layer: torchtitan's selective layer
-#: checkpointing, ``ac_freq``); see :func:`checkpoint_every`.
+#: ``none``, ``full`` (every decoder layer), ``selective`` (every layer, torchtitan's per-op policy: matrix-product and
+#: attention outputs kept) or ``every:N`` (every N-th layer: torchtitan's selective layer checkpointing, ``ac_freq``);
+#: see :func:`checkpoint_every`.
 Checkpointing = str
 #: How the loss is computed: transformers' full logits, or a chunked fused linear cross-entropy (Liger's).
 Loss = Literal["full", "chunked"]
@@ -38,7 +39,7 @@ BNB_OPTIMIZERS: Final = ("adamw-8bit", "paged-adamw-8bit", "paged-adamw-32bit")
 OPTIMIZERS: Final = get_args(Optimizer)
 OPTIMIZER_IMPLS: Final = get_args(OptimizerImpl)
 ATTENTIONS: Final = get_args(Attention)
-CHECKPOINTINGS: Final = ("none", "full", "every:N")
+CHECKPOINTINGS: Final = ("none", "full", "selective", "every:N")
 LOSSES: Final = get_args(Loss)
 ACTIVATION_OFFLOADS: Final = get_args(ActivationOffload)
 METHODS: Final = get_args(Method)
@@ -96,7 +97,7 @@ def checkpoint_every(value: object) -> int | None:
     N, 2N, … counted from the first, as torchtitan's ``ac_freq`` picks them). Raises :class:`InputError`."""
     if value == "none":
         return None
-    if value == "full":
+    if value in ("full", "selective"):
         return 1
     text = value.strip().lower() if isinstance(value, str) else ""
     if text.startswith("every:"):
@@ -106,7 +107,8 @@ def checkpoint_every(value: object) -> int | None:
             n = 0
         if 1 <= n <= 100_000:
             return n
-    raise InputError("checkpointing", f"must be none, full or every:N (N ≥ 1, every N-th layer), got {value!r}")
+    raise InputError("checkpointing", f"must be none, full, selective or every:N (N ≥ 1, every N-th layer), got "
+                                      f"{value!r}")
 
 
 def _choice(field_name: str, value: object, options: tuple[str, ...]) -> None:
@@ -176,9 +178,14 @@ class TrainingSetup:
         _choice("optimizer_impl", self.optimizer_impl, OPTIMIZER_IMPLS)
         _choice("attention", self.attention, ATTENTIONS)
         checkpoint_every(self.checkpointing)  # raises InputError naming the field
-        if self.checkpointing.startswith("every:") and self.tuning.method != "full":
-            raise InputError("checkpointing", "every N-th layer is modelled for full fine-tuning; LoRA, QLoRA and "
-                                              "frozen parts take none or full")
+        if self.checkpointing == "selective" and self.attention != "sdpa":
+            raise InputError("checkpointing", "per-op selective checkpointing keeps the SDPA kernel's output (as "
+                                              "torchtitan's policy does): it is modelled with SDPA attention")
+        if (self.checkpointing.startswith("every:") or self.checkpointing == "selective") \
+                and self.tuning.method != "full":
+            raise InputError("checkpointing", f"{'selective' if self.checkpointing == 'selective' else 'every N-th'} "
+                                              "checkpointing is modelled for full fine-tuning; LoRA, QLoRA and frozen "
+                                              "parts take none or full")
         _choice("loss", self.loss, LOSSES)
         if self.loss_chunk is not None:
             _positive_int("loss_chunk", self.loss_chunk, LIMITS["seq"] * LIMITS["batch"])

@@ -225,6 +225,7 @@ LEVER_COSTS: dict[str, int] = {
     "offload-checkpoint-inputs": 6,  # with checkpointing already on: one hidden state per layer over PCIe, overlapped
     "offload-activations-all": 35,  # every saved tensor over PCIe twice, synchronously: slow
     "checkpointing-every-2": 15,
+    "checkpointing-selective": 17,  # every layer, but matmul and attention outputs kept: less recomputation
     "micro-batch": 10,
     "loss-chunked": 8,  # a different kernel (Liger-Kernel), about as fast: nothing given up but a dependency
     "optimizer-in-backward": 12,  # a custom loop step: no gradient accumulation or clipping over all gradients
@@ -290,6 +291,12 @@ def levers(setup: TrainingSetup) -> list[Lever]:
             out.append(Lever("checkpointing", "checkpointing-every-2", "checkpoint every other layer "
                              "(torchtitan's selective layer checkpointing)", {"checkpointing": "every:2"},
                              "about 10–15 % slower backward (half the layers run forward twice)"))
+            if setup.attention == "sdpa":
+                out.append(Lever("checkpointing", "checkpointing-selective", "checkpoint every layer but keep its "
+                                 "matmul and attention outputs (torchtitan's per-op selective checkpointing)",
+                                 {"checkpointing": "selective"},
+                                 "a few percent slower backward (norms, activations and every other matmul run "
+                                 "again); needs a training loop with torch.utils.checkpoint's selective contexts"))
     if setup.model is not None and setup.tuning.method == "full" and setup.activation_offload == "none" \
             and not setup.use_cache:
         inputs_tradeoff = ("needs torchtune's OffloadActivations (or a saved-tensors hook of your own): each layer's "
@@ -448,17 +455,31 @@ SAME_RUN_GROUPS = frozenset({"checkpointing", "activation-offload", "loss", "ste
 def _on_this_gpu(setup: TrainingSetup, estimator: Estimator, capacity: int, groups: dict[str, list[Lever]],
                  base_peak: int) -> Suggestion | None:
     """The cheapest set of techniques that fits without more GPUs, a smaller micro-batch or adapters (the run as
-    planned), minimised; ``None`` when none does within :data:`MAX_EVALUATIONS` // 4 sets."""
+    planned), minimised: the cheapest sets first (:data:`MAX_EVALUATIONS` // 4 of them), then the leanest one — every
+    technique at its strongest — with each one it fits without taken out again; ``None`` when even that is over."""
     local = {g: options for g, options in groups.items() if g in SAME_RUN_GROUPS}
+    found: tuple[Lever, ...] | None = None
     for evaluations, combo in enumerate(_combinations(local)):
         if evaluations >= MAX_EVALUATIONS // 4:
-            return None
+            break
         if _realise(setup, estimator, capacity, combo) is not None:
-            fix = _minimised(setup, estimator, capacity, combo, base_peak)
-            where = "this GPU" if not setup.parallel.is_distributed else f"these {setup.parallel.gpus} GPUs"
-            return replace(fix, key="fix-here:" + fix.key.removeprefix("fix:"),
-                           title=f"On {where} at micro-batch {setup.batch:,}: {fix.title[0].lower()}{fix.title[1:]}")
-    return None
+            found = combo
+            break
+    if found is None:
+        by_key = {lv.key: lv for options in local.values() for lv in options}
+        leanest = tuple(by_key[k] for k in SAME_RUN_ROUTE if k in by_key)
+        if not leanest or _realise(setup, estimator, capacity, leanest) is None:
+            return None
+        found = leanest
+    fix = _minimised(setup, estimator, capacity, found, base_peak)
+    where = "this GPU" if not setup.parallel.is_distributed else f"these {setup.parallel.gpus} GPUs"
+    return replace(fix, key="fix-here:" + fix.key.removeprefix("fix:"),
+                   title=f"On {where} at micro-batch {setup.batch:,}: {fix.title[0].lower()}{fix.title[1:]}")
+
+
+#: Every same-run technique at its strongest (lever keys; those a setup lacks are skipped).
+SAME_RUN_ROUTE = ("checkpointing-offload", "loss-chunked", "optimizer-in-backward", "optimizer-8bit",
+                  "precision-bf16", "attention-sdpa")
 
 
 #: Sets of everything one way of fitting allows (lever keys; those a setup lacks are skipped): sharded over more

@@ -46,7 +46,7 @@ PRECISIONS = ("fp32", "mixed", "bf16", "bf16-autocast")
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "lion", "adamw-8bit", "paged-adamw-8bit",
               "paged-adamw-32bit")
 OPTIMIZER_IMPLS = ("foreach", "single-tensor", "fused")
-CHECKPOINTING = ("none", "full")
+CHECKPOINTING = ("none", "full", "selective")
 LOSSES = ("full", "chunked")
 OFFLOADS = ("none", "checkpoint-inputs", "all")
 #: torchtune's OffloadActivations leaves tensors under this many bytes on the device (``min_offload_size``).
@@ -230,7 +230,7 @@ def measure_training_step(
                                     use_cache=use_cache)
                 if checkpointing != "none":
                     enable_checkpointing(model, every=int(checkpointing[6:]) if checkpointing.startswith("every:")
-                                         else 1)
+                                         else 1, selective=checkpointing == "selective")
                 if tuning is not None and tuning.method != "full":
                     model = apply_tuning(model, tuning, config)
                 if parallelize is not None:
@@ -530,11 +530,14 @@ def _checkpointing_on(model: Any) -> bool:
     return False
 
 
-def enable_checkpointing(model: Any, every: int = 1) -> None:
+def enable_checkpointing(model: Any, every: int = 1, selective: bool = False) -> None:
     """Activation checkpointing (non-reentrant) of every decoder layer, or of every ``every``-th one (layers N, 2N, …
     counted from the first, as torchtitan's selective layer checkpointing picks them): transformers checkpoints a
-    layer whose ``gradient_checkpointing`` is set, so the others are switched back off."""
-    kwargs = {"use_reentrant": False}
+    layer whose ``gradient_checkpointing`` is set, so the others are switched back off. ``selective``: torchtitan's
+    per-op policy inside each checkpointed layer (:func:`op_sac_context`)."""
+    kwargs: dict[str, Any] = {"use_reentrant": False}
+    if selective:
+        kwargs["context_fn"] = op_sac_context
     enable = getattr(model, "activation_checkpointing_enable", None)
     # transformers 5 deprecates gradient_checkpointing_enable in favour of this name
     if enable is not None:
@@ -547,6 +550,33 @@ def enable_checkpointing(model: Any, every: int = 1) -> None:
         layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
         for i, layer in enumerate(layers, start=1):
             layer.gradient_checkpointing = i % every == 0
+
+
+#: torchtitan's per-op selective checkpointing keeps the outputs of these ops (its ``_op_sac_save_list``; the CPU
+#: flash-attention kernel stands for its CUDA attention kernels) and recomputes the rest, matrix products excepted
+#: every second one (counted within each layer's forward, so every layer keeps the same ones).
+SAC_ATTENTION_OPS = ("_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
+                     "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+
+
+def op_sac_context() -> Any:
+    """A fresh pair of selective-checkpoint contexts for one checkpointed call (``torch.utils.checkpoint``'s
+    ``context_fn``): save the attention kernels' outputs and every other ``mm``'s, recompute the rest."""
+    import torch
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    save = {getattr(torch.ops.aten, name).default for name in SAC_ATTENTION_OPS if hasattr(torch.ops.aten, name)}
+    save.add(torch.ops.aten.max.default)
+    counts = {"forward": 0, "recompute": 0}
+
+    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+        mode = "recompute" if ctx.is_recompute else "forward"
+        if func == torch.ops.aten.mm.default:
+            counts[mode] += 1
+            return CheckpointPolicy.MUST_SAVE if counts[mode] % 2 == 1 else CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if func in save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
 
 
 def make_optimizer(

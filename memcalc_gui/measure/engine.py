@@ -486,7 +486,7 @@ def _measure_cuda(result: MeasureResult, config: dict[str, Any], setup: Training
                                 use_cache=setup.use_cache)
         every = checkpoint_every(setup.checkpointing)
         if every is not None:
-            enable_checkpointing(model, every=every)
+            enable_checkpointing(model, every=every, selective=setup.checkpointing == "selective")
         if setup.tuning.method != "full":
             with dev:
                 model = apply_tuning(model, setup.tuning, config, device="cuda")

@@ -82,7 +82,8 @@ SOURCES: dict[str, str] = {
     LIGER: "Liger-Kernel, liger_kernel/ops/fused_linear_cross_entropy.py — the chunked fused linear cross-entropy: "
            "chunks of next_power_of_2(⌈T / ⌈V/H⌉⌉) tokens, gradients made in forward; its memory benchmark.",
     TORCHTITAN: "torchtitan, activation checkpointing options — selective layer checkpointing of every N-th block "
-                "(ac_freq).",
+                "(ac_freq) and per-op selective checkpointing (its op save list: attention kernels and every other "
+                "mm, through torch.utils.checkpoint.create_selective_checkpoint_contexts).",
     PT_OPT_BWD: "PyTorch tutorial “How to save memory by fusing the optimizer step into the backward pass” — a "
                 "step per parameter from register_post_accumulate_grad_hook, the gradient freed.",
     FSDP2: "PyTorch documentation, torch.distributed.fsdp.fully_shard (FSDP2) — per-parameter DTensor sharding, "
@@ -520,6 +521,10 @@ def _formulas(result: Result, measured: bool) -> list[tuple[str, tuple[str, ...]
         if s.checkpointing == "full":
             rows.append(("Full checkpointing keeps each layer’s input (B·L·h) and recomputes the block in backward "
                          "(memory-profiling guide: 40–60 % less activation memory).", (SEED_003,)))
+        elif s.checkpointing == "selective":
+            rows.append(("Per-op selective checkpointing: each layer keeps its input, its attention output and every "
+                         "other matrix product’s output; the rest is recomputed in backward, one layer at a time.",
+                         (TORCHTITAN,)))
         elif s.checkpointing.startswith("every:"):
             rows.append((f"Every {ordinal(int(s.checkpointing[6:]))} layer checkpointed: those keep their input "
                          "(B·L·h), the others what they save; one layer recomputed at a time in backward.",

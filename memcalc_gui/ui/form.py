@@ -238,6 +238,8 @@ def form_field(error: InputError, state: FormState) -> str:
         return {"preset": "preset", "config": "config_path", "hub": "hub_id", "params": "params"}[state.model_kind]
     if error.field == "checkpointing" and state.checkpointing.startswith("every:"):
         return "ckpt_every"  # the every-N-th field made it
+    if error.field == "checkpointing" and state.checkpointing == "selective":
+        return "ckpt_selective"  # the per-op box made it
     return _FIELD_MAP.get(error.field, "general")
 
 

@@ -318,6 +318,11 @@ class InputPanel(QWidget):
         self.ckpt_every.setPlaceholderText("every layer")
         self.ckpt_every.setToolTip(TOOLTIPS["ckpt_every"])
         self._row(sform, "Checkpoint every N-th:", "ckpt_every", self.ckpt_every)
+        self.ckpt_selective = QCheckBox("Keep matmul and attention outputs (per op)")
+        self.ckpt_selective.setObjectName("checkpointSelective")
+        self.ckpt_selective.setToolTip(TOOLTIPS["ckpt_selective"])
+        self.boxes["ckpt_selective"] = FieldBox(self.ckpt_selective)
+        sform.addRow(self.boxes["ckpt_selective"])
         self.use_cache = QCheckBox("&Keep use_cache (k/v cache in forward)")
         self.use_cache.setObjectName("useCache")
         self.use_cache.setToolTip(TOOLTIPS["use_cache"])
@@ -481,6 +486,7 @@ class InputPanel(QWidget):
         self.capacity.textChanged.connect(self._on_capacity)
         self.checkpointing.toggled.connect(self._on_checkpointing)
         self.ckpt_every.textChanged.connect(self._changed)
+        self.ckpt_selective.toggled.connect(self._on_checkpointing)
         self.use_cache.toggled.connect(self._changed)
         self.optimizer_in_backward.toggled.connect(self._changed)
         self.reshard_after_forward.toggled.connect(self._changed)
@@ -518,7 +524,8 @@ class InputPanel(QWidget):
     def _tab_order(self) -> None:
         chain = [self.model_kind, self.preset, self.config_path, self.open_button, self.hub_id, self.fetch_button,
                  self.params, self.batch, self.seq, self.grad_accum, self.checkpointing, self.use_cache,
-                 self.ckpt_every, self.attention, self.activation_offload, self.loss, self.loss_chunk, self.tuning,
+                 self.ckpt_every, self.ckpt_selective, self.attention, self.activation_offload, self.loss,
+                 self.loss_chunk, self.tuning,
                  self.lora_rank, self.lora_targets, self.lora_dropout, self.quant, self.double_quant, self.prepare_kbit,
                  self.trainable, self.recipe,
                  self.precision,
@@ -655,6 +662,8 @@ class InputPanel(QWidget):
         """none, full, or every:N from the checkbox and the every-N-th field (empty or 1: every layer)."""
         if not self.checkpointing.isChecked():
             return "none"
+        if self.ckpt_selective.isChecked():
+            return "selective"
         text = self.ckpt_every.text().strip()
         return "full" if text in ("", "1") else f"every:{text}"
 
@@ -663,10 +672,13 @@ class InputPanel(QWidget):
         self._changed()
 
     def _sync_ckpt_every(self) -> None:
+        """The every-N-th field applies to layer checkpointing; the per-op box checkpoints every layer."""
         on = self.checkpointing.isChecked()
-        self.ckpt_every.setEnabled(on)
+        self.ckpt_selective.setEnabled(on)
+        every = on and not self.ckpt_selective.isChecked()
+        self.ckpt_every.setEnabled(every)
         if "ckpt_every" in self.labels:
-            self.labels["ckpt_every"].setEnabled(on)
+            self.labels["ckpt_every"].setEnabled(every)
 
     def _on_loss(self, *_: object) -> None:
         self._sync_loss_chunk()
@@ -795,6 +807,7 @@ class InputPanel(QWidget):
             self._sync_loss_chunk()
             _set_combo(self.gpu, state.gpu, fallback="")  # a GPU no longer in the table: custom capacity
             self.checkpointing.setChecked(state.checkpointing != "none")
+            self.ckpt_selective.setChecked(state.checkpointing == "selective")
             every = state.checkpointing[6:] if state.checkpointing.startswith("every:") else ""
             if self.ckpt_every.text() != every:
                 self.ckpt_every.setText(every)

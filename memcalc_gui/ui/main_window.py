@@ -94,6 +94,7 @@ FIELD_NAMES = {
     "attention": "attention", "loss": "loss", "loss_chunk": "loss chunk",
     "activation_offload": "activation offload",
     "optimizer_in_backward": "step in backward", "ckpt_every": "checkpoint every N-th layer",
+    "ckpt_selective": "per-op checkpointing",
     "checkpointing": "checkpointing", "use_cache": "use_cache", "gpu": "GPU",
     "capacity": "capacity",
     "cuda_context": "CUDA context", "allocator_reserve": "allocator reserve", "gpus": "number of GPUs",

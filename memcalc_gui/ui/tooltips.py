@@ -162,6 +162,12 @@ TOOLTIPS: dict[str, str] = {
         "torch.autograd.graph.save_on_cpu, weights' saved copies included, without checkpointing. The head and the "
         "loss keep theirs on the GPU. The result shows the host memory it needs."
     ),
+    "ckpt_selective": (
+        "Per-op selective checkpointing, as torchtitan's \"op\" policy: every layer is checkpointed, but the outputs "
+        "of its attention kernel and of every other matrix product are kept rather than recomputed "
+        "(torch.utils.checkpoint's create_selective_checkpoint_contexts). More memory than full checkpointing, less "
+        "recomputation. Modelled with SDPA attention and full fine-tuning."
+    ),
     "ckpt_every": (
         "With checkpointing on: checkpoint every N-th decoder layer only (layers N, 2N, …), the others keep their "
         "activations — torchtitan's selective layer checkpointing (ac_freq). Empty or 1: every layer. Fewer "
