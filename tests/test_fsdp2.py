@@ -23,7 +23,7 @@ CONFIGS = {
                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
 }
 #: (family, ranks, precision, reshard after forward, checkpointing): a few real runs (about 10 s each)
-CASES = [("llama", 2, "fp32", True, "none"), ("llama", 2, "mixed", False, "full"), ("gpt2", 4, "mixed", True, "none"),
+CASES = [("llama", 2, "fp32", True, "none"), ("llama", 4, "mixed", False, "full"), ("gpt2", 2, "mixed", True, "none"),
          ("llama", 2, "bf16", True, "full")]
 
 

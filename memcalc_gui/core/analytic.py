@@ -310,9 +310,9 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
         layer_copy_w = (copies - lm_copy) // n_layers if d.autocast or d.adapters_autocast else 0
         if setup.tuning.method == "qlora":
             down_copy = mlp_copy = 0  # 4-bit weights are dequantized into transients, not cached
-    # FSDP2 shards each finished layer's gradients, so its peak can be at any layer: every one is a moment there
-    layer_moments = range(n_layers, bottom - 1, -1) if setup.parallel.strategy == "fsdp2" else (n_layers, bottom)
-    for k in () if head_only else layer_moments:
+    # every term of a layer's moment is linear in k (FSDP2's sharded gradients too): the first and the last layer
+    # processed bound them all
+    for k in () if head_only else (n_layers, bottom):
         done = n_layers - k
         below = k - bottom  # layers under this one that keep activations
         if ckpt:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import heapq
 from bisect import bisect_right
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any
@@ -240,7 +241,7 @@ MAX_FIXES = 3
 #: "More GPUs" suggests at most this many times the current count (at least 8): a run that needs hundreds of GPUs
 #: of this kind to fit is better served by the other levers.
 GPU_GROWTH = 8
-MAX_EVALUATIONS = 600
+MAX_EVALUATIONS = 400
 SHARDED = ("zero2", "zero3", "fsdp-full-shard", "fsdp2")
 PARALLEL_KEYS = ("gpus", "strategy", "offload", "node_size", "ep")
 #: Change keys that edit the fine-tuning method (core.finetune.FineTuning's fields, as the CLI names them).
@@ -379,13 +380,31 @@ STRATEGY_TITLES: dict[str, str] = {"zero1": "ZeRO-1", "zero2": "ZeRO-2 (DeepSpee
                                    "fsdp-hybrid": "FSDP HYBRID_SHARD", "fsdp2": "FSDP2 (fully_shard, torchtitan)"}
 
 
-def _combinations(groups: dict[str, list[Lever]]) -> list[tuple[Lever, ...]]:
-    """Every set with at most one lever per group, cheapest first (ties: fewer changes first)."""
-    combos: list[tuple[Lever, ...]] = [()]
-    for options in groups.values():
-        combos = [(*c, lever) for c in combos for lever in options] + combos
-    combos.sort(key=lambda c: (sum(lv.cost for lv in c), len(c), [lv.key for lv in c]))
-    return combos[1:] if combos and not combos[0] else combos
+def _combinations(groups: dict[str, list[Lever]]) -> Iterator[tuple[Lever, ...]]:
+    """Every non-empty set with at most one lever per group, cheapest first (ties: fewer changes first), made lazily:
+    a best-first walk over each group's choice (none, then its levers by cost), so a search that stops after a few
+    hundred sets never builds the tens of thousands there are."""
+    options = [sorted(levers, key=lambda lv: (lv.cost, lv.key)) for levers in groups.values()]
+    costs = [[lv.cost for lv in levers] for levers in options]
+
+    def entry(choice: tuple[int, ...]) -> tuple[int, int, list[str], tuple[int, ...]]:
+        picked = [options[g][i - 1] for g, i in enumerate(choice) if i]
+        return (sum(costs[g][i - 1] for g, i in enumerate(choice) if i), len(picked), [lv.key for lv in picked],
+                choice)
+
+    start = (0,) * len(options)
+    heap = [entry(start)]
+    seen = {start}
+    while heap:
+        _, _, _, choice = heapq.heappop(heap)
+        if any(choice):
+            yield tuple(options[g][i - 1] for g, i in enumerate(choice) if i)
+        for g, i in enumerate(choice):
+            if i < len(options[g]):
+                nxt = (*choice[:g], i + 1, *choice[g + 1:])
+                if nxt not in seen:
+                    seen.add(nxt)
+                    heapq.heappush(heap, entry(nxt))
 
 
 def search_fixes(setup: TrainingSetup, estimator: Estimator, capacity: int) -> list[Suggestion]:
@@ -455,31 +474,40 @@ SAME_RUN_GROUPS = frozenset({"checkpointing", "activation-offload", "loss", "ste
 def _on_this_gpu(setup: TrainingSetup, estimator: Estimator, capacity: int, groups: dict[str, list[Lever]],
                  base_peak: int) -> Suggestion | None:
     """The cheapest set of techniques that fits without more GPUs, a smaller micro-batch or adapters (the run as
-    planned), minimised: the cheapest sets first (:data:`MAX_EVALUATIONS` // 4 of them), then the leanest one — every
+    planned), minimised: the cheapest sets first (:data:`MAX_EVALUATIONS` // 8 of them), then the leanest one — every
     technique at its strongest — with each one it fits without taken out again; ``None`` when even that is over."""
     local = {g: options for g, options in groups.items() if g in SAME_RUN_GROUPS}
     found: tuple[Lever, ...] | None = None
     for evaluations, combo in enumerate(_combinations(local)):
-        if evaluations >= MAX_EVALUATIONS // 4:
+        if evaluations >= MAX_EVALUATIONS // 8:
             break
         if _realise(setup, estimator, capacity, combo) is not None:
             found = combo
             break
-    if found is None:
+    if found is not None:
+        fix = _minimised(setup, estimator, capacity, found, base_peak)
+    else:  # each leanest route minimised; the cheaper result
         by_key = {lv.key: lv for options in local.values() for lv in options}
-        leanest = tuple(by_key[k] for k in SAME_RUN_ROUTE if k in by_key)
-        if not leanest or _realise(setup, estimator, capacity, leanest) is None:
+        fixes = []
+        for route in SAME_RUN_ROUTES:
+            leanest = tuple(by_key[k] for k in route if k in by_key)
+            if leanest and _realise(setup, estimator, capacity, leanest) is not None:
+                fixes.append(_minimised(setup, estimator, capacity, leanest, base_peak))
+        if not fixes:
             return None
-        found = leanest
-    fix = _minimised(setup, estimator, capacity, found, base_peak)
+        fix = min(fixes, key=lambda f: sum(LEVER_COSTS.get(k, LEVER_COSTS[k.split(":")[0]])
+                                           for k in f.key.removeprefix("fix:").split("+")))
     where = "this GPU" if not setup.parallel.is_distributed else f"these {setup.parallel.gpus} GPUs"
     return replace(fix, key="fix-here:" + fix.key.removeprefix("fix:"),
                    title=f"On {where} at micro-batch {setup.batch:,}: {fix.title[0].lower()}{fix.title[1:]}")
 
 
-#: Every same-run technique at its strongest (lever keys; those a setup lacks are skipped).
-SAME_RUN_ROUTE = ("checkpointing-offload", "loss-chunked", "optimizer-in-backward", "optimizer-8bit",
-                  "precision-bf16", "attention-sdpa")
+#: Every same-run technique at its strongest (lever keys; those a setup lacks are skipped), without and with the
+#: activation offload.
+SAME_RUN_ROUTES = (("checkpointing", "loss-chunked", "optimizer-in-backward", "optimizer-8bit", "precision-bf16",
+                    "attention-sdpa"),
+                   ("checkpointing-offload", "loss-chunked", "optimizer-in-backward", "optimizer-8bit",
+                    "precision-bf16", "attention-sdpa"))
 
 
 #: Sets of everything one way of fitting allows (lever keys; those a setup lacks are skipped): sharded over more

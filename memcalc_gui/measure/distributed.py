@@ -9,6 +9,7 @@ in fp32 (torchtitan's defaults), with no autocast. ``torch`` is imported inside 
 from __future__ import annotations
 
 import os
+import queue
 import socket
 from typing import Any
 
@@ -41,7 +42,11 @@ def _rank(rank: int, world: int, port: int, kwargs: dict[str, Any], strategy: st
 
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    except Exception as exc:  # the port taken meanwhile, most often: the parent tries again
+        out.put((rank, None, f"{type(exc).__name__}: {exc}"))
+        return
     import gc
 
     # the collector runs only where the step runs it (each iteration's end): left automatic, it ran at moments that
@@ -68,7 +73,18 @@ def _free_port() -> int:
 def measure_sharded_step(config: dict[str, Any], *, world: int = 2, strategy: str = "fsdp2",
                          reshard_after_forward: bool = True, **kwargs: Any) -> list[StepMeasurement]:
     """Run the training step of :func:`measure_training_step` (``kwargs``) on ``world`` CPU processes under
-    ``strategy`` and return each rank's measurement, rank 0 first."""
+    ``strategy`` and return each rank's measurement, rank 0 first. A rendezvous port another process took between
+    choosing and binding it is tried again once with a new one."""
+    try:
+        return _run(config, world, strategy, reshard_after_forward, kwargs)
+    except RuntimeError as exc:
+        if "address already in use" not in str(exc).lower() and "eaddrinuse" not in str(exc).lower():
+            raise
+        return _run(config, world, strategy, reshard_after_forward, kwargs)
+
+
+def _run(config: dict[str, Any], world: int, strategy: str, reshard_after_forward: bool,
+         kwargs: dict[str, Any]) -> list[StepMeasurement]:
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -83,14 +99,18 @@ def measure_sharded_step(config: dict[str, Any], *, world: int = 2, strategy: st
     errors: list[str] = []
     try:
         for _ in procs:
-            rank, m, err = out.get(timeout=RANK_TIMEOUT_S)
-            if err:
+            try:
+                rank, m, err = out.get(timeout=RANK_TIMEOUT_S)
+            except queue.Empty:
+                errors.append(f"no rank answered within {RANK_TIMEOUT_S} s")
+                break
+            if err:  # the other ranks would wait for it in a collective: stop them
                 errors.append(f"rank {rank}: {err}")
-            else:
-                results[rank] = m
+                break
+            results[rank] = m
     finally:
         for p in procs:
-            p.join(timeout=30)
+            p.join(timeout=30 if not errors else 1)
             if p.is_alive():
                 p.kill()
     if errors:
