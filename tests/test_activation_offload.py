@@ -64,7 +64,7 @@ def test_cli_flag_and_json(capsys: pytest.CaptureFixture[str]) -> None:
         cli_main(["estimate", "--preset", "llama-3.2-1b", "--activation-offload", "checkpoint-inputs"])
     assert exit_.value.code == 2
     err = capsys.readouterr().err
-    assert "--activation-offload" in err and "--checkpointing full" in err and len(err.strip().splitlines()) == 1
+    assert "--activation-offload" in err and "full checkpointing" in err and len(err.strip().splitlines()) == 1
     assert cli_main(["estimate", "--preset", "llama-3.2-1b", "--batch", "4", "--seq", "2048", "--checkpointing",
                      "full", "--activation-offload", "checkpoint-inputs", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)

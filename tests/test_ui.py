@@ -1058,6 +1058,7 @@ def test_activation_offload_is_a_window_control(window):
     assert w.refresh()
     assert w.result.setup.activation_offload == "checkpoint-inputs"
     assert w.result.estimate.details["host_bytes"] > 0
+    assert "Host (CPU) memory for the offloaded activations" in w.banner.detail.text()  # one GPU: said too
     good = w.result
     w.inputs.checkpointing.setChecked(False)
     assert not w.refresh() and w.result is good

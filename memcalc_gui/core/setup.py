@@ -204,7 +204,7 @@ class TrainingSetup:
         _choice("activation_offload", self.activation_offload, ACTIVATION_OFFLOADS)
         if self.activation_offload == "checkpoint-inputs" and self.checkpointing != "full":
             raise InputError("activation_offload", "checkpoint-inputs offloads what checkpointed layers keep: it needs "
-                                                   "full checkpointing (--checkpointing full)")
+                                                   "full checkpointing (every layer, not per op or every N-th)")
         if self.activation_offload == "all" and self.checkpointing.startswith("every:"):
             raise InputError("activation_offload", "offloading every saved tensor is modelled with no or full "
                                                    "checkpointing, not every N-th layer")

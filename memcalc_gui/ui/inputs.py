@@ -309,7 +309,7 @@ class InputPanel(QWidget):
         self.effective.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         self.effective.setToolTip("Sequences per optimizer step = micro-batch × gradient accumulation.")
         sform.addRow("Effective batch:", self.effective)
-        self.checkpointing = QCheckBox("Gradient &checkpointing (full)")
+        self.checkpointing = QCheckBox("Gradient &checkpointing")
         self.checkpointing.setToolTip(TOOLTIPS["checkpointing"])
         self.boxes["checkpointing"] = FieldBox(self.checkpointing)
         sform.addRow(self.boxes["checkpointing"])

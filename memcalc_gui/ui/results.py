@@ -116,9 +116,9 @@ class VerdictBanner(QFrame):
         detail = ""
         if is_per_gpu(result):
             detail = f"Per GPU: {parallel_label(result.setup)}."
-            host = host_text(result)
-            if host:
-                detail += f" {host}."
+        host = host_text(result)  # offloaded state, or offloaded activations on one GPU too
+        if host:
+            detail += f" {host}."
         reasons = est.details.get("parallel_notes") or ()
         extra = " ".join([facts, *(f"{r}." for r in reasons)])
         for warning in result.warnings:

@@ -100,6 +100,8 @@ def host_text(result: Result) -> str:
     n = host_bytes(result)
     if not n:
         return ""
+    if not par.is_distributed:  # one GPU: only its offloaded activations
+        return f"Host (CPU) memory for the offloaded activations: {format_bytes(n)}"
     what = []
     if par.offload != "none":
         what.append("DeepSpeed's 1.5× buffer factor")
