@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bench.techniques import FAMILIES
 from memcalc_gui.cli import main as cli_main
 from memcalc_gui.core.errors import InputError
 from memcalc_gui.core.estimate import estimate
@@ -21,16 +22,8 @@ from memcalc_gui.core.result import evaluate
 from memcalc_gui.core.setup import TrainingSetup, find_gpu
 from memcalc_gui.core.solver import levers
 
-COMMON = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, max_position_embeddings=1024)
 #: Small vocabularies and wide MLPs: the layers' activations, which offloading moves, dominate the step.
-CONFIGS = {
-    "llama": dict(COMMON, model_type="llama", vocab_size=512, hidden_size=256, intermediate_size=1024,
-                  num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2),
-    "qwen2-tied": dict(COMMON, model_type="qwen2", vocab_size=512, hidden_size=256, intermediate_size=768,
-                       num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
-    "gpt2": dict(model_type="gpt2", vocab_size=512, n_embd=256, n_layer=3, n_head=4, n_positions=1024,
-                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
-}
+CONFIGS = FAMILIES
 #: (family, precision, checkpointing, offload)
 CASES = [("llama", "fp32", "none", "all"), ("llama", "mixed", "full", "checkpoint-inputs"),
          ("llama", "bf16", "full", "all"), ("qwen2-tied", "mixed", "none", "all"),

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bench.techniques import FAMILIES
 from memcalc_gui.cli import main as cli_main
 from memcalc_gui.core.distributed import Parallelism
 from memcalc_gui.core.errors import InputError
@@ -15,13 +16,7 @@ from memcalc_gui.core.estimate import estimate
 from memcalc_gui.core.model import block_preset_names, preset_spec, spec_from_config
 from memcalc_gui.core.setup import TrainingSetup
 
-COMMON = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, max_position_embeddings=1024)
-CONFIGS = {
-    "llama": dict(COMMON, model_type="llama", vocab_size=512, hidden_size=256, intermediate_size=1024,
-                  num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2),
-    "gpt2": dict(model_type="gpt2", vocab_size=512, n_embd=256, n_layer=3, n_head=4, n_positions=1024,
-                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
-}
+CONFIGS = FAMILIES  # small vocabularies and wide MLPs
 #: (family, ranks, precision, reshard after forward, checkpointing): a few real runs (about 10 s each)
 CASES = [("llama", 2, "fp32", True, "none"), ("llama", 4, "mixed", False, "full"), ("gpt2", 2, "mixed", True, "none"),
          ("llama", 2, "bf16", True, "full")]

@@ -6,22 +6,15 @@ from __future__ import annotations
 
 import pytest
 
+from bench.techniques import FAMILIES
 from memcalc_gui.core.errors import InputError
 from memcalc_gui.core.estimate import estimate
 from memcalc_gui.core.model import block_preset_names, preset_spec, spec_from_config
 from memcalc_gui.core.setup import TrainingSetup
 from memcalc_gui.core.solver import levers
 
-COMMON = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, max_position_embeddings=1024)
 #: Wide MLPs and small vocabularies: the layers' kept tensors decide the peaks.
-CONFIGS = {
-    "llama": dict(COMMON, model_type="llama", vocab_size=512, hidden_size=256, intermediate_size=1024,
-                  num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2),
-    "qwen2-tied": dict(COMMON, model_type="qwen2", vocab_size=512, hidden_size=256, intermediate_size=768,
-                       num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
-    "gpt2": dict(model_type="gpt2", vocab_size=512, n_embd=256, n_layer=3, n_head=4, n_positions=1024,
-                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
-}
+CONFIGS = FAMILIES
 CASES = [(family, precision) for family in CONFIGS for precision in ("fp32", "mixed", "bf16")]
 
 
