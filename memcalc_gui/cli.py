@@ -675,11 +675,20 @@ def entry() -> None:
     can raise it again and end the process by the signal instead of the one-line exit. So the interrupted
     process leaves at once (its output flushed). An interrupt that lands in an object's finalizer is swallowed by
     Python ("Exception ignored in …"), so the handler also remembers it: a run that then finishes still ends with
-    the one line and 130, never with 0 as if nothing had been asked."""
+    the one line and 130, never with 0 as if nothing had been asked. Once torch is loaded the handler leaves at
+    once itself: raised there, the interrupt can land in a callback torch's C++ calls, which aborts the process."""
     interrupted: list[bool] = []
 
     def on_sigint(signum: int, frame: Any) -> None:
         interrupted.append(True)
+        if "torch" in sys.modules:
+            # inside torch an interrupt raised here can land in a callback C++ calls, which cannot pass it on (the
+            # process then aborts: "terminate called after throwing an instance of 'python_error'"): leave at once
+            _say("memcalc: interrupted")
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+            os._exit(EXIT_INTERRUPTED)
         raise KeyboardInterrupt
 
     with contextlib.suppress(ValueError, OSError):  # not the main thread of an embedding interpreter: keep Python's
