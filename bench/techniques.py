@@ -4,9 +4,11 @@ Runs real training steps of small models of three families (Llama, tied Qwen2, G
 prints the analytic ledger's forward and backward peaks beside the measured ones, and the host bytes where the
 technique uses host memory. Usage::
 
-    python -m bench.techniques [--technique offload|fsdp2|selective] [--family llama]
+    python -m bench.techniques [--technique offload|fsdp2|selective|packing] [--family llama]
 
 ``fsdp2`` runs ``fully_shard`` over 2 or 4 real CPU processes (gloo) and shows rank 0 against the per-GPU ledger.
+``packing`` packs 4 documents of 256 tokens into one row (SDPA with transformers' block-diagonal mask, and
+FlashAttention-2's variable-length attention as ``measure.varlen_attention`` runs it on CPU).
 
 Prints one table per technique; docs/techniques.md records the output.
 """
@@ -48,7 +50,15 @@ def selective_cases() -> Iterator[dict[str, Any]]:
         yield dict(checkpointing="selective", precision=precision)
 
 
-TECHNIQUES = {"offload": offload_cases, "fsdp2": fsdp2_cases, "selective": selective_cases}
+def packing_cases() -> Iterator[dict[str, Any]]:
+    for attention, precisions in (("sdpa", ("fp32", "mixed", "bf16")), ("flash", ("mixed", "bf16"))):
+        for ckpt in ("none", "full"):
+            for precision in precisions:
+                yield dict(packing=True, attention=attention, checkpointing=ckpt, precision=precision)
+
+
+TECHNIQUES = {"offload": offload_cases, "fsdp2": fsdp2_cases, "selective": selective_cases,
+              "packing": packing_cases}
 
 
 def run(technique: str, families: list[str]) -> list[str]:
@@ -73,6 +83,11 @@ def run(technique: str, families: list[str]) -> list[str]:
                                   reshard_after_forward=case["reshard_after_forward"])
                 e = estimate(TrainingSetup(model=spec, batch=4, seq=256, optimizer_impl="single-tensor",
                                            target_device="cpu", parallel=par, **step), "analytic")
+            elif technique == "packing":  # 4 documents of 256 tokens in one row of 1,024
+                step = {k: v for k, v in case.items() if k != "packing"}
+                m = measure_training_step(cfg, batch=1, seq=1024, documents=4, optimizer_impl="single-tensor", **step)
+                e = estimate(TrainingSetup(model=spec, batch=4, seq=256, optimizer_impl="single-tensor",
+                                           target_device="cpu", **case), "analytic")
             else:
                 m = measure_training_step(cfg, batch=4, seq=256, optimizer_impl="single-tensor", **case)
                 e = estimate(TrainingSetup(model=spec, batch=4, seq=256, optimizer_impl="single-tensor",
@@ -85,7 +100,7 @@ def run(technique: str, families: list[str]) -> list[str]:
                 cells.append(f"{real // K:>9,} → {est // K:>9,} KiB {err:+6.2%}")
             real_h, est_h = m.host_bytes, int(e.details.get("host_bytes", 0))
             cells.append(f"{real_h // K:>8,} → {est_h // K:>8,} KiB {(est_h - real_h) / max(real_h, 1):+6.1%}")
-            label = " ".join(str(v) for v in case.values())
+            label = " ".join(str(v) for v in case.values() if v is not True)
             rows.append(f"{family:<11}{label:<40}" + "".join(f"{c:>29}" for c in cells))
     rows.append(f"worst peak error: {worst:.2%}")
     return rows

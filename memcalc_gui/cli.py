@@ -70,6 +70,8 @@ FLAGS = {
     "loss_chunk": "--loss-chunk-size",
     "optimizer_in_backward": "--optimizer-in-backward",
     "activation_offload": "--activation-offload",
+    "packing": "--packing",
+    "tokens_per_batch": "--tokens-per-batch",
     "capacity": "--capacity",
     "gpu": "--gpu",
     "params": "--params",
@@ -137,7 +139,8 @@ def _add_setup_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--optimizer-impl", default="foreach", choices=OPTIMIZER_IMPLS,
                    help="step implementation (default foreach, as torch on CUDA)")
     p.add_argument("--attention", default=None, choices=ATTENTIONS,
-                   help="default sdpa (eager for a family transformers runs without SDPA)")
+                   help="default sdpa (eager for a family transformers runs without SDPA); flash: transformers' "
+                        "flash_attention_2 (FlashAttention-2, variable-length over packed documents; 16-bit only)")
     p.add_argument("--checkpointing", default="none", metavar="none|full|selective|every:N",
                    help="gradient checkpointing: none, every decoder layer (full), every layer keeping its matmul and "
                         "attention outputs (selective: torchtitan's per-op policy), or every N-th layer (every:2 keeps "
@@ -152,6 +155,13 @@ def _add_setup_args(p: argparse.ArgumentParser) -> None:
                    help="keep saved activations in host memory: checkpoint-inputs (with --checkpointing full: each "
                         "layer's input, torchtune's OffloadActivations) or all (every saved tensor, weights "
                         "included: torch.autograd.graph.save_on_cpu)")
+    p.add_argument("--packing", action="store_true",
+                   help="padding-free packing (transformers' DataCollatorWithFlattening, TRL's padding_free): the "
+                        "micro-batch's documents of at most --seq tokens in one row, positions restarting at each, "
+                        "attention within each document")
+    p.add_argument("--tokens-per-batch", metavar="N", default=None,
+                   help="with --packing: real tokens per micro-batch (default batch × seq; e.g. batch × your mean "
+                        "document length)")
     p.add_argument("--loss-chunk-size", metavar="ROWS", default=None,
                    help="with --loss chunked: tokens per chunk (default Liger's rule, about T·H/V)")
     ft = p.add_argument_group("fine-tuning (peft LoRA, QLoRA with bitsandbytes, frozen parts)")
@@ -337,6 +347,10 @@ def setup_from_args(args: argparse.Namespace) -> tuple[TrainingSetup, list[str]]
         activation_offload=getattr(args, "activation_offload", "none"),
         loss_chunk=None if getattr(args, "loss_chunk_size", None) is None
         else parse_positive_int(args.loss_chunk_size, "loss_chunk", LIMITS["seq"] * LIMITS["batch"]),
+        packing=bool(getattr(args, "packing", False)),
+        tokens_per_batch=None if getattr(args, "tokens_per_batch", None) is None
+        else parse_positive_int(args.tokens_per_batch, "tokens_per_batch", LIMITS["seq"] * LIMITS["batch"],
+                                tokens=True),
         tuning=tuning_from_args(args),
         target_device=getattr(args, "target_device", "cuda"),
     )
@@ -396,6 +410,8 @@ def format_ledger(result: Result) -> str:
                  f"(effective batch {setup.effective_batch}); {setup.precision}; {setup.optimizer} "
                  f"({setup.optimizer_impl}); {setup.attention} attention; checkpointing {setup.checkpointing}"
                  + ("; use_cache=True" if setup.use_cache else ""))
+    if setup.packing:
+        lines.append(f"Packing    {setup.packing_text()} (padding-free)")
     if setup.tuning.method != "full":
         lines.append(f"Tuning     {setup.tuning_text()}")
     par = setup.parallel

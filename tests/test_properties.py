@@ -16,16 +16,19 @@ SPECS = {name: preset_spec(name) for name in block_preset_names()}
 @st.composite
 def setups(draw: st.DrawFn) -> TrainingSetup:
     spec = SPECS[draw(st.sampled_from(sorted(SPECS)))]
+    precision = draw(st.sampled_from(PRECISIONS))
+    attention = draw(st.sampled_from(ATTENTIONS))
     return TrainingSetup(
         model=spec,
         batch=draw(st.integers(1, 64)),
         seq=draw(st.integers(1, 8192)),
         grad_accum=draw(st.integers(1, 8)),
-        precision=draw(st.sampled_from(PRECISIONS)),
+        precision=precision,
         optimizer=draw(st.sampled_from(("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "lion"))),
         optimizer_impl=draw(st.sampled_from(OPTIMIZER_IMPLS)),
-        attention=draw(st.sampled_from(ATTENTIONS)),
+        attention="sdpa" if attention == "flash" and precision == "fp32" else attention,  # FlashAttention is 16-bit
         checkpointing=draw(st.sampled_from(("none", "full"))),
+        packing=draw(st.booleans()),
     )
 
 

@@ -1110,6 +1110,34 @@ def test_fsdp2_and_its_reshard_option_are_window_controls(window):
     assert not w.inputs.reshard_after_forward.isChecked()
 
 
+def test_packing_and_flash_attention_are_window_controls(window):
+    """The packing box enables the real-tokens field and reaches the setup; fewer real tokens lower the peak;
+    FlashAttention-2 is an attention choice; more tokens than the documents hold marks the field and keeps the last
+    result; the form round-trips."""
+    w = window
+    w.apply_state(w.inputs.state().replace(model_kind="preset", preset="llama-3.2-1b", gpus="1", strategy="ddp",
+                                           precision="mixed", checkpointing="full", batch="8", seq="4096"))
+    assert w.refresh()
+    padded = w.result
+    assert not w.inputs.tokens_per_batch.isEnabled()
+    w.inputs.packing.setChecked(True)
+    assert w.inputs.tokens_per_batch.isEnabled()
+    w.inputs.tokens_per_batch.setText("12k")
+    w.inputs.attention.setCurrentIndex(w.inputs.attention.findData("flash"))
+    assert w.refresh()
+    packed = w.result
+    assert packed.setup.packing and packed.setup.row_len == 12 * 1024 and packed.setup.attention == "flash"
+    assert packed.estimate.phases["backward"].tensor_bytes < padded.estimate.phases["backward"].tensor_bytes
+    w.inputs.tokens_per_batch.setText("40000")
+    assert not w.refresh() and w.result is packed
+    assert "32,768" in w.inputs.errors()["tokens_per_batch"]
+    w.inputs.tokens_per_batch.setText("12288")
+    assert w.refresh()
+    w.apply_state(w.inputs.state())  # round trip through the saved form
+    assert w.inputs.packing.isChecked() and w.inputs.tokens_per_batch.text() == "12288"
+    assert w.inputs.state().attention == "flash"
+
+
 def test_a_family_without_sdpa_switches_the_window_to_eager(window, qtbot, tmp_path):
     """Gemma 2 runs without SDPA in transformers: the calibration says so, and the window switches attention to
     eager (an edit the user can undo) and estimates it, rather than leaving an error on a default setting."""

@@ -157,9 +157,12 @@ def cache_changes(spec: ModelSpec, d: Dtypes, tokens: int, attention: str) -> tu
 
 
 def attention_saved(spec: ModelSpec, d: Dtypes, batch: int, seq: int, attention: str,
-                    use_cache: bool = False) -> dict[str, int]:
-    """Tensors one attention block keeps, by name (bytes); ``use_cache`` applies :func:`cache_changes`."""
+                    use_cache: bool = False, packed: bool = False, cuda: bool = True) -> dict[str, int]:
+    """Tensors one attention block keeps, by name (bytes); ``use_cache`` applies :func:`cache_changes`, ``packed``
+    the packed documents' mask (:func:`packed_sdpa_changes`)."""
     items = _attention_saved(spec, d, batch, seq, attention)
+    if packed and attention == "sdpa":
+        items.update(packed_sdpa_changes(spec, d, batch, seq, cuda))
     if use_cache:
         replaced, _held = cache_changes(spec, d, batch * seq, attention)
         for name, value in replaced.items():
@@ -168,6 +171,31 @@ def attention_saved(spec: ModelSpec, d: Dtypes, batch: int, seq: int, attention:
             else:
                 items.pop(name, None)
     return items
+
+
+def packed_sdpa_changes(spec: ModelSpec, d: Dtypes, batch: int, seq: int, cuda: bool) -> dict[str, int]:
+    """What SDPA keeps differently when documents are packed into rows (transformers 5, measured on CPU).
+
+    transformers finds the documents from the restarting ``position_ids`` (``find_packed_sequence_indices``) and
+    builds a block-diagonal causal mask, bool, ``rows × 1 × L × L``. With a mask it repeats grouped k/v heads
+    (``use_gqa_in_sdpa`` needs no mask), and PyTorch's SDPA converts the bool mask to an additive one in q's dtype
+    in every layer and saves it for backward (CPU flash kernel; CUDA's memory-efficient kernel, which pads its last
+    dimension to a multiple of 16). FlashAttention-2's variable-length kernel keeps none of this.
+    """
+    t = batch * seq
+    rope = spec.rotary_dim > 0
+    q_bytes = 2 if d.autocast else (max(d.matmul, d.param) if rope else d.matmul)
+    cols = -(-seq // 16) * 16 if cuda else seq
+    items = {"mask": batch * seq * cols * q_bytes}
+    if spec.num_kv_heads < spec.num_heads:  # repeat_kv: all heads, contiguous (and autocast's 16-bit casts)
+        items["k"] = t * spec.q_dim * q_bytes
+        items["v"] = t * spec.q_dim * d.matmul
+    return items
+
+
+def packed_mask_bytes(setup: TrainingSetup) -> int:
+    """transformers' bool block-diagonal mask of packed documents (SDPA), alive while the decoder body runs."""
+    return setup.rows * setup.row_len ** 2 if setup.packing and setup.attention == "sdpa" else 0
 
 
 def _attention_saved(spec: ModelSpec, d: Dtypes, batch: int, seq: int, attention: str) -> dict[str, int]:
@@ -183,7 +211,7 @@ def _attention_saved(spec: ModelSpec, d: Dtypes, batch: int, seq: int, attention
         items["qk_norm"] = t * (q + kv) * (4 + hs) + t * (spec.num_heads + spec.num_kv_heads) * 4
     elif spec.qk_norm == "layernorm":
         items["qk_norm"] = t * (q + kv) * (4 if d.autocast else m) + 2 * t * (spec.num_heads + spec.num_kv_heads) * 4
-    if attention == "sdpa":
+    if attention in ("sdpa", "flash"):  # FlashAttention-2 keeps what SDPA's flash kernel keeps
         sdpa_in = 2 if d.autocast else rope_bytes
         if rope:
             items["q"] = t * q * sdpa_in
@@ -194,7 +222,7 @@ def _attention_saved(spec: ModelSpec, d: Dtypes, batch: int, seq: int, attention
             items["v"] = t * kv * m
         items["attn_out"] = t * q * m
         items["logsumexp"] = t * spec.num_heads * 4
-        if spec.family in ROPE_BY_CAT:
+        if spec.family in ROPE_BY_CAT and attention == "sdpa":  # flash's output is already (B, L, heads, D)
             items["attn_out_copy"] = t * q * m
         return items
     # eager: matmul keeps contiguous (and, under autocast, 16-bit) copies of q, k and v with all heads.
@@ -230,7 +258,7 @@ def linear_casts(spec: ModelSpec) -> tuple[int, int]:
 def layer_saved(spec: ModelSpec, setup: TrainingSetup) -> dict[str, int]:
     """Everything one decoder layer keeps for backward, by tensor group (bytes)."""
     d = Dtypes.of(setup)
-    t = setup.batch * setup.seq
+    t = setup.tokens
     h = spec.hidden_size
     items: dict[str, int] = {}
     casts1, casts2 = linear_casts(spec)
@@ -241,7 +269,8 @@ def layer_saved(spec: ModelSpec, setup: TrainingSetup) -> dict[str, int]:
         if spec.norm == "rmsnorm" and d.residual != 4:
             items[f"norm{idx + 1}"] += n["input"]  # the fp32 upcast is a new tensor
     use_cache = setup.use_cache and setup.checkpointing == "none"
-    for name, value in attention_saved(spec, d, setup.batch, setup.seq, setup.attention, use_cache).items():
+    for name, value in attention_saved(spec, d, setup.rows, setup.row_len, setup.attention, use_cache,
+                                       setup.packing, setup.target_device == "cuda").items():
         items[f"attn.{name}"] = value
     items.update(mlp_saved(spec, d, t))
     n_residual = 1 if spec.parallel_residual else 2
@@ -303,7 +332,7 @@ def tuned_layer_saved(spec: ModelSpec, setup: TrainingSetup, *, first: bool = Fa
     """
     ft = setup.tuning
     d = Dtypes.of(setup)
-    t = setup.batch * setup.seq
+    t = setup.tokens
     h, inter = spec.hidden_size, spec.intermediate_size
     adapted = {lin.kind: lin for lin in ft.adapted(spec)}
     norms_train = "norms" in {p.strip().lower() for p in ft.trainable}
@@ -347,8 +376,9 @@ def tuned_layer_saved(spec: ModelSpec, setup: TrainingSetup, *, first: bool = Fa
         kept += lora_inputs(consumers[idx], t * h, out_bytes, requires or norms_train, kept=False)
         items[f"norm{idx + 1}"] = kept
     # attention: what SDPA/eager keep is unchanged (q, k or v requires a gradient from the adapters on)
-    full_attn = attention_saved(spec, d, setup.batch, setup.seq, setup.attention,
-                                setup.use_cache and setup.checkpointing == "none")
+    full_attn = attention_saved(spec, d, setup.rows, setup.row_len, setup.attention,
+                                setup.use_cache and setup.checkpointing == "none", setup.packing,
+                                setup.target_device == "cuda")
     for name, value in full_attn.items():
         items[f"attn.{name}"] = value if attn_grad else 0
     if spec.qk_norm == "rmsnorm" and not norms_train and attn_grad:

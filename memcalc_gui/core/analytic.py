@@ -19,12 +19,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .activations import (
+    GEMMA_NORM,
     Dtypes,
     cache_changes,
     first_layer_gradless_weights,
     layer_saved,
     mlp_saved,
     norm_saved,
+    packed_mask_bytes,
     residual_saved,
     selective_saved,
     tuned_layer_saved,
@@ -47,13 +49,41 @@ def _objects(**kw: int) -> dict[str, int]:
     return {k: int(v) for k, v in kw.items() if v}
 
 
+def flash_backward_bytes(spec: ModelSpec, d: Dtypes, tokens: int, documents: int) -> int:
+    """What FlashAttention-2's variable-length backward holds at once (``mha_varlen_bwd``, flash-attn
+    ``csrc/flash_attn/flash_api.cpp``): the output's gradient, dq, dk and dv (with every head when k/v heads are
+    grouped, then summed), the fp32 dq accumulator of ``(tokens + 128·documents) × heads × head_dim`` rounded up
+    to 32, and the fp32 softmax row sums."""
+    rows = tokens + 128 * documents
+    head_dim = spec.q_dim // spec.num_heads
+    kv = spec.q_dim if spec.num_kv_heads < spec.num_heads else spec.kv_dim
+    return (tokens * (2 * spec.q_dim + 2 * kv) * d.matmul + rows * spec.num_heads * (-(-head_dim // 32) * 32) * 4
+            + spec.num_heads * rows * 4)
+
+
+def attention_transients(spec: ModelSpec, setup: TrainingSetup, d: Dtypes) -> int:
+    """What an attention block holds at its kernel beyond what it saves (measured on CPU): autocast's fp32 inputs
+    of the 16-bit casts SDPA makes; with packed grouped heads, the k and v before ``repeat_kv``; eager's
+    masked scores (beside the softmax output) and its additive mask, ``rows × 1 × L × L`` in the model's dtype."""
+    t, q, kv = setup.tokens, spec.q_dim, spec.kv_dim
+    m, rope = d.matmul, spec.rotary_dim > 0
+    rope_bytes = max(m, d.param) if rope else m
+    if setup.attention == "eager":
+        return setup.rows * setup.row_len ** 2 * (spec.num_heads * m + d.param)
+    repeated = setup.packing and setup.attention == "sdpa" and spec.num_kv_heads < spec.num_heads
+    out = t * kv * (rope_bytes + m) if repeated else 0
+    if d.autocast and rope:
+        out += t * (q + (q if repeated else kv)) * rope_bytes
+    return out
+
+
 def estimate_analytic(setup: TrainingSetup) -> Estimate:
     """The analytic ledger for a setup that describes an architecture."""
     spec = setup.model
     if spec is None:
         raise ValueError("the analytic method needs an architecture (preset or config.json)")
     d = Dtypes.of(setup)
-    b, seq = setup.batch, setup.seq
+    b, seq = setup.rows, setup.row_len  # packed documents: one row of every real token
     t = b * seq
     h, v = spec.hidden_size, spec.vocab_size
     n_layers = spec.num_layers
@@ -80,7 +110,7 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
     paged = opt.paged_bytes
     grads_all = tp.grads_bytes if tuned else n_params * p
     accumulating = setup.grad_accum > 1
-    inputs = t * 8  # input_ids (labels share the tensor)
+    inputs = t * 8 * (2 if setup.packing else 1)  # input_ids (labels share the tensor), packed: position_ids
 
     # ---- saved activations ------------------------------------------------------------------
     # a layer whose weights train keeps what full training keeps; a frozen one what its adapters need
@@ -144,7 +174,8 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
     else:
         layers_saved = (n_layers - 1) * s_layer + first_layer + (stream if keep_stream else 0)  # + embedding out
         ckpt = False
-    model_saved = rope_tables + final_saved
+    # packed SDPA's bool mask: a checkpointed layer keeps it (an input of its recomputation) through backward
+    model_saved = rope_tables + final_saved + (packed_mask_bytes(setup) if ckpt or n_ck else 0)
     acts_fwd = layers_saved + model_saved
     # use_cache=True: the DynamicCache's copies that nothing saves live until the model returns
     cache_held = (n_layers - n_ck) * cache_changes(spec, d, t, setup.attention)[1] \
@@ -214,6 +245,12 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
     # GELU transformers writes in Python ops: fc1's output, x³, and two products)
     wide = 4 if not spec.gated_mlp and spec.hidden_act.lower() in ("gelu_new", "gelu_fast", "gelu_python_tanh") else 3
     fwd_candidates = [("loss", forward)]
+    mask = packed_mask_bytes(setup)  # packed SDPA's bool mask: alive while the decoder body runs
+    attn_part = sum(val for key, val in per_layer.items() if key.startswith("attn.")) + per_layer["norm1"]
+    # a checkpointed layer at its attention kernel: the attention's tensors and the first norm's output
+    attn_at_kernel = attn_part - per_layer["norm1"] + t * h * (
+        d.residual if spec.family in GEMMA_NORM else 4 if d.autocast else max(d.param, d.residual))
+    attn_at_kernel += attention_transients(spec, setup, d)
     if ckpt or n_ck or offload != "none":
         # offloaded: no layer keeps anything on the device, but the layer's own frames hold four residual-stream
         # tensors at its MLP (its input, the residual, the norm's output, the attention block's sum; measured on
@@ -229,9 +266,18 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
             # tuple, and the token and position embeddings); the final norm has not run yet
             held = 2 * t * h * d.residual + ((2 * t + seq) * h * d.residual if spec.family == "gpt2" else 0)
             in_layer = _objects(**base_fwd, activations=n_layers * stream + (n_layers - 1) * sac + sac_early +
-                                rope_tables, temporaries=wide * t * spec.intermediate_size * d.matmul + held)
+                                rope_tables, temporaries=wide * t * spec.intermediate_size * d.matmul + held + mask)
+            if setup.checkpointing != "selective":
+                # at the attention kernel of a checkpointed layer: what attention would save (packed SDPA's
+                # masks, eager's probabilities beside the scores they come from) and the norm output feeding it
+                # autocast has not yet cast this layer's output projection and MLP weights, nor the head's
+                later = (spec.mlp_params + h * spec.q_dim) * 2 + lm_copy if d.autocast and not tuned else 0
+                fwd_candidates.append(("attention", _objects(
+                    **dict(base_fwd, parameters=base_fwd["parameters"] - later),
+                    activations=n_layers * stream + rope_tables,
+                    temporaries=attn_at_kernel + mask)))
         fwd_candidates.append(("layer", in_layer))
-        forward = max(forward, in_layer, key=lambda m: sum(m.values()))
+        forward = max([forward, in_layer] + [m for _, m in fwd_candidates[1:]], key=lambda m: sum(m.values()))
 
     # ---- backward moments -------------------------------------------------------------------
     moments: list[dict[str, int]] = []
@@ -292,11 +338,12 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
     mlp_out = tI  # act·up (or act(x)) freed once the down projection's backward has run
     if "mlp.down_lora" in per_layer:
         mlp_out = per_layer["mlp.down_lora"]  # a frozen down projection kept no input; its adapter may
-    attn_part = sum(val for key, val in per_layer.items() if key.startswith("attn.")) + per_layer["norm1"]
     n_mlp_grads = 3 if spec.gated_mlp or mlp_saved(spec, d, t)["mlp"] >= 5 * tI else 2
     scores = b * spec.num_heads * seq * seq
     if setup.attention == "eager":
         attn_tmp = t * spec.q_dim * d.matmul + scores * (d.matmul + 4)
+    elif setup.attention == "flash":
+        attn_tmp = flash_backward_bytes(spec, d, t, setup.batch)
     else:
         attn_tmp = t * spec.q_dim * d.matmul + t * (spec.q_dim + 2 * spec.kv_dim) * d.matmul
     layer_norm_params = spec.norms_per_layer * h * (2 if spec.norm_bias else 1)
@@ -319,11 +366,12 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
             # offloaded: only this layer's input, copied back (torchtune prefetches the next one on a GPU stream)
             earlier = k * stream + (k - 1) * sac if offload == "none" else \
                 stream * (2 if offload == "checkpoint-inputs" and setup.target_device == "cuda" and k > bottom else 1)
+            earlier += packed_mask_bytes(setup)
         elif tuned and not tp.layers_trained:
             earlier = (first_layer + (below - 1) * s_layer) if below else 0
         elif n_ck:  # the layers below keep their input or what they save; a checkpointed one keeps its own input
             earlier = sum(stream if checkpointed(j) else s_layer for j in range(bottom, k)) + \
-                (stream if checkpointed(k) else stream_kept)
+                (stream if checkpointed(k) else stream_kept) + packed_mask_bytes(setup)
         else:
             earlier = stream_kept + below * s_layer
         current = (first_layer if tuned and not tp.layers_trained and k == 1 else s_layer) - stream_kept
@@ -517,7 +565,8 @@ def fsdp2_ledger(
     # recomputing a checkpointed layer gathers one layer more; kept gathered, only a cast gather (mixed precision's
     # bf16 copy) does (measured on real 2- and 4-process steps)
     recompute = setup.checkpointing != "none" and (par.reshard_after_forward or setup.precision == "mixed")
-    forward = max((objects(m, max(keep_all, 1 if at == "layer" else 0), all_shards if accumulating else 0)
+    forward = max((objects(m, max(keep_all, 1 if at in ("layer", "attention") else 0),
+                           all_shards if accumulating else 0)
                    for at, m in fwd_candidates), key=lambda m: sum(m.values()))
     out = []
     for m, (at, k) in zip(moments, where, strict=True):
@@ -586,7 +635,7 @@ def _assumptions(spec: ModelSpec, setup: TrainingSetup, opt_note: str) -> tuple[
          }[setup.precision],
         opt_note + f" ({setup.optimizer_impl} step)",
         ("Loss: chunked fused linear cross-entropy (Liger-Kernel's LigerFusedLinearCrossEntropyLoss), "
-         f"{setup.loss_chunk or liger_chunk_rows(setup.batch * setup.seq, spec.hidden_size, spec.vocab_size):,} "
+         f"{setup.loss_chunk or liger_chunk_rows(setup.tokens, spec.hidden_size, spec.vocab_size):,} "
          "tokens per chunk: the hidden-state and head-weight gradients are made in forward, the full logits never "
          "exist" + ("; the CPU ledger models memcalc's torch version of it" if setup.target_device == "cpu" else "")
          if setup.loss == "chunked" else
@@ -598,6 +647,8 @@ def _assumptions(spec: ModelSpec, setup: TrainingSetup, opt_note: str) -> tuple[
          "use_cache=False, as transformers' Trainer passes it in training (a loop that keeps the config's "
          "use_cache=True holds k/v copies in forward: choose it to see them)"),
         *_tuning_assumptions(spec, setup),
+        *([f"Padding-free packing (DataCollatorWithFlattening): {setup.packing_text()}, position_ids restarting at "
+           "each document; " + PACKING_WORDS[setup.attention]] if setup.packing else []),
         *([OFFLOAD_WORDS[setup.activation_offload] + (
             "; on a GPU the next layer's input is prefetched while this one runs (one more in flight)"
             if setup.activation_offload == "checkpoint-inputs" and setup.target_device == "cuda" else "")]
@@ -607,6 +658,13 @@ def _assumptions(spec: ModelSpec, setup: TrainingSetup, opt_note: str) -> tuple[
     ]
     return tuple(rows)
 
+
+PACKING_WORDS = {
+    "flash": "FlashAttention-2's variable-length kernel attends within each document and keeps no mask",
+    "sdpa": "transformers builds a block-diagonal bool mask (rows × L × L) and SDPA saves it, converted to q's dtype, "
+            "in every layer, with grouped k/v heads repeated: choose flash attention to avoid both",
+    "eager": "eager attention computes every row's L × L scores and masks them",
+}
 
 OFFLOAD_WORDS = {
     "checkpoint-inputs": "Activation offloading of the decoder body (torchtune's OffloadActivations): tensors it saves "

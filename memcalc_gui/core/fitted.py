@@ -55,6 +55,9 @@ def signature(setup: TrainingSetup) -> dict[str, Any]:
     if setup.activation_offload != "none":
         raise InputError("activation_offload", "the fitted method does not model activation offloading yet (its host "
                                                "memory is not fitted): trace this setup (--method trace)")
+    if setup.packing:
+        raise InputError("packing", "the fitted method calibrates padded rows, not packed documents: trace this "
+                                    "setup (--method trace) or use the analytic method")
     ft = setup.tuning
     return {
         "precision": setup.precision, "optimizer": setup.optimizer, "optimizer_impl": setup.optimizer_impl,

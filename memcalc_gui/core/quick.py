@@ -60,7 +60,7 @@ def estimate_quick(setup: TrainingSetup) -> Estimate:
     # bitsandbytes' 32-bit states are fp32 whatever the parameter dtype
     state = 8 * n if setup.optimizer == "paged-adamw-32bit" else round(_STATE_FACTOR[setup.optimizer] * n * p)
     intermediates = n * p
-    acts = round(activations_per_token(n) * setup.batch * setup.seq * p_act)
+    acts = round(activations_per_token(n) * setup.tokens * p_act)
     notes: tuple[str, ...] = ()
     host = 0
     if par.strategy == "ddp":

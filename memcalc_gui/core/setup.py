@@ -20,7 +20,9 @@ Precision = Literal["fp32", "mixed", "bf16", "bf16-autocast"]
 Optimizer = Literal["adamw", "adam", "adamw-8bit", "paged-adamw-8bit", "paged-adamw-32bit", "sgd", "sgd-momentum",
                     "adafactor", "lion"]
 OptimizerImpl = Literal["foreach", "single-tensor", "fused"]
-Attention = Literal["sdpa", "eager"]
+#: transformers' ``attn_implementation``: ``sdpa`` (PyTorch's fused kernels), ``eager`` (batched products and a
+#: softmax) or ``flash`` (``flash_attention_2``: FlashAttention-2, variable-length over packed documents).
+Attention = Literal["sdpa", "eager", "flash"]
 #: ``none``, ``full`` (every decoder layer), ``selective`` (every layer, torchtitan's per-op policy: matrix-product and
 #: attention outputs kept) or ``every:N`` (every N-th layer: torchtitan's selective layer checkpointing, ``ac_freq``);
 #: see :func:`checkpoint_every`.
@@ -154,6 +156,12 @@ class TrainingSetup:
     optimizer_in_backward: bool = False
     #: Saved activations kept in host memory during the step (see ``ActivationOffload``).
     activation_offload: ActivationOffload = "none"
+    #: Padding-free packing (transformers' ``DataCollatorWithFlattening``, TRL's ``padding_free``): the micro-batch's
+    #: ``batch`` documents of at most ``seq`` tokens are concatenated into one row of ``tokens_per_batch`` real tokens
+    #: (``None``: ``batch × seq``, no padding to drop) whose ``position_ids`` restart at every document, so attention
+    #: stays within each document.
+    packing: bool = False
+    tokens_per_batch: int | None = None
     gpu: str | None = None
     capacity_bytes: int | None = None
     cuda_context_bytes: int = DEFAULT_CUDA_CONTEXT_BYTES
@@ -214,6 +222,7 @@ class TrainingSetup:
             raise InputError("activation_offload", "activation offloading is modelled with use_cache off")
         if not isinstance(self.use_cache, bool):
             raise InputError("use_cache", f"must be true or false, got {self.use_cache!r}")
+        self._check_packing()
         if self.capacity_bytes is not None:
             _positive_int("capacity", self.capacity_bytes, MAX_SIZE_BYTES)
         if isinstance(self.cuda_context_bytes, bool) or not isinstance(self.cuda_context_bytes, int) \
@@ -240,6 +249,47 @@ class TrainingSetup:
                     "paged-adamw-32bit": "paged 32-bit AdamW"}[self.optimizer]
             raise InputError("optimizer_impl", f"{name} runs bitsandbytes' own kernels; use foreach or single-tensor")
 
+    def _check_packing(self) -> None:
+        if not isinstance(self.packing, bool):
+            raise InputError("packing", f"must be true or false, got {self.packing!r}")
+        if self.tokens_per_batch is not None:
+            _positive_int("tokens_per_batch", self.tokens_per_batch)
+            if not self.packing:
+                raise InputError("tokens_per_batch", "real tokens per micro-batch need packing (--packing)")
+            if self.tokens_per_batch > self.batch * self.seq:
+                raise InputError("tokens_per_batch", f"the micro-batch's {self.batch:,} documents of at most "
+                                                     f"{self.seq:,} tokens hold at most {self.batch * self.seq:,} "
+                                                     f"tokens, got {self.tokens_per_batch:,}")
+        if self.attention == "flash" and self.precision == "fp32":
+            raise InputError("attention", "FlashAttention-2 runs in fp16/bf16 only: choose a 16-bit precision "
+                                          "(mixed, bf16) or SDPA")
+        if not self.packing:
+            return
+        if self.use_cache:
+            raise InputError("packing", "packing is modelled with use_cache off (a training step fills no cache)")
+        if self.checkpointing == "selective":
+            raise InputError("packing", "per-op selective checkpointing is modelled without packing")
+        if self.activation_offload != "none" and self.attention == "sdpa":
+            raise InputError("packing", "activation offloading with packed SDPA attention (its per-layer masks) is "
+                                        "not modelled; choose flash attention")
+
+    @property
+    def rows(self) -> int:
+        """Rows of the micro-batch's input: the documents, or one row when they are packed."""
+        return 1 if self.packing else self.batch
+
+    @property
+    def row_len(self) -> int:
+        """Tokens per row: the sequence length, or every real token of the micro-batch when packed."""
+        if self.packing:
+            return self.tokens_per_batch or self.batch * self.seq
+        return self.seq
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of one micro-batch, padding included (none when packed)."""
+        return self.rows * self.row_len
+
     @property
     def num_params(self) -> int:
         if self.model is not None:
@@ -258,7 +308,12 @@ class TrainingSetup:
         return self.model is not None or bool(self.extras.get("fitted"))
 
     def with_changes(self, **changes: Any) -> TrainingSetup:
-        """A copy with some fields changed (validated again)."""
+        """A copy with some fields changed (validated again). A new micro-batch of a packed setup with stated real
+        tokens keeps their mean per document (tokens scale with the documents), within ``batch × seq``."""
+        if self.packing and self.tokens_per_batch and "tokens_per_batch" not in changes:
+            b, s = changes.get("batch", self.batch), changes.get("seq", self.seq)
+            if all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in (b, s)):
+                changes["tokens_per_batch"] = max(1, min(b * s, -(-self.tokens_per_batch * b // self.batch)))
         return replace(self, **changes)
 
     def describe(self) -> dict[str, Any]:
@@ -280,6 +335,8 @@ class TrainingSetup:
             "optimizer_in_backward": self.optimizer_in_backward,
             "activation_offload": self.activation_offload,
             "use_cache": self.use_cache,
+            "packing": self.packing,
+            "tokens_per_batch": self.row_len if self.packing else None,
             "gpu": self.gpu,
             "capacity_bytes": self.capacity_bytes,
             "cuda_context_bytes": self.cuda_context_bytes,
@@ -302,6 +359,13 @@ class TrainingSetup:
             **({"trainable": list(self.tuning.trainable)} if self.tuning.method == "frozen" else {}),
             "trainable_params": self.tuning.trainable_params(self.model) if self.model else self.num_params,
         }
+
+    def packing_text(self) -> str:
+        """``8 documents of at most 4,096 tokens packed into one row of 16,384 tokens`` ("" without packing)."""
+        if not self.packing:
+            return ""
+        return (f"{self.batch:,} document{'s' if self.batch > 1 else ''} of at most {self.seq:,} tokens packed into "
+                f"one row of {self.row_len:,} tokens")
 
     def tuning_text(self) -> str:
         """``QLoRA (nf4, double quantization) r=16 on all-linear: 41,943,040 trainable parameters (0.52 %)``."""
@@ -346,4 +410,5 @@ class TrainingSetup:
                 f"{', optimizer step in backward' if self.optimizer_in_backward else ''}"
                 f"{f', activations offloaded ({self.activation_offload})' if self.activation_offload != 'none' else ''}"
                 f"{', use_cache' if self.use_cache else ''}"
+                f"{f', packed into {self.row_len:,} tokens' if self.packing else ''}"
                 f"{', ' + self.tuning_short() if self.tuning.method != 'full' else ''}{gpus}{cap}")

@@ -235,6 +235,7 @@ LEVER_COSTS: dict[str, int] = {
     "gpus": 4,
     "optimizer-fused": 1,
     "attention-sdpa": 1,
+    "attention-flash": 3,  # another package (flash-attn) and an Ampere-or-later GPU
 }
 #: How many fitting sets of changes the search returns, and how many it evaluates at most (a bound on time).
 MAX_FIXES = 3
@@ -354,6 +355,10 @@ def levers(setup: TrainingSetup) -> list[Lever]:
     if setup.model is not None and setup.attention == "eager":
         out.append(Lever("attention", "attention-sdpa", "use SDPA attention instead of eager", {"attention": "sdpa"},
                          "no L×L score matrices kept"))
+    if setup.model is not None and setup.packing and setup.attention != "flash" and setup.precision != "fp32":
+        out.append(Lever("attention", "attention-flash", "use FlashAttention-2 for the packed documents "
+                         '(attn_implementation="flash_attention_2")', {"attention": "flash"},
+                         "needs the flash-attn package and an Ampere-or-later GPU; no L×L mask per layer"))
     if setup.batch > 1 and not setup.optimizer_in_backward:  # the step in backward cannot accumulate
         out.append(Lever("micro-batch", "micro-batch", "a smaller micro-batch at the same effective batch", {},
                          "more forward/backward passes per optimizer step"))
@@ -505,19 +510,20 @@ def _on_this_gpu(setup: TrainingSetup, estimator: Estimator, capacity: int, grou
 #: Every same-run technique at its strongest (lever keys; those a setup lacks are skipped), without and with the
 #: activation offload.
 SAME_RUN_ROUTES = (("checkpointing", "loss-chunked", "optimizer-in-backward", "optimizer-8bit", "precision-bf16",
-                    "attention-sdpa"),
+                    "attention-sdpa", "attention-flash"),
                    ("checkpointing-offload", "loss-chunked", "optimizer-in-backward", "optimizer-8bit",
-                    "precision-bf16", "attention-sdpa"))
+                    "precision-bf16", "attention-sdpa", "attention-flash"))
 
 
 #: Sets of everything one way of fitting allows (lever keys; those a setup lacks are skipped): sharded over more
 #: GPUs, adapters on a quantized base, or one GPU with every single-GPU saving. None fitting means no set fits.
 ROUTES: tuple[tuple[str, ...], ...] = (
     ("strategy:fsdp-full-shard", "offload-both", "checkpointing", "loss-chunked", "micro-batch", "gpus"),
-    ("tuning-qlora", "checkpointing", "loss-chunked", "micro-batch", "attention-sdpa"),
-    ("precision-bf16", "optimizer-8bit", "checkpointing", "loss-chunked", "optimizer-in-backward", "attention-sdpa"),
+    ("tuning-qlora", "checkpointing", "loss-chunked", "micro-batch", "attention-sdpa", "attention-flash"),
+    ("precision-bf16", "optimizer-8bit", "checkpointing", "loss-chunked", "optimizer-in-backward", "attention-sdpa",
+     "attention-flash"),
     ("precision-bf16", "optimizer-8bit", "checkpointing-offload", "loss-chunked", "optimizer-in-backward",
-     "attention-sdpa"),
+     "attention-sdpa", "attention-flash"),
 )
 
 

@@ -160,6 +160,7 @@ def measure_training_step(
     activation_offload: str = "none",
     parallelize: Callable[[Any], Any] | None = None,
     autocast: bool = True,
+    documents: int | None = None,
 ) -> StepMeasurement:
     """Build the model from ``config`` and measure ``iterations`` training steps on CPU.
 
@@ -180,6 +181,10 @@ def measure_training_step(
     ``all`` as ``torch.autograd.graph.save_on_cpu`` does, ``checkpoint-inputs`` as torchtune's OffloadActivations.
     ``parallelize(model)`` shards the built model in place (one rank of :mod:`.distributed`); ``autocast=False`` runs
     mixed precision without autocast (FSDP2's MixedPrecisionPolicy casts the gathered weights instead).
+    ``documents=n`` packs n documents into each row (``batch`` must be 1; padding-free packing as transformers'
+    ``DataCollatorWithFlattening`` does it): ``position_ids`` restart at every document, from which transformers
+    limits attention to each document. ``attention="flash"`` runs FlashAttention-2's variable-length attention as
+    :mod:`.varlen_attention` reproduces it on CPU.
     """
     if fake:
         from torch._subclasses.fake_tensor import FakeTensorMode
@@ -193,6 +198,7 @@ def measure_training_step(
                 builder=builder, use_cache=use_cache, tuning=tuning, keep_tracker=keep_tracker, loss=loss,
                 loss_chunk=loss_chunk, optimizer_in_backward=optimizer_in_backward,
                 activation_offload=activation_offload, parallelize=parallelize, autocast=autocast,
+                documents=documents,
             )
 
     def announce(phase: str, it: int, micro: int = 0) -> None:
@@ -212,8 +218,13 @@ def measure_training_step(
     )
     if activation_offload not in OFFLOADS:
         raise ValueError(f"activation_offload must be one of {OFFLOADS}, not {activation_offload!r}")
+    if documents is not None and (batch != 1 or not 1 <= documents <= seq):
+        raise ValueError(f"packed documents go in one row (batch 1) of at least as many tokens, not {documents} in "
+                         f"{batch} × {seq}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
+
+    from . import varlen_attention
 
     torch.manual_seed(seed)
     tracker = LiveStorageTracker()
@@ -266,6 +277,14 @@ def measure_training_step(
             vocab_size = int(model.config.vocab_size)
             input_ids = torch.randint(0, vocab_size, (batch, seq), dtype=torch.long)
             tracker.track(input_ids, "inputs")
+            lengths = varlen_attention.document_lengths(seq, documents or 1)
+            position_ids = None
+            if documents is not None:
+                position_ids = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+                tracker.track(position_ids, "inputs")
+
+            def packed() -> contextlib.AbstractContextManager[None]:
+                return varlen_attention.documents(lengths) if documents is not None else contextlib.nullcontext()
             gc.collect()
             # what exists now (imports, the model, the optimizer) lives through the step: the per-iteration
             # collections then scan only what the step makes (a tenth of the time on a transformers model)
@@ -276,12 +295,13 @@ def measure_training_step(
             for it in range(1, iterations + 1):
                 for micro in range(grad_accum):
                     announce("forward", it, micro)
-                    with tracker.phase("forward", it, micro):
-                        value = step_forward(model, input_ids, precision if autocast else "fp32", loss, loss_chunk)
+                    with tracker.phase("forward", it, micro), packed():
+                        value = step_forward(model, input_ids, precision if autocast else "fp32", loss, loss_chunk,
+                                             position_ids=position_ids)
                         if grad_accum > 1:
                             value = value / grad_accum
                     announce("backward", it, micro)
-                    with tracker.phase("backward", it, micro):
+                    with tracker.phase("backward", it, micro), packed():
                         value.backward()  # type: ignore[no-untyped-call]
                         del value
                         for p in params:
@@ -405,6 +425,10 @@ def build_model(
         ):
             setattr(cfg, key, 0.0)
     dtype = torch.bfloat16 if precision in ("bf16", "bf16-autocast") else torch.float32
+    if attention == "flash":  # FlashAttention-2 needs CUDA: its CPU stand-in (same saved tensors)
+        from .varlen_attention import register
+
+        attention = register()
     try:
         model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
             cfg, attn_implementation=attention, dtype=dtype, trust_remote_code=False
@@ -617,9 +641,10 @@ def make_optimizer(
 
 
 def step_forward(model: Any, input_ids: torch.Tensor, precision: str, loss: str = "full",
-                 loss_chunk: int | None = None, device: str = "cpu", half: Any = None) -> torch.Tensor:
+                 loss_chunk: int | None = None, device: str = "cpu", half: Any = None,
+                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """The forward of one micro-batch and its loss (autocast to ``half``, bf16 by default, under mixed precision;
-    the chunked loss of :mod:`.chunked_loss` when ``loss="chunked"``)."""
+    the chunked loss of :mod:`.chunked_loss` when ``loss="chunked"``; ``position_ids`` of packed documents)."""
     import torch
 
     autocast = torch.autocast(device, dtype=half or torch.bfloat16) if precision in ("mixed", "bf16-autocast") \
@@ -629,11 +654,11 @@ def step_forward(model: Any, input_ids: torch.Tensor, precision: str, loss: str 
             from .chunked_loss import chunked_causal_lm_loss
 
             hf = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft wraps the model
-            hidden = hf.base_model(input_ids=input_ids).last_hidden_state
+            hidden = hf.base_model(input_ids=input_ids, position_ids=position_ids).last_hidden_state
             value: torch.Tensor = chunked_causal_lm_loss(hidden, hf.get_output_embeddings().weight, input_ids,
                                                          loss_chunk)
             return value
-        out: torch.Tensor = model(input_ids=input_ids, labels=input_ids).loss
+        out: torch.Tensor = model(input_ids=input_ids, labels=input_ids, position_ids=position_ids).loss
         return out
 
 

@@ -14,6 +14,7 @@ torch is imported inside functions only.
 from __future__ import annotations
 
 import gc
+import importlib.util
 import itertools
 import math
 import os
@@ -250,7 +251,7 @@ def _with_layers(setup: TrainingSetup, layers: int) -> TrainingSetup:
 def _step_seconds(setup: TrainingSetup, flops: float) -> float:
     """One training step: the matmul work (6·N·tokens) or, for narrow deep models, the per-op overhead of each
     layer's forward and backward (about 40 ms per layer and micro-batch with the CPU tracker on a 2-core machine)."""
-    t = setup.batch * setup.seq * setup.grad_accum
+    t = setup.tokens * setup.grad_accum
     layers = setup.model.num_layers if setup.model is not None else 1
     overhead = LAYER_OVERHEAD_S * (layers + 2) * setup.grad_accum * (1 if flops == CPU_FLOPS else 0.1)
     return max(6 * setup.num_params * t / flops, overhead)
@@ -395,7 +396,8 @@ def _measure_cpu(result: MeasureResult, config: dict[str, Any], setup: TrainingS
 
     try:
         m = measure_training_step(
-            config, batch=setup.batch, seq=setup.seq, precision=setup.precision, optimizer=setup.optimizer,
+            config, batch=setup.rows, seq=setup.row_len, documents=setup.batch if setup.packing else None,
+            precision=setup.precision, optimizer=setup.optimizer,
             optimizer_impl=setup.optimizer_impl, attention=setup.attention, checkpointing=setup.checkpointing,
             use_cache=setup.use_cache, grad_accum=setup.grad_accum, iterations=iterations, num_threads=None,
             on_phase=track_phase, tuning=setup.tuning if setup.tuning.method != "full" else None,
@@ -433,7 +435,11 @@ def _measure_cuda(result: MeasureResult, config: dict[str, Any], setup: Training
         offload_hooks,
         step_forward,
     )
+    from .varlen_attention import document_lengths
 
+    if setup.attention == "flash" and importlib.util.find_spec("flash_attn") is None:
+        raise MeasureError("FlashAttention-2 on a GPU needs the flash-attn package (pip install flash-attn); "
+                           "measure with SDPA, or on the CPU, which runs its stand-in")
     dev = torch.device("cuda", 0)
     torch.cuda.init()
     torch.zeros(1, device=dev)  # create the context
@@ -482,8 +488,8 @@ def _measure_cuda(result: MeasureResult, config: dict[str, Any], setup: Training
     try:
         begin("load", 0)
         with dev:  # build on the GPU directly (no CPU copy of the weights)
-            model = build_model(config, precision=setup.precision, attention=setup.attention,
-                                use_cache=setup.use_cache)
+            model = build_model(config, precision=setup.precision, use_cache=setup.use_cache,
+                                attention="flash_attention_2" if setup.attention == "flash" else setup.attention)
         every = checkpoint_every(setup.checkpointing)
         if every is not None:
             enable_checkpointing(model, every=every, selective=setup.checkpointing == "selective")
@@ -497,8 +503,12 @@ def _measure_cuda(result: MeasureResult, config: dict[str, Any], setup: Training
             offloading = offload_hooks(model, None, setup.activation_offload)
             host_peak(reset=True)
         opt = make_optimizer(params, setup.optimizer, setup.optimizer_impl)
-        input_ids = torch.randint(0, int(model.config.vocab_size), (setup.batch, setup.seq), device=dev)
-        input_bytes = nbytes([input_ids])
+        input_ids = torch.randint(0, int(model.config.vocab_size), (setup.rows, setup.row_len), device=dev)
+        position_ids = None
+        if setup.packing:  # positions restart at every document: transformers attends within each one
+            position_ids = torch.cat([torch.arange(n, device=dev) for n in
+                                      document_lengths(setup.row_len, setup.batch)]).unsqueeze(0)
+        input_bytes = nbytes([input_ids] + ([position_ids] if position_ids is not None else []))
         for it in range(1, iterations + 1):
             steady = it == iterations
             state_bytes = nbytes(v for s in opt.state.values() for v in s.values()
@@ -508,7 +518,8 @@ def _measure_cuda(result: MeasureResult, config: dict[str, Any], setup: Training
                 known = {"parameters": param_bytes, "optimizer_state": state_bytes, "inputs": input_bytes,
                          "gradients": grad_bytes}
                 begin("forward", it, micro)
-                loss = step_forward(model, input_ids, setup.precision, setup.loss, setup.loss_chunk, "cuda", half)
+                loss = step_forward(model, input_ids, setup.precision, setup.loss, setup.loss_chunk, "cuda", half,
+                                    position_ids=position_ids)
                 if setup.grad_accum > 1:
                     loss = loss / setup.grad_accum
                 end("forward", steady, known)

@@ -54,6 +54,8 @@ PT_OPT_BWD = "PyTorch tutorial"
 TORCHTUNE = "torchtune"
 FSDP2 = "PyTorch FSDP2"
 PT_SAVE_ON_CPU = "PyTorch autograd docs"
+HF_PACKING = "Transformers packing"
+FLASH_ATTN = "FlashAttention-2"
 
 SOURCES: dict[str, str] = {
     SEED_000: "Hugging Face blog, “Visualize and understand GPU memory in PyTorch” — phases, colours, "
@@ -93,6 +95,12 @@ SOURCES: dict[str, str] = {
                "activation checkpointing, so what goes is each layer's input.",
     PT_SAVE_ON_CPU: "PyTorch documentation, “Autograd mechanics: hooks for saved tensors” — "
                     "torch.autograd.graph.save_on_cpu copies every saved tensor to the CPU and back in backward.",
+    HF_PACKING: "Hugging Face Transformers, DataCollatorWithFlattening and masking_utils "
+                "(find_packed_sequence_indices) — packed documents in one row, position_ids restarting at each; "
+                "SDPA gets a block-diagonal mask.",
+    FLASH_ATTN: "Dao 2023, “FlashAttention-2” (arXiv:2307.08691) and flash-attn's flash_attn_varlen_func — attention "
+                "over packed variable-length documents from cumulative lengths, saving q, k, v, the output and "
+                "the log-sum-exp.",
 }
 
 METHOD_LABELS = {
@@ -134,6 +142,8 @@ _KEYWORD_SOURCES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("step in backward", (PT_OPT_BWD,)),
     ("OffloadActivations", (TORCHTUNE,)),
     ("save_on_cpu", (PT_SAVE_ON_CPU,)),
+    ("DataCollatorWithFlattening", (HF_PACKING,)),
+    ("FlashAttention-2", (FLASH_ATTN,)),
 )
 
 
@@ -284,10 +294,12 @@ def _setup_rows(result: Result) -> list[tuple[str, str]]:
         ("Micro-batch", f"{s.batch:,}"),
         ("Sequence length", f"{s.seq:,} tokens"),
         ("Gradient accumulation", f"{s.grad_accum:,} micro-batches per optimizer step"),
-        ("Effective batch", f"{s.effective_batch:,} sequences = {s.effective_batch * s.seq:,} tokens per step"),
+        ("Effective batch", f"{s.effective_batch:,} {'documents' if s.packing else 'sequences'} = "
+                            f"{s.tokens * s.grad_accum:,}{' real' if s.packing else ''} tokens per step"),
+        *([("Packing", f"padding-free: {s.packing_text()}")] if s.packing else []),
         ("Precision", PRECISION_LABELS.get(s.precision, s.precision)),
         ("Optimizer", f"{s.optimizer} ({s.optimizer_impl} step)"),
-        ("Attention", s.attention),
+        ("Attention", {"flash": "flash (flash_attention_2)"}.get(s.attention, s.attention)),
         ("Gradient checkpointing", s.checkpointing),
         *([("Activation offload", {"checkpoint-inputs": "checkpointed layers' inputs in host memory (torchtune)",
                                    "all": "every saved tensor in host memory (save_on_cpu)"}[s.activation_offload])]
@@ -535,6 +547,13 @@ def _formulas(result: Result, measured: bool) -> list[tuple[str, tuple[str, ...]
         if s.optimizer_in_backward:
             rows.append(("Optimizer step in backward: each gradient stepped and freed as it is accumulated; the "
                          "optimizer phase keeps weights and state only.", (PT_OPT_BWD,)))
+        if s.packing:
+            rows.append((f"Padding-free packing: {s.packing_text()}; activations scale with the real tokens. "
+                         + ("FlashAttention-2 attends within each document from their lengths, keeping no mask."
+                            if s.attention == "flash" else
+                            "SDPA gets a block-diagonal mask (L × L) and keeps it in every layer."
+                            if s.attention == "sdpa" else "Eager attention computes and masks L × L scores."),
+                         (HF_PACKING,) + ((FLASH_ATTN,) if s.attention == "flash" else ())))
         if s.activation_offload == "checkpoint-inputs":
             rows.append(("Checkpoint inputs offloaded: each layer’s input (B·L·h) lives in host memory and comes back "
                          "for its recomputation; the GPU keeps one or two at a time.", (TORCHTUNE,)))
@@ -596,7 +615,8 @@ def build_content(result: Result, *, measurement: MeasureResult | None = None,
         gpus = f"{n:,} × {gpu_label(result)}" if setup.capacity_bytes is not None else f"{n:,} GPUs"
         where = f"per GPU on {gpus}, {strategy_text(setup)}"
     tuned = f"{setup.tuning_short()}, " if setup.tuning.method != "full" else ""
-    subtitle = (f"Micro-batch {setup.batch} × sequence {setup.seq:,} × accumulation {setup.grad_accum}, "
+    packed = f" (packed: {setup.row_len:,} tokens)" if setup.packing else ""
+    subtitle = (f"Micro-batch {setup.batch} × sequence {setup.seq:,}{packed} × accumulation {setup.grad_accum}, "
                 f"{tuned}{setup.precision}, {setup.optimizer} — {where}")
     ledger = _ledger_table(result)
     suggestions, suggestions_note = _suggestions_table(result)

@@ -149,9 +149,12 @@ def trace_estimate(
     compute = "bf16" if fsdp2_mixed else setup.precision
     t0 = time.perf_counter()
     try:
-        with exclusive_torch_job(should_stop, TraceCancelled), _unpacked_sequences():
+        # packed documents: under fake tensors transformers takes the batch as packed, as a real run finds it
+        sequences = contextlib.nullcontext() if setup.packing else _unpacked_sequences()
+        with exclusive_torch_job(should_stop, TraceCancelled), sequences:
             m = measure_training_step(
-                cfg, batch=setup.batch, seq=setup.seq, precision=compute, optimizer=setup.optimizer,
+                cfg, batch=setup.rows, seq=setup.row_len, documents=setup.batch if setup.packing else None,
+                precision=compute, optimizer=setup.optimizer,
                 optimizer_impl=setup.optimizer_impl, attention=setup.attention, checkpointing=setup.checkpointing,
                 use_cache=setup.use_cache, grad_accum=min(setup.grad_accum, TRACED_MICRO_BATCHES), iterations=2,
                 fake=True, round_to=CUDA_ROUNDING, module_names=True, on_phase=on_phase,

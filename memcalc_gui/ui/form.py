@@ -83,6 +83,8 @@ class FormState:
     use_cache: str = "false"  # "true": the loop keeps the config's use_cache=True
     optimizer_in_backward: str = "false"
     activation_offload: str = "none"
+    packing: str = "false"  # "true": padding-free packing (core.setup.TrainingSetup.packing)
+    tokens_per_batch: str = ""  # real tokens per micro-batch when packed; "" = batch × seq
     gpu: str = DEFAULT_GPU  # a preset id, or "" for a custom capacity
     capacity: str = ""
     cuda_context: str = format_bytes(DEFAULT_CUDA_CONTEXT_BYTES, digits=0)
@@ -205,6 +207,8 @@ _FIELD_MAP: Final = {
     "loss_chunk": "loss_chunk",
     "optimizer_in_backward": "optimizer_in_backward",
     "activation_offload": "activation_offload",
+    "packing": "packing",
+    "tokens_per_batch": "tokens_per_batch",
     "checkpointing": "checkpointing",
     "use_cache": "use_cache",
     "capacity": "capacity",
@@ -464,6 +468,9 @@ def build_setup(state: FormState, cache: ModelCache) -> TrainingSetup:
     attempt("tuning", lambda: tuning_from_state(state))
     attempt("loss_chunk", lambda: parse_positive_int(state.loss_chunk, "loss_chunk", LIMITS["seq"] * LIMITS["batch"])
             if state.loss_chunk.strip() and state.loss == "chunked" else None)
+    attempt("tokens_per_batch", lambda: parse_positive_int(state.tokens_per_batch, "tokens_per_batch",
+                                                           LIMITS["seq"] * LIMITS["batch"], tokens=True)
+            if state.tokens_per_batch.strip() and state.packing == "true" else None)
     if errors:
         raise FormErrors(errors)
     try:
@@ -489,6 +496,7 @@ def build_setup(state: FormState, cache: ModelCache) -> TrainingSetup:
             use_cache=state.use_cache == "true",
             optimizer_in_backward=state.optimizer_in_backward == "true",
             activation_offload=state.activation_offload,  # type: ignore[arg-type]
+            packing=state.packing == "true",
             gpu=gpu_id,
             capacity_bytes=capacity,
             extras={"fit": fit} if fit is not None else dict(lite),

@@ -47,7 +47,8 @@ OPTIMIZER_LABELS = {
     "lion": "Lion",
 }
 IMPL_LABELS = {"foreach": "foreach (CUDA default)", "single-tensor": "single-tensor", "fused": "fused"}
-ATTENTION_LABELS = {"sdpa": "SDPA (fused kernels)", "eager": "eager (stores L×L scores)"}
+ATTENTION_LABELS = {"sdpa": "SDPA (fused kernels)", "eager": "eager (stores L×L scores)",
+                    "flash": "FlashAttention-2 (varlen)"}
 LOSS_LABELS = {"full": "full logits", "chunked": "chunked (Liger)"}
 ACTIVATION_OFFLOAD_LABELS = {"none": "none", "checkpoint-inputs": "checkpoint inputs (torchtune)",
                              "all": "every saved tensor (save_on_cpu)"}
@@ -309,6 +310,16 @@ class InputPanel(QWidget):
         self.effective.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         self.effective.setToolTip("Sequences per optimizer step = micro-batch × gradient accumulation.")
         sform.addRow("Effective batch:", self.effective)
+        self.packing = QCheckBox("Pack documents (padding-free)")
+        self.packing.setObjectName("packing")
+        self.packing.setToolTip(TOOLTIPS["packing"])
+        self.boxes["packing"] = FieldBox(self.packing)
+        sform.addRow(self.boxes["packing"])
+        self.tokens_per_batch = IntEdit()
+        self.tokens_per_batch.setObjectName("tokensPerBatch")
+        self.tokens_per_batch.setPlaceholderText("micro-batch × sequence")
+        self.tokens_per_batch.setToolTip(TOOLTIPS["tokens_per_batch"])
+        self._row(sform, "Real tokens per micro-batch:", "tokens_per_batch", self.tokens_per_batch)
         self.checkpointing = QCheckBox("Gradient &checkpointing")
         self.checkpointing.setToolTip(TOOLTIPS["checkpointing"])
         self.boxes["checkpointing"] = FieldBox(self.checkpointing)
@@ -502,6 +513,8 @@ class InputPanel(QWidget):
         self.loss.currentIndexChanged.connect(self._on_loss)
         self.activation_offload.currentIndexChanged.connect(self._changed)
         self.loss_chunk.textChanged.connect(self._changed)
+        self.packing.toggled.connect(self._on_packing)
+        self.tokens_per_batch.textChanged.connect(self._changed)
         for combo in (self.strategy, self.offload):
             combo.currentIndexChanged.connect(self._on_parallel)
         self.precision.currentIndexChanged.connect(self._on_precision_or_optimizer)
@@ -523,7 +536,8 @@ class InputPanel(QWidget):
 
     def _tab_order(self) -> None:
         chain = [self.model_kind, self.preset, self.config_path, self.open_button, self.hub_id, self.fetch_button,
-                 self.params, self.batch, self.seq, self.grad_accum, self.checkpointing, self.use_cache,
+                 self.params, self.batch, self.seq, self.grad_accum, self.packing, self.tokens_per_batch,
+                 self.checkpointing, self.use_cache,
                  self.ckpt_every, self.ckpt_selective, self.attention, self.activation_offload, self.loss,
                  self.loss_chunk, self.tuning,
                  self.lora_rank, self.lora_targets, self.lora_dropout, self.quant, self.double_quant, self.prepare_kbit,
@@ -684,6 +698,17 @@ class InputPanel(QWidget):
         self._sync_loss_chunk()
         self._changed()
 
+    def _on_packing(self, *_: object) -> None:
+        self._sync_packing()
+        self._changed()
+
+    def _sync_packing(self) -> None:
+        """The real tokens apply to packed documents only."""
+        used = self.packing.isChecked()
+        self.tokens_per_batch.setEnabled(used)
+        if "tokens_per_batch" in self.labels:
+            self.labels["tokens_per_batch"].setEnabled(used)
+
     def _sync_loss_chunk(self) -> None:
         """The chunk size applies to the chunked loss only."""
         used = self.loss.currentData() == "chunked"
@@ -754,6 +779,8 @@ class InputPanel(QWidget):
             loss=self.loss.currentData(),
             loss_chunk=self.loss_chunk.text(),
             activation_offload=self.activation_offload.currentData(),
+            packing="true" if self.packing.isChecked() else "false",
+            tokens_per_batch=self.tokens_per_batch.text(),
             checkpointing=self._checkpointing_value(),
             use_cache="true" if self.use_cache.isChecked() else "false",
             optimizer_in_backward="true" if self.optimizer_in_backward.isChecked() else "false",
@@ -805,6 +832,10 @@ class InputPanel(QWidget):
             if self.loss_chunk.text() != state.loss_chunk:
                 self.loss_chunk.setText(state.loss_chunk)
             self._sync_loss_chunk()
+            self.packing.setChecked(state.packing == "true")
+            if self.tokens_per_batch.text() != state.tokens_per_batch:
+                self.tokens_per_batch.setText(state.tokens_per_batch)
+            self._sync_packing()
             _set_combo(self.gpu, state.gpu, fallback="")  # a GPU no longer in the table: custom capacity
             self.checkpointing.setChecked(state.checkpointing != "none")
             self.ckpt_selective.setChecked(state.checkpointing == "selective")

@@ -92,7 +92,8 @@ FIELD_NAMES = {
     "batch": "micro-batch", "seq": "sequence length", "grad_accum": "gradient accumulation",
     "precision": "precision", "optimizer": "optimizer", "optimizer_impl": "optimizer implementation",
     "attention": "attention", "loss": "loss", "loss_chunk": "loss chunk",
-    "activation_offload": "activation offload",
+    "activation_offload": "activation offload", "packing": "packing",
+    "tokens_per_batch": "real tokens per micro-batch",
     "optimizer_in_backward": "step in backward", "ckpt_every": "checkpoint every N-th layer",
     "ckpt_selective": "per-op checkpointing",
     "checkpointing": "checkpointing", "use_cache": "use_cache", "gpu": "GPU",
@@ -668,8 +669,10 @@ class MainWindow(QMainWindow):
                 "heuristic (Hugging Face blog) that overestimates activations; open a config.json or pick a preset "
                 "for the analytic method.")
         self.inputs.set_trainable_info("" if setup.tuning.method == "full" else setup.tuning_text())
-        self.inputs.set_effective(f"{setup.effective_batch:,} sequences per step ({setup.batch} × {setup.grad_accum})"
-                                  f" = {setup.effective_batch * setup.seq:,} tokens")
+        what = "documents" if setup.packing else "sequences"
+        real = " real" if setup.packing else ""
+        self.inputs.set_effective(f"{setup.effective_batch:,} {what} per step ({setup.batch} × {setup.grad_accum})"
+                                  f" = {setup.tokens * setup.grad_accum:,}{real} tokens")
 
     def show_trace(self, result: Result, traced: Any) -> None:
         """Draw a trace's result (same setup as the analytic one) with its difference from the analytic."""

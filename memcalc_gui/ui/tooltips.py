@@ -81,7 +81,9 @@ TOOLTIPS: dict[str, str] = {
     ),
     "attention": (
         "sdpa (flash / memory-efficient kernels) keeps no L×L score matrix; eager stores the softmax "
-        "scores and dropout mask, B·heads·L² per layer (Korthikanti et al. 2022: sbh(34 + 5as/h))."
+        "scores and dropout mask, B·heads·L² per layer (Korthikanti et al. 2022: sbh(34 + 5as/h)). "
+        "FlashAttention-2 (transformers' flash_attention_2, the flash-attn package, 16-bit only) keeps what SDPA's "
+        "flash kernel keeps and attends within packed documents without a mask."
     ),
     "recipe": (
         "Precision presets. Choosing one fills precision and optimizer; both stay editable.\n"
@@ -154,6 +156,16 @@ TOOLTIPS: dict[str, str] = {
         "vocabularies. Chunked: Liger-Kernel's fused linear cross-entropy (LigerFusedLinearCrossEntropyLoss) makes "
         "the logits a chunk of tokens at a time and computes the hidden-state and head-weight gradients in "
         "forward, so the full logits never exist."
+    ),
+    "packing": (
+        "Padding-free packing, as transformers' DataCollatorWithFlattening and TRL's padding_free do it: the "
+        "micro-batch's documents are concatenated into one row without padding, position_ids restarting at each "
+        "document, so activations scale with the real tokens and attention stays within each document. With SDPA, "
+        "transformers builds an L × L block-diagonal mask that SDPA keeps in every layer; FlashAttention-2 needs none."
+    ),
+    "tokens_per_batch": (
+        "Real tokens per micro-batch once packed: micro-batch × your mean document length (at most micro-batch × "
+        "sequence length, the default). 4k, 16K and 1M are accepted."
     ),
     "activation_offload": (
         "Keep what the decoder layers save for backward in host (CPU) memory and copy it back when backward needs it. "
