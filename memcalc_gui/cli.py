@@ -72,6 +72,7 @@ FLAGS = {
     "activation_offload": "--activation-offload",
     "packing": "--packing",
     "tokens_per_batch": "--tokens-per-batch",
+    "galore_rank": "--galore-rank",
     "capacity": "--capacity",
     "gpu": "--gpu",
     "params": "--params",
@@ -136,6 +137,8 @@ def _add_setup_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", default="mixed", choices=PRECISIONS, help="default mixed")
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, type=lambda v: v.strip().replace("_", "-"),
                    help="default adamw (Transformers' spellings such as paged_adamw_8bit work too)")
+    p.add_argument("--galore-rank", metavar="R", default=None,
+                   help="with --optimizer galore-adamw: GaLore's projection rank (default 128, Trainer's)")
     p.add_argument("--optimizer-impl", default="foreach", choices=OPTIMIZER_IMPLS,
                    help="step implementation (default foreach, as torch on CUDA)")
     p.add_argument("--attention", default=None, choices=ATTENTIONS,
@@ -348,12 +351,16 @@ def setup_from_args(args: argparse.Namespace) -> tuple[TrainingSetup, list[str]]
         loss_chunk=None if getattr(args, "loss_chunk_size", None) is None
         else parse_positive_int(args.loss_chunk_size, "loss_chunk", LIMITS["seq"] * LIMITS["batch"]),
         packing=bool(getattr(args, "packing", False)),
+        galore_rank=128 if getattr(args, "galore_rank", None) is None
+        else parse_positive_int(args.galore_rank, "galore_rank", 65_536),
         tokens_per_batch=None if getattr(args, "tokens_per_batch", None) is None
         else parse_positive_int(args.tokens_per_batch, "tokens_per_batch", LIMITS["seq"] * LIMITS["batch"],
                                 tokens=True),
         tuning=tuning_from_args(args),
         target_device=getattr(args, "target_device", "cuda"),
     )
+    if getattr(args, "galore_rank", None) is not None and args.optimizer != "galore-adamw":
+        raise InputError("galore_rank", "a GaLore rank needs the GaLore optimizer (--optimizer galore-adamw)")
     if args.gpu:
         gpu = find_gpu(args.gpu)
         kw.update(gpu=gpu.id, capacity_bytes=gpu.capacity_bytes)

@@ -1138,6 +1138,31 @@ def test_packing_and_flash_attention_are_window_controls(window):
     assert w.inputs.state().attention == "flash"
 
 
+def test_galore_and_its_rank_are_window_controls(window):
+    """GaLore is an optimizer choice; its rank field is live for it only, reaches the setup and lowers the state;
+    a bad rank marks the field and keeps the last result; GPT-2 marks the optimizer."""
+    w = window
+    w.apply_state(w.inputs.state().replace(model_kind="preset", preset="llama-3.2-1b", gpus="1", strategy="ddp",
+                                           precision="bf16", optimizer="adamw"))
+    assert w.refresh()
+    adamw = w.result.estimate.phases["optimizer_step"].objects["optimizer_state"]
+    assert not w.inputs.galore_rank.isEnabled()
+    w.inputs.optimizer.setCurrentIndex(w.inputs.optimizer.findData("galore-adamw"))
+    assert w.inputs.galore_rank.isEnabled()
+    w.inputs.galore_rank.setText("64")
+    assert w.refresh()
+    good = w.result
+    assert good.setup.optimizer == "galore-adamw" and good.setup.galore_rank == 64
+    assert good.estimate.phases["optimizer_step"].objects["optimizer_state"] < adamw
+    w.inputs.galore_rank.setText("0")
+    assert not w.refresh() and w.result is good
+    assert "galore_rank" in w.inputs.errors()
+    w.inputs.galore_rank.setText("64")
+    w.apply_state(w.inputs.state().replace(preset="gpt2"))
+    assert not w.refresh()
+    assert "Conv1D" in w.inputs.errors()["optimizer"]
+
+
 def test_a_family_without_sdpa_switches_the_window_to_eager(window, qtbot, tmp_path):
     """Gemma 2 runs without SDPA in transformers: the calibration says so, and the window switches attention to
     eager (an edit the user can undo) and estimates it, rather than leaving an error on a default setting."""

@@ -105,7 +105,8 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
         if d.adapters_autocast and ft.uses_adapters and ft.adapter_dtype == "fp32":
             copies = 2 * ft.adapter_params(spec)  # autocast's bf16 copies of the adapters; the bf16 base needs none
     opt = optimizer_cost(setup.optimizer, setup.optimizer_impl, layout, tp.layout_layers if tuned else n_layers,
-                         tp.grad_bytes if tuned else p, paging=setup.target_device == "cuda")
+                         tp.grad_bytes if tuned else p, paging=setup.target_device == "cuda",
+                         galore_rank=setup.galore_rank)
     state = opt.state_bytes
     paged = opt.paged_bytes
     grads_all = tp.grads_bytes if tuned else n_params * p
@@ -633,7 +634,7 @@ def _assumptions(spec: ModelSpec, setup: TrainingSetup, opt_note: str) -> tuple[
          "bf16-autocast": "bf16 weights under bf16 autocast: 2 B/param weights, gradients and optimizer state, as "
                           "bf16 (autocast leaves bf16 weights alone); fp32 adapters get autocast's 16-bit copies",
          }[setup.precision],
-        opt_note + f" ({setup.optimizer_impl} step)",
+        opt_note + (f" ({setup.optimizer_impl} step)" if setup.optimizer != "galore-adamw" else ""),
         ("Loss: chunked fused linear cross-entropy (Liger-Kernel's LigerFusedLinearCrossEntropyLoss), "
          f"{setup.loss_chunk or liger_chunk_rows(setup.tokens, spec.hidden_size, spec.vocab_size):,} "
          "tokens per chunk: the hidden-state and head-weight gradients are made in forward, the full logits never "

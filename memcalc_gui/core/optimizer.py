@@ -37,12 +37,14 @@ def optimizer_cost(
     num_layers: int,
     state_dtype_bytes: int,
     paging: bool = True,
+    galore_rank: int = 128,
 ) -> OptimizerCost:
     """State kept between steps and the transient peak inside ``optimizer.step()``.
 
     ``layout`` is ``ModelSpec.param_layout()`` (before, one layer, after) in parameter order;
     ``state_dtype_bytes`` is the parameters' element size (torch keeps state in the param dtype).
     ``paging``: whether the paged optimizers can page (CUDA; on CPU bitsandbytes falls back to plain tensors).
+    ``galore_rank``: GaLore's rank (``galore-adamw``; the decoder layers' matrices are projected, see :func:`galore`).
     """
     p = state_dtype_bytes
     before, layer, after = layout
@@ -60,6 +62,8 @@ def optimizer_cost(
             prev = s
         return best * p
 
+    if optimizer == "galore-adamw":
+        return galore(layout, num_layers, p, galore_rank)
     if optimizer in ("adamw", "adam"):
         state = 2 * numel_total * p
         if impl == "fused":
@@ -108,3 +112,48 @@ def optimizer_cost(
         state += k * ((r + c) * p if c > 1 else r * p)
     temp = numel_total * p if impl == "foreach" else single_tensor(1)
     return OptimizerCost(state, temp, "Adafactor: factored second moment, no first moment")
+
+
+def galore(layout: tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]], num_layers: int,
+           p: int, rank: int) -> OptimizerCost:
+    """GaLore's AdamW (galore-torch ``GaLoreAdamW``, Trainer's ``galore_adamw`` on the attention and MLP linears;
+    Zhao et al. 2024, arXiv:2403.03507), from its source and checked on CPU steps byte for byte (state):
+
+    - a projected m × n weight keeps Adam's two moments of its r × max(m, n) projected gradient (r ≤ min(m, n)) and
+      the projection matrix from an SVD of the gradient (``GaLoreProjector.get_orthogonal_matrix``): for an fp32
+      gradient a slice of the SVD factor, a view that keeps the whole min(m, n)² factor alive; for a 16-bit one an
+      r × min(m, n) copy;
+    - every other tensor keeps plain AdamW's two moments;
+    - a projected weight's step holds its projected gradient, denominator and update, and the update projected back
+      to m × n and scaled (two full-size tensors); another tensor's step its denominator and update beside the
+      previous tensor's update; every ``update_proj_gap`` steps (200) the projection is refreshed: the SVD's
+      factors U, S, Vh in fp32 (and an fp32 copy of a 16-bit gradient) beside the previous update. The SVD's own
+      workspace (LAPACK's or cuSOLVER's) is not counted.
+    """
+    before, layer, after = layout
+    flagged = [(r, c, 1, False) for r, c in before] + [(r, c, num_layers, c > 1) for r, c in layer] + \
+        [(r, c, 1, False) for r, c in after]
+    state = 0
+    for r, c, k, projected in flagged:
+        n = r * c
+        if projected:
+            small, big = min(r, c), max(r, c)
+            rr = min(rank, small)
+            state += k * (2 * rr * big * p + (small * small * 4 if p == 4 else rr * small * p))
+        else:
+            state += k * 2 * n * p
+    temp = prev = 0
+    order = [(r, c, c > 1) for r, c in layer] * min(num_layers, 2) if num_layers else []
+    for r, c, projected in [(r, c, False) for r, c in before] + order + [(r, c, False) for r, c in after]:
+        n = r * c
+        if projected:
+            small, big = min(r, c), max(r, c)
+            rr = min(rank, small)
+            steady = (2 * n + 3 * rr * big) * p
+            svd = (r * small + small + small * c + rr * big + rr * rr) * 4 + (n * 4 if p != 4 else 0) + prev * p
+            temp = max(temp, steady, svd)
+        else:
+            temp = max(temp, (2 * n + prev) * p)
+        prev = n
+    return OptimizerCost(state, temp, f"GaLore AdamW (galore-torch, rank {rank} on the decoder's attention and MLP "
+                                      "linears): low-rank moments and a projection per matrix, the rest AdamW")

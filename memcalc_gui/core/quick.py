@@ -18,7 +18,8 @@ A_INTERCEPT = 1.8494e6
 
 #: Optimizer state in units of N·P (Hugging Face blog uses 2 for AdamW).
 _STATE_FACTOR = {"adamw": 2.0, "adam": 2.0, "adamw-8bit": 0.5, "paged-adamw-8bit": 0.5, "sgd": 0.0,
-                 "sgd-momentum": 1.0, "adafactor": 0.0, "lion": 1.0}
+                 "sgd-momentum": 1.0, "adafactor": 0.0, "lion": 1.0,
+                 "galore-adamw": 2.0}  # GaLore: at most AdamW's (its projected moments are smaller)
 
 
 def activations_per_token(num_params: int) -> float:

@@ -18,7 +18,7 @@ from .units import MAX_COUNT, MAX_SIZE_BYTES, format_bytes
 
 Precision = Literal["fp32", "mixed", "bf16", "bf16-autocast"]
 Optimizer = Literal["adamw", "adam", "adamw-8bit", "paged-adamw-8bit", "paged-adamw-32bit", "sgd", "sgd-momentum",
-                    "adafactor", "lion"]
+                    "adafactor", "lion", "galore-adamw"]
 OptimizerImpl = Literal["foreach", "single-tensor", "fused"]
 #: transformers' ``attn_implementation``: ``sdpa`` (PyTorch's fused kernels), ``eager`` (batched products and a
 #: softmax) or ``flash`` (``flash_attention_2``: FlashAttention-2, variable-length over packed documents).
@@ -162,6 +162,8 @@ class TrainingSetup:
     #: stays within each document.
     packing: bool = False
     tokens_per_batch: int | None = None
+    #: GaLore's projection rank (``optimizer="galore-adamw"``: galore-torch's GaLoreAdamW, Trainer's ``galore_adamw``).
+    galore_rank: int = 128
     gpu: str | None = None
     capacity_bytes: int | None = None
     cuda_context_bytes: int = DEFAULT_CUDA_CONTEXT_BYTES
@@ -223,6 +225,7 @@ class TrainingSetup:
         if not isinstance(self.use_cache, bool):
             raise InputError("use_cache", f"must be true or false, got {self.use_cache!r}")
         self._check_packing()
+        self._check_galore()
         if self.capacity_bytes is not None:
             _positive_int("capacity", self.capacity_bytes, MAX_SIZE_BYTES)
         if isinstance(self.cuda_context_bytes, bool) or not isinstance(self.cuda_context_bytes, int) \
@@ -272,6 +275,24 @@ class TrainingSetup:
         if self.activation_offload != "none" and self.attention == "sdpa":
             raise InputError("packing", "activation offloading with packed SDPA attention (its per-layer masks) is "
                                         "not modelled; choose flash attention")
+
+    def _check_galore(self) -> None:
+        _positive_int("galore_rank", self.galore_rank, 65_536)
+        if self.optimizer != "galore-adamw":
+            return
+        if self.model is None:
+            raise InputError("optimizer", "GaLore projects the decoder's linear weights: it needs an architecture "
+                                          "(a preset or config.json)")
+        if self.model.family == "gpt2":
+            raise InputError("optimizer", "GaLore projects nn.Linear weights; GPT-2's layers are Conv1D, which "
+                                          "Trainer's galore_adamw does not target")
+        if self.tuning.method != "full":
+            raise InputError("optimizer", "GaLore is a full fine-tuning optimizer (it projects the weights' "
+                                          "gradients); with LoRA choose AdamW")
+        if self.parallel.is_distributed:
+            raise InputError("optimizer", "GaLore (galore-torch) is modelled on one GPU")
+        if self.optimizer_in_backward:
+            raise InputError("optimizer_in_backward", "GaLore's layer-wise step in backward is not modelled")
 
     @property
     def rows(self) -> int:
@@ -328,6 +349,7 @@ class TrainingSetup:
             "precision": self.precision,
             "optimizer": self.optimizer,
             "optimizer_impl": self.optimizer_impl,
+            **({"galore_rank": self.galore_rank} if self.optimizer == "galore-adamw" else {}),
             "attention": self.attention,
             "checkpointing": self.checkpointing,
             "loss": self.loss,

@@ -218,6 +218,7 @@ LEVER_COSTS: dict[str, int] = {
     "tuning-qlora": 60,  # a frozen, quantized base: adapters only, dequantization each matmul
     "tuning-lora": 50,  # a frozen base: only the adapters learn
     "optimizer-8bit": 40,
+    "optimizer-galore": 45,  # another optimizer: projected gradients, a periodic SVD
     "offload-both": 32,
     "offload-optimizer": 30,
     "precision-mixed": 25,
@@ -334,6 +335,12 @@ def levers(setup: TrainingSetup) -> list[Lever]:
                          {"optimizer": "adamw-8bit",
                           **({"optimizer_impl": "foreach"} if setup.optimizer_impl == "fused" else {})},
                          "quantised optimizer state; needs bitsandbytes"))
+        if setup.model is not None and setup.model.family != "gpt2" and setup.tuning.method == "full" \
+                and not setup.parallel.is_distributed and not setup.optimizer_in_backward:
+            out.append(Lever("optimizer", "optimizer-galore", "use GaLore AdamW (galore-torch, rank 128 on the "
+                             "attention and MLP weights)", {"optimizer": "galore-adamw"},
+                             "Adam's moments of a low-rank projection of the gradients and an SVD every 200 steps; "
+                             "full-parameter training with some quality difference from AdamW (GaLore paper)"))
         if setup.optimizer_impl != "fused":
             out.append(Lever("optimizer", "optimizer-fused", "use the fused optimizer implementation",
                              {"optimizer_impl": "fused"}, "no step temporaries; needs a CUDA build of torch"))

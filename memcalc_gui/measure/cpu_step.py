@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
 PRECISIONS = ("fp32", "mixed", "bf16", "bf16-autocast")
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "lion", "adamw-8bit", "paged-adamw-8bit",
-              "paged-adamw-32bit")
+              "paged-adamw-32bit", "galore-adamw")
 OPTIMIZER_IMPLS = ("foreach", "single-tensor", "fused")
 CHECKPOINTING = ("none", "full", "selective")
 LOSSES = ("full", "chunked")
@@ -161,6 +161,8 @@ def measure_training_step(
     parallelize: Callable[[Any], Any] | None = None,
     autocast: bool = True,
     documents: int | None = None,
+    galore_rank: int = 128,
+    galore_gap: int = 200,
 ) -> StepMeasurement:
     """Build the model from ``config`` and measure ``iterations`` training steps on CPU.
 
@@ -198,7 +200,7 @@ def measure_training_step(
                 builder=builder, use_cache=use_cache, tuning=tuning, keep_tracker=keep_tracker, loss=loss,
                 loss_chunk=loss_chunk, optimizer_in_backward=optimizer_in_backward,
                 activation_offload=activation_offload, parallelize=parallelize, autocast=autocast,
-                documents=documents,
+                documents=documents, galore_rank=galore_rank, galore_gap=galore_gap,
             )
 
     def announce(phase: str, it: int, micro: int = 0) -> None:
@@ -256,7 +258,8 @@ def measure_training_step(
                 raise ValueError("the optimizer step in backward cannot accumulate gradients (grad_accum must be 1)")
             per_param = {p: make_optimizer([p], optimizer, optimizer_impl) for p in params} \
                 if optimizer_in_backward else {}
-            opt = make_optimizer(params, optimizer, optimizer_impl) if not optimizer_in_backward else None
+            opt = make_optimizer(params, optimizer, optimizer_impl, model, galore_rank, galore_gap) \
+                if not optimizer_in_backward else None
 
             def tag_grad(param: torch.Tensor) -> None:
                 if param.grad is not None:
@@ -312,9 +315,8 @@ def measure_training_step(
                     if opt is not None:  # else each parameter was stepped in backward
                         opt.step()
                         for state in opt.state.values():
-                            for value in state.values():
-                                if isinstance(value, torch.Tensor):
-                                    tracker.track(value, "optimizer_state")
+                            for value in optimizer_state_tensors(state):
+                                tracker.track(value, "optimizer_state")
                         opt.zero_grad(set_to_none=True)
                 gc.collect()
                 live_end.append(tracker.live_bytes)
@@ -604,10 +606,29 @@ def op_sac_context() -> Any:
 
 
 def make_optimizer(
-    params: list[torch.nn.Parameter], name: str, impl: str
+    params: list[torch.nn.Parameter], name: str, impl: str, model: Any = None, galore_rank: int = 128,
+    galore_gap: int = 200,
 ) -> torch.optim.Optimizer:
-    """A ``torch.optim`` optimizer by ledger name and implementation."""
+    """A ``torch.optim`` optimizer by ledger name and implementation (``galore-adamw`` needs the ``model``: its
+    decoder attention and MLP linears get GaLore's low-rank projection, as Trainer's ``galore_adamw`` with
+    ``optim_target_modules=["attn", "mlp"]``; the rest plain AdamW states; ``galore_gap`` steps between
+    projection refreshes, Trainer's default 200)."""
     import torch
+
+    if name == "galore-adamw":
+        try:
+            from galore_torch import GaLoreAdamW
+        except ImportError:
+            raise UnsupportedOptimizerError("galore-adamw needs the galore-torch package: pip install galore-torch") \
+                from None
+        targets = {id(p) for p in galore_targets(model)} if model is not None else set()
+        low_rank = [p for p in params if id(p) in targets]
+        rest = [p for p in params if id(p) not in targets]
+        groups: list[dict[str, Any]] = [{"params": rest}] if rest else []
+        if low_rank:  # Trainer's defaults: update_proj_gap 200, scale 0.25, proj_type std
+            groups.append({"params": low_rank, "rank": galore_rank, "update_proj_gap": galore_gap, "scale": 0.25,
+                           "proj_type": "std"})
+        return GaLoreAdamW(groups, no_deprecation_warning=True)  # type: ignore[no-any-return]
 
     fused = True if impl == "fused" else None
     foreach = None if fused else impl == "foreach"
@@ -660,6 +681,28 @@ def step_forward(model: Any, input_ids: torch.Tensor, precision: str, loss: str 
             return value
         out: torch.Tensor = model(input_ids=input_ids, labels=input_ids, position_ids=position_ids).loss
         return out
+
+
+def galore_targets(model: Any) -> list[Any]:
+    """The weights GaLore projects: ``nn.Linear`` modules whose name contains ``attn`` or ``mlp`` (Trainer's
+    ``optim_target_modules`` example), trainable."""
+    import torch
+
+    return [m.weight for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+            and ("attn" in name or "mlp" in name) and m.weight.requires_grad]
+
+
+def optimizer_state_tensors(state: dict[str, Any]) -> list[Any]:
+    """The tensors one parameter's optimizer state holds, GaLore's projection matrix included."""
+    import torch
+
+    out = []
+    for value in state.values():
+        if isinstance(value, torch.Tensor):
+            out.append(value)
+        ortho = getattr(value, "ortho_matrix", None)  # galore_torch's GaLoreProjector
+        out.extend(t for t in (ortho if isinstance(ortho, list) else [ortho]) if isinstance(t, torch.Tensor))
+    return out
 
 
 def _check_args(

@@ -402,7 +402,7 @@ def _measure_cpu(result: MeasureResult, config: dict[str, Any], setup: TrainingS
             use_cache=setup.use_cache, grad_accum=setup.grad_accum, iterations=iterations, num_threads=None,
             on_phase=track_phase, tuning=setup.tuning if setup.tuning.method != "full" else None,
             loss=setup.loss, loss_chunk=setup.loss_chunk, optimizer_in_backward=setup.optimizer_in_backward,
-            activation_offload=setup.activation_offload,
+            activation_offload=setup.activation_offload, galore_rank=setup.galore_rank,
         )
     except NotImplementedError as exc:  # an optimizer torch lacks, or a family without a reference module
         raise MeasureError(str(exc)) from None
@@ -502,7 +502,7 @@ def _measure_cuda(result: MeasureResult, config: dict[str, Any], setup: Training
         if setup.activation_offload != "none":
             offloading = offload_hooks(model, None, setup.activation_offload)
             host_peak(reset=True)
-        opt = make_optimizer(params, setup.optimizer, setup.optimizer_impl)
+        opt = make_optimizer(params, setup.optimizer, setup.optimizer_impl, model, setup.galore_rank)
         input_ids = torch.randint(0, int(model.config.vocab_size), (setup.rows, setup.row_len), device=dev)
         position_ids = None
         if setup.packing:  # positions restart at every document: transformers attends within each one

@@ -56,6 +56,7 @@ FSDP2 = "PyTorch FSDP2"
 PT_SAVE_ON_CPU = "PyTorch autograd docs"
 HF_PACKING = "Transformers packing"
 FLASH_ATTN = "FlashAttention-2"
+GALORE = "GaLore 2024"
 
 SOURCES: dict[str, str] = {
     SEED_000: "Hugging Face blog, “Visualize and understand GPU memory in PyTorch” — phases, colours, "
@@ -98,6 +99,9 @@ SOURCES: dict[str, str] = {
     HF_PACKING: "Hugging Face Transformers, DataCollatorWithFlattening and masking_utils "
                 "(find_packed_sequence_indices) — packed documents in one row, position_ids restarting at each; "
                 "SDPA gets a block-diagonal mask.",
+    GALORE: "Zhao et al. 2024, “GaLore: Memory-Efficient LLM Training by Gradient Low-Rank Projection” "
+            "(arXiv:2403.03507), and galore-torch's GaLoreAdamW / GaLoreProjector — Adam's moments of an r-row "
+            "projection of each matrix's gradient, the projection from an SVD refreshed every 200 steps.",
     FLASH_ATTN: "Dao 2023, “FlashAttention-2” (arXiv:2307.08691) and flash-attn's flash_attn_varlen_func — attention "
                 "over packed variable-length documents from cumulative lengths, saving q, k, v, the output and "
                 "the log-sum-exp.",
@@ -144,6 +148,7 @@ _KEYWORD_SOURCES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("save_on_cpu", (PT_SAVE_ON_CPU,)),
     ("DataCollatorWithFlattening", (HF_PACKING,)),
     ("FlashAttention-2", (FLASH_ATTN,)),
+    ("GaLore", (GALORE,)),
 )
 
 

@@ -160,7 +160,8 @@ def trace_estimate(
                 fake=True, round_to=CUDA_ROUNDING, module_names=True, on_phase=on_phase,
                 tuning=setup.tuning if setup.tuning.method != "full" else None, loss=setup.loss,
                 loss_chunk=setup.loss_chunk, optimizer_in_backward=setup.optimizer_in_backward,
-                activation_offload=setup.activation_offload,
+                activation_offload=setup.activation_offload, galore_rank=setup.galore_rank,
+                galore_gap=1,  # GaLore: the second iteration refreshes the projection, as every 200th step does
             )
     except (TraceCancelled, MemcalcError):
         raise

@@ -86,7 +86,7 @@ def _trace(cfg: dict[str, Any], layers: int, b: int, s: int, setup: TrainingSetu
             grad_accum=TRACED_MICRO_BATCHES, iterations=2, fake=True, keep_tracker=True,
             tuning=setup.tuning if setup.tuning.method != "full" else None, loss=setup.loss,
             loss_chunk=setup.loss_chunk, optimizer_in_backward=setup.optimizer_in_backward,
-            activation_offload=setup.activation_offload)
+            activation_offload=setup.activation_offload, galore_rank=setup.galore_rank, galore_gap=1)
 
 
 def _monomial(delta_a: int, delta_b: int) -> Poly:

@@ -76,6 +76,7 @@ class FormState:
     precision: str = "mixed"
     optimizer: str = "adamw"
     optimizer_impl: str = "foreach"
+    galore_rank: str = "128"  # GaLore's projection rank (optimizer galore-adamw)
     attention: str = "sdpa"
     loss: str = "full"
     loss_chunk: str = ""
@@ -202,6 +203,7 @@ _FIELD_MAP: Final = {
     "precision": "precision",
     "optimizer": "optimizer",
     "optimizer_impl": "optimizer_impl",
+    "galore_rank": "galore_rank",
     "attention": "attention",
     "loss": "loss",
     "loss_chunk": "loss_chunk",
@@ -468,6 +470,8 @@ def build_setup(state: FormState, cache: ModelCache) -> TrainingSetup:
     attempt("tuning", lambda: tuning_from_state(state))
     attempt("loss_chunk", lambda: parse_positive_int(state.loss_chunk, "loss_chunk", LIMITS["seq"] * LIMITS["batch"])
             if state.loss_chunk.strip() and state.loss == "chunked" else None)
+    attempt("galore_rank", lambda: parse_positive_int(state.galore_rank or "128", "galore_rank", 65_536)
+            if state.optimizer == "galore-adamw" else 128)
     attempt("tokens_per_batch", lambda: parse_positive_int(state.tokens_per_batch, "tokens_per_batch",
                                                            LIMITS["seq"] * LIMITS["batch"], tokens=True)
             if state.tokens_per_batch.strip() and state.packing == "true" else None)

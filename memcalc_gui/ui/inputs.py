@@ -45,6 +45,7 @@ OPTIMIZER_LABELS = {
     "sgd-momentum": "SGD with momentum",
     "adafactor": "Adafactor",
     "lion": "Lion",
+    "galore-adamw": "GaLore AdamW (galore-torch)",
 }
 IMPL_LABELS = {"foreach": "foreach (CUDA default)", "single-tensor": "single-tensor", "fused": "fused"}
 ATTENTION_LABELS = {"sdpa": "SDPA (fused kernels)", "eager": "eager (stores L×L scores)",
@@ -404,6 +405,10 @@ class InputPanel(QWidget):
         self._row(pform, "Optimi&zer:", "optimizer", self.optimizer)
         self.optimizer_impl = _combo({i: IMPL_LABELS.get(i, i) for i in OPTIMIZER_IMPLS}, TOOLTIPS["optimizer_impl"])
         self._row(pform, "&Implementation:", "optimizer_impl", self.optimizer_impl)
+        self.galore_rank = IntEdit()
+        self.galore_rank.setObjectName("galoreRank")
+        self.galore_rank.setToolTip(TOOLTIPS["galore_rank"])
+        self._row(pform, "GaLore rank:", "galore_rank", self.galore_rank)
         self.optimizer_in_backward = QCheckBox("Step in backward (gradients freed as made)")
         self.optimizer_in_backward.setToolTip(TOOLTIPS["optimizer_in_backward"])
         self.boxes["optimizer_in_backward"] = FieldBox(self.optimizer_in_backward)
@@ -515,6 +520,7 @@ class InputPanel(QWidget):
         self.loss_chunk.textChanged.connect(self._changed)
         self.packing.toggled.connect(self._on_packing)
         self.tokens_per_batch.textChanged.connect(self._changed)
+        self.galore_rank.textChanged.connect(self._changed)
         for combo in (self.strategy, self.offload):
             combo.currentIndexChanged.connect(self._on_parallel)
         self.precision.currentIndexChanged.connect(self._on_precision_or_optimizer)
@@ -543,7 +549,8 @@ class InputPanel(QWidget):
                  self.lora_rank, self.lora_targets, self.lora_dropout, self.quant, self.double_quant, self.prepare_kbit,
                  self.trainable, self.recipe,
                  self.precision,
-                 self.optimizer, self.optimizer_impl, self.optimizer_in_backward, self.gpu, self.capacity, self.gpus,
+                 self.optimizer, self.optimizer_impl, self.galore_rank, self.optimizer_in_backward, self.gpu,
+                 self.capacity, self.gpus,
                  self.strategy, self.reshard_after_forward, self.node_size,
                  self.ep, self.offload, self.cuda_context, self.allocator_reserve]
         for a, b in itertools.pairwise(chain):
@@ -746,10 +753,18 @@ class InputPanel(QWidget):
         self._changed()
 
     def _on_precision_or_optimizer(self, *_: object) -> None:
+        self._sync_galore()
         if self._updating:
             return
         self._sync_recipe()
         self._changed()
+
+    def _sync_galore(self) -> None:
+        """GaLore's rank applies to GaLore only."""
+        used = self.optimizer.currentData() == "galore-adamw"
+        self.galore_rank.setEnabled(used)
+        if "galore_rank" in self.labels:
+            self.labels["galore_rank"].setEnabled(used)
 
     def _sync_recipe(self) -> None:
         key = recipe_for(self.precision.currentData(), self.optimizer.currentData(),
@@ -775,6 +790,7 @@ class InputPanel(QWidget):
             precision=self.precision.currentData(),
             optimizer=self.optimizer.currentData(),
             optimizer_impl=self.optimizer_impl.currentData(),
+            galore_rank=self.galore_rank.text(),
             attention=self.attention.currentData(),
             loss=self.loss.currentData(),
             loss_chunk=self.loss_chunk.text(),
@@ -836,6 +852,9 @@ class InputPanel(QWidget):
             if self.tokens_per_batch.text() != state.tokens_per_batch:
                 self.tokens_per_batch.setText(state.tokens_per_batch)
             self._sync_packing()
+            if self.galore_rank.text() != state.galore_rank:
+                self.galore_rank.setText(state.galore_rank)
+            self._sync_galore()
             _set_combo(self.gpu, state.gpu, fallback="")  # a GPU no longer in the table: custom capacity
             self.checkpointing.setChecked(state.checkpointing != "none")
             self.ckpt_selective.setChecked(state.checkpointing == "selective")

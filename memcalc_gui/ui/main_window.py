@@ -93,7 +93,7 @@ FIELD_NAMES = {
     "precision": "precision", "optimizer": "optimizer", "optimizer_impl": "optimizer implementation",
     "attention": "attention", "loss": "loss", "loss_chunk": "loss chunk",
     "activation_offload": "activation offload", "packing": "packing",
-    "tokens_per_batch": "real tokens per micro-batch",
+    "tokens_per_batch": "real tokens per micro-batch", "galore_rank": "GaLore rank",
     "optimizer_in_backward": "step in backward", "ckpt_every": "checkpoint every N-th layer",
     "ckpt_selective": "per-op checkpointing",
     "checkpointing": "checkpointing", "use_cache": "use_cache", "gpu": "GPU",

@@ -157,6 +157,11 @@ TOOLTIPS: dict[str, str] = {
         "the logits a chunk of tokens at a time and computes the hidden-state and head-weight gradients in "
         "forward, so the full logits never exist."
     ),
+    "galore_rank": (
+        "GaLore's rank r (Zhao et al. 2024; galore-torch's GaLoreAdamW, Trainer's optim=\"galore_adamw\" with "
+        "optim_target_modules=[\"attn\", \"mlp\"] and optim_args=\"rank=...\"): each attention and MLP weight keeps "
+        "Adam's moments of an r-row projection of its gradient and the projection matrix. Default 128."
+    ),
     "packing": (
         "Padding-free packing, as transformers' DataCollatorWithFlattening and TRL's padding_free do it: the "
         "micro-batch's documents are concatenated into one row without padding, position_ids restarting at each "
