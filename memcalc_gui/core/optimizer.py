@@ -64,6 +64,14 @@ def optimizer_cost(
 
     if optimizer == "galore-adamw":
         return galore(layout, num_layers, p, galore_rank)
+    if optimizer == "adamw-bf16-states":
+        # torchdistx AnyPrecisionAdamW (Trainer's adamw_anyprecision, momentum and variance in bfloat16): a
+        # single-tensor loop whose sqrt and bias-corrected denominator are bf16 tensors, the previous parameter's
+        # denominator alive while the next is built; fused (Transformer Engine's FusedAdam with bf16 exp_avg and
+        # exp_avg_sq, Megatron's precision-aware optimizer): none
+        return OptimizerCost(2 * numel_total * 2, 0 if impl == "fused" else single_tensor(2) * 2 // p,
+                             "AdamW with bf16 exp_avg and exp_avg_sq beside the weights (AnyPrecisionAdamW, "
+                             "Megatron's precision-aware optimizer): 4 B/param of state")
     if optimizer in ("adamw", "adam"):
         state = 2 * numel_total * p
         if impl == "fused":

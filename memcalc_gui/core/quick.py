@@ -59,7 +59,8 @@ def estimate_quick(setup: TrainingSetup) -> Estimate:
     p, p_act = precision_bytes(setup)
     model = n * p
     # bitsandbytes' 32-bit states are fp32 whatever the parameter dtype
-    state = 8 * n if setup.optimizer == "paged-adamw-32bit" else round(_STATE_FACTOR[setup.optimizer] * n * p)
+    state = 8 * n if setup.optimizer == "paged-adamw-32bit" else 4 * n if setup.optimizer == "adamw-bf16-states" \
+        else round(_STATE_FACTOR[setup.optimizer] * n * p)  # bf16 states: 2 + 2 B/param
     intermediates = n * p
     acts = round(activations_per_token(n) * setup.tokens * p_act)
     notes: tuple[str, ...] = ()

@@ -18,7 +18,7 @@ from .units import MAX_COUNT, MAX_SIZE_BYTES, format_bytes
 
 Precision = Literal["fp32", "mixed", "bf16", "bf16-autocast"]
 Optimizer = Literal["adamw", "adam", "adamw-8bit", "paged-adamw-8bit", "paged-adamw-32bit", "sgd", "sgd-momentum",
-                    "adafactor", "lion", "galore-adamw"]
+                    "adafactor", "lion", "galore-adamw", "adamw-bf16-states"]
 OptimizerImpl = Literal["foreach", "single-tensor", "fused"]
 #: transformers' ``attn_implementation``: ``sdpa`` (PyTorch's fused kernels), ``eager`` (batched products and a
 #: softmax) or ``flash`` (``flash_attention_2``: FlashAttention-2, variable-length over packed documents).

@@ -219,6 +219,7 @@ LEVER_COSTS: dict[str, int] = {
     "tuning-lora": 50,  # a frozen base: only the adapters learn
     "optimizer-8bit": 40,
     "optimizer-galore": 45,  # another optimizer: projected gradients, a periodic SVD
+    "optimizer-bf16-states": 30,  # bf16 moments: a precision trade-off, a less common package
     "offload-both": 32,
     "offload-optimizer": 30,
     "precision-mixed": 25,
@@ -335,6 +336,12 @@ def levers(setup: TrainingSetup) -> list[Lever]:
                          {"optimizer": "adamw-8bit",
                           **({"optimizer_impl": "foreach"} if setup.optimizer_impl == "fused" else {})},
                          "quantised optimizer state; needs bitsandbytes"))
+        if setup.precision in ("fp32", "mixed"):
+            out.append(Lever("optimizer", "optimizer-bf16-states", "keep AdamW's moments in bf16 (AnyPrecisionAdamW: "
+                             'Trainer\'s adamw_anyprecision with momentum_dtype and variance_dtype "bfloat16")',
+                             {"optimizer": "adamw-bf16-states"},
+                             "bf16 moments beside fp32 weights: less precise state; needs torchdistx (or Megatron's "
+                             "precision-aware optimizer)"))
         if setup.model is not None and setup.model.family != "gpt2" and setup.tuning.method == "full" \
                 and not setup.parallel.is_distributed and not setup.optimizer_in_backward:
             out.append(Lever("optimizer", "optimizer-galore", "use GaLore AdamW (galore-torch, rank 128 on the "

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
 PRECISIONS = ("fp32", "mixed", "bf16", "bf16-autocast")
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "lion", "adamw-8bit", "paged-adamw-8bit",
-              "paged-adamw-32bit", "galore-adamw")
+              "paged-adamw-32bit", "galore-adamw", "adamw-bf16-states")
 OPTIMIZER_IMPLS = ("foreach", "single-tensor", "fused")
 CHECKPOINTING = ("none", "full", "selective")
 LOSSES = ("full", "chunked")
@@ -648,6 +648,13 @@ def make_optimizer(
                 "torch.optim.Adafactor has no fused implementation"
             )
         return torch.optim.Adafactor(params, foreach=foreach)
+    if name == "adamw-bf16-states":
+        if fused:
+            raise UnsupportedOptimizerError("the fused AdamW with bf16 states is Transformer Engine's FusedAdam "
+                                            "(CUDA): measure foreach or single-tensor")
+        from .anyprecision import make
+
+        return make(params)  # type: ignore[no-any-return]
     if name in ("adamw-8bit", "paged-adamw-8bit", "paged-adamw-32bit"):
         try:
             import bitsandbytes as bnb

@@ -57,6 +57,7 @@ PT_SAVE_ON_CPU = "PyTorch autograd docs"
 HF_PACKING = "Transformers packing"
 FLASH_ATTN = "FlashAttention-2"
 GALORE = "GaLore 2024"
+ANYPRECISION = "AnyPrecisionAdamW"
 
 SOURCES: dict[str, str] = {
     SEED_000: "Hugging Face blog, “Visualize and understand GPU memory in PyTorch” — phases, colours, "
@@ -102,6 +103,10 @@ SOURCES: dict[str, str] = {
     GALORE: "Zhao et al. 2024, “GaLore: Memory-Efficient LLM Training by Gradient Low-Rank Projection” "
             "(arXiv:2403.03507), and galore-torch's GaLoreAdamW / GaLoreProjector — Adam's moments of an r-row "
             "projection of each matrix's gradient, the projection from an SVD refreshed every 200 steps.",
+    ANYPRECISION: "torchdistx, optimizers/anyprecision_optimizer.py (AnyPrecisionAdamW; Trainer's "
+                  "optim=\"adamw_anyprecision\" with momentum_dtype and variance_dtype bfloat16) — AdamW moments in "
+                  "bf16 beside the weights; Megatron-Core's precision-aware optimizer (exp_avg_dtype, "
+                  "exp_avg_sq_dtype) keeps the same.",
     FLASH_ATTN: "Dao 2023, “FlashAttention-2” (arXiv:2307.08691) and flash-attn's flash_attn_varlen_func — attention "
                 "over packed variable-length documents from cumulative lengths, saving q, k, v, the output and "
                 "the log-sum-exp.",
@@ -149,6 +154,7 @@ _KEYWORD_SOURCES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("DataCollatorWithFlattening", (HF_PACKING,)),
     ("FlashAttention-2", (FLASH_ATTN,)),
     ("GaLore", (GALORE,)),
+    ("AnyPrecisionAdamW", (ANYPRECISION,)),
 )
 
 

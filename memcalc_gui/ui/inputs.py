@@ -46,6 +46,7 @@ OPTIMIZER_LABELS = {
     "adafactor": "Adafactor",
     "lion": "Lion",
     "galore-adamw": "GaLore AdamW (galore-torch)",
+    "adamw-bf16-states": "AdamW, bf16 states (AnyPrecisionAdamW)",
 }
 IMPL_LABELS = {"foreach": "foreach (CUDA default)", "single-tensor": "single-tensor", "fused": "fused"}
 ATTENTION_LABELS = {"sdpa": "SDPA (fused kernels)", "eager": "eager (stores L×L scores)",
