@@ -73,6 +73,8 @@ FLAGS = {
     "packing": "--packing",
     "tokens_per_batch": "--tokens-per-batch",
     "galore_rank": "--galore-rank",
+    "snapshot": "--snapshot",
+    "snapshot_out": "--snapshot-out",
     "capacity": "--capacity",
     "gpu": "--gpu",
     "params": "--params",
@@ -221,6 +223,18 @@ def build_parser() -> argparse.ArgumentParser:
                      help="quick (seed heuristic), analytic (default for an architecture) or trace (the real step "
                           "on fake tensors; needs torch and transformers)")
     est.add_argument("--json", action="store_true", help="print one JSON object (schema 1)")
+    est.add_argument("--snapshot-out", metavar="FILE",
+                     help="with --method trace: write the predicted allocations and frees as a memory snapshot "
+                          "pickle (open it at pytorch.org/memory_viz, or with python -m torch.cuda._memory_viz)")
+
+    rec = sub.add_parser("reconcile", help="compare a real CUDA memory snapshot with the estimate, phase by phase")
+    _add_model_args(rec, params=False)
+    _add_setup_args(rec)
+    rec.add_argument("--snapshot", required=True, metavar="FILE",
+                     help="a torch.cuda.memory._dump_snapshot pickle (read without running any code)")
+    rec.add_argument("--device", type=int, default=None, metavar="N",
+                     help="the device trace to read (default: the one with the most events)")
+    rec.add_argument("--json", action="store_true", help="print one JSON object")
 
     mea = sub.add_parser("measure", help="run a real training step on this machine and compare with the estimate")
     _add_model_args(mea, params=False)
@@ -508,6 +522,9 @@ def cmd_estimate(args: argparse.Namespace) -> int:
             notes.append(note)
         if result is None:
             args.method = "trace"
+    snapshot_out = getattr(args, "snapshot_out", None)
+    if snapshot_out and args.method != "trace":
+        raise InputError("snapshot_out", "the predicted events come from the trace: add --method trace")
     if args.method == "trace":
         from .trace.fake import trace_estimate
 
@@ -516,6 +533,13 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         traced = trace_estimate(setup, config=config)
         result = traced.result()
         modules = traced.modules
+        if snapshot_out and traced.timeline is not None:
+            try:
+                traced.timeline.write_snapshot(snapshot_out)
+            except OSError as exc:
+                raise InputError("snapshot_out", f"cannot write {snapshot_out}: {exc.strerror or exc}") from None
+            notes.append(f"predicted memory snapshot written to {snapshot_out} ({len(traced.timeline.events):,} "
+                         "events; open it at pytorch.org/memory_viz)")
     elif result is None:
         result = evaluate(setup, args.method)
     if args.json:
@@ -568,6 +592,60 @@ def _fitted_result(setup: TrainingSetup, config: dict[str, Any]) -> tuple[Result
             return None
 
     return evaluate_fitted(setup, fit, more), ""
+
+
+def cmd_reconcile(args: argparse.Namespace) -> int:
+    """A real snapshot's timeline beside the estimate of the stated setup: each phase's peak, the difference, the
+    object that differs most, and the reconciliation signals (estimate difference, allocator retained space,
+    capacity pressure)."""
+    from .core.reconcile import reconcile
+    from .core.timeline import compare_phases, load_snapshot, timeline_from_snapshot
+
+    setup, notes = setup_from_args(args)
+    try:
+        data = Path(args.snapshot).read_bytes()
+    except OSError as exc:
+        raise InputError("snapshot", f"cannot read {args.snapshot}: {exc.strerror or exc}") from None
+    timeline = timeline_from_snapshot(load_snapshot(data), args.device)
+    if not timeline.events:
+        raise InputError("snapshot", "the snapshot's trace holds no allocations (record with "
+                                     "torch.cuda.memory._record_memory_history() before the step)")
+    result = evaluate(setup, "analytic" if setup.model is not None else "quick")
+    rows = compare_phases(timeline, {p: dict(ph.objects) for p, ph in result.estimate.phases.items()})
+    _, peak = timeline.peak()
+    signals = None
+    capacity = setup.capacity_bytes
+    reserved = max(timeline.reserved_bytes, peak)
+    if capacity and reserved <= capacity:
+        signals = reconcile(result.estimate.peak_tensor_bytes, peak, reserved, capacity)
+    if args.json:
+        _out(json.dumps({"snapshot": str(args.snapshot), "events": len(timeline.events), "peak_bytes": peak,
+                         "reserved_bytes": timeline.reserved_bytes, "phases": [r.to_json() for r in rows],
+                         "reconciliation": signals.to_json() if signals else None,
+                         "setup": setup.describe(), "notes": notes}, indent=2))
+        return 0
+    _out(f"Snapshot   {args.snapshot}: {len(timeline.events):,} events, peak {format_bytes(peak)}"
+         + (f", {format_bytes(timeline.reserved_bytes)} reserved at the end" if timeline.reserved_bytes else ""))
+    _out(f"Estimate   {setup.summary()}")
+    if not rows:
+        _out("No phase of the step was found in the snapshot's frames (record the history with stacks: "
+             "torch.cuda.memory._record_memory_history(stacks='python')).")
+    else:
+        _out(f"\n{'phase':<16}{'snapshot':>14}{'estimate':>14}{'difference':>14}  where they part")
+        for r in rows:
+            obj, gap = r.largest_gap
+            _out(f"{r.phase.replace('_', ' '):<16}{format_bytes(r.timeline_bytes):>14}"
+                 f"{format_bytes(r.estimate_bytes):>14}{_signed(r.difference_bytes):>14}  "
+                 f"{obj.replace('_', ' ')} {_signed(gap)}")
+    if signals is not None:
+        _out(f"\nSignals    {', '.join(signals.signals) or 'none'} (estimate difference "
+             f"{_signed(signals.estimate_difference_bytes)}, allocator retained "
+             f"{format_bytes(signals.allocator_gap_bytes)}, margin {format_bytes(signals.budget_margin_bytes)})")
+    return 0
+
+
+def _signed(n: int) -> str:
+    return ("+" if n >= 0 else "−") + format_bytes(abs(n))
 
 
 def cmd_measure(args: argparse.Namespace) -> int:
@@ -676,6 +754,8 @@ def _run(argv: Sequence[str] | None) -> int:
             return cmd_measure(args)
         if args.command == "report":
             return cmd_report(args)
+        if args.command == "reconcile":
+            return cmd_reconcile(args)
         return cmd_presets(args)
     except InputError as exc:
         _field_error(exc)

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from memcalc_gui.core.finetune import FineTuning
+from memcalc_gui.core.timeline import Timeline
 from memcalc_gui.core.vocab import PHASES, TENSOR_OBJECTS
 from memcalc_gui.measure.tracker import LiveStorageTracker, StorageRecord
 
@@ -773,6 +774,52 @@ def make_classifier(
         return _PHASE_CATEGORY.get(rec.phase or "", "temporaries")
 
     return category_of, is_compute_copy
+
+
+def timeline_from_tracker(tracker: LiveStorageTracker, source: str, round_to: int = 1) -> Timeline:
+    """The tracker's event log as a :class:`~memcalc_gui.core.timeline.Timeline`: every allocation and free by
+    ledger object (decided after the run), phase, module and op, sizes rounded up to ``round_to`` (512: the CUDA
+    caching allocator), the phase windows as spans. FSDP2's storage resizes become allocations and frees."""
+    from ..core.timeline import Span, Timeline, TimelineEvent
+
+    category_of, _ = make_classifier(tracker)
+
+    def rounded(n: int) -> int:
+        return -(-n // round_to) * round_to if round_to > 1 else n
+
+    events: list[TimelineEvent] = []
+    opened: dict[tuple[str, int, int], int] = {}
+    spans: list[Span] = []
+    live_blocks: dict[int, list[tuple[int, int]]] = {}
+    next_addr = 1 << 40
+    for ev in tracker.events:
+        if ev.kind == "begin" and ev.phase is not None:
+            opened[(ev.phase, ev.iteration, ev.micro)] = len(events)
+            continue
+        if ev.kind == "end" and ev.phase is not None:
+            start = opened.pop((ev.phase, ev.iteration, ev.micro), None)
+            if start is not None:
+                spans.append(Span(ev.phase, ev.iteration, start, len(events)))
+            continue
+        rec = tracker.records.get(ev.sid)
+        if rec is None or ev.delta == 0:
+            continue
+        cat = category_of(rec)
+        where = dict(phase=rec.phase or "", iteration=rec.iteration, module=rec.module or "",
+                     op=rec.op.removeprefix("aten."))
+        blocks = live_blocks.setdefault(ev.sid, [])
+        if ev.kind == "alloc" or (ev.kind == "resize" and ev.delta > 0):
+            # a storage grown in place (FSDP2's all-gather buffers) gets a block of its own
+            next_addr += 4096
+            addr = ev.sid * 4096 if ev.kind == "alloc" else next_addr
+            blocks.append((addr, rounded(ev.delta)))
+            events.append(TimelineEvent(rounded(ev.delta), cat, addr=addr, **where))  # type: ignore[arg-type]
+            continue
+        # a free releases every block of the storage; a shrink the latest
+        for addr, size in (reversed(blocks) if ev.kind == "free" else blocks[-1:]):
+            events.append(TimelineEvent(-size, cat, addr=addr, **where))  # type: ignore[arg-type]
+        del blocks[(0 if ev.kind == "free" else -1):]
+    return Timeline(tuple(events), source, tuple(spans), rounding=round_to)
 
 
 def _summarize(

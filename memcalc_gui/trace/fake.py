@@ -13,6 +13,7 @@ torch and transformers are imported inside functions only.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import os
 import re
@@ -31,6 +32,7 @@ from ..core.optimizer import optimizer_cost
 from ..core.result import Result
 from ..core.setup import TrainingSetup
 from ..core.solver import gpu_plan, solve
+from ..core.timeline import Timeline
 from ..core.vocab import PHASES
 
 #: The CUDA caching allocator rounds every block up to 512 bytes (PyTorch memory notes, NOTES.md).
@@ -59,6 +61,8 @@ class TraceResult:
     seconds: float
     analytic: Estimate | None = None
     rules: list[str] = field(default_factory=list)
+    #: Every allocation and free of the two traced iterations (sizes rounded as the CUDA allocator rounds them).
+    timeline: Timeline | None = None
 
     def result(self) -> Result:
         """The trace's ledger with a verdict; what-ifs (max micro-batch, suggestions, GPU plan) use the analytic
@@ -162,6 +166,7 @@ def trace_estimate(
                 loss_chunk=setup.loss_chunk, optimizer_in_backward=setup.optimizer_in_backward,
                 activation_offload=setup.activation_offload, galore_rank=setup.galore_rank,
                 galore_gap=1,  # GaLore: the second iteration refreshes the projection, as every 200th step does
+                keep_tracker=True,
             )
     except (TraceCancelled, MemcalcError):
         raise
@@ -175,6 +180,10 @@ def trace_estimate(
     except Exception as exc:  # an op fake tensors cannot run, or a model that fails to build
         raise TraceError(f"the trace failed ({type(exc).__name__}: {one_line(exc, 240)}); the analytic estimate "
                          "still holds") from None
+    from ..measure.cpu_step import timeline_from_tracker
+
+    timeline = timeline_from_tracker(m.tracker, "trace", CUDA_ROUNDING) if m.tracker is not None else None
+    m = dataclasses.replace(m, tracker=None)  # the event log is in the timeline now
     seconds = time.perf_counter() - t0
 
     objects: dict[str, dict[str, int]] = {}
@@ -221,7 +230,7 @@ def trace_estimate(
                    details={"seconds": seconds, "modules": modules, "host_bytes": host_bytes,
                             "offloaded_activation_bytes": offloaded, "parallel_notes": notes})
     analytic = estimate(setup) if setup.model is not None else None
-    return TraceResult(est, modules, seconds, analytic, rules)
+    return TraceResult(est, modules, seconds, analytic, rules, timeline)
 
 
 def _layer_count(cfg: dict[str, Any]) -> int:

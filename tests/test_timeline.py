@@ -1,0 +1,201 @@
+"""The memory timeline of a step (issue 16): measured and predicted event streams, memory_viz snapshots out (read
+back by PyTorch's own reader), real snapshots in (read without running code), and the comparison with an estimate."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.techniques import FAMILIES
+from memcalc_gui.cli import main as cli_main
+from memcalc_gui.core.errors import InputError
+from memcalc_gui.core.timeline import (
+    Span,
+    Timeline,
+    TimelineEvent,
+    compare_phases,
+    load_snapshot,
+    timeline_from_snapshot,
+)
+
+
+def _tiny() -> Timeline:
+    ev = [TimelineEvent(1024, "parameters", "load", 0, "model.embed", "empty", 1),
+          TimelineEvent(4096, "activations", "forward", 1, "model.layers.0.mlp", "mm", 2),
+          TimelineEvent(512, "temporaries", "backward", 1, "model.layers.0.mlp", "mm", 3),
+          TimelineEvent(-4096, "activations", "forward", 1, "model.layers.0.mlp", "mm", 2),
+          TimelineEvent(-512, "temporaries", "backward", 1, "model.layers.0.mlp", "mm", 3)]
+    return Timeline(tuple(ev), "trace", (Span("load", 0, 0, 1), Span("forward", 1, 1, 2), Span("backward", 1, 2, 5)))
+
+
+def test_series_peaks_and_composition() -> None:
+    tl = _tiny()
+    assert list(tl.live()) == [1024, 5120, 5632, 1536, 1024]
+    assert tl.peak() == (2, 5632)
+    assert tl.phase_peaks() == {"load": 1024, "forward": 5120, "backward": 5632}
+    assert tl.composition_at(2) == {"parameters": 1024, "activations": 4096, "temporaries": 512}
+    assert sum(v[2] for v in tl.series().values()) == 5632
+    assert [e.size_bytes for e in tl.largest_live(2, 2)] == [4096, 1024]
+    rows = compare_phases(tl, {"backward": {"parameters": 1024, "activations": 2048, "cuda_context": 10**9}})
+    assert len(rows) == 1 and rows[0].difference_bytes == 5632 - 3072
+    assert rows[0].largest_gap == ("activations", 2048)
+
+
+def test_snapshot_round_trip() -> None:
+    tl = _tiny()
+    back = timeline_from_snapshot(load_snapshot(pickle.dumps(tl.to_snapshot())))
+    assert back.phase_peaks() == tl.phase_peaks() and back.spans == tl.spans
+    assert [(e.size_bytes, e.category, e.phase) for e in back.events] == \
+        [(e.size_bytes, e.category, e.phase) for e in tl.events]
+
+
+class _Evil:
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (os.system, ("touch /tmp/memcalc-pwned",))
+
+
+@pytest.mark.parametrize("payload, words", [
+    (pickle.dumps(_Evil()), "names the Python object"),
+    (pickle.dumps({"device_traces": [[{"action": "alloc", "addr": 1, "size": 2, "frames": []}]]})[:-7], "truncated"),
+    (pickle.dumps(42), "no device_traces"),
+    (b"\x00\x01not a pickle at all", "not a"),
+    (pickle.dumps({"device_traces": [[{"action": "alloc", "addr": "x", "size": 2}]]}), "integer address"),
+    (pickle.dumps({"device_traces": [["nope"]]}), "not a record"),
+    (pickle.dumps({"device_traces": []}), "no trace"),
+])
+def test_hostile_snapshots_are_refused_without_running_code(payload: bytes, words: str) -> None:
+    Path("/tmp/memcalc-pwned").unlink(missing_ok=True)
+    with pytest.raises(InputError, match=words) as exc:
+        timeline_from_snapshot(load_snapshot(payload))
+    assert exc.value.field == "snapshot"
+    assert not Path("/tmp/memcalc-pwned").exists()
+
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+
+@pytest.mark.parametrize("case", [("llama", "mixed", "none", 1), ("qwen2-tied", "bf16", "full", 1),
+                                  ("gpt2", "fp32", "none", 2)], ids=lambda c: "-".join(map(str, c)))
+def test_measured_timeline_reproduces_the_measurement(case: tuple[str, str, str, int]) -> None:
+    """The timeline built from a measured step's events has the step's phase peaks and end state exactly; the
+    fake-tensor trace's timeline (the prediction) is within 1 % of it at every phase boundary and phase peak."""
+    from memcalc_gui.measure.cpu_step import measure_training_step, timeline_from_tracker
+
+    family, precision, ckpt, accum = case
+    kw = dict(batch=2, seq=64, precision=precision, checkpointing=ckpt, grad_accum=accum, keep_tracker=True,
+              module_names=True)
+    real = measure_training_step(FAMILIES[family], **kw)  # type: ignore[arg-type]
+    tl = timeline_from_tracker(real.tracker, "measured")
+    assert tl.phase_peaks() == {p: m.peak_bytes for p, m in real.phases.items()}
+    assert tl.live()[-1] == real.tracker.live_bytes
+    fake = measure_training_step(FAMILIES[family], fake=True, **kw)  # type: ignore[arg-type]
+    predicted = timeline_from_tracker(fake.tracker, "trace")
+    assert [(s.phase, s.iteration) for s in predicted.spans] == [(s.phase, s.iteration) for s in tl.spans]
+    live_p, live_r = predicted.live(), tl.live()
+    for sp, sr in zip(predicted.spans, tl.spans, strict=True):
+        for ip, ir in ((sp.start - 1, sr.start - 1), (sp.end - 1, sr.end - 1)):
+            if ip >= 0 and ir >= 0:
+                assert abs(live_p[ip] - live_r[ir]) <= 0.01 * live_r[ir], (sp, live_p[ip], live_r[ir])
+    for phase, peak in tl.phase_peaks().items():
+        assert abs(predicted.phase_peaks()[phase] - peak) <= 0.01 * peak, phase
+    at_peak_p, at_peak_r = predicted.composition_at(predicted.peak()[0]), tl.composition_at(tl.peak()[0])
+    for category, value in at_peak_r.items():
+        assert abs(at_peak_p.get(category, 0) - value) <= 0.01 * tl.peak()[1], category
+
+
+def test_pytorch_reads_every_view_of_a_written_snapshot(tmp_path: Path) -> None:
+    from memcalc_gui.core.estimate import estimate
+    from memcalc_gui.core.model import spec_from_config
+    from memcalc_gui.core.setup import TrainingSetup
+    from memcalc_gui.trace.fake import trace_estimate
+
+    setup = TrainingSetup(model=spec_from_config(FAMILIES["llama"]), batch=2, seq=64, optimizer_impl="single-tensor")
+    traced = trace_estimate(setup)
+    assert traced.timeline is not None and traced.timeline.rounding == 512
+    assert all(e.size_bytes % 512 == 0 for e in traced.timeline.events)
+    # the trace's timeline peaks where its ledger does
+    peaks = traced.timeline.phase_peaks()
+    for phase in ("forward", "backward", "optimizer_step"):
+        assert peaks[phase] == traced.estimate.phases[phase].tensor_bytes, phase
+    path = tmp_path / "predicted.pickle"
+    traced.timeline.write_snapshot(path)
+    from torch.cuda import _memory_viz
+
+    data = pickle.loads(path.read_bytes())  # our own file, in the test
+    assert "<html" in _memory_viz.trace_plot(data).lower()
+    assert "<html" in _memory_viz.segment_plot(data).lower()
+    assert _memory_viz.segsum(data)
+    assert _memory_viz.trace(data)
+    out = tmp_path / "out.html"
+    run = subprocess.run([sys.executable, "-m", "torch.cuda._memory_viz", "trace_plot", str(path), "-o", str(out)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert out.stat().st_size > 10_000
+    assert estimate(setup).phases["forward"].tensor_bytes > 0
+
+
+def test_a_pytorch_made_snapshot_is_read_and_reconciled(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """PyTorch builds a snapshot from a CPU profile of a real step (``_profile_to_snapshot``, the structure
+    ``_dump_snapshot`` writes on a GPU, with the profiler's categories); memcalc finds its phases from the stack
+    frames, maps the categories to ledger objects, and its peak is the step's."""
+    from torch.cuda._memory_viz import _profile_to_snapshot
+
+    from memcalc_gui.measure.cpu_step import build_model, measure_training_step, step_forward
+
+    model = build_model(FAMILIES["llama"], precision="fp32")
+    opt = torch.optim.AdamW(model.parameters(), foreach=False)
+    ids = torch.randint(0, 512, (2, 64))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True,
+                                record_shapes=True, with_stack=True) as prof:
+        for _ in range(2):
+            step_forward(model, ids, "fp32").backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    path = tmp_path / "real.pickle"
+    path.write_bytes(pickle.dumps(_profile_to_snapshot(prof)))
+    tl = timeline_from_snapshot(load_snapshot(path.read_bytes()))
+    assert [s.phase for s in tl.spans] == ["forward", "backward", "optimizer_step"] * 2
+    real = measure_training_step(FAMILIES["llama"], batch=2, seq=64, precision="fp32")
+    _, peak = tl.peak()
+    assert abs(peak - real.peak_bytes) <= 0.01 * real.peak_bytes
+    at_peak = tl.composition_at(tl.peak()[0])
+    assert at_peak.get("optimizer_state", 0) > 0 and at_peak.get("parameters", 0) + at_peak.get("unknown", 0) > 0
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(FAMILIES["llama"]))
+    assert cli_main(["reconcile", "--config", str(cfg), "--batch", "2", "--seq", "64", "--precision", "fp32",
+                     "--optimizer-impl", "single-tensor", "--snapshot", str(path), "--gpu", "a100-80gb",
+                     "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [r["phase"] for r in data["phases"]] == ["forward", "backward", "optimizer_step"]
+    step = data["phases"][-1]
+    assert abs(step["difference_bytes"]) <= 0.02 * step["timeline_bytes"]
+
+
+def test_cli_snapshot_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["estimate", "--preset", "llama-3.2-1b", "--snapshot-out", str(tmp_path / "x.pickle")])
+    assert exit_.value.code == 2
+    assert "--snapshot-out" in capsys.readouterr().err
+    bad = tmp_path / "bad.pickle"
+    bad.write_bytes(pickle.dumps(_Evil()))
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["reconcile", "--preset", "llama-3.2-1b", "--snapshot", str(bad)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--snapshot" in err and "names the Python object" in err and len(err.strip().splitlines()) == 1
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(FAMILIES["llama"]))
+    out = tmp_path / "predicted.pickle"
+    assert cli_main(["estimate", "--config", str(cfg), "--batch", "2", "--seq", "64", "--method", "trace",
+                     "--snapshot-out", str(out)]) == 0
+    assert "memory_viz" in capsys.readouterr().out
+    assert cli_main(["reconcile", "--config", str(cfg), "--batch", "2", "--seq", "64", "--snapshot", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "optimizer step" in text and "where they part" in text
