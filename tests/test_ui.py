@@ -1163,6 +1163,47 @@ def test_galore_and_its_rank_are_window_controls(window):
     assert "Conv1D" in w.inputs.errors()["optimizer"]
 
 
+def test_timeline_shows_the_trace_and_opens_snapshots(window, tmp_path):
+    """The Timeline button swaps the phase bars for the timeline; a trace fills it (predicted, exportable for
+    memory_viz); File → Open memory snapshot reads a snapshot beside the estimate; a file that is not one is
+    reported and the last timeline stays."""
+    pytest.importorskip("torch")
+    import pickle
+
+    from memcalc_gui.trace.fake import trace_estimate
+
+    w = window
+    w.apply_state(w.inputs.state().replace(model_kind="preset", preset="qwen2.5-0.5b", batch="1", seq="256",
+                                           grad_accum="1", gpus="1", strategy="ddp", gpu="a100-80gb"))
+    assert w.refresh()
+    assert w.chart_stack.currentWidget() is w.chart
+    w.timeline_button.click()
+    assert w.chart_stack.currentWidget() is w.timeline_panel
+    assert "No timeline yet" in w.timeline_panel.source.text()
+    assert not w.export_snapshot_action.isEnabled()
+    traced = trace_estimate(w.result.setup)
+    w.show_trace(traced.result(), traced)
+    panel = w.timeline_panel
+    assert panel.timeline is traced.timeline and "Predicted" in panel.source.text()
+    assert w.export_snapshot_action.isEnabled()
+    assert "Optimizer step" in panel.comparison.text()
+    peak_index, peak = traced.timeline.peak()
+    info = panel.chart.show_event_info(peak_index)
+    assert "live" in info and "Optimizer" in info
+    out = tmp_path / "predicted.pickle"
+    assert panel.export_predicted(str(out)) == ""
+    assert w.open_snapshot(out)
+    assert "Snapshot" in panel.source.text() and panel.snapshot_path == str(out)
+    assert panel.timeline.peak()[1] == peak
+    kept = panel.timeline
+    bad = tmp_path / "bad.pickle"
+    bad.write_bytes(pickle.dumps({"no": "trace"}))
+    assert not w.open_snapshot(bad)
+    assert "device_traces" in w.statusBar().currentMessage() and panel.timeline is kept
+    w.timeline_button.click()
+    assert w.chart_stack.currentWidget() is w.chart
+
+
 def test_a_family_without_sdpa_switches_the_window_to_eager(window, qtbot, tmp_path):
     """Gemma 2 runs without SDPA in transformers: the calibration says so, and the window switches attention to
     eager (an edit the user can undo) and estimates it, rather than leaving an error on a default setting."""

@@ -683,11 +683,13 @@ def step_forward(model: Any, input_ids: torch.Tensor, precision: str, loss: str 
             from .chunked_loss import chunked_causal_lm_loss
 
             hf = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft wraps the model
-            hidden = hf.base_model(input_ids=input_ids, position_ids=position_ids).last_hidden_state
+            packed = {} if position_ids is None else {"position_ids": position_ids}
+            hidden = hf.base_model(input_ids=input_ids, **packed).last_hidden_state
             value: torch.Tensor = chunked_causal_lm_loss(hidden, hf.get_output_embeddings().weight, input_ids,
                                                          loss_chunk)
             return value
-        out: torch.Tensor = model(input_ids=input_ids, labels=input_ids, position_ids=position_ids).loss
+        packed = {} if position_ids is None else {"position_ids": position_ids}  # the reference modules take none
+        out: torch.Tensor = model(input_ids=input_ids, labels=input_ids, **packed).loss
         return out
 
 

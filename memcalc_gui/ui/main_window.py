@@ -35,8 +35,10 @@ from PySide6.QtWidgets import (
     QLabel,
     QMainWindow,
     QPlainTextEdit,
+    QPushButton,
     QScrollArea,
     QSplitter,
+    QStackedWidget,
     QTabWidget,
     QVBoxLayout,
     QWidget,
@@ -72,6 +74,7 @@ from .settings import (
     save_bytes,
     save_state,
 )
+from .timeline_panel import TimelinePanel
 from .trace_panel import KEY_ENABLED as KEY_TRACE_ENABLED
 from .trace_panel import TracePanel, difference_text
 from .workers import STOP_TIMEOUT_MS, TaskRunner
@@ -275,6 +278,14 @@ class MainWindow(QMainWindow):
         self.tabs.addTab(self.table, "&Ledger (GiB)")
         self.table.unit_changed.connect(lambda unit: self.tabs.setTabText(0, f"&Ledger ({unit})"))
         self.tabs.addTab(self.assumptions, "Assumptions")
+        # the chart area shows the phase bars or the step's timeline (the Timeline button in the action row)
+        self.timeline_panel = TimelinePanel()
+        self.timeline_panel.open_requested.connect(self.choose_snapshot)
+        self.timeline_panel.export_requested.connect(self.export_snapshot)
+        self.chart_stack = QStackedWidget()
+        self.chart_stack.setObjectName("chartStack")
+        self.chart_stack.addWidget(self.chart)
+        self.chart_stack.addWidget(self.timeline_panel)
         self.advice = AdvicePanel()
         self.advice.apply_changes.connect(self.apply_changes)
         advice_box = self.advice_box = QGroupBox("What to change (click to apply)")
@@ -299,7 +310,7 @@ class MainWindow(QMainWindow):
         self.bottom_split.setChildrenCollapsible(False)
         self.right_split = QSplitter(Qt.Orientation.Vertical)
         self.right_split.setObjectName("rightSplit")
-        self.right_split.addWidget(self.chart)
+        self.right_split.addWidget(self.chart_stack)
         self.right_split.addWidget(self.bottom_split)
         self.right_split.setStretchFactor(0, 3)
         self.right_split.setStretchFactor(1, 2)
@@ -329,6 +340,14 @@ class MainWindow(QMainWindow):
         self.trace_panel = TracePanel(self)
         # Tab follows the action row left to right: Precise (trace), then Measure
         QWidget.setTabOrder(self.trace_panel.toggle, self.measure_panel.button)
+        self.timeline_button = QPushButton("Timeline")
+        self.timeline_button.setObjectName("timelineButton")
+        self.timeline_button.setCheckable(True)
+        self.timeline_button.setToolTip("Show the step's memory over time (the trace's predicted allocations and "
+                                        "frees, or an opened memory snapshot) instead of the phase bars")
+        self.timeline_button.toggled.connect(self.show_timeline)
+        self.action_row.addWidget(self.timeline_button)
+        QWidget.setTabOrder(self.measure_panel.button, self.timeline_button)
 
     def job_row(self, label: QWidget, *rest: QWidget) -> QHBoxLayout:
         """A line under the action row for a background job's progress: ``label`` stretches, ``rest`` follow."""
@@ -389,6 +408,15 @@ class MainWindow(QMainWindow):
         self.open_action.setShortcut(QKeySequence.StandardKey.Open)
         self.open_action.triggered.connect(self.choose_config)
         self.file_menu.addAction(self.open_action)
+        self.open_snapshot_action = QAction("Open memory &snapshot…", self)
+        self.open_snapshot_action.setStatusTip("Read a CUDA memory snapshot (torch.cuda.memory._dump_snapshot) into "
+                                               "the Timeline tab, beside this setup's estimate")
+        self.open_snapshot_action.triggered.connect(self.choose_snapshot)
+        self.file_menu.addAction(self.open_snapshot_action)
+        self.export_snapshot_action = QAction("Export predicted snapshot for &memory_viz…", self)
+        self.export_snapshot_action.setEnabled(False)
+        self.export_snapshot_action.triggered.connect(self.export_snapshot)
+        self.file_menu.addAction(self.export_snapshot_action)
         self.file_menu.addSeparator()
         self.export_action = QAction("&Export report…", self)
         self.export_action.setShortcut(QKeySequence("Ctrl+E"))
@@ -678,6 +706,9 @@ class MainWindow(QMainWindow):
         """Draw a trace's result (same setup as the analytic one) with its difference from the analytic."""
         self._show(result)
         self.trace_result = traced
+        timeline = getattr(traced, "timeline", None)
+        self.timeline_panel.show_predicted(timeline, result.estimate, result.setup.capacity_bytes)
+        self.export_snapshot_action.setEnabled(timeline is not None)
         self.method_label.setText(f"Method: {METHOD_NOTES['trace']} — {difference_text(traced)}")
         self.timing_label.setText(f"trace · {traced.seconds:.1f} s")
 
@@ -772,6 +803,38 @@ class MainWindow(QMainWindow):
         if path:
             self.open_config(path)
 
+    def show_timeline(self, on: bool = True) -> None:
+        """Show the timeline (or the phase bars again) in the chart area."""
+        self.chart_stack.setCurrentWidget(self.timeline_panel if on else self.chart)
+        if self.timeline_button.isChecked() != on:
+            self.timeline_button.setChecked(on)
+
+    def choose_snapshot(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, "Open a CUDA memory snapshot", "",
+                                              "Memory snapshots (*.pickle *.pkl);;All files (*)")
+        if path:
+            self.open_snapshot(path)
+
+    def open_snapshot(self, path: str | Path) -> bool:
+        """Show a real snapshot in the Timeline tab beside the current estimate; a file that is not one is
+        reported in the status bar and the last timeline stays."""
+        result = self.result
+        reason = self.timeline_panel.open_snapshot(str(path), result.estimate if result else None,
+                                                   result.setup.capacity_bytes if result else None)
+        if reason:
+            self.statusBar().showMessage(f"Could not open {Path(path).name}: {reason}", 15000)
+            return False
+        self.show_timeline(True)
+        self.statusBar().showMessage(f"Opened the snapshot {Path(path).name}", 6000)
+        return True
+
+    def export_snapshot(self) -> None:
+        path, _ = QFileDialog.getSaveFileName(self, "Export the predicted timeline for memory_viz",
+                                              "predicted.pickle", "Memory snapshots (*.pickle)")
+        if path:
+            reason = self.timeline_panel.export_predicted(path)
+            self.statusBar().showMessage(reason or f"Wrote {path}: open it at pytorch.org/memory_viz", 10000)
+
     def fetch_hub(self, model_id: str) -> None:
         """Download a Hub id's config.json off the GUI thread (the network may take seconds); the estimate follows
         from the local cache it lands in."""
@@ -825,7 +888,10 @@ class MainWindow(QMainWindow):
             event.ignore()
             return
         event.acceptProposedAction()
-        self.open_config(path)
+        if path.lower().endswith((".pickle", ".pkl")):
+            self.open_snapshot(path)
+        else:
+            self.open_config(path)
 
     @staticmethod
     def _dropped_path(event: Any) -> str | None:
@@ -833,7 +899,7 @@ class MainWindow(QMainWindow):
         if not mime.hasUrls():
             return None
         for url in mime.urls():
-            if url.isLocalFile() and url.toLocalFile().lower().endswith(".json"):
+            if url.isLocalFile() and url.toLocalFile().lower().endswith((".json", ".pickle", ".pkl")):
                 return url.toLocalFile()
         return None
 

@@ -1,0 +1,129 @@
+"""The Timeline tab: the predicted timeline of the traced step, or a real memory snapshot beside the estimate.
+
+Thin: it draws a :class:`~memcalc_gui.core.timeline.Timeline` with the shared chart, says where the timeline comes
+from, and compares each phase's peak with the estimate it is given (``core.timeline.compare_phases``). Opening and
+exporting snapshot files goes through :meth:`open_snapshot` and :meth:`export_predicted`, which the window's File
+menu and drag and drop call.
+"""
+
+from __future__ import annotations
+
+import html
+from pathlib import Path
+
+from PySide6.QtCore import Signal
+from PySide6.QtWidgets import QHBoxLayout, QLabel, QPushButton, QVBoxLayout, QWidget
+
+from ..core.errors import InputError
+from ..core.ledger import Estimate
+from ..core.timeline import Timeline, compare_phases, load_snapshot, timeline_from_snapshot
+from ..core.units import format_bytes
+from ..core.vocab import OBJECT_LABELS, PHASE_LABELS
+from ..view.timeline_chart import TimelineChart
+
+EMPTY_TEXT = ("No timeline yet. <b>Precise (trace)</b> predicts every allocation and free of the step; "
+              "<b>Open snapshot…</b> reads a real one (<code>torch.cuda.memory._dump_snapshot</code>).")
+
+
+class TimelinePanel(QWidget):
+    """Chart, source line, phase comparison; ``open_requested`` and ``export_requested`` ask for file dialogs."""
+
+    open_requested = Signal()
+    export_requested = Signal()
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setObjectName("timelinePanel")
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(4, 4, 4, 4)
+        row = QHBoxLayout()
+        self.source = QLabel(EMPTY_TEXT)
+        self.source.setObjectName("timelineSource")
+        self.source.setWordWrap(True)
+        row.addWidget(self.source, 1)
+        self.open_button = QPushButton("Open snapshot…")
+        self.open_button.setToolTip("Read a CUDA memory snapshot pickle (torch.cuda.memory._dump_snapshot) and "
+                                    "compare it with this setup's estimate; nothing in the file runs")
+        self.open_button.clicked.connect(self.open_requested)
+        self.export_button = QPushButton("Export for memory_viz…")
+        self.export_button.setToolTip("Write the predicted timeline as a snapshot pickle that "
+                                      "pytorch.org/memory_viz opens")
+        self.export_button.clicked.connect(self.export_requested)
+        self.export_button.setEnabled(False)
+        row.addWidget(self.open_button)
+        row.addWidget(self.export_button)
+        layout.addLayout(row)
+        self.chart = TimelineChart()
+        layout.addWidget(self.chart, 1)
+        self.comparison = QLabel("")
+        self.comparison.setObjectName("timelineComparison")
+        self.comparison.setWordWrap(True)
+        layout.addWidget(self.comparison)
+        self.timeline: Timeline | None = None
+        self.predicted: Timeline | None = None
+        self.snapshot_path = ""
+
+    def show_predicted(self, timeline: Timeline | None, estimate: Estimate, capacity_bytes: int | None) -> None:
+        """The trace's timeline of ``estimate``'s setup (two iterations, sizes as the CUDA allocator rounds)."""
+        self.predicted = timeline
+        self.export_button.setEnabled(timeline is not None)
+        if timeline is None:
+            return
+        self.snapshot_path = ""
+        self._show(timeline, estimate, capacity_bytes,
+                   f"<b>Predicted</b> by the trace (fake tensors): {len(timeline.events):,} allocations and frees of "
+                   f"two iterations, sizes rounded to {timeline.rounding} B as the CUDA allocator does.")
+
+    def show_snapshot(self, timeline: Timeline, path: str, estimate: Estimate | None,
+                      capacity_bytes: int | None) -> None:
+        """A real snapshot beside the estimate of the setup in the form."""
+        self.snapshot_path = path
+        found = ", ".join(PHASE_LABELS.get(p, p) for p in dict.fromkeys(s.phase for s in timeline.spans))
+        self._show(timeline, estimate, capacity_bytes,
+                   f"<b>Snapshot</b> {html.escape(Path(path).name)}: {len(timeline.events):,} allocations and frees"
+                   + (f"; phases found from its stack frames: {found}" if found else
+                      "; no phase of a training step found in its frames")
+                   + (f"; {format_bytes(timeline.reserved_bytes)} reserved by the allocator at the end"
+                      if timeline.reserved_bytes else "") + ".")
+
+    def _show(self, timeline: Timeline, estimate: Estimate | None, capacity_bytes: int | None, source: str) -> None:
+        self.timeline = timeline
+        self.source.setText(source)
+        peak = estimate.peak_tensor_bytes if estimate is not None else None
+        self.chart.set_timeline(timeline, capacity_bytes, peak)
+        if estimate is None:
+            self.comparison.setText("")
+            return
+        rows = compare_phases(timeline, {p: dict(ph.objects) for p, ph in estimate.phases.items()})
+        parts = []
+        for r in rows:
+            obj, gap = r.largest_gap
+            sign = "+" if r.difference_bytes >= 0 else "−"
+            parts.append(f"{PHASE_LABELS.get(r.phase, r.phase)}: {format_bytes(r.timeline_bytes)} vs "
+                         f"{format_bytes(r.estimate_bytes)} estimated ({sign}{format_bytes(abs(r.difference_bytes))}"
+                         + (f"; most in {OBJECT_LABELS.get(obj, obj).lower()}" if obj and gap else "") + ")")
+        self.comparison.setText("Peaks by phase — " + "; ".join(parts) if parts else "")
+
+    def open_snapshot(self, path: str, estimate: Estimate | None, capacity_bytes: int | None) -> str:
+        """Read ``path`` and show it; returns "" or the reason it could not be read (the last timeline stays)."""
+        try:
+            data = Path(path).read_bytes()
+            timeline = timeline_from_snapshot(load_snapshot(data))
+        except OSError as exc:
+            return f"cannot read {path}: {exc.strerror or exc}"
+        except InputError as exc:
+            return exc.reason
+        if not timeline.events:
+            return "the snapshot's trace holds no allocations (record with torch.cuda.memory._record_memory_history())"
+        self.show_snapshot(timeline, path, estimate, capacity_bytes)
+        return ""
+
+    def export_predicted(self, path: str) -> str:
+        """Write the predicted timeline for memory_viz; returns "" or why not."""
+        if self.predicted is None:
+            return "no predicted timeline yet: run Precise (trace) first"
+        try:
+            self.predicted.write_snapshot(path)
+        except OSError as exc:
+            return f"cannot write {path}: {exc.strerror or exc}"
+        return ""
