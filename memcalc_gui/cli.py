@@ -231,7 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(rec, params=False)
     _add_setup_args(rec)
     rec.add_argument("--snapshot", required=True, metavar="FILE",
-                     help="a torch.cuda.memory._dump_snapshot pickle (read without running any code)")
+                     help="a torch.cuda.memory._dump_snapshot pickle (read without running any code), or a "
+                          "torch.profiler memory timeline (export_memory_timeline JSON)")
     rec.add_argument("--device", type=int, default=None, metavar="N",
                      help="the device trace to read (default: the one with the most events)")
     rec.add_argument("--json", action="store_true", help="print one JSON object")
@@ -599,14 +600,14 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
     object that differs most, and the reconciliation signals (estimate difference, allocator retained space,
     capacity pressure)."""
     from .core.reconcile import reconcile
-    from .core.timeline import compare_phases, load_snapshot, timeline_from_snapshot
+    from .core.timeline import compare_phases, read_timeline
 
     setup, notes = setup_from_args(args)
     try:
         data = Path(args.snapshot).read_bytes()
     except OSError as exc:
         raise InputError("snapshot", f"cannot read {args.snapshot}: {exc.strerror or exc}") from None
-    timeline = timeline_from_snapshot(load_snapshot(data), args.device)
+    timeline = read_timeline(data, args.device)
     if not timeline.events:
         raise InputError("snapshot", "the snapshot's trace holds no allocations (record with "
                                      "torch.cuda.memory._record_memory_history() before the step)")

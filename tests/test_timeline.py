@@ -199,3 +199,62 @@ def test_cli_snapshot_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert cli_main(["reconcile", "--config", str(cfg), "--batch", "2", "--seq", "64", "--snapshot", str(out)]) == 0
     text = capsys.readouterr().out
     assert "optimizer step" in text and "where they part" in text
+
+
+@pytest.mark.parametrize("payload, words", [
+    (b"[1, 2, 3]", "times, sizes"),
+    (b"[[1], [[0, 1, 2]]]", "integers"),
+    (b"[[1], [[0, 1, 2, 3, 4, 5, 6, 7, \"x\"]]]", "integers"),
+    (b"{\"not\": \"a timeline\"}", "times, sizes"),
+    (b"[[1, 2", "does not parse"),
+])
+def test_hostile_profiler_timelines_are_refused(payload: bytes, words: str) -> None:
+    from memcalc_gui.core.timeline import read_timeline
+
+    with pytest.raises(InputError, match=words) as exc:
+        read_timeline(payload)
+    assert exc.value.field == "snapshot"
+
+
+def test_a_profiler_memory_timeline_agrees_by_category_at_the_peak(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """``export_memory_timeline`` JSON of a real CPU step: its peak is the measured step's, and by category the
+    weights' gradients and optimizer state agree exactly. Where the categories differ in meaning: PyTorch's profiler
+    has no optimizer-temporary category, so the step's temporaries (AdamW's denominators) appear under its
+    "parameter" and "activation" categories, which memcalc counts as optimizer temporaries."""
+    import warnings
+
+    from memcalc_gui.core.timeline import read_timeline
+    from memcalc_gui.measure.cpu_step import build_model, make_classifier, measure_training_step, step_forward
+
+    model = build_model(FAMILIES["llama"], precision="fp32")
+    opt = torch.optim.AdamW(model.parameters(), foreach=False)
+    ids = torch.randint(0, 512, (2, 64))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True,
+                                record_shapes=True, with_stack=True) as prof:
+        for _ in range(2):
+            step_forward(model, ids, "fp32").backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    path = tmp_path / "timeline.json"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        prof.export_memory_timeline(str(path), device="cpu")
+    tl = read_timeline(path.read_bytes())
+    assert tl.source == "profiler" and not tl.spans
+    index, peak = tl.peak()
+    theirs = tl.composition_at(index)
+    m = measure_training_step(FAMILIES["llama"], batch=2, seq=64, precision="fp32", keep_tracker=True)
+    tracker = m.tracker
+    at = tracker.peak(*tracker.windows()[("optimizer_step", 2, 0)]).index
+    ours = tracker.composition_at(at, make_classifier(tracker)[0])
+    assert abs(peak - m.peak_bytes) <= 0.001 * m.peak_bytes
+    assert theirs["gradients"] == ours["gradients"] and theirs["optimizer_state"] == ours["optimizer_state"]
+    step_temps = theirs.get("parameters", 0) + theirs.get("activations", 0) + theirs.get("temporaries", 0)
+    assert abs(step_temps - ours["parameters"] - ours["optimizer_temporaries"]) <= 0.01 * peak
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(FAMILIES["llama"]))
+    assert cli_main(["reconcile", "--config", str(cfg), "--batch", "2", "--seq", "64", "--precision", "fp32",
+                     "--optimizer-impl", "single-tensor", "--snapshot", str(path), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["phases"]
+    assert [r["phase"] for r in rows] == ["peak"] and abs(rows[0]["difference_bytes"]) <= 0.02 * peak

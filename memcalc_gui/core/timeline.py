@@ -202,6 +202,53 @@ class _PlainUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"it names the Python object {module}.{name}, which a memory snapshot never does")
 
 
+def read_timeline(data: bytes, device: int | None = None) -> Timeline:
+    """A timeline from a file's bytes: a snapshot pickle, or a PyTorch profiler memory timeline
+    (``profile.export_memory_timeline("x.json")``, JSON). :class:`InputError` naming ``snapshot`` otherwise."""
+    if data[:1] in (b"[", b"{") or data[:3] == b"\xef\xbb\xbf":
+        import json
+
+        try:
+            obj = json.loads(data.decode("utf-8-sig"))
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+            raise InputError("snapshot", f"not a memory timeline: the JSON does not parse ({type(exc).__name__})") \
+                from None
+        return timeline_from_profiler_json(obj)
+    return timeline_from_snapshot(load_snapshot(data), device)
+
+
+#: ``torch.profiler._memory_profiler._CATEGORY_TO_INDEX`` order (index 0 of each row is unused), as ledger objects.
+PROFILER_JSON_CATEGORIES: Final = ("parameters", "optimizer_state", "inputs", "temporaries", "activations",
+                                   "gradients", "temporaries", "unknown")
+
+
+def timeline_from_profiler_json(obj: Any) -> Timeline:
+    """A PyTorch profiler memory timeline (``[times, sizes]``: live bytes per category after each timestamp, in
+    ``_memory_profiler``'s category order: parameter, optimizer state, input, temporary, activation, gradient,
+    autograd detail, unknown) as a timeline of per-category changes. It names no phases; PyTorch's categories
+    become ledger objects (autograd detail joins temporaries)."""
+    if not (isinstance(obj, list) and len(obj) == 2 and isinstance(obj[0], list) and isinstance(obj[1], list)
+            and len(obj[0]) == len(obj[1])):
+        raise InputError("snapshot", "not a memory timeline: expected [times, sizes by category] as "
+                                     "torch.profiler's export_memory_timeline writes it")
+    rows = obj[1]
+    if len(rows) > MAX_EVENTS:
+        raise InputError("snapshot", f"more than {MAX_EVENTS:,} samples")
+    n = len(PROFILER_JSON_CATEGORIES)
+    previous = [0] * n
+    events: list[TimelineEvent] = []
+    for row in rows:
+        if not isinstance(row, list) or len(row) != n + 1 or \
+                not all(isinstance(v, int) and not isinstance(v, bool) for v in row):
+            raise InputError("snapshot", f"a sample is not {n + 1} integers (the profiler's categories)")
+        for i, value in enumerate(row[1:]):
+            if value != previous[i]:
+                events.append(TimelineEvent(value - previous[i], PROFILER_JSON_CATEGORIES[i], "", 0,
+                                            op="profiler"))
+                previous[i] = value
+    return Timeline(tuple(events), "profiler")
+
+
 def load_snapshot(data: bytes) -> Any:
     """The object in a snapshot pickle, read without running code; :class:`InputError` naming ``snapshot``."""
     if len(data) > MAX_SNAPSHOT_BYTES:
@@ -393,10 +440,18 @@ class PhaseComparison:
 
 def compare_phases(timeline: Timeline, phases: dict[str, dict[str, int]]) -> list[PhaseComparison]:
     """Each phase the timeline shows beside the estimate's tensor objects of that phase (``Estimate.phases[p]
-    .objects`` without the CUDA context and allocator reserve, which a snapshot does not hold)."""
+    .objects`` without the CUDA context and allocator reserve, which a snapshot does not hold). A timeline without
+    phases (a profiler's) gives one row, ``peak``: its highest point beside the estimate's peak phase."""
     out = []
     peaks = timeline.phase_peak_indices()
     live = timeline.live()
+    if not peaks and timeline.events and phases:
+        i, _ = timeline.peak()
+        tensors = {p: {k: v for k, v in objs.items() if v and k not in ("cuda_context", "allocator_reserve")}
+                   for p, objs in phases.items()}
+        top = max(tensors, key=lambda p: sum(tensors[p].values()))
+        return [PhaseComparison("peak", live[i], sum(tensors[top].values()), timeline.composition_at(i),
+                                tensors[top])]
     for phase in PHASES:
         if phase not in peaks or phase not in phases:
             continue

@@ -811,7 +811,8 @@ class MainWindow(QMainWindow):
 
     def choose_snapshot(self) -> None:
         path, _ = QFileDialog.getOpenFileName(self, "Open a CUDA memory snapshot", "",
-                                              "Memory snapshots (*.pickle *.pkl);;All files (*)")
+                                              "Memory snapshots (*.pickle *.pkl);;Profiler memory timelines (*.json);;"
+                                              "All files (*)")
         if path:
             self.open_snapshot(path)
 

@@ -16,7 +16,7 @@ from PySide6.QtWidgets import QHBoxLayout, QLabel, QPushButton, QVBoxLayout, QWi
 
 from ..core.errors import InputError
 from ..core.ledger import Estimate
-from ..core.timeline import Timeline, compare_phases, load_snapshot, timeline_from_snapshot
+from ..core.timeline import Timeline, compare_phases, read_timeline
 from ..core.units import format_bytes
 from ..core.vocab import OBJECT_LABELS, PHASE_LABELS
 from ..view.timeline_chart import TimelineChart
@@ -79,9 +79,11 @@ class TimelinePanel(QWidget):
         """A real snapshot beside the estimate of the setup in the form."""
         self.snapshot_path = path
         found = ", ".join(PHASE_LABELS.get(p, p) for p in dict.fromkeys(s.phase for s in timeline.spans))
+        kind = "Profiler memory timeline" if timeline.source == "profiler" else "Snapshot"
         self._show(timeline, estimate, capacity_bytes,
-                   f"<b>Snapshot</b> {html.escape(Path(path).name)}: {len(timeline.events):,} allocations and frees"
+                   f"<b>{kind}</b> {html.escape(Path(path).name)}: {len(timeline.events):,} allocations and frees"
                    + (f"; phases found from its stack frames: {found}" if found else
+                      "; PyTorch's categories, no phases" if timeline.source == "profiler" else
                       "; no phase of a training step found in its frames")
                    + (f"; {format_bytes(timeline.reserved_bytes)} reserved by the allocator at the end"
                       if timeline.reserved_bytes else "") + ".")
@@ -99,7 +101,7 @@ class TimelinePanel(QWidget):
         for r in rows:
             obj, gap = r.largest_gap
             sign = "+" if r.difference_bytes >= 0 else "−"
-            parts.append(f"{PHASE_LABELS.get(r.phase, r.phase)}: {format_bytes(r.timeline_bytes)} vs "
+            parts.append(f"{PHASE_LABELS.get(r.phase, 'At the peak')}: {format_bytes(r.timeline_bytes)} vs "
                          f"{format_bytes(r.estimate_bytes)} estimated ({sign}{format_bytes(abs(r.difference_bytes))}"
                          + (f"; most in {OBJECT_LABELS.get(obj, obj).lower()}" if obj and gap else "") + ")")
         self.comparison.setText("Peaks by phase — " + "; ".join(parts) if parts else "")
@@ -108,7 +110,7 @@ class TimelinePanel(QWidget):
         """Read ``path`` and show it; returns "" or the reason it could not be read (the last timeline stays)."""
         try:
             data = Path(path).read_bytes()
-            timeline = timeline_from_snapshot(load_snapshot(data))
+            timeline = read_timeline(data)
         except OSError as exc:
             return f"cannot read {path}: {exc.strerror or exc}"
         except InputError as exc:
