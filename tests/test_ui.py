@@ -1204,6 +1204,32 @@ def test_timeline_shows_the_trace_and_opens_snapshots(window, tmp_path):
     assert w.chart_stack.currentWidget() is w.chart
 
 
+def test_a_measured_timeline_overlays_the_prediction_phase_by_phase(window):
+    """The measured step's total is drawn over the predicted stack, each phase window stretched onto the
+    prediction's; a measurement of another (scaled-down) setup is shown on its own."""
+    pytest.importorskip("torch")
+    from bench.techniques import FAMILIES
+    from memcalc_gui.core.estimate import estimate
+    from memcalc_gui.core.model import spec_from_config
+    from memcalc_gui.core.setup import TrainingSetup
+    from memcalc_gui.measure.cpu_step import measure_training_step, timeline_from_tracker
+
+    kw = dict(batch=2, seq=64, precision="mixed", keep_tracker=True)
+    measured = timeline_from_tracker(measure_training_step(FAMILIES["llama"], **kw).tracker, "measured")
+    predicted = timeline_from_tracker(measure_training_step(FAMILIES["llama"], fake=True, **kw).tracker, "trace", 512)
+    est = estimate(TrainingSetup(model=spec_from_config(FAMILIES["llama"]), batch=2, seq=64))
+    panel = window.timeline_panel
+    panel.show_predicted(predicted, est, None)
+    panel.show_measured(measured, est, None, same_setup=True)
+    overlay = panel.chart._overlay
+    assert overlay is not None and panel.timeline is predicted
+    xs, ys = overlay.getData()
+    assert xs.max() <= len(predicted.events) and ys.max() > 0
+    assert "Measured" in panel.source.text()
+    panel.show_measured(measured, est, None, same_setup=False)
+    assert panel.timeline is measured and "scaled-down" in panel.source.text()
+
+
 def test_a_family_without_sdpa_switches_the_window_to_eager(window, qtbot, tmp_path):
     """Gemma 2 runs without SDPA in transformers: the calibration says so, and the window switches attention to
     eager (an edit the user can undo) and estimates it, rather than leaving an error on a default setting."""

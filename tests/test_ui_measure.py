@@ -209,6 +209,12 @@ def test_real_cpu_measurement_draws_overlay_and_table(window, qtbot):
     assert not view.use_overheads.isEnabled()  # no CUDA context on a CPU
     assert "Measured on this CPU" in w.statusBar().currentMessage()
 
+    # Timeline: the measured step's allocations and frees, its phase peaks the measured ones
+    assert r.timeline is not None and r.timeline.source == "measured"
+    assert r.timeline.phase_peaks() == {p: m.peak_bytes for p, m in r.phases.items() if p != "load"} | \
+        {"load": r.timeline.phase_peaks()["load"]}
+    assert w.timeline_panel.measured is r.timeline and "Measured" in w.timeline_panel.source.text()
+
     # Stale: a change of shape hides the overlay and says so; undo brings it back; capacity does not matter.
     w.inputs.set_state(w.inputs.state().replace(batch="4"))
     assert w.refresh()

@@ -13,6 +13,7 @@ torch is imported inside functions only.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib.util
 import itertools
@@ -31,6 +32,7 @@ from ..core.model import spec_from_config
 from ..core.reconcile import reconcile
 from ..core.result import Result, evaluate
 from ..core.setup import TrainingSetup, checkpoint_every
+from ..core.timeline import Timeline, read_timeline
 from ..core.units import format_bytes
 from ..core.vocab import PHASES
 from . import exclusive_torch_job
@@ -102,6 +104,9 @@ class MeasureResult:
     notes: list[str] = field(default_factory=list)
     #: The most host memory the step held (offloaded activations); 0 without offloading.
     host_bytes: int = 0
+    #: Every allocation and free of the measured iterations (CPU: the tracker's; CUDA: the snapshot's, when one
+    #: was written), for the timeline view.
+    timeline: Timeline | None = field(default=None, repr=False)
 
     @property
     def measured_peak_bytes(self) -> int:
@@ -402,7 +407,8 @@ def _measure_cpu(result: MeasureResult, config: dict[str, Any], setup: TrainingS
             use_cache=setup.use_cache, grad_accum=setup.grad_accum, iterations=iterations, num_threads=None,
             on_phase=track_phase, tuning=setup.tuning if setup.tuning.method != "full" else None,
             loss=setup.loss, loss_chunk=setup.loss_chunk, optimizer_in_backward=setup.optimizer_in_backward,
-            activation_offload=setup.activation_offload, galore_rank=setup.galore_rank,
+            activation_offload=setup.activation_offload, galore_rank=setup.galore_rank, keep_tracker=True,
+            module_names=True,
         )
     except NotImplementedError as exc:  # an optimizer torch lacks, or a family without a reference module
         raise MeasureError(str(exc)) from None
@@ -418,6 +424,10 @@ def _measure_cpu(result: MeasureResult, config: dict[str, Any], setup: TrainingS
         result.phases[name] = PhaseReading(peak, ph.live_bytes, objects)
     result.iterations_live_bytes = [r.live_bytes_end for r in m.iterations]
     result.host_bytes = m.host_bytes
+    if m.tracker is not None:
+        from .cpu_step import timeline_from_tracker
+
+        result.timeline = timeline_from_tracker(m.tracker, "measured")
     result.notes.append("CPU tensor measurement (live-storage tracker): every tensor storage, split by "
                         "ledger object; no CUDA context or allocator cache on a CPU")
 
@@ -559,6 +569,8 @@ def _measure_cuda(result: MeasureResult, config: dict[str, Any], setup: Training
             try:
                 torch.cuda.memory._dump_snapshot(str(snapshot))
                 result.snapshot = str(snapshot)
+                with contextlib.suppress(OSError, InputError):  # the file just written, read as any snapshot is
+                    result.timeline = read_timeline(Path(snapshot).read_bytes())
             finally:
                 torch.cuda.memory._record_memory_history(enabled=None)
         params.clear()  # the last references to the weights: let the cache be emptied below

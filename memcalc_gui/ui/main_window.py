@@ -348,6 +348,7 @@ class MainWindow(QMainWindow):
         self.timeline_button.toggled.connect(self.show_timeline)
         self.action_row.addWidget(self.timeline_button)
         QWidget.setTabOrder(self.measure_panel.button, self.timeline_button)
+        self.measure_panel.finished.connect(self._measured_timeline)
 
     def job_row(self, label: QWidget, *rest: QWidget) -> QHBoxLayout:
         """A line under the action row for a background job's progress: ``label`` stretches, ``rest`` follow."""
@@ -802,6 +803,13 @@ class MainWindow(QMainWindow):
                                               "Model configs (*.json);;All files (*)")
         if path:
             self.open_config(path)
+
+    def _measured_timeline(self, measured: Any) -> None:
+        """A finished measurement's timeline in the Timeline view (over the prediction of the same setup)."""
+        timeline = getattr(measured, "timeline", None)
+        if timeline is not None:
+            self.timeline_panel.show_measured(timeline, measured.estimate.estimate,
+                                              measured.requested.capacity_bytes, not measured.scaled)
 
     def show_timeline(self, on: bool = True) -> None:
         """Show the timeline (or the phase bars again) in the chart area."""

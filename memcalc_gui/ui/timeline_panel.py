@@ -61,6 +61,7 @@ class TimelinePanel(QWidget):
         layout.addWidget(self.comparison)
         self.timeline: Timeline | None = None
         self.predicted: Timeline | None = None
+        self.measured: Timeline | None = None
         self.snapshot_path = ""
 
     def show_predicted(self, timeline: Timeline | None, estimate: Estimate, capacity_bytes: int | None) -> None:
@@ -105,6 +106,25 @@ class TimelinePanel(QWidget):
                          f"{format_bytes(r.estimate_bytes)} estimated ({sign}{format_bytes(abs(r.difference_bytes))}"
                          + (f"; most in {OBJECT_LABELS.get(obj, obj).lower()}" if obj and gap else "") + ")")
         self.comparison.setText("Peaks by phase — " + "; ".join(parts) if parts else "")
+
+    def show_measured(self, timeline: Timeline | None, estimate: Estimate, capacity_bytes: int | None,
+                      same_setup: bool) -> None:
+        """A measured step's timeline: a line over the prediction of the same setup, phase by phase; or, with no
+        prediction of it, the measured timeline itself."""
+        self.measured = timeline
+        if timeline is None:
+            self.chart.set_overlay(None)
+            return
+        if same_setup and self.predicted is not None and self.timeline is self.predicted:
+            self.chart.set_overlay(timeline, "Measured (this machine)")
+            self.source.setText(self.source.text().split(" <b>Measured</b>")[0] +
+                                " <b>Measured</b> step drawn as a black line, phase by phase.")
+            return
+        self.snapshot_path = ""
+        self._show(timeline, estimate, capacity_bytes,
+                   f"<b>Measured</b> on this machine: {len(timeline.events):,} allocations and frees of the measured "
+                   "iterations" + ("" if same_setup else " (a scaled-down setup: compared with its own estimate)")
+                   + ".")
 
     def open_snapshot(self, path: str, estimate: Estimate | None, capacity_bytes: int | None) -> str:
         """Read ``path`` and show it; returns "" or the reason it could not be read (the last timeline stays)."""

@@ -60,6 +60,7 @@ class TimelineChart(pg.PlotWidget):
         self.plot_item.setMouseEnabled(x=True, y=False)  # pan and zoom along the step
         self.legend = self.plot_item.addLegend(offset=(8, 4), labelTextSize="8pt", colCount=4)
         self.timeline: Timeline | None = None
+        self._overlay: pg.PlotDataItem | None = None
         self.unit = "GiB"
         self._live: np.ndarray = np.zeros(0, dtype=np.int64)
         self._hover_x: float | None = None
@@ -79,6 +80,7 @@ class TimelineChart(pg.PlotWidget):
         dashed one (the analytic ledger's tensor peak)."""
         self.plot_item.clear()
         self.legend.clear()
+        self._overlay = None
         self.plot_item.addItem(self._hover, ignoreBounds=True)
         self._hover.hide()
         self.timeline = timeline
@@ -148,6 +150,37 @@ class TimelineChart(pg.PlotWidget):
         self.plot_item.addItem(peak_label, ignoreBounds=True)
         self.plot_item.setYRange(0, highest * 1.45, padding=0)  # room for the legend and the phase names
         self.plot_item.setXRange(0, len(self._live), padding=0.01)
+
+    def set_overlay(self, other: Timeline | None, label: str = "Measured") -> None:
+        """Draw ``other``'s total live memory as a line over the timeline, its phases aligned to this one's (each
+        matching phase window stretched onto the drawn one; events outside matching windows are left out)."""
+        if self._overlay is not None:
+            self.plot_item.removeItem(self._overlay)
+            self._overlay = None
+        tl = self.timeline
+        if other is None or tl is None or not other.events:
+            return
+        live = np.frombuffer(other.live(), dtype=np.int64)
+        mine = {(s.phase, s.iteration): s for s in tl.spans}
+        xs: list[np.ndarray] = []
+        ys: list[np.ndarray] = []
+        for s in other.spans:
+            target = mine.get((s.phase, s.iteration))
+            if target is None or s.end <= s.start:
+                continue
+            idx = np.arange(s.start, s.end)
+            xs.append(target.start + (idx - s.start) * ((target.end - target.start) / (s.end - s.start)))
+            ys.append(live[s.start:s.end] / (1 / in_unit(1, self.unit)))
+        if not xs:
+            return
+        x, y = np.concatenate(xs), np.concatenate(ys)
+        if len(x) > MAX_POINTS:
+            keep = reduce_columns(np.round(y * 2**20).astype(np.int64))
+            x, y = x[keep], y[keep]
+        self._overlay = pg.PlotDataItem(x, y, pen=pg.mkPen("#000000", width=2), name=label)
+        self._overlay.setZValue(10)
+        self.plot_item.addItem(self._overlay)
+        self.legend.addItem(self._overlay, label)
 
     # ---- hover ------------------------------------------------------------------------------------------------
     def _on_mouse(self, pos: QPointF) -> None:
