@@ -67,6 +67,29 @@ def main() -> None:
             label = ""
         print(f"{'':<58}context {format_bytes(r.context_bytes or 0)}, overheads {r.measured_overheads()}, "
               f"signals {r.signals}, leak {r.leak['growing']}")
+    snapshot_check(info.total_bytes, out.parent if out is not None else Path("."))
+
+
+def snapshot_check(capacity: int, where: Path) -> None:
+    """A real CUDA memory snapshot of one step (torch.cuda.memory._dump_snapshot), read back by memcalc: its phases
+    found from the frames and each phase's peak beside the estimate (issue 16)."""
+    from memcalc_gui.core.timeline import compare_phases, read_timeline
+
+    setup = TrainingSetup(model=preset_spec("qwen2.5-0.5b"), batch=4, seq=2048, precision="mixed",
+                          capacity_bytes=capacity)
+    path = where / "qwen2.5-0.5b-step.pickle"
+    try:
+        r = measure(setup, device="cuda", iterations=3, full_size=True, snapshot=path)
+        tl = read_timeline(path.read_bytes())
+    except Exception as exc:
+        print(f"snapshot check failed: {exc}")
+        return
+    print(f"snapshot {path}: {len(tl.events):,} events, phases {[s.phase for s in tl.spans][:8]}, "
+          f"reserved {format_bytes(tl.reserved_bytes)}")
+    for row in compare_phases(tl, {p: dict(ph.objects) for p, ph in r.estimate.estimate.phases.items()}):
+        obj, gap = row.largest_gap
+        print(f"  {row.phase:<15}{format_bytes(row.timeline_bytes):>12}{format_bytes(row.estimate_bytes):>12}"
+              f"  most in {obj} ({format_bytes(abs(gap))})")
 
 
 if __name__ == "__main__":
