@@ -118,10 +118,27 @@ class Timeline:
 
     def composition_at(self, index: int) -> dict[str, int]:
         """Live bytes by category just after event ``index`` (-1: the baseline)."""
+        return self.compositions_at([index])[index]
+
+    def compositions_at(self, indices: Iterable[int]) -> dict[int, dict[str, int]]:
+        """:meth:`composition_at` of several events in one pass."""
+        wanted = sorted(set(indices))
         now = {c: self.baseline.get(c, 0) for c in CATEGORIES}
-        for e in self.events[: index + 1]:
+        out: dict[int, dict[str, int]] = {}
+        k = 0
+        while k < len(wanted) and wanted[k] < 0:
+            out[wanted[k]] = {c: v for c, v in now.items() if v}
+            k += 1
+        for i, e in enumerate(self.events):
+            if k >= len(wanted):
+                break
             now[e.category] += e.size_bytes
-        return {c: v for c, v in now.items() if v}
+            while k < len(wanted) and wanted[k] == i:
+                out[i] = {c: v for c, v in now.items() if v}
+                k += 1
+        for rest in wanted[k:]:
+            out[rest] = {c: v for c, v in now.items() if v}
+        return out
 
     def phase_peak_indices(self) -> dict[str, int]:
         """The event index of each phase's peak (last iteration), for :meth:`composition_at`."""
@@ -445,17 +462,17 @@ def compare_phases(timeline: Timeline, phases: dict[str, dict[str, int]]) -> lis
     out = []
     peaks = timeline.phase_peak_indices()
     live = timeline.live()
+    compositions = timeline.compositions_at(list(peaks.values()) + ([timeline.peak()[0]] if not peaks else []))
     if not peaks and timeline.events and phases:
         i, _ = timeline.peak()
         tensors = {p: {k: v for k, v in objs.items() if v and k not in ("cuda_context", "allocator_reserve")}
                    for p, objs in phases.items()}
         top = max(tensors, key=lambda p: sum(tensors[p].values()))
-        return [PhaseComparison("peak", live[i], sum(tensors[top].values()), timeline.composition_at(i),
-                                tensors[top])]
+        return [PhaseComparison("peak", live[i], sum(tensors[top].values()), compositions[i], tensors[top])]
     for phase in PHASES:
         if phase not in peaks or phase not in phases:
             continue
         est = {k: v for k, v in phases[phase].items() if v and k not in ("cuda_context", "allocator_reserve")}
         i = peaks[phase]
-        out.append(PhaseComparison(phase, live[i], sum(est.values()), timeline.composition_at(i), est))
+        out.append(PhaseComparison(phase, live[i], sum(est.values()), compositions[i], est))
     return out

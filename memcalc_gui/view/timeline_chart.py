@@ -43,6 +43,51 @@ def reduce_columns(total: np.ndarray, max_points: int = MAX_POINTS) -> np.ndarra
     return np.asarray(best[best < n])
 
 
+class _Arrays:
+    """A timeline as numpy columns, built once per drawn timeline: sizes, category codes, live totals, and each
+    allocation's lifetime [alloc, free) for the hover's "largest live" query (O(n) in numpy, not Python)."""
+
+    def __init__(self, tl: Timeline) -> None:
+        n = len(tl.events)
+        index = {c: i for i, c in enumerate(CATEGORIES)}
+        self.sizes = np.fromiter((e.size_bytes for e in tl.events), dtype=np.int64, count=n)
+        self.codes = np.fromiter((index[e.category] for e in tl.events), dtype=np.int16, count=n)
+        self.live = np.cumsum(self.sizes) + tl.baseline_bytes
+        starts: list[int] = []
+        ends: list[int] = []
+        open_at: dict[int, int] = {}
+        for i, e in enumerate(tl.events):
+            if e.size_bytes > 0:
+                if e.addr in open_at:  # an address reused without a free: the first one ends here
+                    ends[open_at[e.addr]] = i
+                open_at[e.addr] = len(starts)
+                starts.append(i)
+                ends.append(n)
+            else:
+                j = open_at.pop(e.addr, None)
+                if j is not None:
+                    ends[j] = i
+        self.starts = np.asarray(starts, dtype=np.int64)
+        self.ends = np.asarray(ends, dtype=np.int64)
+
+    def stacked(self, baseline: dict[str, int]) -> dict[str, np.ndarray]:
+        """Live bytes of each category after each event (categories with any)."""
+        out = {}
+        for i, cat in enumerate(CATEGORIES):
+            mask = self.codes == i
+            if not mask.any() and not baseline.get(cat):
+                continue
+            out[cat] = np.cumsum(np.where(mask, self.sizes, 0)) + baseline.get(cat, 0)
+        return out
+
+    def largest(self, index: int, n: int) -> np.ndarray:
+        """Event indices of the ``n`` largest allocations alive just after event ``index``."""
+        alive = np.nonzero((self.starts <= index) & (self.ends > index))[0]
+        sizes = self.sizes[self.starts[alive]]
+        top = alive[np.argsort(-sizes, kind="stable")[:n]]
+        return np.asarray(self.starts[top])
+
+
 class TimelineChart(pg.PlotWidget):
     """A :class:`Timeline` as a stacked area; :meth:`set_timeline` redraws it."""
 
@@ -60,6 +105,7 @@ class TimelineChart(pg.PlotWidget):
         self.plot_item.setMouseEnabled(x=True, y=False)  # pan and zoom along the step
         self.legend = self.plot_item.addLegend(offset=(8, 4), labelTextSize="8pt", colCount=4)
         self.timeline: Timeline | None = None
+        self._arrays: _Arrays | None = None
         self._overlay: pg.PlotDataItem | None = None
         self.unit = "GiB"
         self._live: np.ndarray = np.zeros(0, dtype=np.int64)
@@ -86,10 +132,13 @@ class TimelineChart(pg.PlotWidget):
         self.timeline = timeline
         if timeline is None or not timeline.events:
             self._live = np.zeros(0, dtype=np.int64)
+            self._arrays = None
             return
-        series = timeline.series()
-        self._live = np.frombuffer(timeline.live(), dtype=np.int64).copy()
-        peak_i, peak = timeline.peak()
+        self._arrays = arrays = _Arrays(timeline)
+        series = arrays.stacked(timeline.baseline)
+        self._live = arrays.live
+        peak_i = int(np.argmax(self._live))
+        peak = int(self._live[peak_i])
         self.unit = unit_for(max(peak, capacity_bytes or 0, estimate_peak_bytes or 0))
         self.plot_item.setLabel("left", f"Live memory ({self.unit})")
         cols = reduce_columns(self._live)
@@ -102,7 +151,7 @@ class TimelineChart(pg.PlotWidget):
         below = np.zeros(len(cols))
         curves = []
         for cat in order:
-            below = below + np.frombuffer(series[cat], dtype=np.int64)[cols] / scale
+            below = below + series[cat][cols] / scale
             curves.append((cat, below))
         for z, (cat, top) in enumerate(reversed(curves)):
             color = QColor(OBJECT_COLORS.get(cat, UNKNOWN_COLOR))
@@ -201,10 +250,11 @@ class TimelineChart(pg.PlotWidget):
         if tl is None or not len(self._live):
             return ""
         index = max(0, min(index, len(self._live) - 1))
-        phase = next((s for s in tl.spans if s.start <= index < s.end), None)
+        phase = next((s for s in tl.spans if s.start <= index < s.end), None)  # a few spans: a short scan
         where = f"{PHASE_LABELS.get(phase.phase, phase.phase)} {phase.iteration}" if phase else "outside the step"
         lines = [f"Event {index:,} ({where}): {format_bytes(int(self._live[index]))} live"]
-        for e in tl.largest_live(index, 4):
+        top = self._arrays.largest(index, 4) if self._arrays is not None else []
+        for e in (tl.events[int(i)] for i in top):
             what = " · ".join(x for x in (e.module, e.op) if x) or "—"
             lines.append(f"  {format_bytes(e.size_bytes)}  {OBJECT_LABELS.get(e.category, e.category)}  {what}")
         self.hover_text = "\n".join(lines)
