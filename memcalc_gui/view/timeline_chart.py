@@ -164,7 +164,10 @@ class TimelineChart(pg.PlotWidget):
             sample = pg.PlotDataItem([0, 1], [1, 1], pen=None, fillLevel=0, fillBrush=swatch)
             self.legend.addItem(sample, OBJECT_LABELS.get(cat, "Not placed (before the trace, or unknown)"))
         top_value = float(below.max()) if len(below) else 0.0
-        highest = max(top_value, (capacity_bytes or 0) / scale, (estimate_peak_bytes or 0) / scale)
+        # the capacity and the analytic peak set the scale only when the timeline reaches a fifth of them: a small
+        # snapshot beside a large estimate stays readable (the comparison line under the chart gives the numbers)
+        highest = max([top_value] + [v / scale for v in (capacity_bytes, estimate_peak_bytes)
+                                     if v and top_value >= 0.2 * v / scale])
         for span in timeline.spans:
             if span.end <= span.start:
                 continue
@@ -175,10 +178,12 @@ class TimelineChart(pg.PlotWidget):
             for line in band.lines:
                 line.setPen(pg.mkPen(None))
             self.plot_item.addItem(band, ignoreBounds=True)
+            if (span.end - span.start) * 25 < len(self._live):
+                continue  # too narrow for its name: the band and the hover say it
             label = pg.TextItem(PHASE_LABELS.get(span.phase, span.phase) + (f" {span.iteration}" if span.iteration
                                                                             else ""),
-                                anchor=(0, 0), color=PHASE_BAND.get(span.phase, "#616161"))
-            label.setPos(span.start, highest * 1.04)
+                                anchor=(0, 1), color=PHASE_BAND.get(span.phase, "#616161"))
+            label.setPos(span.start, highest * 1.2)
             self.plot_item.addItem(label, ignoreBounds=True)
         if capacity_bytes:
             cap = pg.InfiniteLine(pos=capacity_bytes / scale, angle=0, pen=pg.mkPen(OVER_COLOR, width=2),
@@ -197,7 +202,7 @@ class TimelineChart(pg.PlotWidget):
         peak_label = pg.TextItem(f"Peak {format_bytes(peak)}", anchor=(0.5, 1.2), color="#212121")
         peak_label.setPos(peak_i, peak / scale)
         self.plot_item.addItem(peak_label, ignoreBounds=True)
-        self.plot_item.setYRange(0, highest * 1.45, padding=0)  # room for the legend and the phase names
+        self.plot_item.setYRange(0, highest * 1.85, padding=0)  # room for the phase names and the legend above
         self.plot_item.setXRange(0, len(self._live), padding=0.01)
 
     def set_overlay(self, other: Timeline | None, label: str = "Measured") -> None:
