@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from bench.techniques import FAMILIES
 from memcalc_gui.cli import main as cli_main
@@ -75,6 +77,36 @@ def test_hostile_snapshots_are_refused_without_running_code(payload: bytes, word
         timeline_from_snapshot(load_snapshot(payload))
     assert exc.value.field == "snapshot"
     assert not Path("/tmp/memcalc-pwned").exists()
+
+
+_plain = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=12),
+                      lambda inner: st.lists(inner, max_size=5) | st.dictionaries(
+                          st.sampled_from(["action", "addr", "size", "frames", "device_traces", "segments", "blocks",
+                                           "state", "filename", "name", "line", "category", "memcalc", "spans",
+                                           "total_size", "device"]) | st.text(max_size=6), inner, max_size=6),
+                      max_leaves=30)
+
+
+@settings(max_examples=200, deadline=None)
+@given(obj=_plain, as_json=st.booleans(), cut=st.integers(0, 64))
+def test_any_plain_file_reads_or_is_refused_with_one_reason(obj: object, as_json: bool, cut: int) -> None:
+    """Whatever plain data a file holds, whole or truncated, pickled or JSON, reading it gives a timeline or an
+    InputError naming the snapshot; nothing else escapes."""
+    from memcalc_gui.core.timeline import read_timeline
+
+    try:
+        data = json.dumps(obj).encode() if as_json else pickle.dumps(obj)
+    except (ValueError, TypeError):
+        return
+    for payload in (data, data[: max(0, len(data) - cut)]):
+        try:
+            tl = read_timeline(payload)
+        except InputError as exc:
+            assert exc.field == "snapshot"
+        else:
+            tl.peak()
+            tl.phase_peaks()
+            compare_phases(tl, {"forward": {"activations": 1}})
 
 
 torch = pytest.importorskip("torch")

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from .errors import InputError
+from .units import MAX_SIZE_BYTES
 from .vocab import OBJECTS, PHASES
 
 #: Categories an event can carry: the ledger's objects and "unknown" (a snapshot frame memcalc cannot place).
@@ -256,13 +257,15 @@ def timeline_from_profiler_json(obj: Any) -> Timeline:
     events: list[TimelineEvent] = []
     for row in rows:
         if not isinstance(row, list) or len(row) != n + 1 or \
-                not all(isinstance(v, int) and not isinstance(v, bool) for v in row):
+                not all(isinstance(v, int) and not isinstance(v, bool) and abs(v) <= MAX_SIZE_BYTES for v in row):
             raise InputError("snapshot", f"a sample is not {n + 1} integers (the profiler's categories)")
         for i, value in enumerate(row[1:]):
             if value != previous[i]:
                 events.append(TimelineEvent(value - previous[i], PROFILER_JSON_CATEGORIES[i], "", 0,
                                             op="profiler"))
                 previous[i] = value
+    if sum(abs(e.size_bytes) for e in events) > 2**62:
+        raise InputError("snapshot", "its sizes add up past 4 EiB: not a real profiler's timeline")
     return Timeline(tuple(events), "profiler")
 
 
@@ -325,7 +328,7 @@ def timeline_from_snapshot(obj: Any, device: int | None = None) -> Timeline:
         action, addr, size = raw.get("action"), raw.get("addr"), raw.get("size")
         if action not in ("alloc", "free_completed"):
             continue
-        if not isinstance(addr, int) or not isinstance(size, int) or size < 0:
+        if not isinstance(addr, int) or not isinstance(size, int) or not 0 <= size <= MAX_SIZE_BYTES:
             raise InputError("snapshot", f"a {action} entry has no integer address and size")
         frames: list[Any] = raw["frames"] if isinstance(raw.get("frames"), list) else []
         if action == "alloc":
@@ -364,8 +367,10 @@ def timeline_from_snapshot(obj: Any, device: int | None = None) -> Timeline:
     traced_at_end = sum(e.size_bytes for e in events)
     if at_end > traced_at_end or freed_early:
         baseline["unknown"] = max(freed_early, at_end - traced_at_end)
+    if sum(abs(e.size_bytes) for e in events) + sum(baseline.values()) > 2**62:
+        raise InputError("snapshot", "its sizes add up past 4 EiB: not a real allocator's trace")
     spans = _spans_of(events, mine)
-    reserved = sum(_int(s.get("total_size")) for s in segs)
+    reserved = min(sum(_int(s.get("total_size")) for s in segs), 2**62)
     return Timeline(tuple(events), "snapshot" if mine is None else str(mine.get("source", "trace")), spans,
                     baseline, reserved_bytes=reserved if mine is None else 0)
 
