@@ -1212,11 +1212,14 @@ def test_a_measured_timeline_overlays_the_prediction_phase_by_phase(window):
     from memcalc_gui.core.estimate import estimate
     from memcalc_gui.core.model import spec_from_config
     from memcalc_gui.core.setup import TrainingSetup
+    from memcalc_gui.measure import exclusive_torch_job
     from memcalc_gui.measure.cpu_step import measure_training_step, timeline_from_tracker
 
     kw = dict(batch=2, seq=64, precision="mixed", keep_tracker=True)
-    measured = timeline_from_tracker(measure_training_step(FAMILIES["llama"], **kw).tracker, "measured")
-    predicted = timeline_from_tracker(measure_training_step(FAMILIES["llama"], fake=True, **kw).tracker, "trace", 512)
+    with exclusive_torch_job():  # torch's dispatch-mode stack is global: never beside the window's own workers
+        measured = timeline_from_tracker(measure_training_step(FAMILIES["llama"], **kw).tracker, "measured")
+        predicted = timeline_from_tracker(measure_training_step(FAMILIES["llama"], fake=True, **kw).tracker, "trace",
+                                          512)
     est = estimate(TrainingSetup(model=spec_from_config(FAMILIES["llama"]), batch=2, seq=64))
     panel = window.timeline_panel
     panel.show_predicted(predicted, est, None)

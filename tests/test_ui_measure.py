@@ -133,6 +133,31 @@ def test_task_runner_outcomes(qtbot):
     assert not runner.thread_running() and not runner.is_running()
 
 
+def test_the_collector_never_runs_on_a_worker_thread(qtbot):
+    """While a job runs the automatic collector is off (Qt objects in reference cycles must not be destroyed on
+    a worker thread); it is back on once the job has reported, and after a stopped job too."""
+    import gc
+
+    assert gc.isenabled()
+    runner = TaskRunner("gc-runner")
+    inside: list[bool] = []
+    with qtbot.waitSignal(runner.finished, timeout=5000):
+        runner.start(lambda progress, stop: inside.append(gc.isenabled()))
+    assert inside == [False]
+    qtbot.waitUntil(gc.isenabled, timeout=3000)
+    started = threading.Event()
+
+    def loop(progress, stop):
+        started.set()
+        while not stop():
+            time.sleep(0.005)
+
+    runner.start(loop)
+    assert started.wait(5) and not gc.isenabled()
+    assert runner.stop()
+    assert gc.isenabled()
+
+
 # ---- device label ------------------------------------------------------------------------------------
 def test_button_names_the_device_found_lazily(window, qtbot):
     panel = window.measure_panel

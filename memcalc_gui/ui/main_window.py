@@ -37,6 +37,7 @@ from PySide6.QtWidgets import (
     QPlainTextEdit,
     QPushButton,
     QScrollArea,
+    QSizePolicy,
     QSplitter,
     QStackedWidget,
     QTabWidget,
@@ -282,6 +283,8 @@ class MainWindow(QMainWindow):
         self.timeline_panel = TimelinePanel()
         self.timeline_panel.open_requested.connect(self.choose_snapshot)
         self.timeline_panel.export_requested.connect(self.export_snapshot)
+        # a hidden page must not widen the window: the stack takes its minimum width from the phase chart
+        self.timeline_panel.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         self.chart_stack = QStackedWidget()
         self.chart_stack.setObjectName("chartStack")
         self.chart_stack.addWidget(self.chart)
@@ -340,13 +343,17 @@ class MainWindow(QMainWindow):
         self.trace_panel = TracePanel(self)
         # Tab follows the action row left to right: Precise (trace), then Measure
         QWidget.setTabOrder(self.trace_panel.toggle, self.measure_panel.button)
-        self.timeline_button = QPushButton("Timeline")
+        # the chart's corner switches to the timeline (and the timeline's header back): no room taken from the
+        # action row, so the window keeps its minimum width
+        self.timeline_button = QPushButton("Timeline ▸", self.chart)
         self.timeline_button.setObjectName("timelineButton")
         self.timeline_button.setCheckable(True)
         self.timeline_button.setToolTip("Show the step's memory over time (the trace's predicted allocations and "
-                                        "frees, or an opened memory snapshot) instead of the phase bars")
+                                        "frees, or an opened memory snapshot) instead of the phase bars (Ctrl+Shift+T)")
         self.timeline_button.toggled.connect(self.show_timeline)
-        self.action_row.addWidget(self.timeline_button)
+        self.timeline_button.adjustSize()
+        self.timeline_button.move(4, 4)
+        self.timeline_panel.back_button.clicked.connect(lambda: self.show_timeline(False))
         QWidget.setTabOrder(self.measure_panel.button, self.timeline_button)
         self.measure_panel.finished.connect(self._measured_timeline)
 
@@ -474,6 +481,12 @@ class MainWindow(QMainWindow):
         self.trace_panel.toggle.toggled.connect(self.trace_action.setChecked)
         view.addAction(self.trace_action)
         self.addAction(self.trace_action)
+        self.timeline_action = QAction("&Timeline (memory over time)", self)
+        self.timeline_action.setCheckable(True)
+        self.timeline_action.setShortcut(QKeySequence("Ctrl+Shift+T"))
+        self.timeline_action.toggled.connect(self.show_timeline)
+        view.addAction(self.timeline_action)
+        self.addAction(self.timeline_action)
 
         help_menu = menu.addMenu("&Help")
         self.about_action = QAction("&About memcalc", self)
@@ -814,8 +827,9 @@ class MainWindow(QMainWindow):
     def show_timeline(self, on: bool = True) -> None:
         """Show the timeline (or the phase bars again) in the chart area."""
         self.chart_stack.setCurrentWidget(self.timeline_panel if on else self.chart)
-        if self.timeline_button.isChecked() != on:
-            self.timeline_button.setChecked(on)
+        for toggle in (self.timeline_button, self.timeline_action):
+            if toggle.isChecked() != on:
+                toggle.setChecked(on)
 
     def choose_snapshot(self) -> None:
         path, _ = QFileDialog.getOpenFileName(self, "Open a CUDA memory snapshot", "",

@@ -12,7 +12,7 @@ import html
 from pathlib import Path
 
 from PySide6.QtCore import Signal
-from PySide6.QtWidgets import QHBoxLayout, QLabel, QPushButton, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QHBoxLayout, QLabel, QPushButton, QSizePolicy, QVBoxLayout, QWidget
 
 from ..core.errors import InputError
 from ..core.ledger import Estimate
@@ -37,10 +37,15 @@ class TimelinePanel(QWidget):
         layout = QVBoxLayout(self)
         layout.setContentsMargins(4, 4, 4, 4)
         row = QHBoxLayout()
+        self.back_button = QPushButton("◂ Phases")
+        self.back_button.setObjectName("timelineBack")
+        self.back_button.setToolTip("Back to the phase bars (Ctrl+Shift+T)")
+        row.addWidget(self.back_button)
         self.source = QLabel(EMPTY_TEXT)
         self.source.setObjectName("timelineSource")
         self.source.setWordWrap(True)
         row.addWidget(self.source, 1)
+        self.source.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         self.open_button = QPushButton("Open snapshot…")
         self.open_button.setToolTip("Read a CUDA memory snapshot pickle (torch.cuda.memory._dump_snapshot) and "
                                     "compare it with this setup's estimate; nothing in the file runs")

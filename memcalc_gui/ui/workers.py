@@ -7,6 +7,12 @@ as ``progress(str)``, ``finished(result)``, ``failed(message)`` or ``cancelled()
 The runner is long-lived: connect to its signals once, before starting a job, and a fast job's
 signals are never missed.
 
+Garbage collection: while any job runs, Python's automatic collector is off, and the GUI thread collects
+before a job starts and after the last one ends. Qt objects (a chart's plot items, a closed window) often sit
+in reference cycles; collected on a worker thread they would be destroyed off the GUI thread, which hangs or
+crashes Qt (pyqtgraph's ``GarbageCollector`` exists for the same reason). Measured steps then free memory by
+reference counts and their own explicit collections, as the distributed ranks do.
+
 Shutdown: ``stop()`` asks the job to stop and waits for its thread. Owners call it from
 ``closeEvent``; every runner also stops itself on ``QCoreApplication.aboutToQuit``, so a thread is
 never destroyed while it is running ("QThread: Destroyed while thread is still running" aborts).
@@ -15,6 +21,7 @@ never destroyed while it is running ("QThread: Destroyed while thread is still r
 from __future__ import annotations
 
 import contextlib
+import gc
 import threading
 import time
 import traceback
@@ -37,6 +44,30 @@ STOP_TIMEOUT_MS = 1_000
 
 #: Threads that did not stop in time: referenced here so Python never destroys a running QThread.
 _ORPHANS: list[QThread] = []
+
+
+_gc_holds = 0
+_gc_was_enabled = True
+
+
+def _hold_gc() -> None:
+    """GUI thread, as a job starts: collect here, then keep the automatic collector off while jobs run."""
+    global _gc_holds, _gc_was_enabled
+    if _gc_holds == 0:
+        _gc_was_enabled = gc.isenabled()
+        gc.collect()
+        gc.disable()
+    _gc_holds += 1
+
+
+def _release_gc() -> None:
+    """GUI thread, once a job has ended: the last one turns the collector back on and collects here."""
+    global _gc_holds
+    _gc_holds = max(0, _gc_holds - 1)
+    if _gc_holds == 0:
+        if _gc_was_enabled:
+            gc.enable()
+        gc.collect()
 
 
 def running_orphans() -> list[QThread]:
@@ -144,6 +175,7 @@ class TaskRunner(QObject):
         self._worker: Worker | None = None
         self._thread: _WorkerThread | None = None
         self._active = False
+        self._gc_held = False
         app = QCoreApplication.instance()
         if app is not None:
             app.aboutToQuit.connect(self._about_to_quit)
@@ -163,6 +195,9 @@ class TaskRunner(QObject):
         self._worker = worker
         self._thread = _WorkerThread(worker, self._name)
         self._active = True
+        if not self._gc_held:
+            self._gc_held = True
+            _hold_gc()
         self.running_changed.emit(True)
         self.started.emit()
         self._thread.start()
@@ -195,7 +230,17 @@ class TaskRunner(QObject):
         if not ended:  # never let Python destroy a running QThread: park it until it ends
             _ORPHANS.append(thread)
             thread.finished.connect(lambda t=thread: _ORPHANS.remove(t) if t in _ORPHANS else None)
+            thread.finished.connect(self._release)
+        else:
+            self._release()
         return bool(ended)
+
+    @Slot()
+    def _release(self) -> None:
+        """Give back this runner's hold on the collector (once per job)."""
+        if self._gc_held:
+            self._gc_held = False
+            _release_gc()
 
     @Slot()
     def _about_to_quit(self) -> None:
@@ -213,6 +258,10 @@ class TaskRunner(QObject):
 
     def _end(self) -> None:
         self._active = False
+        if self._thread is None or not self._thread.isRunning() or self._thread.wait(2000):
+            self._release()  # the job's thread has returned: nothing runs there any more
+        else:
+            self._thread.finished.connect(self._release)
         self.running_changed.emit(False)
 
     @Slot(object)

@@ -9,6 +9,8 @@ allocations at that event.
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import QPointF, Qt, QTimer
@@ -127,6 +129,9 @@ class TimelineChart(pg.PlotWidget):
         self.plot_item.clear()
         self.legend.clear()
         self._overlay = None
+        # the removed items hold reference cycles (their signals): collect them here, on the GUI thread; left to
+        # the collector they could be destroyed on a worker thread, which Qt does not allow
+        gc.collect()
         self.plot_item.addItem(self._hover, ignoreBounds=True)
         self._hover.hide()
         self.timeline = timeline
