@@ -173,13 +173,10 @@ def test_pytorch_reads_every_view_of_a_written_snapshot(tmp_path: Path) -> None:
     assert estimate(setup).phases["forward"].tensor_bytes > 0
 
 
-def test_a_pytorch_made_snapshot_is_read_and_reconciled(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """PyTorch builds a snapshot from a CPU profile of a real step (``_profile_to_snapshot``, the structure
-    ``_dump_snapshot`` writes on a GPU, with the profiler's categories); memcalc finds its phases from the stack
-    frames, maps the categories to ledger objects, and its peak is the step's."""
-    from torch.cuda._memory_viz import _profile_to_snapshot
-
-    from memcalc_gui.measure.cpu_step import build_model, measure_training_step, step_forward
+def _profiled_step() -> object:
+    """Two real fp32 training steps of the small Llama (batch 2 × 64, AdamW single-tensor) under the CPU profiler
+    with memory profiling on."""
+    from memcalc_gui.measure.cpu_step import build_model, step_forward
 
     model = build_model(FAMILIES["llama"], precision="fp32")
     opt = torch.optim.AdamW(model.parameters(), foreach=False)
@@ -190,6 +187,18 @@ def test_a_pytorch_made_snapshot_is_read_and_reconciled(tmp_path: Path, capsys: 
             step_forward(model, ids, "fp32").backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
+    return prof
+
+
+def test_a_pytorch_made_snapshot_is_read_and_reconciled(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """PyTorch builds a snapshot from a CPU profile of a real step (``_profile_to_snapshot``, the structure
+    ``_dump_snapshot`` writes on a GPU, with the profiler's categories); memcalc finds its phases from the stack
+    frames, maps the categories to ledger objects, and its peak is the step's."""
+    from torch.cuda._memory_viz import _profile_to_snapshot
+
+    from memcalc_gui.measure.cpu_step import measure_training_step
+
+    prof = _profiled_step()
     path = tmp_path / "real.pickle"
     path.write_bytes(pickle.dumps(_profile_to_snapshot(prof)))
     tl = timeline_from_snapshot(load_snapshot(path.read_bytes()))
@@ -257,17 +266,9 @@ def test_a_profiler_memory_timeline_agrees_by_category_at_the_peak(tmp_path: Pat
     import warnings
 
     from memcalc_gui.core.timeline import read_timeline
-    from memcalc_gui.measure.cpu_step import build_model, make_classifier, measure_training_step, step_forward
+    from memcalc_gui.measure.cpu_step import make_classifier, measure_training_step
 
-    model = build_model(FAMILIES["llama"], precision="fp32")
-    opt = torch.optim.AdamW(model.parameters(), foreach=False)
-    ids = torch.randint(0, 512, (2, 64))
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True,
-                                record_shapes=True, with_stack=True) as prof:
-        for _ in range(2):
-            step_forward(model, ids, "fp32").backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+    prof = _profiled_step()
     path = tmp_path / "timeline.json"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)

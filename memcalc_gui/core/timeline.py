@@ -107,15 +107,7 @@ class Timeline:
     def phase_peaks(self) -> dict[str, int]:
         """The highest live bytes inside each phase's spans (the last iteration's when there are several)."""
         live = self.live()
-        last: dict[str, int] = {}
-        for s in self.spans:
-            last[s.phase] = max(last.get(s.phase, 0), s.iteration)
-        out: dict[str, int] = {}
-        for s in self.spans:
-            if s.iteration != last[s.phase] or s.end <= s.start:
-                continue
-            out[s.phase] = max(out.get(s.phase, 0), max(live[s.start:s.end]))
-        return out
+        return {phase: live[i] for phase, i in self.phase_peak_indices(live).items()}
 
     def composition_at(self, index: int) -> dict[str, int]:
         """Live bytes by category just after event ``index`` (-1: the baseline)."""
@@ -141,9 +133,10 @@ class Timeline:
             out[rest] = {c: v for c, v in now.items() if v}
         return out
 
-    def phase_peak_indices(self) -> dict[str, int]:
-        """The event index of each phase's peak (last iteration), for :meth:`composition_at`."""
-        live = self.live()
+    def phase_peak_indices(self, live: array[int] | None = None) -> dict[str, int]:
+        """The event index of each phase's peak (last iteration; the first event reaching it), for
+        :meth:`composition_at`; ``live`` is :meth:`live` when the caller has it."""
+        live = self.live() if live is None else live
         last: dict[str, int] = {}
         for s in self.spans:
             last[s.phase] = max(last.get(s.phase, 0), s.iteration)
