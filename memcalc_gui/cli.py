@@ -255,6 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="quick (seed heuristic) or analytic (default: analytic for an architecture)")
     rep.add_argument("--out", required=True, metavar="FILE",
                      help="report.pdf (A4/Letter, selectable text) or report.png (1600×1000, for a slide or chat)")
+    rep.add_argument("--snapshot", metavar="FILE", default=None,
+                     help="a memory snapshot or profiler timeline (or memcalc's --snapshot-out) drawn as a "
+                          "\"Memory over time\" figure in a PDF")
     rep.add_argument("--page", choices=("a4", "letter"), default=None,
                      help="PDF paper size (default from the locale: Letter in the US, Canada, Mexico, …; else A4)")
 
@@ -682,10 +685,18 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     report_format(args.out)  # a bad extension fails before any estimate or Qt start-up
     setup, notes = setup_from_args(args)
+    timeline = None
+    if getattr(args, "snapshot", None):
+        from .core.timeline import read_timeline
+
+        try:
+            timeline = read_timeline(Path(args.snapshot).read_bytes())
+        except OSError as exc:
+            raise InputError("snapshot", f"cannot read {args.snapshot}: {exc.strerror or exc}") from None
     result = evaluate(setup, args.method)
     os.environ["QT_QPA_PLATFORM"] = "offscreen"  # a command never shows a window (nor needs a display)
     try:
-        written = write_report(result, args.out, page=args.page, notes=notes)
+        written = write_report(result, args.out, page=args.page, notes=notes, timeline=timeline)
     except ReportWriteError as exc:
         _fail(f"--out: {exc}")
     _out(f"Wrote {written.describe()}")

@@ -291,3 +291,29 @@ def test_a_profiler_memory_timeline_agrees_by_category_at_the_peak(tmp_path: Pat
                      "--optimizer-impl", "single-tensor", "--snapshot", str(path), "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["phases"]
     assert [r["phase"] for r in rows] == ["peak"] and abs(rows[0]["difference_bytes"]) <= 0.02 * peak
+
+
+def test_the_report_draws_a_timeline_figure(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``memcalc report --snapshot FILE`` adds "Memory over time" (the figure and its caption with each phase's
+    peak beside the estimate) to a PDF; a file that is not a timeline is refused, naming --snapshot."""
+    import shutil
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(FAMILIES["llama"]))
+    predicted = tmp_path / "predicted.pickle"
+    common = ["--config", str(cfg), "--batch", "2", "--seq", "64"]
+    assert cli_main(["estimate", *common, "--method", "trace", "--snapshot-out", str(predicted)]) == 0
+    capsys.readouterr()
+    pdf = tmp_path / "report.pdf"
+    assert cli_main(["report", *common, "--gpu", "rtx-4090", "--snapshot", str(predicted), "--out", str(pdf)]) == 0
+    assert pdf.stat().st_size > 20_000
+    if shutil.which("pdftotext"):
+        text = subprocess.run(["pdftotext", str(pdf), "-"], capture_output=True, text=True, check=True).stdout
+        assert "Memory over time" in text and "Predicted by the trace" in text and "estimate" in text
+    bad = tmp_path / "bad.pickle"
+    bad.write_bytes(b"\x80\x04K*.")  # pickled 42
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["report", *common, "--snapshot", str(bad), "--out", str(tmp_path / "x.pdf")])
+    assert exit_.value.code == 2 and "--snapshot" in capsys.readouterr().err
+    png = tmp_path / "report.png"
+    assert cli_main(["report", *common, "--snapshot", str(predicted), "--out", str(png)]) == 0  # PDF only

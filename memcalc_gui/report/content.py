@@ -18,6 +18,7 @@ from ..core.ledger import parameter_rows, shown_objects
 from ..core.result import Result
 from ..core.setup import PRECISION_LABELS, TrainingSetup, gpu_presets
 from ..core.solver import MAX_SEARCH_BATCH
+from ..core.timeline import Timeline, compare_phases
 from ..core.units import format_bytes, format_count, in_unit, ordinal, screen_unit
 from ..core.vocab import OBJECT_LABELS, PHASE_LABELS, PHASES
 from ..view.plan_text import (
@@ -231,6 +232,8 @@ class ReportContent:
     plan: Table | None = None
     plan_notes: tuple[str, ...] = ()
     host: str = ""
+    #: A timeline drawn as a figure (PDF): what it is, said under it; "" for none.
+    timeline_caption: str = ""
 
     def plain_text(self) -> str:
         """Everything as text (tests, and a fallback for a reader without PDF support)."""
@@ -612,8 +615,9 @@ def _formulas(result: Result, measured: bool) -> list[tuple[str, tuple[str, ...]
 
 def build_content(result: Result, *, measurement: MeasureResult | None = None,
                   modules: Sequence[tuple[str, int]] | None = None, notes: Sequence[str] = (),
-                  when: datetime | None = None) -> ReportContent:
-    """The report of ``result`` (and of a measurement or a trace's per-module breakdown, when given)."""
+                  when: datetime | None = None, timeline: Timeline | None = None) -> ReportContent:
+    """The report of ``result`` (and of a measurement, a trace's per-module breakdown or a timeline, when
+    given)."""
     setup, est, v = result.setup, result.estimate, result.verdict
     when = when or datetime.now().astimezone()
     model = setup.model.name if setup.model is not None and setup.model.name else (
@@ -696,5 +700,22 @@ def build_content(result: Result, *, measurement: MeasureResult | None = None,
         plan=_plan_table(result),
         plan_notes=tuple(plan_sentences(result)),
         host=host_text(result),
+        timeline_caption=timeline_caption(timeline, result) if timeline is not None and timeline.events else "",
     )
+
+
+def timeline_caption(timeline: Timeline, result: Result) -> str:
+    """What the timeline figure shows, and each phase's peak beside the estimate."""
+    what = {"trace": "Predicted by the trace (the real model on fake tensors, two iterations, sizes rounded as "
+                     "the CUDA caching allocator rounds them)",
+            "measured": "Measured on this machine (every tensor storage of the measured iterations)",
+            "profiler": "A PyTorch profiler memory timeline (its categories, no phases)"}.get(
+        timeline.source, "A CUDA memory snapshot (phases found from its stack frames)")
+    rows = compare_phases(timeline, {p: dict(ph.objects) for p, ph in result.estimate.phases.items()})
+    peaks = "; ".join(f"{PHASE_LABELS.get(r.phase, 'at the peak')}: {format_bytes(r.timeline_bytes)} "
+                      f"(estimate {format_bytes(r.estimate_bytes)})" for r in rows)
+    return (f"{what}: {len(timeline.events):,} allocations and frees, live memory stacked by object, phases "
+            "shaded; the estimate's tensor peak and the capacity are drawn as lines when the timeline comes within "
+            "a fifth of them." + (f" Peaks — {peaks}." if peaks
+                                                                                     else ""))
 

@@ -135,8 +135,10 @@ def export_from_window(window: QWidget, path: str | Path | None = None) -> Path 
         return None
     QApplication.setOverrideCursor(Qt.CursorShape.WaitCursor)
     try:
+        panel = getattr(window, "timeline_panel", None)
         written = write_report(result, target, measurement=current_measurement(window),
-                               modules=current_modules(window), notes=current_notes(window))
+                               modules=current_modules(window), notes=current_notes(window),
+                               timeline=getattr(panel, "timeline", None))
     except MemcalcError as exc:
         QApplication.restoreOverrideCursor()
         QMessageBox.critical(window, TITLE, f"The report was not exported.\n\n{exc}")

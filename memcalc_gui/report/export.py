@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.errors import InputError, MemcalcError
 from ..core.result import Result
+from ..core.timeline import Timeline
 
 if TYPE_CHECKING:
     from ..measure.engine import MeasureResult
@@ -214,8 +215,10 @@ def atomic_write(path: Path, data: bytes) -> None:
 # ---- the API --------------------------------------------------------------------------------------
 def write_report(result: Result, path: str | os.PathLike[str], *, page: str | None = None,
                  measurement: MeasureResult | None = None, modules: Sequence[tuple[str, int]] | None = None,
-                 notes: Sequence[str] = (), when: datetime | None = None) -> ReportFile:
-    """Render and write the report; returns what was written (see :func:`export_report`)."""
+                 notes: Sequence[str] = (), when: datetime | None = None,
+                 timeline: Timeline | None = None) -> ReportFile:
+    """Render and write the report; returns what was written (see :func:`export_report`). ``timeline`` adds a
+    "Memory over time" figure to a PDF."""
     target = Path(os.fspath(path)).expanduser()
     fmt = report_format(target)
     paper = parse_page(page) if fmt == "pdf" else None
@@ -230,10 +233,11 @@ def write_report(result: Result, path: str | os.PathLike[str], *, page: str | No
     from .content import build_content
     from .render import PNG_SIZE, render_pdf, render_png
 
-    content = build_content(result, measurement=measurement, modules=mods, notes=notes, when=when)
+    content = build_content(result, measurement=measurement, modules=mods, notes=notes, when=when,
+                            timeline=timeline if fmt == "pdf" else None)
     if fmt == "pdf":
         assert paper is not None
-        data, pages = render_pdf(content, result, paper)
+        data, pages = render_pdf(content, result, paper, timeline)
         pixels = None
     else:
         data, pages, pixels = render_png(content, result), 1, PNG_SIZE

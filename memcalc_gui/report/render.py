@@ -39,6 +39,7 @@ from PySide6.QtGui import (
 from ..core.ledger import parameter_rows, shown_objects
 from ..core.result import Result
 from ..core.solver import MAX_GPUS
+from ..core.timeline import Timeline
 from ..core.units import in_unit, screen_unit
 from ..core.vocab import OBJECT_LABELS, PHASE_LABELS, PHASES
 from ..view.assets import BUNDLED_FAMILY
@@ -74,6 +75,7 @@ OVER_BG = "#FDECEA"
 NEUTRAL_BG = "#ECEEF8"
 
 CHART_URL = "memcalc://chart.png"
+TIMELINE_URL = "memcalc://timeline.png"
 #: Tables with at most this many rows (header included) are never split across pages.
 KEEP_WHOLE_ROWS = 14
 PAGE_SIZES = {"a4": QPageSize.PageSizeId.A4, "letter": QPageSize.PageSizeId.Letter}
@@ -156,6 +158,40 @@ def render_chart(result: Result, width: int, height: int, ratio: float, content:
         chart.deleteLater()
 
 
+def render_timeline(timeline: Timeline, result: Result, width: int, height: int, ratio: float,
+                    font_pt: float = 9.0) -> QImage:
+    """The window's timeline chart of ``timeline`` beside ``result``'s capacity and tensor peak, as an image."""
+    from PySide6.QtWidgets import QApplication, QWidget
+
+    from ..view.timeline_chart import TimelineChart
+
+    chart = TimelineChart()
+    try:
+        chart.setAttribute(Qt.WidgetAttribute.WA_DontShowOnScreen, True)
+        font = QFont(report_family())
+        font.setPointSizeF(font_pt)
+        chart.setFont(font)
+        chart.setPalette(_light_palette())
+        chart.setBackground("w")
+        chart.resize(width, height)
+        chart.show()
+        QApplication.processEvents()
+        chart.set_timeline(timeline, result.setup.capacity_bytes, result.estimate.peak_tensor_bytes)
+        for axis in ("left", "bottom"):
+            chart.plot_item.getAxis(axis).setStyle(tickFont=font)
+        QApplication.processEvents()
+        image = QImage(round(width * ratio), round(height * ratio), QImage.Format.Format_ARGB32_Premultiplied)
+        image.setDevicePixelRatio(ratio)
+        image.fill(QColor("#FFFFFF"))
+        QWidget.render(chart, image)
+        image.setDevicePixelRatio(1.0)
+        return image.convertToFormat(QImage.Format.Format_RGB32)
+    finally:
+        chart.hide()
+        chart.close()
+        chart.deleteLater()
+
+
 # ---- HTML ----------------------------------------------------------------------------------------
 def _e(text: object) -> str:
     return html.escape(str(text), quote=True)
@@ -217,9 +253,11 @@ class ReportHtml:
     headings that start a new page."""
 
     def __init__(self, content: ReportContent, chart_w: int, chart_h: int,
-                 splits: Mapping[int, set[int]] | None = None, breaks: set[int] | None = None) -> None:
+                 splits: Mapping[int, set[int]] | None = None, breaks: set[int] | None = None,
+                 timeline_h: int = 0) -> None:
         self.content = content
         self.chart_w, self.chart_h = chart_w, chart_h
+        self.timeline_h = timeline_h  # 0: no timeline figure
         self.splits = splits or {}
         self.breaks = breaks or set()
         self.chunks: list[tuple[int, int]] = []
@@ -298,6 +336,10 @@ class ReportHtml:
             _note("Each cell: bytes live at that phase’s peak" + (" on each GPU" if c.per_gpu else "")
                   + " (binary units). The peak phase is shaded. "
                   "“Tensors (allocated)” leaves out the CUDA context and the allocator reserve."),
+            *([self.h2("Memory over time"),
+               f'<p align="center" style="margin:0px"><img src="{TIMELINE_URL}" width="{self.chart_w}" '
+               f'height="{self.timeline_h}"></p>', _note(c.timeline_caption)]
+              if self.timeline_h and c.timeline_caption else []),
             self.h2("Suggestions"),
         ]
         if c.suggestions is not None:
@@ -465,7 +507,8 @@ def first_problem(doc: QTextDocument, page_height: float,
 
 
 def paginate(content: ReportContent, width: float, page_height: float, chart: QImage, chart_w: int,
-             chart_h: int, device: QImage, max_rounds: int = 60) -> tuple[QTextDocument, set[int]]:
+             chart_h: int, device: QImage, max_rounds: int = 60,
+             timeline: QImage | None = None, timeline_h: int = 0) -> tuple[QTextDocument, set[int]]:
     """Lay the report out so that no table row is cut and no heading is left at the foot of a page.
 
     Each round rebuilds the document from HTML with the page breaks found so far (a fresh layout is
@@ -476,8 +519,9 @@ def paginate(content: ReportContent, width: float, page_height: float, chart: QI
     breaks: set[int] = set()
     doc = QTextDocument()
     for _ in range(max_rounds):
-        builder = ReportHtml(content, chart_w, chart_h, splits, breaks)
-        doc = make_document(builder.build(), width, {CHART_URL: chart}, device, page_height=page_height)
+        builder = ReportHtml(content, chart_w, chart_h, splits, breaks, timeline_h if timeline is not None else 0)
+        images = {CHART_URL: chart} | ({TIMELINE_URL: timeline} if timeline is not None else {})
+        doc = make_document(builder.build(), width, images, device, page_height=page_height)
         problem = first_problem(doc, page_height, breaks)
         if problem is None:
             break
@@ -503,8 +547,9 @@ def _content_rect_pt(page: str) -> tuple[QPageLayout, QRectF]:
     return layout, layout.paintRect(QPageLayout.Unit.Point)
 
 
-def render_pdf(content: ReportContent, result: Result, page: str) -> tuple[bytes, int]:
-    """The report as PDF bytes and its page count."""
+def render_pdf(content: ReportContent, result: Result, page: str,
+               timeline: Timeline | None = None) -> tuple[bytes, int]:
+    """The report as PDF bytes and its page count (``timeline``: a "Memory over time" figure too)."""
     layout, rect_pt = _content_rect_pt(page)
     width = rect_pt.width() * DOC_DPI / 72
     height = rect_pt.height() * DOC_DPI / 72
@@ -514,10 +559,14 @@ def render_pdf(content: ReportContent, result: Result, page: str) -> tuple[bytes
     ratio = CHART_PIXELS / chart_w
     device = _layout_device()
     doc = QTextDocument()
+    timeline_h = round(chart_w * 0.45)
+    figure = render_timeline(timeline, result, chart_w, timeline_h, ratio) \
+        if timeline is not None and timeline.events and content.timeline_caption else None
     for aspect in CHART_ASPECTS:  # a lower chart when that keeps the ledger on the first page
         chart_h = round(chart_w * aspect)
         chart = render_chart(result, chart_w, chart_h, ratio, content)
-        doc, breaks = paginate(content, width, doc_height, chart, chart_w, chart_h, device)
+        doc, breaks = paginate(content, width, doc_height, chart, chart_w, chart_h, device, timeline=figure,
+                               timeline_h=timeline_h)
         if LEDGER_HEADING not in breaks:
             break
     pages = doc.pageCount()

@@ -144,7 +144,9 @@ class TimelineChart(pg.PlotWidget):
         self._live = arrays.live
         peak_i = int(np.argmax(self._live))
         peak = int(self._live[peak_i])
-        self.unit = unit_for(max(peak, capacity_bytes or 0, estimate_peak_bytes or 0))
+        # lines far above the timeline (a small snapshot beside a large estimate) neither set the scale nor the unit
+        drawn = [v for v in (capacity_bytes, estimate_peak_bytes) if v and peak >= 0.2 * v]
+        self.unit = unit_for(max([peak, *drawn]))
         self.plot_item.setLabel("left", f"Live memory ({self.unit})")
         cols = reduce_columns(self._live)
         x = cols.astype(float)
@@ -171,8 +173,7 @@ class TimelineChart(pg.PlotWidget):
         top_value = float(below.max()) if len(below) else 0.0
         # the capacity and the analytic peak set the scale only when the timeline reaches a fifth of them: a small
         # snapshot beside a large estimate stays readable (the comparison line under the chart gives the numbers)
-        highest = max([top_value] + [v / scale for v in (capacity_bytes, estimate_peak_bytes)
-                                     if v and top_value >= 0.2 * v / scale])
+        highest = max([top_value] + [v / scale for v in drawn])
         for span in timeline.spans:
             if span.end <= span.start:
                 continue
