@@ -92,13 +92,15 @@ def test_the_ledger_matches_every_rank_of_a_real_fsdp2_step(case: tuple) -> None
     assert len(measured) == ranks
     est = estimate(_setup(*case), "analytic")
     # now and then a rank still holds the root unit's gathered weights during the optimizer step (gloo finishes the
-    # root's collectives on its own thread; seen about once in ten runs): the step may exceed the ledger by that much
+    # root's collectives on its own thread; seen about once in ten runs): the step may exceed the ledger by that much,
+    # under mixed precision by the all-gather's output and the bf16 weights made from it (twice the bf16 size, seen
+    # once in CI)
     root = spec_from_config(CONFIGS[family]).root_unit_params * (4 if precision == "fp32" else 2)
     for phase in ("forward", "backward", "optimizer_step"):
         predicted = est.phases[phase].tensor_bytes
         for m in measured:  # every rank holds the same shard sizes here
             real = m.phases[phase].peak_bytes
-            late = (0, root) if phase == "optimizer_step" else (0,)
+            late = (0, root, 2 * root) if phase == "optimizer_step" else (0,)
             assert min(abs(predicted + extra - real) for extra in late) <= 0.03 * real, (phase, predicted, real)
     step = measured[0].phases["optimizer_step"].objects
     # the sharded state: 1/N of the fp32 (bf16) weights, gradients and Adam's two moments (plus its step counters)
