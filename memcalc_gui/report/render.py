@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import html
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 from PySide6.QtCore import QBuffer, QByteArray, QIODevice, QMarginsF, QPointF, QRectF, QSizeF, Qt, QUrl
 from PySide6.QtGui import (
@@ -108,24 +109,45 @@ def _light_palette() -> QPalette:
     return pal
 
 
+def _render_widget(widget: Any, width: int, height: int, ratio: float, font_pt: float,
+                   draw: Callable[[QFont], None]) -> QImage:
+    """Render a chart widget offscreen on white at ``width``×``height`` logical px, ``ratio`` device px each:
+    ``draw(font)`` fills it once it is laid out; the widget is closed afterwards."""
+    from PySide6.QtWidgets import QApplication, QWidget
+
+    try:
+        widget.setAttribute(Qt.WidgetAttribute.WA_DontShowOnScreen, True)
+        font = QFont(report_family())
+        font.setPointSizeF(font_pt)
+        widget.setFont(font)
+        widget.setPalette(_light_palette())  # a report is printed on white, whatever the desktop theme
+        widget.resize(width, height)
+        widget.show()
+        QApplication.processEvents()
+        draw(font)
+        QApplication.processEvents()
+        image = QImage(round(width * ratio), round(height * ratio), QImage.Format.Format_ARGB32_Premultiplied)
+        image.setDevicePixelRatio(ratio)
+        image.fill(QColor("#FFFFFF"))
+        QWidget.render(widget, image)  # QGraphicsView.render would draw the scene without the ratio
+        image.setDevicePixelRatio(1.0)
+        return image.convertToFormat(QImage.Format.Format_RGB32)
+    finally:
+        widget.hide()
+        widget.close()
+        widget.deleteLater()
+
+
 def render_chart(result: Result, width: int, height: int, ratio: float, content: ReportContent | None = None,
                  font_pt: float = 9.0) -> QImage:
     """The window's phase chart for ``result`` at ``width``×``height`` logical px, ``ratio`` device px each."""
     import pyqtgraph as pg
-    from PySide6.QtWidgets import QApplication, QWidget
 
     from ..view.chart import MemoryChart
 
     chart = MemoryChart()
-    try:
-        chart.setAttribute(Qt.WidgetAttribute.WA_DontShowOnScreen, True)
-        font = QFont(report_family())
-        font.setPointSizeF(font_pt)
-        chart.setFont(font)
-        chart.setPalette(_light_palette())  # a report is printed on white, whatever the desktop theme
-        chart.resize(width, height)
-        chart.show()
-        QApplication.processEvents()
+
+    def draw(font: QFont) -> None:
         setup = result.setup
         name = gpu_label(result).split(" (")[0] if setup.gpu else ""
         chart.set_estimate(result.estimate, setup.capacity_bytes, name,
@@ -145,51 +167,24 @@ def render_chart(result: Result, width: int, height: int, ratio: float, content:
                           for i, p in enumerate(PHASES)]])
         bottom.setStyle(tickFont=font, hideOverlappingLabels=60)
         bottom.setHeight(2 * QFontMetrics(font).height() + 14)
-        QApplication.processEvents()
-        image = QImage(round(width * ratio), round(height * ratio), QImage.Format.Format_ARGB32_Premultiplied)
-        image.setDevicePixelRatio(ratio)
-        image.fill(QColor("#FFFFFF"))
-        QWidget.render(chart, image)  # QGraphicsView.render would draw the scene without the ratio
-        image.setDevicePixelRatio(1.0)
-        return image.convertToFormat(QImage.Format.Format_RGB32)
-    finally:
-        chart.hide()
-        chart.close()
-        chart.deleteLater()
+
+    return _render_widget(chart, width, height, ratio, font_pt, draw)
 
 
 def render_timeline(timeline: Timeline, result: Result, width: int, height: int, ratio: float,
                     font_pt: float = 9.0) -> QImage:
     """The window's timeline chart of ``timeline`` beside ``result``'s capacity and tensor peak, as an image."""
-    from PySide6.QtWidgets import QApplication, QWidget
-
     from ..view.timeline_chart import TimelineChart
 
     chart = TimelineChart()
-    try:
-        chart.setAttribute(Qt.WidgetAttribute.WA_DontShowOnScreen, True)
-        font = QFont(report_family())
-        font.setPointSizeF(font_pt)
-        chart.setFont(font)
-        chart.setPalette(_light_palette())
-        chart.setBackground("w")
-        chart.resize(width, height)
-        chart.show()
-        QApplication.processEvents()
+    chart.setBackground("w")
+
+    def draw(font: QFont) -> None:
         chart.set_timeline(timeline, result.setup.capacity_bytes, result.estimate.peak_tensor_bytes)
         for axis in ("left", "bottom"):
             chart.plot_item.getAxis(axis).setStyle(tickFont=font)
-        QApplication.processEvents()
-        image = QImage(round(width * ratio), round(height * ratio), QImage.Format.Format_ARGB32_Premultiplied)
-        image.setDevicePixelRatio(ratio)
-        image.fill(QColor("#FFFFFF"))
-        QWidget.render(chart, image)
-        image.setDevicePixelRatio(1.0)
-        return image.convertToFormat(QImage.Format.Format_RGB32)
-    finally:
-        chart.hide()
-        chart.close()
-        chart.deleteLater()
+
+    return _render_widget(chart, width, height, ratio, font_pt, draw)
 
 
 # ---- HTML ----------------------------------------------------------------------------------------
