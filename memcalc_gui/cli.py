@@ -257,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="report.pdf (A4/Letter, selectable text) or report.png (1600×1000, for a slide or chat)")
     rep.add_argument("--snapshot", metavar="FILE", default=None,
                      help="a memory snapshot or profiler timeline (or memcalc's --snapshot-out) drawn as a "
-                          "\"Memory over time\" figure in a PDF")
+                          "\"Memory over time\" figure (in a PDF, or a strip below a PNG's 1600×1000)")
     rep.add_argument("--page", choices=("a4", "letter"), default=None,
                      help="PDF paper size (default from the locale: Letter in the US, Canada, Mexico, …; else A4)")
 

@@ -119,3 +119,26 @@ def test_adapters_grow_with_rank_and_stay_below_the_model(rank: int, name: str) 
     assert small.adapter_params(spec) == rank * (large.adapter_params(spec) - small.adapter_params(spec))
     if rank <= 64:
         assert small.trainable_params(spec) < spec.num_params / 10
+
+
+@pytest.mark.parametrize("method", ["lora", "qlora", "frozen"])
+def test_ddp_with_a_tuned_model_buckets_only_trainable_gradients(method: str) -> None:
+    """DDP registers hooks (and buckets) for parameters that require gradients only: per GPU, a LoRA, QLoRA or
+    partly frozen run is its single-GPU ledger plus one more copy of the trainable gradients — not of the base."""
+    from memcalc_gui.core.distributed import Parallelism
+    from memcalc_gui.core.estimate import estimate
+    from memcalc_gui.core.model import preset_spec
+    from memcalc_gui.core.setup import TrainingSetup
+
+    tuning = FineTuning(method=method, trainable=("lm_head",) if method == "frozen" else ())
+    one = TrainingSetup(model=preset_spec("llama-3.2-1b"), batch=2, seq=512, tuning=tuning)
+    single = estimate(one)
+    per_gpu = estimate(one.with_changes(parallel=Parallelism(gpus=8, strategy="ddp")))
+    trainable = single.phases["optimizer_step"].objects["gradients"]
+    assert 0 < trainable < one.model.num_params * 4 // 4  # type: ignore[union-attr]
+    for phase in ("forward", "backward", "optimizer_step"):
+        a, b = single.phases[phase].objects, per_gpu.phases[phase].objects
+        assert b["gradients"] == a["gradients"] + trainable
+        assert {k: v for k, v in b.items() if k not in ("gradients", "allocator_reserve")} == \
+            {k: v for k, v in a.items() if k not in ("gradients", "allocator_reserve")}
+    assert per_gpu.phases["load"].objects == single.phases["load"].objects

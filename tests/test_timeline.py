@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from bench.techniques import FAMILIES
@@ -316,4 +316,91 @@ def test_the_report_draws_a_timeline_figure(tmp_path: Path, capsys: pytest.Captu
         cli_main(["report", *common, "--snapshot", str(bad), "--out", str(tmp_path / "x.pdf")])
     assert exit_.value.code == 2 and "--snapshot" in capsys.readouterr().err
     png = tmp_path / "report.png"
-    assert cli_main(["report", *common, "--snapshot", str(predicted), "--out", str(png)]) == 0  # PDF only
+    assert cli_main(["report", *common, "--snapshot", str(predicted), "--out", str(png)]) == 0
+    plain = tmp_path / "plain.png"
+    assert cli_main(["report", *common, "--out", str(plain)]) == 0
+    from PySide6.QtGui import QImage
+
+    with_strip, without = QImage(str(png)), QImage(str(plain))
+    assert (without.width(), without.height()) == (1600, 1000)
+    assert (with_strip.width(), with_strip.height()) == (1600, 1440)
+    # the strip holds the drawn timeline: many colours (stacked areas), not an empty band
+    strip = with_strip.copy(28, 1040, 1544, 360)
+    colours = {strip.pixel(x, y) for x in range(0, strip.width(), 7) for y in range(0, strip.height(), 7)}
+    assert len(colours) > 20
+
+
+# ---- the coarse timeline of the analytic ledger ------------------------------------------------------------------
+@st.composite
+def _any_setup(draw: st.DrawFn) -> object:
+    from memcalc_gui.core.distributed import Parallelism
+    from memcalc_gui.core.finetune import FineTuning
+    from memcalc_gui.core.model import block_preset_names, preset_spec
+    from memcalc_gui.core.setup import TrainingSetup
+
+    name = draw(st.sampled_from(sorted(block_preset_names())))
+    kw = dict(model=preset_spec(name), batch=draw(st.integers(1, 16)), seq=draw(st.integers(1, 8192)),
+              grad_accum=draw(st.integers(1, 4)), precision=draw(st.sampled_from(("fp32", "mixed", "bf16"))),
+              optimizer=draw(st.sampled_from(("adamw", "sgd", "adamw-8bit", "adafactor", "lion", "galore-adamw"))),
+              checkpointing=draw(st.sampled_from(("none", "full"))), loss=draw(st.sampled_from(("full", "chunked"))),
+              optimizer_in_backward=draw(st.booleans()),
+              activation_offload=draw(st.sampled_from(("none", "checkpoint-inputs", "all"))),
+              packing=draw(st.booleans()),
+              tuning=FineTuning(method=draw(st.sampled_from(("full", "lora", "qlora")))),
+              parallel=Parallelism(gpus=draw(st.sampled_from((1, 8))),
+                                   strategy=draw(st.sampled_from(("ddp", "zero2", "zero3", "fsdp2")))))
+    try:
+        return TrainingSetup(**kw)  # type: ignore[arg-type]
+    except InputError:
+        return None
+
+
+@settings(max_examples=200, deadline=None)
+@given(_any_setup())
+def test_the_ledgers_coarse_timeline_peaks_where_the_ledger_does(setup: object) -> None:
+    """The analytic method's per-layer timeline: each phase's highest point is exactly that phase's tensor total in
+    the ledger (whatever the setup), every free releases a block that was allocated, and nothing is left negative."""
+    from memcalc_gui.core.result import evaluate
+    from memcalc_gui.core.timeline import ledger_timeline
+
+    assume(setup is not None)
+    try:
+        est = evaluate(setup).estimate  # type: ignore[arg-type]
+    except InputError:
+        assume(False)
+        return
+    layers = setup.model.num_layers  # type: ignore[attr-defined]
+    tl = ledger_timeline({p: ph.objects for p, ph in est.phases.items()}, layers)
+    assert tl.source == "ledger"
+    assert tl.phase_peaks() == {p: ph.tensor_bytes for p, ph in est.phases.items()}
+    assert min(tl.live(), default=0) >= 0 and tl.peak()[1] == est.peak_tensor_bytes
+    alive: set[int] = set()
+    for e in tl.events:  # blocks: an address is allocated once and freed once; a part of one is freed anonymously
+        if e.size_bytes > 0:
+            assert e.addr and e.addr not in alive
+            alive.add(e.addr)
+        elif e.addr:
+            alive.remove(e.addr)
+    assert tl.live()[-1] == sum(est.phases["optimizer_step"].objects[c] for c in ("parameters", "optimizer_state"))
+    assert len(tl.events) <= 12 * layers + 40
+
+
+def test_the_coarse_timeline_builds_layer_by_layer() -> None:
+    """Forward saves each layer's activations in turn (named by the layer), the loss adds the forward's temporaries
+    at the end; backward frees activations from the top layer down while gradients appear."""
+    from memcalc_gui.core.model import preset_spec
+    from memcalc_gui.core.result import evaluate
+    from memcalc_gui.core.setup import TrainingSetup
+    from memcalc_gui.core.timeline import ledger_timeline
+
+    est = evaluate(TrainingSetup(model=preset_spec("llama-3.2-1b"), batch=2, seq=1024)).estimate
+    tl = ledger_timeline({p: ph.objects for p, ph in est.phases.items()}, 16)
+    fwd = [e for e in tl.events if e.phase == "forward" and e.category == "activations"]
+    assert [e.module for e in fwd] == [f"model.layers.{i}" for i in range(16)]
+    assert sum(e.size_bytes for e in fwd) == est.phases["forward"].objects["activations"]
+    spans = {s.phase: s for s in tl.spans}
+    assert tl.events[spans["forward"].end - 1].category == "temporaries"
+    bwd = [e for e in tl.events[spans["backward"].start:spans["backward"].end] if e.op == "backward"]
+    assert bwd[0].module == "model.layers.15" and bwd[-1].module == "model.layers.0"
+    series = tl.series()
+    assert series["gradients"][spans["backward"].end - 1] == est.phases["optimizer_step"].objects["gradients"]

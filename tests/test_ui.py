@@ -18,7 +18,7 @@ from PySide6.QtWidgets import QApplication
 from memcalc_gui import __version__
 from memcalc_gui.core.resources import load_json
 from memcalc_gui.core.result import evaluate
-from memcalc_gui.core.units import gib
+from memcalc_gui.core.units import format_bytes, gib
 from memcalc_gui.core.vocab import OBJECTS, PHASES
 from memcalc_gui.ui.form import FormState, ModelCache, build_setup, default_state
 from memcalc_gui.ui.main_window import MainWindow
@@ -794,9 +794,12 @@ def test_one_unit_on_one_screen_even_for_absurd_sizes(window):
     assert f" {unit} " in w.banner.text.text()
     assert all(re.fullmatch(r"[\d.]+( EiB)?", label.toPlainText()) and len(label.toPlainText()) <= 12
                for label in w.chart.total_labels)
+    w.timeline_button.click()  # past what a timeline holds: said, not drawn
+    assert w.timeline_panel.timeline is None and "No timeline" in w.timeline_panel.source.text()
     # back to a normal model: GiB again everywhere
     w.apply_state(w.inputs.state().replace(preset="gpt2", batch="4", seq="1024"))
     assert w.refresh() and w.table.unit == w.chart.unit == "GiB" and w.tabs.tabText(0) == "&Ledger (GiB)"
+    assert w.timeline_panel.timeline is not None and w.timeline_panel.chart.timeline is w.timeline_panel.timeline
 
 
 def test_source_switch_keeps_each_model_row_level_with_its_label(window):
@@ -1179,8 +1182,12 @@ def test_timeline_shows_the_trace_and_opens_snapshots(window, tmp_path):
     assert w.chart_stack.currentWidget() is w.chart
     w.timeline_button.click()
     assert w.chart_stack.currentWidget() is w.timeline_panel
-    assert "No timeline yet" in w.timeline_panel.source.text()
-    assert not w.export_snapshot_action.isEnabled()
+    # before any trace: the coarse timeline of the ledger, said so, its phase peaks the ledger's, not exportable
+    coarse = w.timeline_panel.timeline
+    assert coarse is not None and coarse.source == "ledger" and "Coarse" in w.timeline_panel.source.text()
+    assert coarse.phase_peaks() == {p: ph.tensor_bytes for p, ph in w.result.estimate.phases.items()}
+    assert w.timeline_panel.chart.timeline is coarse  # drawn, the tab being on screen
+    assert not w.export_snapshot_action.isEnabled() and not w.timeline_panel.export_button.isEnabled()
     traced = trace_estimate(w.result.setup)
     w.show_trace(traced.result(), traced)
     panel = w.timeline_panel
@@ -1200,8 +1207,35 @@ def test_timeline_shows_the_trace_and_opens_snapshots(window, tmp_path):
     bad.write_bytes(pickle.dumps({"no": "trace"}))
     assert not w.open_snapshot(bad)
     assert "device_traces" in w.statusBar().currentMessage() and panel.timeline is kept
+    # a new setup: the snapshot stays, compared with the new estimate
+    assert set_fields(w, batch="2")
+    assert panel.timeline is kept and str(format_bytes(w.result.estimate.phases["optimizer_step"].tensor_bytes)) \
+        in panel.comparison.text()
     w.timeline_button.click()
     assert w.chart_stack.currentWidget() is w.chart
+
+
+def test_the_trace_timeline_gives_way_to_the_ledger_when_the_setup_changes(window):
+    """A predicted timeline belongs to the setup it traced: the GPU may change under it, a new micro-batch brings
+    back the coarse timeline of the new estimate (never a stale prediction), and drawing waits for the tab."""
+    pytest.importorskip("torch")
+    from memcalc_gui.trace.fake import trace_estimate
+
+    w = window
+    assert set_fields(w, model_kind="preset", preset="qwen2.5-0.5b", batch="1", seq="128", grad_accum="1", gpus="1",
+                      strategy="ddp", gpu="a100-80gb")
+    panel = w.timeline_panel
+    traced = trace_estimate(w.result.setup)
+    w.show_trace(traced.result(), traced)
+    assert panel.timeline is traced.timeline and panel.chart.timeline is not traced.timeline  # tab not shown yet
+    w.timeline_button.click()
+    assert panel.chart.timeline is traced.timeline
+    assert set_fields(w, gpu="rtx-4090")  # no tensor changes
+    assert panel.timeline is traced.timeline and panel.export_button.isEnabled()
+    assert set_fields(w, batch="2")
+    assert panel.timeline.source == "ledger" and "Coarse" in panel.source.text()
+    assert not panel.export_button.isEnabled() and not w.export_snapshot_action.isEnabled()
+    assert panel.timeline.phase_peaks()["backward"] == w.result.estimate.phases["backward"].tensor_bytes
 
 
 def test_a_measured_timeline_overlays_the_prediction_phase_by_phase(window):
@@ -1222,6 +1256,7 @@ def test_a_measured_timeline_overlays_the_prediction_phase_by_phase(window):
                                           512)
     est = estimate(TrainingSetup(model=spec_from_config(FAMILIES["llama"]), batch=2, seq=64))
     panel = window.timeline_panel
+    window.timeline_button.click()  # the chart draws when its tab is on screen
     panel.show_predicted(predicted, est, None)
     panel.show_measured(measured, est, None, same_setup=True)
     overlay = panel.chart._overlay

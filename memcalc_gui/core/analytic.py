@@ -454,7 +454,14 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
     notes: tuple[str, ...] = ()
     host_bytes = offload_host
     par = setup.parallel
-    if par.is_distributed:
+    if par.is_distributed and par.strategy == "ddp" and tuned and par.ep == 1:
+        # DDP buckets only the gradients of parameters that require them: LoRA's adapters, the unfrozen parts. The
+        # frozen (or 4-bit) base stays as the single-GPU ledger has it.
+        for m in (forward, *moments, step):
+            m["gradients"] = m.get("gradients", 0) + grads_all
+        notes = ("DDP keeps every trainable gradient once more in its communication buckets "
+                 "(gradient_as_bucket_view=False, the default); the frozen base has none",)
+    elif par.is_distributed:
         states = states_for(spec, setup, state + paged, opt.step_temporary_bytes, copies)
         if par.strategy == "fsdp2" and par.ep == 1:
             load, forward, moments, step = fsdp2_ledger(spec, setup, states, fwd_candidates, moments, where, step, p)

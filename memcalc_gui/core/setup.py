@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Final, Literal, get_args
 
 from .distributed import Parallelism
@@ -128,6 +128,10 @@ def _positive_int(field_name: str, value: object, limit: int | None = None) -> N
 #: Upper bounds of the shape fields: far past any real run (a million sequences per micro-batch, 16M-token
 #: sequences), and they keep every search and sum the estimator does bounded.
 LIMITS: Final = {"batch": 2**20, "seq": 2**24, "grad_accum": 2**20}
+
+
+#: Setup fields that change no tensor of the step: the GPU, its capacity, the memory outside PyTorch's allocator.
+OVERHEAD_FIELDS: Final = frozenset({"gpu", "capacity_bytes", "cuda_context_bytes", "allocator_reserve", "extras"})
 
 
 @dataclass(frozen=True)
@@ -336,6 +340,12 @@ class TrainingSetup:
             if all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in (b, s)):
                 changes["tokens_per_batch"] = max(1, min(b * s, -(-self.tokens_per_batch * b // self.batch)))
         return replace(self, **changes)
+
+    def same_tensors(self, other: TrainingSetup) -> bool:
+        """Whether ``other`` has the same tensors: every field but the GPU, its capacity and the overheads outside
+        PyTorch's allocator (a measured or traced step of one is a step of the other)."""
+        return all(getattr(self, f.name) == getattr(other, f.name) for f in fields(self)
+                   if f.name not in OVERHEAD_FIELDS)
 
     def describe(self) -> dict[str, Any]:
         """The inputs as plain JSON values (for ``--json``, reports and settings)."""

@@ -15,14 +15,14 @@ from __future__ import annotations
 import io
 import pickle
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
 from .errors import InputError
 from .units import MAX_SIZE_BYTES
-from .vocab import OBJECTS, PHASES
+from .vocab import OBJECTS, PHASES, TENSOR_OBJECTS
 
 #: Categories an event can carry: the ledger's objects and "unknown" (a snapshot frame memcalc cannot place).
 CATEGORIES: Final = (*OBJECTS, "unknown")
@@ -60,7 +60,7 @@ class Timeline:
     """Events in order; ``baseline_bytes`` were live before the first (by category in ``baseline``)."""
 
     events: tuple[TimelineEvent, ...]
-    source: str  # "trace", "measured" or "snapshot"
+    source: str  # "trace", "measured", "snapshot", "profiler" or "ledger" (coarse, from an estimate)
     spans: tuple[Span, ...] = ()
     baseline: dict[str, int] = field(default_factory=dict)
     #: How sizes were rounded (512: the CUDA caching allocator's block rounding).
@@ -193,6 +193,137 @@ class Timeline:
     def write_snapshot(self, path: str | Path) -> None:
         """Write :meth:`to_snapshot` as a pickle (plain containers only)."""
         Path(path).write_bytes(pickle.dumps(self.to_snapshot(), protocol=4))
+
+
+# ---- a coarse timeline from the analytic ledger ---------------------------------------------------------------
+#: Objects that build up layer by layer: activations in forward (freed in backward), gradients in backward.
+_LAYERED: Final = ("activations", "gradients")
+
+
+class _Blocks:
+    """Events that move each object's live bytes to a target, as blocks with addresses (a free releases a whole
+    block, last allocated first), so the hover's "largest live" and memory_viz see real allocations."""
+
+    def __init__(self) -> None:
+        self.events: list[TimelineEvent] = []
+        self.live: dict[str, list[tuple[int, int, str, str]]] = {c: [] for c in TENSOR_OBJECTS}
+        self.next_addr = 1 << 32
+
+    def now(self, cat: str) -> int:
+        return sum(b[1] for b in self.live[cat])
+
+    def set(self, cat: str, value: int, phase: str, module: str, op: str, free_only: bool = False) -> None:
+        """Free whole blocks (the last allocated first) down to ``value``, shrinking the last one when only part of it
+        goes; then (unless ``free_only``) allocate what is missing as one block."""
+        cur = self.now(cat)
+        stack = self.live[cat]
+        while cur > value:
+            addr, size, mod, what = stack[-1]
+            if cur - size >= value:
+                stack.pop()
+                self.events.append(TimelineEvent(-size, cat, phase, 0, mod, what, addr))
+                cur -= size
+            else:  # part of a block: an anonymous free (the block stays listed, smaller)
+                stack[-1] = (addr, size - (cur - value), mod, what)
+                self.events.append(TimelineEvent(value - cur, cat, phase, 0, mod, what, 0))
+                cur = value
+        if value > cur and not free_only:
+            self.events.append(TimelineEvent(value - cur, cat, phase, 0, module, op, self.next_addr))
+            stack.append((self.next_addr, value - cur, module, op))
+            self.next_addr += -(-(value - cur) // 512) * 512 + 512
+
+    def set_all(self, target: Mapping[str, int], phase: str, module: str, op: str,
+                only: Iterable[str] = TENSOR_OBJECTS, free_only: bool = False) -> None:
+        """Frees first, then allocations: the moves never overshoot the target's total."""
+        cats = [c for c in only if c in self.live]
+        for c in cats:
+            self.set(c, target.get(c, 0), phase, module, op, free_only=True)
+        for c in cats if not free_only else ():
+            if target.get(c, 0) > self.now(c):
+                self.set(c, target.get(c, 0), phase, module, op)
+
+
+def ledger_timeline(phases: Mapping[str, Mapping[str, int]], layers: int, prefix: str = "model.layers") -> Timeline:
+    """A coarse timeline of one step drawn from an estimate's phase ledger (``Estimate.phases[p].objects``), for the
+    analytic and fitted methods when no trace was run (source ``"ledger"``).
+
+    The model loads; forward saves each decoder layer's share of the activations (and of autocast's weight copies) in
+    turn, then the head and the loss add the forward's temporaries; backward frees activations, adds gradients and
+    releases the copies layer by layer, passing through the ledger's backward peak where its gradients say it lies;
+    the optimizer step reaches its peak and frees its temporaries and the gradients (``zero_grad(set_to_none=True)``).
+    Each phase's highest point is that phase's tensor total in the ledger; the shape between the peaks is a per-layer
+    interpolation, not a prediction."""
+    layers = max(1, min(int(layers), 10_000))
+    target = {p: {c: int(phases.get(p, {}).get(c, 0)) for c in TENSOR_OBJECTS} for p in PHASES}
+    if max(sum(t.values()) for t in target.values()) > 2**62:
+        raise InputError("timeline", "the step's tensors add up past 4 EiB, more than a timeline draws")
+    b = _Blocks()
+    spans: list[Span] = []
+
+    def span(phase: str, start: int, entered_before: bool = False) -> None:
+        # a phase that changes nothing (an optimizer without temporaries) is the moment its state was reached; so is
+        # a phase whose entry state the previous one's last frees reached
+        first = max(0, start - 1) if entered_before or len(b.events) == start else start
+        spans.append(Span(phase, 0, first, len(b.events)))
+
+    def share(start: int, end: int, k: int) -> int:
+        return start + (end - start) * k // layers
+
+    start = len(b.events)
+    b.set_all(target["load"], "load", "model", "weights")
+    span("load", start)
+
+    fwd = target["forward"]
+    start = len(b.events)
+    per_layer = ("activations", "parameters")  # saved tensors, and autocast's 16-bit copies of each layer's weights
+    b.set_all(fwd, "forward", "model", "state",
+              only=[c for c in TENSOR_OBJECTS if c not in (*per_layer, "temporaries")])
+    b.set("temporaries", 0, "forward", "model", "temporaries")
+    b.set("gradients", fwd["gradients"], "forward", "model", "accumulated gradients")
+    before = {c: b.now(c) for c in per_layer}
+    for k in range(1, layers + 1):
+        b.set_all({c: share(before[c], fwd[c], k) for c in per_layer}, "forward", f"{prefix}.{k - 1}",
+                  "saved for backward", only=per_layer)
+    b.set("temporaries", fwd["temporaries"], "forward", "lm_head", "logits and loss")
+    # as forward ends, its own transients (the loss's, autocast's weight copies) go, and nothing layered enters
+    # backward above the backward peak's own amount
+    bwd, step = target["backward"], target["optimizer_step"]
+    entry = bwd | {"temporaries": 0} | {c: min(b.now(c), bwd[c]) for c in _LAYERED}
+    b.set_all(entry, "forward", "model", "end of forward", free_only=True)
+    span("forward", start)
+
+    start = len(b.events)
+    b.set_all(entry, "backward", "model", "state")
+    # layer by layer towards the state the optimizer step starts from: activations freed, gradients made, autocast's
+    # weight copies released as each layer's backward has used them
+    first = {c: b.now(c) for c in TENSOR_OBJECTS}
+    last = step | {"optimizer_temporaries": 0, "temporaries": 0}
+    # what a sharded step makes itself (ZeRO's fp32 gradient partition) appears in the step, not before: backward
+    # ends no higher than its peak
+    excess = sum(last.values()) - sum(bwd.values())
+    for c in ("gradients", "parameters", *TENSOR_OBJECTS):
+        cut = min(max(excess, 0), last[c])
+        last[c] -= cut
+        excess -= cut
+    g0, g1 = first["gradients"], last["gradients"]
+    # where the backward peak lies: as far through the layers as its gradients have come
+    at = 0 if g1 == g0 else round(min(1.0, max(0.0, (bwd["gradients"] - g0) / (g1 - g0))) * layers)
+    for k in range(0, layers + 1):
+        if k:
+            b.set_all({c: share(first[c], last[c], k) for c in TENSOR_OBJECTS}, "backward",
+                      f"{prefix}.{layers - k}", "backward")
+        if k == at:
+            b.set_all(bwd, "backward", "lm_head" if k == 0 else f"{prefix}.{layers - k}", "backward peak")
+    b.set_all(last, "backward", "model.embed_tokens", "backward")  # from a peak at the very end, back to ``last``
+    span("backward", start, entered_before=True)
+
+    start = len(b.events)
+    b.set_all(step, "optimizer_step", "optimizer", "step")
+    span("optimizer_step", start)
+    b.set_all({"optimizer_temporaries": 0, "temporaries": 0, "gradients": 0, "activations": 0, "inputs": 0},
+              "", "optimizer", "zero_grad", only=("optimizer_temporaries", "temporaries", "gradients", "activations",
+                                                  "inputs"))
+    return Timeline(tuple(b.events), "ledger", tuple(spans))
 
 
 def _frames(e: TimelineEvent) -> list[dict[str, Any]]:

@@ -16,7 +16,7 @@ from .. import __version__
 from ..core.distributed import STRATEGY_LABELS
 from ..core.ledger import parameter_rows, shown_objects
 from ..core.result import Result
-from ..core.setup import PRECISION_LABELS, TrainingSetup, gpu_presets
+from ..core.setup import PRECISION_LABELS, gpu_presets
 from ..core.solver import MAX_SEARCH_BATCH
 from ..core.timeline import Timeline, compare_phases
 from ..core.units import format_bytes, format_count, in_unit, ordinal, screen_unit
@@ -445,16 +445,6 @@ def _suggestions_table(result: Result) -> tuple[Table | None, str]:
     return table, note
 
 
-#: The setup fields that decide the tensors (the GPU and the overheads do not).
-TENSOR_FIELDS = ("model", "params", "batch", "seq", "grad_accum", "precision", "optimizer", "optimizer_impl",
-                 "attention", "checkpointing", "use_cache", "tuning")
-
-
-def same_tensors(a: TrainingSetup, b: TrainingSetup) -> bool:
-    """Whether two setups have the same tensors (a measurement of ``a`` can be drawn on ``b``'s chart)."""
-    return all(getattr(a, f) == getattr(b, f) for f in TENSOR_FIELDS)
-
-
 def _pct(value: float | None) -> str:
     if value is None:
         return "—"
@@ -655,7 +645,7 @@ def build_content(result: Result, *, measurement: MeasureResult | None = None,
         ", the dashed line the GPU capacity." if setup.capacity_bytes is not None else ".")
     if measurement is not None:
         measurement_section = _measurement_section(measurement)
-        if same_tensors(measurement.requested, setup) and measurement.phases and not measurement.oom:
+        if measurement.requested.same_tensors(setup) and measurement.phases and not measurement.oom:
             measured_peaks = {p: r.peak_bytes for p, r in measurement.phases.items() if p in PHASES}
             where = measurement.device.name if measurement.device.kind == "cuda" else "CPU"
             measured_label = f"Measured ({where}{', scaled-down setup' if measurement.scaled else ''})"
@@ -709,9 +699,13 @@ def timeline_caption(timeline: Timeline, result: Result) -> str:
     what = {"trace": "Predicted by the trace (the real model on fake tensors, two iterations, sizes rounded as "
                      "the CUDA caching allocator rounds them)",
             "measured": "Measured on this machine (every tensor storage of the measured iterations)",
-            "profiler": "A PyTorch profiler memory timeline (its categories, no phases)"}.get(
+            "profiler": "A PyTorch profiler memory timeline (its categories, no phases)",
+            "ledger": f"Coarse, drawn from the {result.estimate.method} ledger (each phase reaches the ledger's peak, "
+                      "decoder layers one by one; the shape between the peaks is not predicted — the trace predicts "
+                      "every allocation)"}.get(
         timeline.source, "A CUDA memory snapshot (phases found from its stack frames)")
-    rows = compare_phases(timeline, {p: dict(ph.objects) for p, ph in result.estimate.phases.items()})
+    rows = [] if timeline.source == "ledger" else \
+        compare_phases(timeline, {p: dict(ph.objects) for p, ph in result.estimate.phases.items()})
     peaks = "; ".join(f"{PHASE_LABELS.get(r.phase, 'at the peak')}: {format_bytes(r.timeline_bytes)} "
                       f"(estimate {format_bytes(r.estimate_bytes)})" for r in rows)
     return (f"{what}: {len(timeline.events):,} allocations and frees, live memory stacked by object, phases "

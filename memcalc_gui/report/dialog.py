@@ -109,6 +109,15 @@ def current_notes(window: QWidget) -> list[str]:
     return [f"Trace vs analytic, tensor bytes per phase (traced in {trace.seconds:.1f} s): {phases}"]
 
 
+def current_timeline(window: QWidget) -> Any:
+    """The Timeline tab's timeline when it is more than the ledger drawn over time (a trace's, a measured step's,
+    an opened snapshot): the coarse one adds nothing the phase chart does not say."""
+    panel = getattr(window, "timeline_panel", None)
+    if panel is None or getattr(panel, "kind", "") == "ledger":
+        return None
+    return getattr(panel, "timeline", None)
+
+
 def choose_path(window: QWidget, result: Any) -> Path | None:
     settings = _settings(window)
     fmt = str(settings.value(KEY_LAST_FORMAT) or "pdf") if settings is not None else "pdf"
@@ -135,10 +144,9 @@ def export_from_window(window: QWidget, path: str | Path | None = None) -> Path 
         return None
     QApplication.setOverrideCursor(Qt.CursorShape.WaitCursor)
     try:
-        panel = getattr(window, "timeline_panel", None)
         written = write_report(result, target, measurement=current_measurement(window),
                                modules=current_modules(window), notes=current_notes(window),
-                               timeline=getattr(panel, "timeline", None))
+                               timeline=current_timeline(window))
     except MemcalcError as exc:
         QApplication.restoreOverrideCursor()
         QMessageBox.critical(window, TITLE, f"The report was not exported.\n\n{exc}")

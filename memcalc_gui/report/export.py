@@ -218,7 +218,7 @@ def write_report(result: Result, path: str | os.PathLike[str], *, page: str | No
                  notes: Sequence[str] = (), when: datetime | None = None,
                  timeline: Timeline | None = None) -> ReportFile:
     """Render and write the report; returns what was written (see :func:`export_report`). ``timeline`` adds a
-    "Memory over time" figure to a PDF."""
+    "Memory over time" figure."""
     target = Path(os.fspath(path)).expanduser()
     fmt = report_format(target)
     paper = parse_page(page) if fmt == "pdf" else None
@@ -231,16 +231,16 @@ def write_report(result: Result, path: str | os.PathLike[str], *, page: str | No
 
     ensure_app()
     from .content import build_content
-    from .render import PNG_SIZE, render_pdf, render_png
+    from .render import png_size, render_pdf, render_png
 
-    content = build_content(result, measurement=measurement, modules=mods, notes=notes, when=when,
-                            timeline=timeline if fmt == "pdf" else None)
+    content = build_content(result, measurement=measurement, modules=mods, notes=notes, when=when, timeline=timeline)
     if fmt == "pdf":
         assert paper is not None
         data, pages = render_pdf(content, result, paper, timeline)
         pixels = None
     else:
-        data, pages, pixels = render_png(content, result), 1, PNG_SIZE
+        drawn = timeline if content.timeline_caption else None
+        data, pages, pixels = render_png(content, result, timeline=drawn), 1, png_size(drawn)
     atomic_write(target, data)
     return ReportFile(target, fmt, paper, pages, len(data), pixels)
 

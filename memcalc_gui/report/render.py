@@ -62,8 +62,9 @@ CHART_ASPECTS = (0.5, 0.44, 0.4)
 #: The number of the ledger's heading among the ``<h2>`` (after "Memory per phase").
 LEDGER_HEADING = 1
 CHART_PIXELS = 2000
-#: The PNG: one 16:10 image for a slide or a chat message.
+#: The PNG: one 16:10 image for a slide or a chat message; a timeline adds a strip below (CSS px).
 PNG_SIZE = (1600, 1000)
+PNG_TIMELINE_PX = 440
 
 BODY_PT = 9.0
 TEXT = "#1B1F24"
@@ -698,12 +699,20 @@ def _fmt(n: int) -> str:
     return format_bytes(n)
 
 
-def render_png(content: ReportContent, result: Result, size: tuple[int, int] = PNG_SIZE) -> bytes:
-    """One image with the verdict, the chart and the ledger table, as PNG bytes."""
+def png_size(timeline: Timeline | None, size: tuple[int, int] = PNG_SIZE) -> tuple[int, int]:
+    """The PNG's pixels: ``size``, taller by a strip when a timeline is drawn."""
+    return (size[0], size[1] + (PNG_TIMELINE_PX if timeline is not None and timeline.events else 0))
+
+
+def render_png(content: ReportContent, result: Result, size: tuple[int, int] = PNG_SIZE,
+               timeline: Timeline | None = None) -> bytes:
+    """One image with the verdict, the chart and the ledger table (and ``timeline`` in a strip below), as PNG
+    bytes."""
     w, h = size
+    full_h = png_size(timeline, size)[1]
     margin = 28
     device = _layout_device()
-    image = QImage(w, h, QImage.Format.Format_RGB32)
+    image = QImage(w, full_h, QImage.Format.Format_RGB32)
     dots = round(DOC_DPI / 0.0254)
     image.setDotsPerMeterX(dots)
     image.setDotsPerMeterY(dots)
@@ -763,11 +772,33 @@ def render_png(content: ReportContent, result: Result, size: tuple[int, int] = P
         side_doc.drawContents(painter, QRectF(0, 0, side_w, body_h))
         painter.restore()
 
+        if full_h > h and timeline is not None:
+            top = h - foot_h
+            painter.setPen(QColor(RULE))
+            painter.drawLine(QPointF(margin, top), QPointF(w - margin, top))
+            title = QFont(family)
+            title.setPixelSize(18)
+            title.setWeight(QFont.Weight.DemiBold)
+            painter.setFont(title)
+            painter.setPen(QColor(TEXT))
+            painter.drawText(QRectF(margin, top + 8, w - 2 * margin, 26),
+                             Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignVCenter, "Memory over time")
+            caption = QFont(family)
+            caption.setPixelSize(13)
+            painter.setFont(caption)
+            painter.setPen(QColor(MUTED))
+            what = content.timeline_caption.split(":")[0] if content.timeline_caption else ""
+            painter.drawText(QRectF(margin + 190, top + 8, w - 2 * margin - 190, 26),
+                             Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignVCenter, what)
+            fig_h = PNG_TIMELINE_PX - 44
+            figure = render_timeline(timeline, result, round((w - 2 * margin) / ratio), round(fig_h / ratio), ratio)
+            painter.drawImage(QRectF(margin, top + 38, w - 2 * margin, fig_h), figure)
+
         foot = QFont(family)
         foot.setPixelSize(13)
         painter.setFont(foot)
         painter.setPen(QColor(MUTED))
-        painter.drawText(QRectF(margin, h - foot_h - 6, w - 2 * margin, foot_h),
+        painter.drawText(QRectF(margin, full_h - foot_h - 6, w - 2 * margin, foot_h),
                          Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignVCenter,
                          f"Setup: {result.setup.summary()} · method {content.method} · binary units "
                          "(1 GiB = 2³⁰ bytes)")

@@ -680,6 +680,8 @@ class MainWindow(QMainWindow):
         self.result = result
         setup = result.setup
         est = result.estimate
+        self.timeline_panel.show_estimate(est, setup.capacity_bytes)
+        self.export_snapshot_action.setEnabled(self.timeline_panel.predicted is not None)
         gpu = gpu_by_id().get(setup.gpu or "")
         self.chart.set_estimate(est, setup.capacity_bytes, gpu.name if gpu else "",
                                 per_gpu=chart_scope(setup) if is_per_gpu(result) else None)

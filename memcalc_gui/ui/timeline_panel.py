@@ -1,9 +1,10 @@
-"""The Timeline tab: the predicted timeline of the traced step, or a real memory snapshot beside the estimate.
+"""The Timeline tab: the predicted timeline of the traced step, a real memory snapshot beside the estimate, or,
+before any trace, a coarse timeline drawn from the ledger.
 
 Thin: it draws a :class:`~memcalc_gui.core.timeline.Timeline` with the shared chart, says where the timeline comes
 from, and compares each phase's peak with the estimate it is given (``core.timeline.compare_phases``). Opening and
 exporting snapshot files goes through :meth:`open_snapshot` and :meth:`export_predicted`, which the window's File
-menu and drag and drop call.
+menu and drag and drop call. The chart is drawn when the tab is shown (a hidden tab costs nothing per keystroke).
 """
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ import html
 from pathlib import Path
 
 from PySide6.QtCore import Signal
+from PySide6.QtGui import QShowEvent
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QPushButton, QSizePolicy, QVBoxLayout, QWidget
 
 from ..core.errors import InputError
 from ..core.ledger import Estimate
-from ..core.timeline import Timeline, compare_phases, read_timeline
+from ..core.setup import TrainingSetup
+from ..core.timeline import Timeline, compare_phases, ledger_timeline, read_timeline
 from ..core.units import format_bytes
 from ..core.vocab import OBJECT_LABELS, PHASE_LABELS
 from ..view.timeline_chart import TimelineChart
@@ -68,6 +71,65 @@ class TimelinePanel(QWidget):
         self.predicted: Timeline | None = None
         self.measured: Timeline | None = None
         self.snapshot_path = ""
+        #: What is shown: "ledger" (coarse), "trace", "measured" or "snapshot"; and the setup it is a step of.
+        self.kind = ""
+        self.timeline_setup: TrainingSetup | None = None
+        self._pending: tuple[Timeline, int | None, int | None] | None = None  # drawn when the tab is shown
+        self._pending_overlay: tuple[Timeline | None, str] | None = None
+        self.overlaid: Timeline | None = None  # the measured line drawn over the prediction
+
+    def show_estimate(self, estimate: Estimate, capacity_bytes: int | None) -> None:
+        """A new estimate of the form's setup. An open snapshot stays, compared with it; the trace's or a measured
+        timeline stays while the setup has the same tensors; otherwise the ledger's coarse timeline is shown."""
+        setup = estimate.setup
+        keep = self.kind == "snapshot" or (self.kind in ("trace", "measured") and self.timeline_setup is not None
+                                           and self.timeline_setup.same_tensors(setup))
+        if keep and self.timeline is not None:
+            self._show(self.timeline, estimate, capacity_bytes, self.source.text())
+            return
+        self.predicted = self.measured = None
+        self.export_button.setEnabled(False)
+        self._overlay(None)
+        layers = setup.model.num_layers if setup.model is not None else 1
+        self.kind, self.timeline_setup, self.snapshot_path = "ledger", setup, ""
+        try:
+            coarse = ledger_timeline({p: ph.objects for p, ph in estimate.phases.items()}, layers)
+        except InputError as exc:
+            self.timeline = None
+            self._pending = (Timeline((), "ledger"), None, None)  # clears the chart
+            self.overlaid = None
+            self._draw()
+            self.source.setText(f"No timeline: {html.escape(exc.reason)}.")
+            self.comparison.setText("")
+            return
+        per_layer = f", {layers} decoder layers one by one" if setup.model is not None else ""
+        self._show(coarse, estimate, capacity_bytes,
+                   f"<b>Coarse</b>, drawn from the {estimate.method} ledger: each phase reaches the ledger's peak"
+                   f"{per_layer}; the shape between the peaks is not predicted. <b>Precise (trace)</b> predicts "
+                   "every allocation and free.")
+        self.comparison.setText("")  # the ledger beside itself says nothing
+
+    def showEvent(self, event: QShowEvent) -> None:
+        super().showEvent(event)
+        self._draw()
+
+    def _draw(self) -> None:
+        """Draw what is pending once the tab is on screen."""
+        if not self.isVisible():
+            return
+        if self._pending is not None:
+            timeline, capacity_bytes, peak = self._pending
+            self._pending = None
+            self.chart.set_timeline(timeline, capacity_bytes, peak)
+        if self._pending_overlay is not None:
+            other, label = self._pending_overlay
+            self._pending_overlay = None
+            self.chart.set_overlay(other, label)
+
+    def _overlay(self, other: Timeline | None, label: str = "Measured") -> None:
+        self.overlaid = other
+        self._pending_overlay = (other, label)
+        self._draw()
 
     def show_predicted(self, timeline: Timeline | None, estimate: Estimate, capacity_bytes: int | None) -> None:
         """The trace's timeline of ``estimate``'s setup (two iterations, sizes as the CUDA allocator rounds)."""
@@ -76,6 +138,7 @@ class TimelinePanel(QWidget):
         if timeline is None:
             return
         self.snapshot_path = ""
+        self.kind, self.timeline_setup = "trace", estimate.setup
         self._show(timeline, estimate, capacity_bytes,
                    f"<b>Predicted</b> by the trace (fake tensors): {len(timeline.events):,} allocations and frees of "
                    f"two iterations, sizes rounded to {timeline.rounding} B as the CUDA allocator does.")
@@ -84,6 +147,7 @@ class TimelinePanel(QWidget):
                       capacity_bytes: int | None) -> None:
         """A real snapshot beside the estimate of the setup in the form."""
         self.snapshot_path = path
+        self.kind, self.timeline_setup = "snapshot", None
         found = ", ".join(PHASE_LABELS.get(p, p) for p in dict.fromkeys(s.phase for s in timeline.spans))
         kind = "Profiler memory timeline" if timeline.source == "profiler" else "Snapshot"
         self._show(timeline, estimate, capacity_bytes,
@@ -98,7 +162,12 @@ class TimelinePanel(QWidget):
         self.timeline = timeline
         self.source.setText(source)
         peak = estimate.peak_tensor_bytes if estimate is not None else None
-        self.chart.set_timeline(timeline, capacity_bytes, peak)
+        overlay = self.overlaid if self.kind == "trace" else None
+        self._pending = (timeline, capacity_bytes, peak)
+        self._pending_overlay = None
+        self._draw()
+        if overlay is not None:  # a redraw of the prediction keeps the measured line over it
+            self._overlay(overlay, "Measured (this machine)")
         if estimate is None:
             self.comparison.setText("")
             return
@@ -118,14 +187,15 @@ class TimelinePanel(QWidget):
         prediction of it, the measured timeline itself."""
         self.measured = timeline
         if timeline is None:
-            self.chart.set_overlay(None)
+            self._overlay(None)
             return
         if same_setup and self.predicted is not None and self.timeline is self.predicted:
-            self.chart.set_overlay(timeline, "Measured (this machine)")
+            self._overlay(timeline, "Measured (this machine)")
             self.source.setText(self.source.text().split(" <b>Measured</b>")[0] +
                                 " <b>Measured</b> step drawn as a black line, phase by phase.")
             return
         self.snapshot_path = ""
+        self.kind, self.timeline_setup = "measured", estimate.setup
         self._show(timeline, estimate, capacity_bytes,
                    f"<b>Measured</b> on this machine: {len(timeline.events):,} allocations and frees of the measured "
                    "iterations" + ("" if same_setup else " (a scaled-down setup: compared with its own estimate)")

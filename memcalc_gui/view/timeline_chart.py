@@ -13,8 +13,8 @@ import gc
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import QPointF, Qt, QTimer
-from PySide6.QtGui import QColor
+from PySide6.QtCore import QEvent, QPointF, Qt, QTimer
+from PySide6.QtGui import QColor, QPalette
 from PySide6.QtWidgets import QWidget
 
 from ..core.timeline import CATEGORIES, Timeline
@@ -121,6 +121,22 @@ class TimelineChart(pg.PlotWidget):
         self._hover_timer.timeout.connect(self._update_hover)
         self.scene().sigMouseMoved.connect(self._on_mouse)
         self.hover_text = ""  # the last hover text (tests read it)
+        self._apply_palette()
+
+    def _apply_palette(self) -> None:
+        """Axes, their labels and the legend in the theme's text colour (a report draws on white)."""
+        fg = self.palette().color(QPalette.ColorRole.WindowText)
+        for name in ("left", "bottom"):
+            axis = self.plot_item.getAxis(name)
+            axis.setPen(pg.mkPen(fg))
+            axis.setTextPen(pg.mkPen(fg))
+        self.legend.setLabelTextColor(fg)
+
+    def changeEvent(self, event: QEvent) -> None:
+        if event.type() in (QEvent.Type.PaletteChange, QEvent.Type.ApplicationPaletteChange) and \
+                hasattr(self, "_hover_timer"):  # built
+            self._apply_palette()
+        super().changeEvent(event)
 
     def set_timeline(self, timeline: Timeline | None, capacity_bytes: int | None = None,
                      estimate_peak_bytes: int | None = None) -> None:
