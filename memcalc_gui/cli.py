@@ -94,6 +94,7 @@ FLAGS = {
     "node_size": "--node-size",
     "offload": "--offload",
     "ep": "--ep",
+    "tp": "--tp",
     "reshard_after_forward": "--reshard-after-forward",
     "tuning": "--tuning",
     "lora_rank": "--lora-rank",
@@ -200,7 +201,8 @@ def _add_setup_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allocator-reserve", metavar="FRACTION", default=None,
                    help="cached-but-unusable memory as a fraction of tensor bytes "
                         f"(default {DEFAULT_ALLOCATOR_RESERVE})")
-    p.add_argument("--gpus", default="1", metavar="N", help="data-parallel GPUs (default 1); the ledger is per GPU")
+    p.add_argument("--gpus", default="1", metavar="N",
+                   help="GPUs in all (default 1): tp × data-parallel replicas; the ledger is per GPU")
     p.add_argument("--strategy", default="ddp", choices=STRATEGIES, help="how the model state is sharded")
     p.add_argument("--node-size", default="8", metavar="N", help="GPUs per node (fsdp-hybrid, host memory)")
     p.add_argument("--offload", default="none", choices=OFFLOADS, help="offload to CPU (ZeRO-Offload, FSDP CPUOffload)")
@@ -209,6 +211,9 @@ def _add_setup_args(p: argparse.ArgumentParser) -> None:
                         "default) or keep them until its backward (off: less communication, more memory)")
     p.add_argument("--ep", default="1", metavar="N",
                    help="expert parallelism: a mixture of experts' routed experts split over N of the GPUs (default 1)")
+    p.add_argument("--tp", default="1", metavar="N",
+                   help="tensor parallelism: each layer's heads and MLP split over N GPUs as transformers' plans split "
+                        "them (default 1); the strategy runs over the GPUs / N data-parallel replicas")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -388,6 +393,7 @@ def setup_from_args(args: argparse.Namespace) -> tuple[TrainingSetup, list[str]]
                                  strategy=args.strategy, offload=args.offload,
                                  node_size=parse_positive_int(args.node_size, "node_size", MAX_PARALLEL_GPUS),
                                  ep=parse_positive_int(getattr(args, "ep", "1"), "ep", MAX_PARALLEL_GPUS),
+                                 tp=parse_positive_int(getattr(args, "tp", "1"), "tp", MAX_PARALLEL_GPUS),
                                  reshard_after_forward=getattr(args, "reshard_after_forward", "on") == "on")
     if args.cuda_context is not None:
         kw["cuda_context_bytes"] = parse_size(args.cuda_context, "cuda_context", allow_zero=True)
@@ -445,6 +451,7 @@ def format_ledger(result: Result) -> str:
                                                                  else "")
                      + ("" if par.reshard_after_forward else ", not resharded after forward")
                      + (f", experts split over {par.ep} (expert parallelism)" if par.ep > 1 else "")
+                     + (f", tensor parallel {par.tp} × data parallel {par.dp}" if par.tp > 1 else "")
                      + " — the ledger is per GPU")
     label = {"quick": "quick (rough Hugging Face blog heuristic)", "analytic": "analytic (tensor by tensor)",
              "trace": "trace (the real step on fake tensors)",

@@ -163,10 +163,10 @@ def test_offloading_lowers_the_real_peak(case: tuple[str, str, str, str], measur
 @pytest.mark.parametrize("case", CASES[:2], ids=["-".join(c) for c in CASES[:2]])
 def test_the_fake_tensor_trace_runs_the_same_hooks(case: tuple[str, str, str, str], measured: dict) -> None:
     from memcalc_gui.measure.cpu_step import measure_training_step
-    from memcalc_gui.trace.fake import _unpacked_sequences
+    from memcalc_gui.trace.fake import unpacked_sequences
 
     family, precision, ckpt, offload = case
-    with _unpacked_sequences():  # as the trace runs it: no attention mask built for unpadded sequences
+    with unpacked_sequences():  # as the trace runs it: no attention mask built for unpadded sequences
         fake = measure_training_step(CONFIGS[family], batch=4, seq=256, precision=precision,
                                      optimizer_impl="single-tensor", checkpointing=ckpt, activation_offload=offload,
                                      fake=True)

@@ -79,9 +79,9 @@ def test_the_policy_keeps_what_it_says(measured: dict) -> None:
 @pytest.mark.parametrize("case", CASES[:2], ids=["-".join(c) for c in CASES[:2]])
 def test_the_trace_runs_the_same_policy(case: tuple[str, str], measured: dict) -> None:
     from memcalc_gui.measure.cpu_step import measure_training_step
-    from memcalc_gui.trace.fake import _unpacked_sequences
+    from memcalc_gui.trace.fake import unpacked_sequences
 
-    with _unpacked_sequences():
+    with unpacked_sequences():
         fake = measure_training_step(CONFIGS[case[0]], batch=4, seq=256, precision=case[1],
                                      optimizer_impl="single-tensor", checkpointing="selective", fake=True)
     for phase in ("forward", "backward"):

@@ -359,8 +359,8 @@ def test_fake_trace_equals_transformers(
     monkeypatch: pytest.MonkeyPatch, family: str, precision: str, attention: str, checkpointing: str
 ) -> None:
     """The fake-tensor trace (CUDA rounding, module names) as memcalc_gui.trace runs it."""
-    from memcalc_gui.trace.fake import _unpacked_sequences
+    from memcalc_gui.trace.fake import unpacked_sequences
 
-    with _unpacked_sequences():
+    with unpacked_sequences():
         _assert_same_step(monkeypatch, small(family), events=False, precision=precision, attention=attention,
                           checkpointing=checkpointing, fake=True, round_to=512, module_names=True)

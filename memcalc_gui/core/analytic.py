@@ -34,6 +34,7 @@ from .activations import (
 from .distributed import ModelStates, Parallelism, model_states
 from .errors import InputError
 from .finetune import FineTuning, layer_linears
+from .layout import tensor_parallel_spec
 from .ledger import Estimate, with_overheads
 from .loss import chunk_transient_bytes, liger_chunk_rows
 from .model import ModelSpec
@@ -79,9 +80,9 @@ def attention_transients(spec: ModelSpec, setup: TrainingSetup, d: Dtypes) -> in
 
 def estimate_analytic(setup: TrainingSetup) -> Estimate:
     """The analytic ledger for a setup that describes an architecture."""
-    spec = setup.model
-    if spec is None:
+    if setup.model is None:
         raise ValueError("the analytic method needs an architecture (preset or config.json)")
+    spec = tensor_parallel_spec(setup.model, setup.parallel.tp)  # one rank of a tensor-parallel group
     d = Dtypes.of(setup)
     b, seq = setup.rows, setup.row_len  # packed documents: one row of every real token
     t = b * seq
@@ -280,6 +281,15 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
         fwd_candidates.append(("layer", in_layer))
         forward = max([forward, in_layer] + [m for _, m in fwd_candidates[1:]], key=lambda m: sum(m.values()))
 
+    fsdp2 = setup.parallel.strategy == "fsdp2" and setup.parallel.ep == 1
+    if fsdp2:
+        # FSDP2 copies the last layer's all-gather output into its unsharded parameters as that layer's forward
+        # starts: what the layers below saved, no temporaries (fsdp2_ledger adds the gathered layers)
+        fwd_candidates.append(("gather", _objects(**base_fwd, activations=layers_saved * (n_layers - 1) // n_layers
+                                                  + rope_tables)))
+        # ... and the first layer's, while the root unit's all-gather output is the one kept: the embedding's output
+        fwd_candidates.append(("gather-first", _objects(**base_fwd, activations=stream + rope_tables)))
+
     # ---- backward moments -------------------------------------------------------------------
     moments: list[dict[str, int]] = []
     where: list[tuple[str, int]] = []  # each moment: loss, head, mlp/attn of layer k, embedding (FSDP2)
@@ -360,7 +370,11 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
             down_copy = mlp_copy = 0  # 4-bit weights are dequantized into transients, not cached
     # every term of a layer's moment is linear in k (FSDP2's sharded gradients too): the first and the last layer
     # processed bound them all
-    for k in () if head_only else (n_layers, bottom):
+    # FSDP2's kept reduce-scatter buffer is there for the layers between the top and the bottom one: those nearest
+    # each end bound them
+    ks = (n_layers, bottom) if not fsdp2 else tuple(sorted({k for k in (n_layers, n_layers - 1, bottom + 1, bottom)
+                                                            if bottom <= k <= n_layers}, reverse=True))
+    for k in () if head_only else ks:
         done = n_layers - k
         below = k - bottom  # layers under this one that keep activations
         if ckpt:
@@ -396,6 +410,11 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
                 gradients=grads_before + (0 if accumulating else g_mlp + g_out),
                 temporaries=grad_stream + attn_tmp + attn_part + (g_out if accumulating else 0) + dequant))
             continue
+        if fsdp2:  # the layer's all-gather copied out as its backward (or recomputation) starts
+            where.append(("gather", k))
+            moments.append(_objects(parameters=params, optimizer_state=state, inputs=inputs, gradients=grads_before,
+                                    activations=earlier + (0 if ckpt else current) + rope_tables,
+                                    temporaries=grad_stream))
         # MLP moment
         where.append(("mlp", k))
         moments.append(_objects(
@@ -570,22 +589,35 @@ def fsdp2_ledger(
                                optimizer_state=states.optimizer_state))
 
     keep_all = 0 if par.reshard_after_forward else nl  # layers kept gathered from forward to backward
-    # recomputing a checkpointed layer gathers one layer more; kept gathered, only a cast gather (mixed precision's
-    # bf16 copy) does (measured on real 2- and 4-process steps)
-    recompute = setup.checkpointing != "none" and (par.reshard_after_forward or setup.precision == "mixed")
-    forward = max((objects(m, max(keep_all, 1 if at in ("layer", "attention") else 0),
-                           all_shards if accumulating else 0)
-                   for at, m in fwd_candidates), key=lambda m: sum(m.values()))
+    # kept gathered, recomputing the top checkpointed layer casts one more gathered copy under mixed precision
+    # (measured on real 2- and 4-process steps); resharded, the recomputation's all-gather is the layer's own
+    recompute = setup.checkpointing != "none" and keep_all > 0 and setup.precision == "mixed"
+
+    def gathered_in_forward(at: str) -> int:
+        if at == "gather":  # the new all-gather output and the unsharded parameters it is copied into
+            return max(keep_all - 1, 0) + 2
+        if at == "gather-first":
+            return 2
+        return max(keep_all, 1 if at in ("layer", "attention") else 0)
+
+    def in_forward(at: str, m: dict[str, int]) -> dict[str, int]:
+        out = objects(m, gathered_in_forward(at), all_shards if accumulating else 0)
+        if at == "gather-first":  # the kept all-gather output is the root unit's, not a layer's
+            out["parameters"] += (spec.root_unit_params - big) * w
+        return out
+
+    forward = max((in_forward(at, m) for at, m in fwd_candidates), key=lambda m: sum(m.values()))
     out = []
     for m, (at, k) in zip(moments, where, strict=True):
         single = m.get("gradients", 0)
-        if at in ("mlp", "attn"):
+        if at == "gather" and keep_all:
+            continue  # kept gathered: the backward gathers nothing
+        if at in ("mlp", "attn", "gather"):
             done = nl - k
             # the single-GPU moment's gradients: the head's and the finished layers' (p bytes) and this layer's
             unsharded = 0 if accumulating else (single - done * big * p) * w // p
             sharded = all_shards if accumulating else -(-done * big * shard // n)
-            # recomputing a checkpointed layer runs its forward hooks again: one more layer gathered (measured)
-            gathered = (k if keep_all else 1) + (1 if recompute else 0)
+            gathered = 1 if at == "gather" else (k if keep_all else 1) + (1 if recompute and k == nl else 0)
         elif at == "embedding":
             unsharded = spec.root_unit_params * w
             sharded = all_shards if accumulating else -(-nl * big * shard // n)
@@ -595,9 +627,25 @@ def fsdp2_ledger(
             sharded = all_shards if accumulating else 0
             gathered = keep_all
         moment = objects(m, gathered, unsharded + sharded)
+        if (at == "gather" and k < nl) or (at in ("mlp", "attn") and 1 < k < nl):
+            # a layer above was reduce-scattered: FSDP2 keeps the last reduce-scatter's input (in the reduce dtype,
+            # fp32 under mixed precision) as the next layer's all-gather is copied out, and through the backward of
+            # the layers between the top and the bottom one (measured on fake-process-group traces, which equal real
+            # gloo steps; the bottom layer's own backward no longer holds it)
+            moment["temporaries"] += big * (4 if setup.precision == "mixed" else w)
         if keep_all:  # no all-gather in backward: the forward's last output is gone
             moment["parameters"] -= big * w
         out.append(moment)
+    # the root unit's reduce-scatter ends the backward: the layers' gradient shards, the root's input in the reduce
+    # dtype and its output shard; the root's weights are resharded by then (measured on fake-process-group traces)
+    rs = 4 if setup.precision == "mixed" else w
+    root = spec.root_unit_params
+    layer_shards = all_shards if accumulating else -(-nl * big * shard // n)
+    # (under mixed precision the embedding's bf16 gradient, the last one made, is still alive beside its fp32 copy)
+    last_grad = spec.vocab_size * spec.hidden_size * w if setup.precision == "mixed" else 0
+    out.append(_objects(parameters=states.parameters["optimizer_step"], optimizer_state=states.optimizer_state,
+                        inputs=step.get("inputs", 0), gradients=layer_shards + -(-root * rs // n),
+                        temporaries=root * rs + last_grad))
     step = _objects(**dict(step, parameters=states.parameters["optimizer_step"], gradients=all_shards,
                            optimizer_state=states.optimizer_state,
                            optimizer_temporaries=states.optimizer_temporaries))

@@ -115,9 +115,13 @@ class Parallelism:
     #: FSDP2's ``reshard_after_forward``: free each unit's gathered weights after its forward (gather again in
     #: backward), or keep them until its backward.
     reshard_after_forward: bool = True
+    #: Tensor parallelism: each decoder layer's attention heads and MLP width split over this many GPUs, as
+    #: transformers' own plans split them (``base_model_tp_plan``: q/k/v and gate/up column-wise, o and down
+    #: row-wise; embeddings, norms and the head replicated). The data-parallel strategy runs over ``gpus / tp``.
+    tp: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("gpus", "node_size", "ep"):
+        for name in ("gpus", "node_size", "ep", "tp"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InputError(name, f"must be a positive integer, got {value!r}")
@@ -141,6 +145,18 @@ class Parallelism:
         if self.gpus % self.ep:
             raise InputError("ep", f"expert parallelism over {self.ep} GPUs needs a GPU count it divides, "
                                    f"got {self.gpus}")
+        if self.gpus % self.tp:
+            raise InputError("tp", f"{self.gpus:,} GPUs cannot be split into tensor-parallel groups of {self.tp}: "
+                                   "the GPU count must be a multiple of tp")
+        if self.tp > 1 and self.ep > 1:
+            raise InputError("tp", "tensor parallelism beside expert parallelism is not modelled yet")
+        if self.tp > 1 and self.offload != "none":
+            raise InputError("offload", "offload beside tensor parallelism is not modelled yet")
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel replicas of each tensor-parallel shard: the GPUs the strategy runs over."""
+        return self.gpus // self.tp
 
     @property
     def shards(self) -> int:
@@ -148,8 +164,8 @@ class Parallelism:
         if self.strategy == "ddp":
             return 1
         if self.strategy == "fsdp-hybrid":
-            return min(self.gpus, self.node_size)
-        return self.gpus
+            return min(self.dp, max(1, self.node_size // self.tp))
+        return self.dp
 
     @property
     def is_distributed(self) -> bool:
@@ -204,7 +220,7 @@ def model_states(
     temps = _ceil_div(step_temporaries_single, n)
     if s == "ddp":
         c["w_full"], c["g_full"], c["copies"] = psi * full_bytes, psi * full_bytes, matmul_copy_bytes
-        if par.gpus > 1:
+        if par.dp > 1:
             c["ddp_buckets"] = psi * full_bytes
             notes.append("DDP keeps every gradient once more in its communication buckets "
                          "(gradient_as_bucket_view=False, the default)")

@@ -78,6 +78,8 @@ class Result:
             "gpus": est.setup.parallel.gpus,
             "offload": est.setup.parallel.offload,
             "ep": est.setup.parallel.ep,
+            "tp": est.setup.parallel.tp,
+            "dp": est.setup.parallel.dp,
             "reshard_after_forward": est.setup.parallel.reshard_after_forward,
             "host_bytes": int(est.details.get("host_bytes", 0)),
             "gpu_plan": self.plan.to_json() if self.plan is not None else None,

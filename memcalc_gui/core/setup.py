@@ -12,6 +12,7 @@ from typing import Any, Final, Literal, get_args
 from .distributed import Parallelism
 from .errors import InputError
 from .finetune import FineTuning
+from .layout import check_tensor_parallel
 from .model import ModelSpec
 from .resources import load_json
 from .units import MAX_COUNT, MAX_SIZE_BYTES, format_bytes
@@ -243,6 +244,13 @@ class TrainingSetup:
         _choice("target_device", self.target_device, TARGET_DEVICES)
         if not isinstance(self.tuning, FineTuning):
             raise InputError("tuning", "tuning must be a FineTuning")
+        if self.parallel.tp > 1:
+            if self.model is None:
+                raise InputError("tp", "tensor parallelism splits a model's heads and MLP: it needs an architecture "
+                                       "memcalc models (a preset or config.json)")
+            check_tensor_parallel(self.model, self.parallel.tp)
+            if self.tuning.method != "full":
+                raise InputError("tp", f"{self.tuning.method} beside tensor parallelism is not modelled yet")
         if self.tuning.method != "full":
             if self.model is None:
                 raise InputError("tuning", f"{self.tuning.method} needs an architecture (a preset or config.json), "
@@ -378,6 +386,7 @@ class TrainingSetup:
             "node_size": self.parallel.node_size,
             "offload": self.parallel.offload,
             "ep": self.parallel.ep,
+            "tp": self.parallel.tp,
             "reshard_after_forward": self.parallel.reshard_after_forward,
             "tuning": self.tuning.method,
             **({"lora_rank": self.tuning.rank, "lora_targets": list(self.tuning.targets),
@@ -433,6 +442,7 @@ class TrainingSetup:
         cap = f", {format_bytes(self.capacity_bytes)}" if self.capacity_bytes else ""
         par = self.parallel
         gpus = f", {par.gpus} GPUs {par.strategy}" if par.is_distributed else ""
+        gpus += f", tensor parallel {par.tp} × data parallel {par.dp}" if par.tp > 1 else ""
         gpus += f", offload {par.offload}" if par.offload != "none" else ""
         gpus += f", experts over {par.ep}" if par.ep > 1 else ""
         gpus += ", not resharded after forward" if not par.reshard_after_forward else ""

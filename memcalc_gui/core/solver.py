@@ -246,7 +246,7 @@ MAX_FIXES = 3
 GPU_GROWTH = 8
 MAX_EVALUATIONS = 400
 SHARDED = ("zero2", "zero3", "fsdp-full-shard", "fsdp2")
-PARALLEL_KEYS = ("gpus", "strategy", "offload", "node_size", "ep")
+PARALLEL_KEYS = ("gpus", "strategy", "offload", "node_size", "ep", "tp")
 #: Change keys that edit the fine-tuning method (core.finetune.FineTuning's fields, as the CLI names them).
 TUNING_KEYS = {"tuning": "method", "lora_rank": "rank", "lora_targets": "targets", "lora_dropout": "dropout",
                "adapter_dtype": "adapter_dtype", "quant": "quant", "double_quant": "double_quant",
@@ -646,16 +646,20 @@ def _every_lever_counts(setup: TrainingSetup, estimator: Estimator, combo: tuple
 def _fewest_gpus(setup: TrainingSetup, estimator: Estimator, capacity: int, limit: int = 0) -> int | None:
     """The fewest GPUs (at most ``limit``, default :data:`MAX_GPUS`) with which ``setup``'s strategy fits."""
     limit = min(limit or MAX_GPUS, MAX_GPUS)
+    group = setup.parallel.tp  # GPU counts come in whole tensor-parallel groups
+    groups = limit // group
+    if groups < 1:
+        return None
 
-    def fits_with(n: int) -> bool:
+    def fits_with(k: int) -> bool:
         try:
-            return estimator(apply_changes(setup, {"gpus": n})).peak_bytes <= capacity
+            return estimator(apply_changes(setup, {"gpus": k * group})).peak_bytes <= capacity
         except InputError:
             return False
 
-    if not fits_with(limit):
+    if not fits_with(groups):
         return None
-    return _bisect_last(lambda n: not fits_with(n), 0, limit) + 1
+    return (_bisect_last(lambda k: not fits_with(k), 0, groups) + 1) * group
 
 
 def solve(setup: TrainingSetup, estimator: Estimator, estimate: Estimate | None = None) -> Verdict:
@@ -711,21 +715,23 @@ def gpu_plan(setup: TrainingSetup, estimator: Estimator) -> GpuPlan | None:
         trial = _with_parallel(setup, strategy=strategy, gpus=gpus)
         return None if trial is None else estimator(trial).peak_bytes
 
+    group = setup.parallel.tp  # GPU counts come in whole tensor-parallel groups
     mins: dict[str, int | None] = {}
     for strategy in PREFERENCE:
-        p = peak(strategy, MAX_GPUS)
+        top = MAX_GPUS // group
+        p = peak(strategy, top * group)
         if p is None or p > cap:
             mins[strategy] = None
             continue
-        lo, hi = 0, MAX_GPUS  # peak(lo) > cap (or lo == 0), peak(hi) <= cap
+        lo, hi = 0, top  # groups: peak(lo) > cap (or lo == 0), peak(hi) <= cap
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            pm = peak(strategy, mid)
+            pm = peak(strategy, mid * group)
             if pm is not None and pm <= cap:
                 hi = mid
             else:
                 lo = mid
-        mins[strategy] = hi
+        mins[strategy] = hi * group
     best: str | None = None
     best_peak: int | None = None
     for strategy in PREFERENCE:

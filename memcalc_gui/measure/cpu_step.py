@@ -164,6 +164,7 @@ def measure_training_step(
     documents: int | None = None,
     galore_rank: int = 128,
     galore_gap: int = 200,
+    premade: Any = None,
 ) -> StepMeasurement:
     """Build the model from ``config`` and measure ``iterations`` training steps on CPU.
 
@@ -183,7 +184,9 @@ def measure_training_step(
     ``activation_offload`` moves what the decoder body saves for backward to host memory (see :func:`offload_hooks`):
     ``all`` as ``torch.autograd.graph.save_on_cpu`` does, ``checkpoint-inputs`` as torchtune's OffloadActivations.
     ``parallelize(model)`` shards the built model in place (one rank of :mod:`.distributed`); ``autocast=False`` runs
-    mixed precision without autocast (FSDP2's MixedPrecisionPolicy casts the gathered weights instead).
+    mixed precision without autocast (FSDP2's MixedPrecisionPolicy casts the gathered weights instead). In a fake run
+    the model is built and parallelized on the meta device first, outside the fake mode (a ``DeviceMesh`` computes its
+    coordinates with real tensors), and materialized on fake storage in the load phase (``premade``).
     ``documents=n`` packs n documents into each row (``batch`` must be 1; padding-free packing as transformers'
     ``DataCollatorWithFlattening`` does it): ``position_ids`` restart at every document, from which transformers
     limits attention to each document. ``attention="flash"`` runs FlashAttention-2's variable-length attention as
@@ -192,6 +195,11 @@ def measure_training_step(
     if fake:
         from torch._subclasses.fake_tensor import FakeTensorMode
 
+        if parallelize is not None:
+            premade = _meta_parallelized(config, parallelize, precision=precision, attention=attention,
+                                         builder=builder, use_cache=use_cache, checkpointing=checkpointing,
+                                         tuning=tuning)
+            parallelize = None
         with FakeTensorMode(allow_non_fake_inputs=True), _fake_module_moves(), _fake_grouped_mm():
             return measure_training_step(
                 config, batch=batch, seq=seq, precision=precision, optimizer=optimizer,
@@ -201,7 +209,7 @@ def measure_training_step(
                 builder=builder, use_cache=use_cache, tuning=tuning, keep_tracker=keep_tracker, loss=loss,
                 loss_chunk=loss_chunk, optimizer_in_backward=optimizer_in_backward,
                 activation_offload=activation_offload, parallelize=parallelize, autocast=autocast,
-                documents=documents, galore_rank=galore_rank, galore_gap=galore_gap,
+                documents=documents, galore_rank=galore_rank, galore_gap=galore_gap, premade=premade,
             )
 
     def announce(phase: str, it: int, micro: int = 0) -> None:
@@ -236,19 +244,28 @@ def measure_training_step(
     if num_threads is not None:
         torch.set_num_threads(num_threads)
     frozen = False
+    if premade is not None:
+        # to_empty makes each module's parameters anew, tied ones twice: tied again before the tracker starts, the
+        # load phase holds the parameters once
+        premade = premade.to_empty(device="cpu")
+        if callable(getattr(premade, "tie_weights", None)):
+            premade.tie_weights()
     try:
         with tracker:
             announce("load", 0)
             with tracker.phase("load", 0):
-                model = build_model(config, precision=precision, attention=attention, builder=builder,
-                                    use_cache=use_cache)
-                if checkpointing != "none":
-                    enable_checkpointing(model, every=int(checkpointing[6:]) if checkpointing.startswith("every:")
-                                         else 1, selective=checkpointing == "selective")
-                if tuning is not None and tuning.method != "full":
-                    model = apply_tuning(model, tuning, config)
-                if parallelize is not None:
-                    parallelize(model)
+                if premade is not None:  # built, checkpointed, tuned, parallelized and made real on fake storage
+                    model = premade
+                else:
+                    model = build_model(config, precision=precision, attention=attention, builder=builder,
+                                        use_cache=use_cache)
+                    if checkpointing != "none":
+                        enable_checkpointing(model, every=int(checkpointing[6:]) if checkpointing.startswith(
+                            "every:") else 1, selective=checkpointing == "selective")
+                    if tuning is not None and tuning.method != "full":
+                        model = apply_tuning(model, tuning, config)
+                    if parallelize is not None:
+                        parallelize(model)
                 for p in model.parameters():
                     tracker.track(p, "parameters")
                 for b in model.buffers():
@@ -390,6 +407,22 @@ def _fake_grouped_mm() -> Iterator[None]:
         yield
     finally:
         meta._meta_grouped_mm_common = original
+
+
+def _meta_parallelized(config: dict[str, Any], parallelize: Callable[[Any], Any], *, precision: str, attention: str,
+                       builder: str, use_cache: bool, checkpointing: str, tuning: FineTuning | None) -> Any:
+    """The model built on the meta device, checkpointed, tuned and parallelized there (for a fake run's ``premade``)."""
+    import torch
+
+    with torch.device("meta"):
+        model = build_model(config, precision=precision, attention=attention, builder=builder, use_cache=use_cache)
+    if checkpointing != "none":
+        enable_checkpointing(model, every=int(checkpointing[6:]) if checkpointing.startswith("every:") else 1,
+                             selective=checkpointing == "selective")
+    if tuning is not None and tuning.method != "full":
+        model = apply_tuning(model, tuning, config, device="meta")
+    parallelize(model)
+    return model
 
 
 def build_model(

@@ -84,7 +84,7 @@ class TraceResult:
 
 
 @contextlib.contextmanager
-def _unpacked_sequences() -> Iterator[None]:
+def unpacked_sequences() -> Iterator[None]:
     """Tell transformers the batch holds no packed sequences, as a real run finds from the data.
 
     Under fake tensors transformers cannot read ``position_ids`` and assumes packing, which materialises
@@ -154,7 +154,7 @@ def trace_estimate(
     t0 = time.perf_counter()
     try:
         # packed documents: under fake tensors transformers takes the batch as packed, as a real run finds it
-        sequences = contextlib.nullcontext() if setup.packing else _unpacked_sequences()
+        sequences = contextlib.nullcontext() if setup.packing else unpacked_sequences()
         with exclusive_torch_job(should_stop, TraceCancelled), sequences:
             m = measure_training_step(
                 cfg, batch=setup.rows, seq=setup.row_len, documents=setup.batch if setup.packing else None,

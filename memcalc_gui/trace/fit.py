@@ -76,9 +76,9 @@ def _key(cfg: dict[str, Any], setup: TrainingSetup) -> str:
 
 def _trace(cfg: dict[str, Any], layers: int, b: int, s: int, setup: TrainingSetup) -> Any:
     from ..measure.cpu_step import measure_training_step
-    from .fake import TRACED_MICRO_BATCHES, _unpacked_sequences
+    from .fake import TRACED_MICRO_BATCHES, unpacked_sequences
 
-    with _unpacked_sequences():
+    with unpacked_sequences():
         return measure_training_step(
             with_layers(cfg, layers), batch=b, seq=s, precision=setup.precision,
             optimizer=setup.optimizer, optimizer_impl=setup.optimizer_impl, attention=setup.attention,

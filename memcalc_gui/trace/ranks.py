@@ -1,0 +1,143 @@
+"""One rank of a parallel layout, traced: the real model parallelized with PyTorch's own APIs and run on fake tensors
+with the fake process group, in this one process.
+
+The layout's device mesh (``dp_shard × tp``) is built over PyTorch's "fake" backend (``FakeStore``: every collective
+returns at once, nothing is sent). The model is built on the meta device, tensor-parallelized with
+``parallelize_module`` from the model family's own plan in transformers (``config.base_model_tp_plan``: each
+``colwise`` linear a ``ColwiseParallel``, each ``rowwise`` one a ``RowwiseParallel``, as torchtitan's Llama plan
+does), then sharded with FSDP2's ``fully_shard`` (each decoder layer, then the root) over the data-parallel mesh
+dimension, and made real on fake storage. The step then runs as :func:`~memcalc_gui.measure.cpu_step
+.measure_training_step` runs it, under the live-storage tracker: the ledger of one rank, with DTensor's and
+FSDP2's own buffers.
+
+This is what torchtitan's memory estimation does for FSDP/HSDP (its ``scripts/estimate``), extended to tensor
+parallelism: the mesh and its sub-meshes are built, and the parallelism applied, outside the fake mode (their
+coordinates are computed with real tensors), which is why torchtitan's estimator refuses TP.
+
+Not traced here (the formulas stand alone, ``core.layout``): pipeline stages (``torch.distributed.pipelining``
+sends and receives between processes), context parallelism (``context_parallel`` runs ring attention through
+SDPA kernels the CPU fake mode does not dispatch), expert parallelism. torch is imported inside functions only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from ..core.errors import InputError
+
+#: Plan styles of transformers' ``base_model_tp_plan`` this trace applies, and what they are in PyTorch.
+STYLES = {"colwise": "ColwiseParallel", "rowwise": "RowwiseParallel"}
+#: Styles that leave a module replicated (its gradients all-reduced): the memory of one rank is unchanged.
+REPLICATED = ("replicated_with_grad_allreduce",)
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """The mesh of a traced rank: ``dp_shard`` FSDP2 shards × ``tp`` tensor-parallel ranks."""
+
+    dp_shard: int = 1
+    tp: int = 1
+    reshard_after_forward: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("dp_shard", "tp"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 4096:
+                raise InputError(name, f"must be an integer from 1 to 4096, got {value!r}")
+
+    @property
+    def world(self) -> int:
+        return self.dp_shard * self.tp
+
+
+def tp_plan(config: dict[str, Any]) -> dict[str, str]:
+    """The decoder layer's tensor-parallel plan from transformers' config class (``base_model_tp_plan``), as
+    ``{submodule path: style}``; :class:`InputError` naming ``tp`` for a family whose plan this trace cannot apply."""
+    from ..core.configfile import transformers_kwargs
+    from .meta import auto_config
+
+    model_type, kwargs = transformers_kwargs(config)
+    plan = getattr(auto_config(model_type, kwargs), "base_model_tp_plan", None) or {}
+    out: dict[str, str] = {}
+    for key, style in plan.items():
+        if not key.startswith("layers.*."):
+            continue  # embeddings: replicated here, as transformers' own plans mostly leave them
+        if style in REPLICATED:
+            continue
+        if style not in STYLES:
+            raise InputError("tp", f"transformers' tensor-parallel plan for {model_type} uses {style!r} "
+                                   f"({key}), which the per-rank trace does not apply; estimate it with the formulas")
+        out[key.removeprefix("layers.*.")] = style
+    if not out:
+        raise InputError("tp", f"transformers has no tensor-parallel plan for {model_type}")
+    return out
+
+
+@contextlib.contextmanager
+def fake_process_group(world: int, rank: int = 0) -> Iterator[None]:
+    """PyTorch's fake backend as the default process group for the duration (one process, no communication)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("a process group is already initialized in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def parallelizer(config: dict[str, Any], layout: RankLayout, precision: str) -> Any:
+    """The ``parallelize(model)`` callback: build the mesh (outside any fake mode), apply the TP plan to every
+    decoder layer, then FSDP2 over the data-parallel dimension (mixed precision: bf16 gathers, fp32 reduction, as
+    torchtitan's defaults)."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import parallel as tp_api
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    plan = tp_plan(config) if layout.tp > 1 else {}
+    mesh = init_device_mesh("cpu", (layout.dp_shard, layout.tp), mesh_dim_names=("dp_shard", "tp"))
+    dp_mesh, tp_mesh = mesh["dp_shard"], mesh["tp"]
+    for m in (dp_mesh, tp_mesh):
+        m.get_coordinate()  # computed now, with real tensors
+
+    def apply(model: Any) -> None:
+        layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+        if plan:
+            styles = {k: getattr(tp_api, STYLES[v])() for k, v in plan.items()}
+            for layer in layers:
+                tp_api.parallelize_module(layer, tp_mesh, styles)
+        if layout.dp_shard > 1:
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+                if precision == "mixed" else MixedPrecisionPolicy()
+            for layer in layers:
+                fully_shard(layer, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=layout.reshard_after_forward)
+            fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=layout.reshard_after_forward)
+
+    return apply
+
+
+#: The trace's defaults for :func:`trace_rank` (two iterations, as the single-GPU trace runs).
+STEP_DEFAULTS: dict[str, Any] = {"batch": 1, "seq": 128, "precision": "fp32", "optimizer": "adamw",
+                                 "optimizer_impl": "foreach", "checkpointing": "none", "grad_accum": 1,
+                                 "iterations": 2}
+
+
+def trace_rank(config: dict[str, Any], layout: RankLayout, **step: Any) -> Any:
+    """The step of ``config`` (``step``: :func:`~memcalc_gui.measure.cpu_step.measure_training_step`'s keywords) on
+    rank 0 of ``layout``, traced on fake tensors; a :class:`~memcalc_gui.measure.cpu_step.StepMeasurement`. Under
+    FSDP2, mixed precision is its ``MixedPrecisionPolicy`` (no autocast), as torchtitan runs it."""
+    from ..measure import exclusive_torch_job
+    from ..measure.cpu_step import measure_training_step
+    from .fake import unpacked_sequences
+
+    kw = STEP_DEFAULTS | step
+    with exclusive_torch_job(), fake_process_group(layout.world), unpacked_sequences():
+        apply = parallelizer(config, layout, kw["precision"])
+        return measure_training_step(config, fake=True, parallelize=apply, autocast=layout.dp_shard == 1, **kw)
