@@ -169,3 +169,42 @@ def test_the_fake_process_group_trace_equals_a_real_gloo_step() -> None:
     real = measure_sharded_step(BIGGER["llama"], world=2, **kw)[0]
     for p in ("forward", "backward", "optimizer_step"):
         assert fake.phases[p].peak_bytes == pytest.approx(real.phases[p].peak_bytes, rel=1e-3), p  # type: ignore
+
+
+@pytest.mark.parametrize(("ranks", "precision", "ckpt"), [(2, "fp32", "none"), (4, "mixed", "full")])
+def test_the_ddp_ledger_matches_every_rank_of_a_real_ddp_step(ranks: int, precision: str, ckpt: str) -> None:
+    """DistributedDataParallel over 2 and 4 gloo processes: every rank's forward, backward and step peaks are the
+    ledger's (one more copy of every gradient in DDP's buckets) within 0.1 %."""
+    from bench.techniques import FAMILIES as BIGGER
+    from memcalc_gui.measure.distributed import measure_sharded_step
+
+    kw = dict(batch=4, seq=256, precision=precision, optimizer_impl="single-tensor", checkpointing=ckpt)
+    real = measure_sharded_step(BIGGER["llama"], world=ranks, strategy="ddp", **kw)
+    est = estimate(TrainingSetup(model=spec_from_config(BIGGER["llama"]), target_device="cpu",  # type: ignore[arg-type]
+                                 parallel=Parallelism(gpus=ranks, strategy="ddp"), **kw))
+    assert len(real) == ranks
+    for m in real:
+        for p in ("forward", "backward", "optimizer_step"):
+            assert est.phases[p].tensor_bytes == pytest.approx(m.phases[p].peak_bytes, rel=1e-3), p
+
+
+def test_ddp_buckets_only_the_adapters_of_a_lora_run() -> None:
+    """A real 2-process DDP step of a LoRA model holds exactly what one process holds plus the adapters' gradients
+    once more (DDP registers only parameters that require gradients), as the ledger says."""
+    from bench.techniques import FAMILIES as BIGGER
+    from memcalc_gui.core.finetune import FineTuning
+    from memcalc_gui.measure import exclusive_torch_job
+    from memcalc_gui.measure.cpu_step import measure_training_step
+    from memcalc_gui.measure.distributed import measure_sharded_step
+
+    ft = FineTuning(method="lora")
+    kw = dict(batch=2, seq=128, precision="mixed", optimizer_impl="single-tensor")
+    with exclusive_torch_job():
+        alone = measure_training_step(BIGGER["llama"], tuning=ft, **kw)
+    ranked = measure_sharded_step(BIGGER["llama"], world=2, strategy="ddp", tuning=ft, **kw)[0]
+    one = TrainingSetup(model=spec_from_config(BIGGER["llama"]), target_device="cpu", tuning=ft, **kw)  # type: ignore
+    est_alone, est_ranked = estimate(one), estimate(one.with_changes(parallel=Parallelism(gpus=2)))
+    for p in ("forward", "backward", "optimizer_step"):
+        real_extra = ranked.phases[p].peak_bytes - alone.phases[p].peak_bytes
+        assert real_extra == est_ranked.phases[p].tensor_bytes - est_alone.phases[p].tensor_bytes, p
+        assert 0 < real_extra < one.model.num_params  # type: ignore[union-attr]  # adapters only

@@ -183,7 +183,8 @@ def measure_training_step(
     backward" recipe, torchtune's ``optimizer_in_bwd``); the optimizer phase then has nothing left to do.
     ``activation_offload`` moves what the decoder body saves for backward to host memory (see :func:`offload_hooks`):
     ``all`` as ``torch.autograd.graph.save_on_cpu`` does, ``checkpoint-inputs`` as torchtune's OffloadActivations.
-    ``parallelize(model)`` shards the built model in place (one rank of :mod:`.distributed`); ``autocast=False`` runs
+    ``parallelize(model)`` shards the built model in place, or returns the wrapper the step calls instead (DDP), one
+    rank of :mod:`.distributed`; ``autocast=False`` runs
     mixed precision without autocast (FSDP2's MixedPrecisionPolicy casts the gathered weights instead). In a fake run
     the model is built and parallelized on the meta device first, outside the fake mode (a ``DeviceMesh`` computes its
     coordinates with real tensors), and materialized on fake storage in the load phase (``premade``).
@@ -254,6 +255,7 @@ def measure_training_step(
         with tracker:
             announce("load", 0)
             with tracker.phase("load", 0):
+                runner = None  # what the step calls: the model, or the wrapper a parallelize callback returns (DDP)
                 if premade is not None:  # built, checkpointed, tuned, parallelized and made real on fake storage
                     model = premade
                 else:
@@ -265,7 +267,8 @@ def measure_training_step(
                     if tuning is not None and tuning.method != "full":
                         model = apply_tuning(model, tuning, config)
                     if parallelize is not None:
-                        parallelize(model)
+                        runner = parallelize(model)
+                runner = runner if runner is not None else model
                 for p in model.parameters():
                     tracker.track(p, "parameters")
                 for b in model.buffers():
@@ -317,7 +320,7 @@ def measure_training_step(
                 for micro in range(grad_accum):
                     announce("forward", it, micro)
                     with tracker.phase("forward", it, micro), packed():
-                        value = step_forward(model, input_ids, precision if autocast else "fp32", loss, loss_chunk,
+                        value = step_forward(runner, input_ids, precision if autocast else "fp32", loss, loss_chunk,
                                              position_ids=position_ids)
                         if grad_accum > 1:
                             value = value / grad_accum

@@ -1,5 +1,6 @@
-"""A real sharded training step over several CPU processes (PyTorch's gloo backend), each rank measured with the
-live-storage tracker: the check of the per-GPU ledgers against the engines themselves, not only their formulas.
+"""A real multi-process training step over several CPU processes (PyTorch's gloo backend), each rank measured with
+the live-storage tracker: the check of the per-GPU ledgers against the engines themselves, not only their formulas.
+DDP wraps the model in ``DistributedDataParallel`` (its defaults);
 
 FSDP2 (``torch.distributed.fsdp.fully_shard``) wraps every decoder layer and then the root model, as torchtitan's
 ``apply_fsdp`` does; under mixed precision its ``MixedPrecisionPolicy`` gathers bf16 weights and reduces gradients
@@ -36,6 +37,18 @@ def fsdp2_parallelize(precision: str, reshard_after_forward: bool) -> Any:
     return apply
 
 
+def ddp_parallelize() -> Any:
+    """The ``parallelize`` callback of :func:`measure_training_step` for one DDP rank: the model wrapped in
+    ``DistributedDataParallel`` with its defaults (25 MiB buckets, ``gradient_as_bucket_view=False``)."""
+
+    def apply(model: Any) -> Any:
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model)
+
+    return apply
+
+
 def _rank(rank: int, world: int, port: int, kwargs: dict[str, Any], strategy: str, reshard_after_forward: bool,
           out: Any) -> None:
     import torch.distributed as dist
@@ -53,10 +66,14 @@ def _rank(rank: int, world: int, port: int, kwargs: dict[str, Any], strategy: st
     # differed between runs and ranks, and an FSDP2 buffer in a reference cycle was freed early or late
     gc.disable()
     try:
-        if strategy != "fsdp2":
-            raise ValueError(f"the sharded CPU step runs fsdp2, not {strategy!r}")
-        m = measure_training_step(**kwargs, parallelize=fsdp2_parallelize(kwargs["precision"], reshard_after_forward),
-                                  autocast=False, seed=rank)
+        if strategy == "fsdp2":
+            m = measure_training_step(**kwargs, parallelize=fsdp2_parallelize(kwargs["precision"],
+                                                                              reshard_after_forward),
+                                      autocast=False, seed=rank)
+        elif strategy == "ddp":
+            m = measure_training_step(**kwargs, parallelize=ddp_parallelize(), seed=rank)
+        else:
+            raise ValueError(f"the multi-process CPU step runs ddp or fsdp2, not {strategy!r}")
         out.put((rank, m, None))
     except Exception as exc:  # reported to the parent, which raises it
         out.put((rank, None, f"{type(exc).__name__}: {exc}"))
