@@ -55,8 +55,7 @@ def main(quick: bool = False) -> None:
     worst: dict[str, list[float]] = {}
     start = time.perf_counter()
     for family, (tp, dp), precision, ckpt in itertools.product(TP_FAMILIES, layouts, precisions, ("none", "full")):
-        impl = "single-tensor" if tp > 1 and dp == 1 else "foreach"  # pure TP mixes DTensor and plain parameters
-        diff = case(family, tp, dp, precision, ckpt, impl)
+        diff = case(family, tp, dp, precision, ckpt, "foreach")
         if diff is None:
             continue
         kind = "tp" if dp == 1 else "fsdp2" if tp == 1 else "fsdp2×tp"

@@ -129,13 +129,35 @@ def test_the_traced_tensor_parallel_rank_is_the_narrower_model_to_the_byte(famil
         assert traced.phases[p].objects == pytest.approx(plain.phases[p].objects, abs=512), p  # type: ignore
 
 
-@pytest.mark.parametrize(("family", "precision", "ckpt"), [
-    ("llama", "fp32", "none"), ("qwen2", "mixed", "full"), ("qwen3", "bf16", "none"), ("phi", "mixed", "none"),
-    ("gpt_neox", "fp32", "full"), ("mistral", "bf16", "full"),
+@pytest.mark.parametrize(("family", "precision", "ckpt", "impl"), [
+    ("llama", "fp32", "none", "foreach"), ("qwen2", "mixed", "full", "single-tensor"),
+    ("qwen3", "bf16", "none", "foreach"), ("phi", "mixed", "none", "foreach"),
+    ("gpt_neox", "fp32", "full", "single-tensor"), ("mistral", "bf16", "full", "single-tensor"),
+    ("qwen2-embedding-tied", "mixed", "none", "foreach"),
 ])
-def test_the_tensor_parallel_ledger_matches_the_traced_rank(family: str, precision: str, ckpt: str) -> None:
-    est = estimate(_setup(family, precision, ckpt, 1, 2, "single-tensor"))
-    assert _worst(est, _trace(family, precision, ckpt, 1, 2, "single-tensor")) <= 0.02
+def test_the_tensor_parallel_ledger_matches_the_traced_rank(family: str, precision: str, ckpt: str,
+                                                            impl: str) -> None:
+    est = estimate(_setup(family, precision, ckpt, 1, 2, impl))
+    assert _worst(est, _trace(family, precision, ckpt, 1, 2, impl)) <= 0.02
+
+
+def test_method_trace_traces_one_tensor_parallel_rank(tmp_path: object, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--method trace`` with ``--tp`` runs the tensor-parallel rank (parallelize_module on the fake process group),
+    not the whole model, and agrees with the analytic rank."""
+    import json
+    from pathlib import Path
+
+    cfg = Path(str(tmp_path)) / "config.json"
+    cfg.write_text(json.dumps(FAMILIES["qwen3"]))
+    common = ["--config", str(cfg), "--batch", "2", "--seq", "64", "--gpus", "4", "--tp", "2", "--json"]
+    assert cli_main(["estimate", *common, "--method", "trace"]) == 0
+    traced = json.loads(capsys.readouterr().out)
+    assert cli_main(["estimate", *common, "--method", "analytic"]) == 0
+    analytic = json.loads(capsys.readouterr().out)
+    whole = estimate(TrainingSetup(model=spec_from_config(FAMILIES["qwen3"]), batch=2, seq=64,
+                                   parallel=Parallelism(gpus=2)))
+    assert traced["peak_tensor_bytes"] < whole.peak_tensor_bytes  # a rank, not the whole model
+    assert traced["peak_tensor_bytes"] == pytest.approx(analytic["peak_tensor_bytes"], rel=0.01)
 
 
 @pytest.mark.parametrize(("family", "precision", "ckpt", "dp", "reshard"), [

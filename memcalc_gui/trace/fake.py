@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib.util
 import os
 import re
@@ -27,6 +28,7 @@ from ..core.analytic import per_gpu_ledger, states_for
 from ..core.configfile import transformers_kwargs
 from ..core.errors import InputError, MemcalcError, one_line
 from ..core.estimate import estimate
+from ..core.layout import tensor_parallel_spec
 from ..core.ledger import Estimate, with_overheads
 from ..core.optimizer import optimizer_cost
 from ..core.result import Result
@@ -155,8 +157,13 @@ def trace_estimate(
     try:
         # packed documents: under fake tensors transformers takes the batch as packed, as a real run finds it
         sequences = contextlib.nullcontext() if setup.packing else unpacked_sequences()
+        step: Any = measure_training_step
+        if setup.parallel.tp > 1:  # one rank of the tensor-parallel group, parallelized on the fake process group
+            from .ranks import RankLayout, trace_rank
+
+            step = functools.partial(trace_rank, layout=RankLayout(1, setup.parallel.tp))
         with exclusive_torch_job(should_stop, TraceCancelled), sequences:
-            m = measure_training_step(
+            m = step(
                 cfg, batch=setup.rows, seq=setup.row_len, documents=setup.batch if setup.packing else None,
                 precision=compute, optimizer=setup.optimizer,
                 optimizer_impl=setup.optimizer_impl, attention=setup.attention, checkpointing=setup.checkpointing,
@@ -205,11 +212,11 @@ def trace_estimate(
                 objects[name] = {k: v for k, v in m.phases[name].transient_objects.items() if v}
         step = objects["optimizer_step"]
         state, temps = step.get("optimizer_state", 0), step.get("optimizer_temporaries", 0)
+        rank = tensor_parallel_spec(setup.model, setup.parallel.tp)  # the model one rank runs
         if fsdp2_mixed:
-            cost = optimizer_cost(setup.optimizer, setup.optimizer_impl, setup.model.param_layout(),
-                                  setup.model.num_layers, 4)
+            cost = optimizer_cost(setup.optimizer, setup.optimizer_impl, rank.param_layout(), rank.num_layers, 4)
             state, temps = cost.state_bytes + cost.paged_bytes, cost.step_temporary_bytes
-        states = states_for(setup.model, setup, state, temps, m.phases["forward"].compute_copy_bytes)
+        states = states_for(rank, setup, state, temps, m.phases["forward"].compute_copy_bytes)
         load, fwd, (bwd,), stp = per_gpu_ledger(states, setup.parallel, objects["load"], objects["forward"],
                                                [objects["backward"]], step)
         objects = {"load": load, "forward": fwd, "backward": bwd, "optimizer_step": stp}

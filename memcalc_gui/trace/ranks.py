@@ -113,6 +113,7 @@ def parallelizer(config: dict[str, Any], layout: RankLayout, precision: str) -> 
             styles = {k: getattr(tp_api, STYLES[v])() for k, v in plan.items()}
             for layer in layers:
                 tp_api.parallelize_module(layer, tp_mesh, styles)
+            _replicate_the_rest(model, tp_mesh)
         if layout.dp_shard > 1:
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
                 if precision == "mixed" else MixedPrecisionPolicy()
@@ -129,6 +130,37 @@ STEP_DEFAULTS: dict[str, Any] = {"batch": 1, "seq": 128, "precision": "fp32", "o
                                  "iterations": 2}
 
 
+def _replicate_the_rest(model: Any, mesh: Any) -> None:
+    """Make every parameter the plan leaves whole (embeddings, norms, the head) a replicated DTensor, its module's
+    tensor inputs and outputs converted at the boundary (``distribute_module``; no copy, no communication): one
+    kind of parameter, so that foreach and fused optimizers take them all in one group, as on torchtitan's fully
+    DTensor models."""
+    import torch
+    from torch.distributed.tensor import DTensor, Replicate, distribute_module, distribute_tensor
+
+    made: dict[int, Any] = {}  # a tied parameter stays one parameter
+
+    def partition(_name: str, module: Any, device_mesh: Any) -> None:
+        for key, param in list(module._parameters.items()):
+            if param is not None and not isinstance(param, DTensor):
+                if id(param) not in made:
+                    made[id(param)] = torch.nn.Parameter(distribute_tensor(param.data, device_mesh, [Replicate()]),
+                                                         requires_grad=param.requires_grad)
+                module.register_parameter(key, made[id(param)])
+
+    def inputs(_module: Any, args: Any, device_mesh: Any) -> Any:
+        return tuple(DTensor.from_local(a, device_mesh, [Replicate()], run_check=False)
+                     if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) else a for a in args)
+
+    def outputs(_module: Any, out: Any, _mesh: Any) -> Any:
+        return out.to_local() if isinstance(out, DTensor) else out
+
+    for module in list(model.modules()):
+        own = [p for p in module._parameters.values() if p is not None and not isinstance(p, DTensor)]
+        if own:
+            distribute_module(module, mesh, partition, inputs, outputs)
+
+
 def trace_rank(config: dict[str, Any], layout: RankLayout, **step: Any) -> Any:
     """The step of ``config`` (``step``: :func:`~memcalc_gui.measure.cpu_step.measure_training_step`'s keywords) on
     rank 0 of ``layout``, traced on fake tensors; a :class:`~memcalc_gui.measure.cpu_step.StepMeasurement`. Under
@@ -137,7 +169,7 @@ def trace_rank(config: dict[str, Any], layout: RankLayout, **step: Any) -> Any:
     from ..measure.cpu_step import measure_training_step
     from .fake import unpacked_sequences
 
-    kw = STEP_DEFAULTS | step
+    kw = STEP_DEFAULTS | {k: v for k, v in step.items() if k != "fake"}  # always fake
     with exclusive_torch_job(), fake_process_group(layout.world), unpacked_sequences():
         apply = parallelizer(config, layout, kw["precision"])
         return measure_training_step(config, fake=True, parallelize=apply, autocast=layout.dp_shard == 1, **kw)

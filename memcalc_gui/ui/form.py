@@ -95,6 +95,7 @@ class FormState:
     strategy: str = "ddp"
     node_size: str = "8"
     ep: str = "1"
+    tp: str = "1"  # tensor parallelism (core.layout)
     reshard_after_forward: str = "true"  # FSDP2's reshard_after_forward
     offload: str = "none"
     # fine-tuning (core.finetune.FineTuning); the LoRA fields apply to lora and qlora, trainable to frozen
@@ -221,6 +222,7 @@ _FIELD_MAP: Final = {
     "strategy": "strategy",
     "node_size": "node_size",
     "ep": "ep",
+    "tp": "tp",
     "reshard_after_forward": "reshard_after_forward",
     "offload": "offload",
     "parallel": "strategy",
@@ -467,6 +469,7 @@ def build_setup(state: FormState, cache: ModelCache) -> TrainingSetup:
     attempt("gpus", lambda: parse_positive_int(state.gpus, "gpus", MAX_PARALLEL_GPUS))
     attempt("node_size", lambda: parse_positive_int(state.node_size, "node_size", MAX_PARALLEL_GPUS))
     attempt("ep", lambda: parse_positive_int(state.ep or "1", "ep", MAX_PARALLEL_GPUS))
+    attempt("tp", lambda: parse_positive_int(state.tp or "1", "tp", MAX_PARALLEL_GPUS))
     attempt("tuning", lambda: tuning_from_state(state))
     attempt("loss_chunk", lambda: parse_positive_int(state.loss_chunk, "loss_chunk", LIMITS["seq"] * LIMITS["batch"])
             if state.loss_chunk.strip() and state.loss == "chunked" else None)
@@ -483,6 +486,7 @@ def build_setup(state: FormState, cache: ModelCache) -> TrainingSetup:
             strategy=state.strategy,  # type: ignore[arg-type]
             node_size=values.pop("node_size"),
             ep=values.pop("ep"),
+            tp=values.pop("tp"),
             reshard_after_forward=state.reshard_after_forward != "false",
             offload=state.offload,  # type: ignore[arg-type]
         )

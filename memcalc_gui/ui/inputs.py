@@ -434,6 +434,9 @@ class InputPanel(QWidget):
         self.gpus = IntEdit()
         self.gpus.setPlaceholderText("1")
         self._row(gform, "Num&ber of GPUs:", "gpus", self.gpus)
+        self.tp = IntEdit()
+        self.tp.setPlaceholderText("1")
+        self._row(gform, "Tensor parallel:", "tp", self.tp)
         self.strategy = _combo({k: STRATEGY_LABELS.get(k, k) for k in STRATEGIES}, TOOLTIPS["strategy"])
         self._row(gform, "Str&ategy:", "strategy", self.strategy)
         self.reshard_after_forward = QCheckBox("Reshard after forward (FSDP2)")
@@ -466,7 +469,7 @@ class InputPanel(QWidget):
         outer.addStretch(1)
 
         for edit in (self.preset.lineEdit(), self.config_path, self.hub_id, self.params, self.batch, self.seq,
-                     self.grad_accum, self.capacity, self.gpus, self.node_size, self.ep, self.cuda_context,
+                     self.grad_accum, self.capacity, self.gpus, self.tp, self.node_size, self.ep, self.cuda_context,
                      self.allocator_reserve):
             edit.installEventFilter(self._undo_filter)
         self._connect()
@@ -498,7 +501,7 @@ class InputPanel(QWidget):
         self.model_kind.currentIndexChanged.connect(self._on_kind)
         self.preset.currentTextChanged.connect(self._changed)
         for edit in (self.config_path, self.hub_id, self.params, self.batch, self.seq, self.grad_accum,
-                     self.cuda_context, self.allocator_reserve, self.gpus, self.node_size, self.ep):
+                     self.cuda_context, self.allocator_reserve, self.gpus, self.tp, self.node_size, self.ep):
             edit.textChanged.connect(self._changed)
         self.capacity.textChanged.connect(self._on_capacity)
         self.checkpointing.toggled.connect(self._on_checkpointing)
@@ -551,7 +554,7 @@ class InputPanel(QWidget):
                  self.trainable, self.recipe,
                  self.precision,
                  self.optimizer, self.optimizer_impl, self.galore_rank, self.optimizer_in_backward, self.gpu,
-                 self.capacity, self.gpus,
+                 self.capacity, self.gpus, self.tp,
                  self.strategy, self.reshard_after_forward, self.node_size,
                  self.ep, self.offload, self.cuda_context, self.allocator_reserve]
         for a, b in itertools.pairwise(chain):
@@ -817,6 +820,7 @@ class InputPanel(QWidget):
             strategy=self.strategy.currentData(),
             node_size=self.node_size.text(),
             ep=self.ep.text(),
+            tp=self.tp.text(),
             reshard_after_forward="true" if self.reshard_after_forward.isChecked() or
             self.strategy.currentData() != "fsdp2" else "false",
             offload=self.offload.currentData(),
@@ -834,7 +838,7 @@ class InputPanel(QWidget):
                     self.preset.setCurrentIndex(i)
                 self.preset.setEditText(state.preset)
             for name in ("config_path", "hub_id", "params", "batch", "seq", "grad_accum", "capacity", "cuda_context",
-                         "allocator_reserve", "gpus", "node_size", "ep"):
+                         "allocator_reserve", "gpus", "tp", "node_size", "ep"):
                 edit: QLineEdit = getattr(self, name)
                 value = getattr(state, name)
                 if edit.text() != value:

@@ -213,6 +213,14 @@ TOOLTIPS: dict[str, str] = {
         "the experts per layer. Balanced routing is assumed, with one layer's all-to-all buffers live at a time "
         "(torchtitan's and Megatron-LM's expert-parallel token dispatch)."
     ),
+    "tp": (
+        "Tensor parallelism: each decoder layer's attention heads and MLP width are split over this many GPUs, as "
+        "transformers' own tensor-parallel plans split them (q/k/v and gate/up column-wise, o and down row-wise; "
+        "PyTorch's ColwiseParallel/RowwiseParallel). Embeddings, norms and the head stay whole on every GPU. It must "
+        "divide the number of GPUs, the attention heads, the key/value heads and the MLP width; the strategy above "
+        "runs over the GPUs / tp data-parallel replicas. Checked against the real model parallelized with "
+        "parallelize_module on PyTorch's fake process group."
+    ),
     "offload": (
         "Move model state to CPU memory; the chart then shows less on the GPU and the host memory needed per "
         "node is listed. The choices are the ones that differ for the strategy.\nZeRO-1/2/3, optimizer: "
