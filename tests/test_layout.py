@@ -89,6 +89,25 @@ def test_tensor_parallelism_never_raises_a_rank_and_shards_its_state() -> None:
         assert b.phases["backward"].objects["activations"] < a.phases["backward"].objects["activations"]
 
 
+def test_the_solver_offers_tensor_parallelism_within_a_node() -> None:
+    """Llama-3.1-70B at 8k tokens on 64 H100s under FSDP2 does not fit; splitting each layer over 2, 4 or 8 GPUs of
+    a node is among the changes, and applying it lowers the peak as promised."""
+    from memcalc_gui.core.result import evaluate
+    from memcalc_gui.core.setup import find_gpu
+    from memcalc_gui.core.solver import apply_changes
+
+    gpu = find_gpu("h100-80gb")
+    setup = TrainingSetup(model=preset_spec("llama-3.1-70b"), seq=8192, gpu=gpu.id, capacity_bytes=gpu.capacity_bytes,
+                          parallel=Parallelism(gpus=64, strategy="fsdp2"))
+    result = evaluate(setup, "analytic")
+    offered = [s for s in result.verdict.suggestions if "tp" in s.changes]
+    assert offered and all(s.changes["tp"] in (2, 4, 8) for s in offered)
+    for s in offered:
+        assert estimate(apply_changes(setup, s.changes)).peak_bytes == s.peak_bytes
+    # not beyond a node, and never for a model the degree does not split
+    assert all(s.changes.get("tp", 1) <= 8 for s in result.verdict.suggestions)
+
+
 # ---- against the traced rank -------------------------------------------------------------------------------------
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -230,3 +249,32 @@ def test_ddp_buckets_only_the_adapters_of_a_lora_run() -> None:
         real_extra = ranked.phases[p].peak_bytes - alone.phases[p].peak_bytes
         assert real_extra == est_ranked.phases[p].tensor_bytes - est_alone.phases[p].tensor_bytes, p
         assert 0 < real_extra < one.model.num_params  # type: ignore[union-attr]  # adapters only
+
+
+def test_tensor_parallel_property_a_rank_never_holds_more() -> None:
+    """Over every preset memcalc models, every tp that splits it, precisions and checkpointing: a tensor-parallel
+    rank never holds more than the whole model on one GPU in any phase, and its parameters shrink with tp."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from memcalc_gui.core.layout import TP_FAMILIES
+    from memcalc_gui.core.model import block_preset_names
+
+    names = [n for n in block_preset_names() if preset_spec(n).family in TP_FAMILIES]
+
+    @settings(max_examples=60, deadline=None)
+    @given(st.sampled_from(names), st.sampled_from([2, 4, 8]), st.sampled_from(["fp32", "mixed", "bf16"]),
+           st.sampled_from(["none", "full"]), st.integers(1, 8), st.integers(1, 8192))
+    def check(name: str, tp: int, precision: str, ckpt: str, batch: int, seq: int) -> None:
+        spec = preset_spec(name)
+        if spec.num_kv_heads % tp or spec.num_heads % tp or spec.intermediate_size % tp:
+            return
+        one = TrainingSetup(model=spec, batch=batch, seq=seq, precision=precision,  # type: ignore[arg-type]
+                            checkpointing=ckpt)  # type: ignore[arg-type]
+        split = one.with_changes(parallel=Parallelism(gpus=tp, tp=tp))
+        a, b = estimate(one), estimate(split)
+        for p in PHASES:
+            assert b.phases[p].tensor_bytes <= a.phases[p].tensor_bytes, p
+        assert b.phases["load"].objects["parameters"] < a.phases["load"].objects["parameters"]
+
+    check()

@@ -233,6 +233,7 @@ LEVER_COSTS: dict[str, int] = {
     "loss-chunked": 8,  # a different kernel (Liger-Kernel), about as fast: nothing given up but a dependency
     "optimizer-in-backward": 12,  # a custom loop step: no gradient accumulation or clipping over all gradients
     "strategy": 6,
+    "tp": 9,  # an all-reduce per layer in forward and backward: fast links (one node) wanted
     "strategy:zero2": 5,  # shards optimizer state and gradients only: the least extra communication
     "gpus": 4,
     "optimizer-fused": 1,
@@ -389,9 +390,24 @@ def levers(setup: TrainingSetup) -> list[Lever]:
     if par.offload != "both":
         out.append(Lever("offload", "offload-both", "offload the optimizer state and the parameters to the CPU",
                          {"offload": "both"}, "PCIe traffic in every forward and backward; host memory"))
+    for tp in _tensor_parallel_degrees(setup):
+        out.append(Lever("tp", f"tp:{tp}", f"split each layer over {tp} GPUs (tensor parallelism)", {"tp": tp},
+                         "an all-reduce per layer in forward and backward: GPUs in one node (NVLink) wanted"))
     out.append(Lever("gpus", "gpus", "spread over more GPUs of this kind", {},
                      "more GPUs (cost); sharded state and more communication"))
     return out
+
+
+def _tensor_parallel_degrees(setup: TrainingSetup) -> list[int]:
+    """Larger tensor-parallel degrees (2, 4, 8: within a node) that split the model and the GPUs evenly."""
+    from .layout import TP_FAMILIES
+
+    par, spec = setup.parallel, setup.model
+    if spec is None or spec.family not in TP_FAMILIES or setup.tuning.method != "full" or par.offload != "none" \
+            or par.ep > 1:
+        return []
+    return [tp for tp in (2, 4, 8) if par.tp < tp <= par.node_size and par.gpus % tp == 0
+            and not (spec.num_heads % tp or spec.num_kv_heads % tp or spec.intermediate_size % tp)]
 
 
 STRATEGY_TITLES: dict[str, str] = {"zero1": "ZeRO-1", "zero2": "ZeRO-2 (DeepSpeed)", "zero3": "ZeRO-3 (DeepSpeed)",
