@@ -138,6 +138,11 @@ def test_the_collector_never_runs_on_a_worker_thread(qtbot):
     a worker thread); it is back on once the job has reported, and after a stopped job too."""
     import gc
 
+    from PySide6.QtCore import QCoreApplication, QEvent
+
+    # windows closed by earlier tests are deleted now: a runner destroyed before its job's outcome was delivered
+    # gives its hold back, so the collector is on
+    QCoreApplication.sendPostedEvents(None, QEvent.Type.DeferredDelete)
     assert gc.isenabled()
     runner = TaskRunner("gc-runner")
     inside: list[bool] = []
@@ -155,6 +160,14 @@ def test_the_collector_never_runs_on_a_worker_thread(qtbot):
     runner.start(loop)
     assert started.wait(5) and not gc.isenabled()
     assert runner.stop()
+    assert gc.isenabled()
+    # a runner destroyed with its outcome never delivered gives the hold back as it goes
+    other = TaskRunner("gc-dropped")
+    other.start(lambda progress, stop: None)
+    other._thread.wait()
+    assert not gc.isenabled()
+    other.deleteLater()
+    QCoreApplication.sendPostedEvents(None, QEvent.Type.DeferredDelete)
     assert gc.isenabled()
 
 

@@ -70,6 +70,13 @@ def _release_gc() -> None:
         gc.collect()
 
 
+def _drop_hold(hold: list[bool]) -> None:
+    """Give back one runner's hold (``hold[0]``), once."""
+    if hold[0]:
+        hold[0] = hold[1] = False
+        _release_gc()
+
+
 def running_orphans() -> list[QThread]:
     """Worker threads that did not stop in time and are still running (the process must not wait for them:
     ``memcalc-gui`` ends with ``os._exit`` then, since destroying a running QThread aborts)."""
@@ -175,7 +182,11 @@ class TaskRunner(QObject):
         self._worker: Worker | None = None
         self._thread: _WorkerThread | None = None
         self._active = False
-        self._gc_held = False
+        # this runner's hold on the collector: [held, parked]. A runner destroyed before its outcome was delivered
+        # (a closed window's) gives it back then, unless its thread is parked still running: that thread's end
+        # does. The collector is never left off for good.
+        self._gc_hold = [False, False]
+        self.destroyed.connect(lambda *_args, hold=self._gc_hold: None if hold[1] else _drop_hold(hold))
         app = QCoreApplication.instance()
         if app is not None:
             app.aboutToQuit.connect(self._about_to_quit)
@@ -195,8 +206,8 @@ class TaskRunner(QObject):
         self._worker = worker
         self._thread = _WorkerThread(worker, self._name)
         self._active = True
-        if not self._gc_held:
-            self._gc_held = True
+        if not self._gc_hold[0]:
+            self._gc_hold[0] = True
             _hold_gc()
         self.running_changed.emit(True)
         self.started.emit()
@@ -230,7 +241,8 @@ class TaskRunner(QObject):
         if not ended:  # never let Python destroy a running QThread: park it until it ends
             _ORPHANS.append(thread)
             thread.finished.connect(lambda t=thread: _ORPHANS.remove(t) if t in _ORPHANS else None)
-            thread.finished.connect(self._release)
+            self._gc_hold[1] = True
+            thread.finished.connect(lambda hold=self._gc_hold: _drop_hold(hold))  # outlives this runner
         else:
             self._release()
         return bool(ended)
@@ -238,9 +250,7 @@ class TaskRunner(QObject):
     @Slot()
     def _release(self) -> None:
         """Give back this runner's hold on the collector (once per job)."""
-        if self._gc_held:
-            self._gc_held = False
-            _release_gc()
+        _drop_hold(self._gc_hold)
 
     @Slot()
     def _about_to_quit(self) -> None:
