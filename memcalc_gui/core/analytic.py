@@ -580,6 +580,7 @@ def fsdp2_ledger(
     big = spec.layer_params
     w = 4 if setup.precision == "fp32" else 2  # gathered weights and unsharded gradients
     shard = 2 if setup.precision in ("bf16", "bf16-autocast") else 4  # sharded weights and gradients
+    rs = 4 if setup.precision == "mixed" else w  # reduce-scatter buffers: reduce_dtype fp32 under mixed precision
     base = states.parameters["optimizer_step"] + spec.root_unit_params * w + big * w
     accumulating = setup.grad_accum > 1
     all_shards = states.gradients["optimizer_step"]
@@ -632,13 +633,12 @@ def fsdp2_ledger(
             # fp32 under mixed precision) as the next layer's all-gather is copied out, and through the backward of
             # the layers between the top and the bottom one (measured on fake-process-group traces, which equal real
             # gloo steps; the bottom layer's own backward no longer holds it)
-            moment["temporaries"] += big * (4 if setup.precision == "mixed" else w)
+            moment["temporaries"] += big * rs
         if keep_all:  # no all-gather in backward: the forward's last output is gone
             moment["parameters"] -= big * w
         out.append(moment)
     # the root unit's reduce-scatter ends the backward: the layers' gradient shards, the root's input in the reduce
     # dtype and its output shard; the root's weights are resharded by then (measured on fake-process-group traces)
-    rs = 4 if setup.precision == "mixed" else w
     root = spec.root_unit_params
     layer_shards = all_shards if accumulating else -(-nl * big * shard // n)
     # (under mixed precision the embedding's bf16 gradient, the last one made, is still alive beside its fp32 copy)
