@@ -140,10 +140,11 @@ def test_the_collector_never_runs_on_a_worker_thread(qtbot):
 
     from PySide6.QtCore import QCoreApplication, QEvent
 
-    # windows closed by earlier tests are deleted now: a runner destroyed before its job's outcome was delivered
-    # gives its hold back, so the collector is on
+    # jobs of earlier tests' windows end (a stopped window parks a running thread until it does) and closed windows
+    # are deleted: a runner destroyed before its job's outcome was delivered gives its hold back; then the collector
+    # is on again
     QCoreApplication.sendPostedEvents(None, QEvent.Type.DeferredDelete)
-    assert gc.isenabled()
+    qtbot.waitUntil(gc.isenabled, timeout=60000)
     runner = TaskRunner("gc-runner")
     inside: list[bool] = []
     with qtbot.waitSignal(runner.finished, timeout=5000):
