@@ -708,8 +708,8 @@ def timeline_caption(timeline: Timeline, result: Result) -> str:
         compare_phases(timeline, {p: dict(ph.objects) for p, ph in result.estimate.phases.items()})
     peaks = "; ".join(f"{PHASE_LABELS.get(r.phase, 'at the peak')}: {format_bytes(r.timeline_bytes)} "
                       f"(estimate {format_bytes(r.estimate_bytes)})" for r in rows)
-    return (f"{what}: {len(timeline.events):,} allocations and frees, live memory stacked by object, phases "
-            "shaded; the estimate's tensor peak and the capacity are drawn as lines when the timeline comes within "
-            "a fifth of them." + (f" Peaks — {peaks}." if peaks
-                                                                                     else ""))
+    caption = (f"{what}: {len(timeline.events):,} allocations and frees, live memory stacked by object, phases "
+               "shaded; the estimate's tensor peak and the capacity are drawn as lines when the timeline comes within "
+               "a fifth of them.")
+    return caption + (f" Peaks — {peaks}." if peaks else "")
 
