@@ -17,7 +17,7 @@ from typing import Any, NoReturn
 
 from . import __version__, install_hint
 from .core.configfile import EXPERT_KEYS, code_keys
-from .core.distributed import MAX_PARALLEL_GPUS, OFFLOADS, STRATEGIES, Parallelism
+from .core.distributed import MAX_PARALLEL_GPUS, OFFLOADS, SCHEDULES, STRATEGIES, Parallelism
 from .core.errors import InputError, MemcalcError, UnsupportedFamilyError, one_line
 from .core.finetune import ADAPTER_DTYPES, MAX_RANK, QUANTS, TUNINGS, FineTuning
 from .core.model import (
@@ -95,6 +95,11 @@ FLAGS = {
     "offload": "--offload",
     "ep": "--ep",
     "tp": "--tp",
+    "pp": "--pp",
+    "schedule": "--schedule",
+    "virtual_stages": "--virtual-stages",
+    "sp": "--sp",
+    "stage": "--stage",
     "reshard_after_forward": "--reshard-after-forward",
     "tuning": "--tuning",
     "lora_rank": "--lora-rank",
@@ -214,6 +219,17 @@ def _add_setup_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", default="1", metavar="N",
                    help="tensor parallelism: each layer's heads and MLP split over N GPUs as transformers' plans split "
                         "them (default 1); the strategy runs over the GPUs / N data-parallel replicas")
+    p.add_argument("--sp", action="store_true",
+                   help="sequence parallelism beside --tp: norms and the residual stream split along the sequence "
+                        "(Korthikanti et al. 2022, as Megatron-LM runs it)")
+    p.add_argument("--pp", default="1", metavar="N",
+                   help="pipeline parallelism: the decoder layers split into N stages on as many GPUs (default 1); "
+                        "the step's micro-batches are --grad-accum; the ledger is the most loaded stage's")
+    p.add_argument("--schedule", default="1f1b", choices=SCHEDULES,
+                   help="pipeline schedule with --pp (torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B, "
+                        "ScheduleInterleaved1F1B; default 1f1b)")
+    p.add_argument("--virtual-stages", default="1", metavar="V",
+                   help="stages per GPU under --schedule interleaved-1f1b (2 or more)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -394,6 +410,11 @@ def setup_from_args(args: argparse.Namespace) -> tuple[TrainingSetup, list[str]]
                                  node_size=parse_positive_int(args.node_size, "node_size", MAX_PARALLEL_GPUS),
                                  ep=parse_positive_int(getattr(args, "ep", "1"), "ep", MAX_PARALLEL_GPUS),
                                  tp=parse_positive_int(getattr(args, "tp", "1"), "tp", MAX_PARALLEL_GPUS),
+                                 pp=parse_positive_int(getattr(args, "pp", "1"), "pp", MAX_PARALLEL_GPUS),
+                                 schedule=getattr(args, "schedule", "1f1b"),
+                                 virtual_stages=parse_positive_int(getattr(args, "virtual_stages", "1"),
+                                                                   "virtual_stages", MAX_PARALLEL_GPUS),
+                                 sp=bool(getattr(args, "sp", False)),
                                  reshard_after_forward=getattr(args, "reshard_after_forward", "on") == "on")
     if args.cuda_context is not None:
         kw["cuda_context_bytes"] = parse_size(args.cuda_context, "cuda_context", allow_zero=True)
@@ -451,8 +472,17 @@ def format_ledger(result: Result) -> str:
                                                                  else "")
                      + ("" if par.reshard_after_forward else ", not resharded after forward")
                      + (f", experts split over {par.ep} (expert parallelism)" if par.ep > 1 else "")
-                     + (f", tensor parallel {par.tp} × data parallel {par.dp}" if par.tp > 1 else "")
+                     + (f", tensor parallel {par.tp}" + (" with sequence parallelism" if par.sp else "")
+                        if par.tp > 1 else "")
+                     + (f", pipeline {par.pp} stages ({par.schedule}"
+                        + (f", {par.virtual_stages} per GPU" if par.virtual_stages > 1 else "") + ")"
+                        if par.pp > 1 else "")
+                     + (f" × data parallel {par.dp}" if par.tp > 1 or par.pp > 1 else "")
                      + " — the ledger is per GPU")
+    for row in est.details.get("pipeline_ranks", ()):
+        lines.append(f"Stage      pipeline rank {row['rank'] + 1} of {par.pp}: peak {format_bytes(row['peak_bytes'])}"
+                     f" ({row['in_flight']} micro-batch chunk(s) in flight)"
+                     + ("  ← the most loaded, shown below" if row["rank"] == est.details.get("pipeline_rank") else ""))
     label = {"quick": "quick (rough Hugging Face blog heuristic)", "analytic": "analytic (tensor by tensor)",
              "trace": "trace (the real step on fake tensors)",
              "fitted": "fitted (small fake-tensor traces of the real model, evaluated for this shape)"}

@@ -82,6 +82,10 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
     """The analytic ledger for a setup that describes an architecture."""
     if setup.model is None:
         raise ValueError("the analytic method needs an architecture (preset or config.json)")
+    if setup.parallel.pp > 1:  # the most loaded pipeline rank: its stage's ledger and the schedule's additions
+        from .pipeline import pipeline_estimate
+
+        return pipeline_estimate(setup)
     spec = tensor_parallel_spec(setup.model, setup.parallel.tp)  # one rank of a tensor-parallel group
     d = Dtypes.of(setup)
     b, seq = setup.rows, setup.row_len  # packed documents: one row of every real token
@@ -96,7 +100,7 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
     tuned = ft.method != "full"
     params = n_params * p
     copies = spec.matmul_weight_params * 2 if d.autocast else 0
-    lm_copy = v * h * 2 if d.autocast else 0
+    lm_copy = v * h * 2 if d.autocast and spec.stage_last else 0  # a pipeline stage before the last has no head
     layout = spec.param_layout()
     if tuned:
         tp = trainable_parts(spec, ft, p)
@@ -117,13 +121,22 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
     # ---- saved activations ------------------------------------------------------------------
     # a layer whose weights train keeps what full training keeps; a frozen one what its adapters need
     per_layer = layer_saved(spec, setup) if not tuned or tp.layers_trained else tuned_layer_saved(spec, setup)
+    sp = setup.parallel.tp if setup.parallel.sp else 1
+    if sp > 1:
+        # sequence parallelism (Korthikanti et al. 2022, as Megatron-LM runs it): the norms and the residual stream
+        # are split along the sequence over the tensor-parallel ranks
+        per_layer = {k: (-(-val // sp) if k.startswith("norm") or k == "residual" else val)
+                     for k, val in per_layer.items()}
     s_layer = sum(per_layer.values())
-    stream = t * h * d.residual
+    stream = -(-t * h * d.residual // sp)
     rope_tables = 2 * seq * spec.rotary_dim * p
     final = norm_saved(spec, d, t, h, 1, d.residual)
     final_saved = final["stats"] + final["output"]
     if spec.norm == "rmsnorm" and d.residual != 4:
         final_saved += final["input"]  # the fp32 upcast of a 16-bit stream is a new tensor
+    if not spec.stage_last:  # a pipeline stage before the last: no final norm
+        final = dict.fromkeys(final, 0)
+        final_saved = 0
     keep_stream = residual_saved(spec, d)
     final_out_held = 0  # a final-norm output nothing saves but the model's outputs hold until forward returns
     first_layer = s_layer
@@ -208,6 +221,11 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
     labels = b * (seq + 1) * LABEL_BYTES + t * LABEL_BYTES
     final_out_alive = t * h * 4 if d.autocast else 0  # fp32 norm output held by the model's outputs
     final_out_alive += final_out_held
+    stage_out = 0
+    if not spec.stage_last:
+        # a pipeline stage before the last ends at its last layer's output, which the schedule keeps (and sends)
+        logits = logits32 = lsm = labels = final_out_alive = 0
+        stage_out = t * h * d.residual
     grads_live = grads_all if accumulating else 0
     if tuned and ckpt and d.autocast:
         # inside checkpointed layers nothing is saved, and autocast caches casts of trainable weights only: the
@@ -218,9 +236,21 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
     if chunked and lm_copy:  # the head's 16-bit cast is made per chunk and freed (core.loss), not kept
         copies, lm_copy = max(0, copies - lm_copy), 0
     base_fwd = dict(parameters=params + copies, optimizer_state=state, gradients=grads_live, inputs=inputs)
+
+    def copies_saved(made: int) -> int:
+        """The 16-bit weight copies that outlive autocast's cache: those saved for backward."""
+        return lm_copy if ckpt or offload != "none" else \
+            made - n_ck * (spec.layer_params - spec.norms_per_layer * h * (2 if spec.norm_bias else 1)) * 2 * d.autocast
+
+    loss_fwd = base_fwd
+    if spec.stage_last and not spec.stage_first:
+        # a pipeline's last stage: the schedule computes the loss once the stage's forward has returned, autocast's
+        # cache dropped and the final norm's output with it
+        loss_fwd = dict(base_fwd, parameters=params + copies_saved(copies))
+        final_out_alive = 0
     # QLoRA: a 4-bit linear's weight is dequantized into a 16-bit transient for its matmul (forward and backward)
     dequant = 2 * max(lin.weight_params for lin in layer_linears(spec)) if ft.method == "qlora" else 0
-    head_trains = not tuned or tp.head_trainable
+    head_trains = (not tuned or tp.head_trainable) and spec.stage_last
     # no gradient below the head (only the head trains): no hidden-state gradient, no layer moments
     head_only = tuned and not ft.uses_adapters and not tp.layers_trained and \
         not (tp.embeddings_trainable or tp.norms_trainable)
@@ -241,12 +271,19 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
                                             activations=chunk_acts, temporaries=labels + final_out_alive),
                           key=lambda m: sum(m.values()))
     else:
-        forward = _objects(**base_fwd, activations=kept_fwd + lsm + cache_held,
+        forward = _objects(**loss_fwd, activations=kept_fwd + lsm + cache_held + stage_out,
                            temporaries=logits + logits32 + labels + final_out_alive)
     # Inside a checkpointed layer nothing is saved, but its MLP still holds ~3 I-wide tensors at once (4 for the tanh
     # GELU transformers writes in Python ops: fc1's output, x³, and two products)
     wide = 4 if not spec.gated_mlp and spec.hidden_act.lower() in ("gelu_new", "gelu_fast", "gelu_python_tanh") else 3
     fwd_candidates = [("loss", forward)]
+    if spec.stage_last and not spec.stage_first and not chunked:
+        # a pipeline's last stage at its head, inside the stage's forward: autocast's copies all cached, the final
+        # norm's output (fp32 under autocast) beside the logits
+        fwd_candidates.append(("head", _objects(**base_fwd, activations=kept_fwd + cache_held,
+                                                temporaries=logits + final["output"] + (t * h * 4 if d.autocast
+                                                                                        else 0))))
+        forward = max(forward, fwd_candidates[-1][1], key=lambda m: sum(m.values()))
     mask = packed_mask_bytes(setup)  # packed SDPA's bool mask: alive while the decoder body runs
     attn_part = sum(val for key, val in per_layer.items() if key.startswith("attn.")) + per_layer["norm1"]
     # a checkpointed layer at its attention kernel: the attention's tensors and the first norm's output
@@ -296,8 +333,7 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
     # (A) cross-entropy backward: log-softmax + its gradient + the logits gradient, all fp32.
     # With checkpointing the layers' 16-bit weight copies die with autocast's cache after forward.
     # every N-th layer: the checkpointed layers' copies die too, the others' stay saved
-    copies_bwd = lm_copy if ckpt or offload != "none" else \
-        copies - n_ck * (spec.layer_params - spec.norms_per_layer * h * (2 if spec.norm_bias else 1)) * 2 * d.autocast
+    copies_bwd = copies_saved(copies)
     base_bwd = dict(base_fwd, parameters=params + copies_bwd)
     lm_grad = v * h * p if head_trains else 0
     if chunked:
@@ -331,6 +367,9 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
             gradients=grads_all if accumulating else lm_grad,
             activations=kept_fwd, temporaries=lm_tmp + (lm_grad if accumulating else 0),
         ))
+    if not spec.stage_last:  # a pipeline stage before the last: its backward starts at its top layer
+        moments.clear()
+        where.clear()
     # (C) decoder layers: the first processed (the last layer) and the last processed (the first), each
     # at its MLP backward (three I-wide gradients beside the residual-stream gradient) and at its
     # attention backward (score gradients for eager, q/k/v gradients for SDPA).
@@ -338,7 +377,7 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
     g_down = h * spec.intermediate_size * p
     g_mlp = spec.mlp_params * p
     g_out = h * spec.q_dim * p  # the output projection's weight gradient, first of the attention backward
-    head_grads = v * h * p + (h * (2 if spec.norm_bias else 1)) * p
+    head_grads = v * h * p + (h * (2 if spec.norm_bias else 1)) * p if spec.stage_last else 0
     if tuned:
         g_layer, g_down, g_mlp = tp.layer_grads, tp.down_grads, tp.mlp_grads
         g_out = 0 if not tp.layers_trained else g_out
@@ -435,7 +474,9 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
     # (D) embedding backward: every gradient exists. Tied embeddings: the LM head's weight gradient waits in
     # autograd's input buffer while the embedding's dense gradient is made, then the two are summed; without
     # accumulation that sum becomes .grad, with accumulation it is a third temporary added into .grad.
-    if tuned and not tp.embeddings_trainable:
+    if not spec.stage_first:
+        emb_tmp = grad_stream  # a later pipeline stage: the gradient of its input, to be sent to the stage before
+    elif tuned and not tp.embeddings_trainable:
         emb_tmp = 0  # frozen embeddings: the backward ends in the lowest trained layer
     elif spec.tied_embeddings:
         emb_tmp = grad_stream + (3 if accumulating else 2) * v * h * p
@@ -513,6 +554,8 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
         "logits_bytes": logits,
         "compute_copy_bytes": copies,
         "lm_head_copy_bytes": lm_copy,
+        # the autocast weight copies matmuls save for backward (a pipeline keeps one set per micro-batch in flight)
+        "saved_copy_bytes": copies_bwd if d.autocast else 0,
         "parallel_notes": notes,  # why a per-GPU number moves with the strategy (the window's banner says it)
         "parameter_split": parameter_split(spec, setup, params) if tuned else {},
     }

@@ -48,6 +48,9 @@ from .errors import InputError
 
 Strategy = Literal["ddp", "zero1", "zero2", "zero3", "fsdp-full-shard", "fsdp-shard-grad-op", "fsdp-hybrid", "fsdp2"]
 Offload = Literal["none", "optimizer", "params", "both"]
+#: Pipeline schedules (``torch.distributed.pipelining``'s ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B).
+Schedule = Literal["1f1b", "interleaved-1f1b", "gpipe"]
+SCHEDULES: Final = get_args(Schedule)
 STRATEGIES: Final = get_args(Strategy)
 OFFLOADS: Final = get_args(Offload)
 
@@ -119,9 +122,18 @@ class Parallelism:
     #: transformers' own plans split them (``base_model_tp_plan``: q/k/v and gate/up column-wise, o and down
     #: row-wise; embeddings, norms and the head replicated). The data-parallel strategy runs over ``gpus / tp``.
     tp: int = 1
+    #: Pipeline parallelism: the decoder layers split into ``pp`` stages on as many GPUs (``core.pipeline``), run by
+    #: ``schedule`` over the step's micro-batches (the gradient-accumulation count), ``virtual_stages`` stages per GPU
+    #: under the interleaved schedule.
+    pp: int = 1
+    schedule: Schedule = "1f1b"
+    virtual_stages: int = 1
+    #: Sequence parallelism beside tensor parallelism (Korthikanti et al. 2022): what the tensor-parallel regions
+    #: leave whole (norms, residual stream) is split along the sequence over the tensor-parallel ranks.
+    sp: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("gpus", "node_size", "ep", "tp"):
+        for name in ("gpus", "node_size", "ep", "tp", "pp", "virtual_stages"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InputError(name, f"must be a positive integer, got {value!r}")
@@ -148,6 +160,25 @@ class Parallelism:
         if self.gpus % self.tp:
             raise InputError("tp", f"{self.gpus:,} GPUs cannot be split into tensor-parallel groups of {self.tp}: "
                                    "the GPU count must be a multiple of tp")
+        if self.gpus % (self.tp * self.pp):
+            raise InputError("pp", f"{self.gpus:,} GPUs cannot be split into {self.pp} pipeline stages of "
+                                   f"{self.tp} tensor-parallel GPU(s): the GPU count must be a multiple of tp × pp")
+        if self.schedule not in SCHEDULES:
+            raise InputError("schedule", f"must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if (self.virtual_stages > 1) != (self.schedule == "interleaved-1f1b"):
+            raise InputError("virtual_stages", "the interleaved schedule runs more than one stage per GPU "
+                                               "(--virtual-stages 2 or more), and only it does")
+        if self.pp == 1 and (self.schedule != "1f1b"):
+            raise InputError("schedule", "a pipeline schedule needs pipeline stages (--pp 2 or more)")
+        if not isinstance(self.sp, bool):
+            raise InputError("sp", f"must be on or off, got {self.sp!r}")
+        if self.sp and self.tp == 1:
+            raise InputError("sp", "sequence parallelism splits what tensor parallelism leaves whole: it needs --tp 2 "
+                                   "or more")
+        if self.pp > 1 and self.ep > 1:
+            raise InputError("pp", "pipeline parallelism beside expert parallelism is not modelled yet")
+        if self.pp > 1 and self.offload != "none":
+            raise InputError("offload", "offload beside pipeline parallelism is not modelled yet")
         if self.tp > 1 and self.ep > 1:
             raise InputError("tp", "tensor parallelism beside expert parallelism is not modelled yet")
         if self.tp > 1 and self.offload != "none":
@@ -155,8 +186,20 @@ class Parallelism:
 
     @property
     def dp(self) -> int:
-        """Data-parallel replicas of each tensor-parallel shard: the GPUs the strategy runs over."""
-        return self.gpus // self.tp
+        """Data-parallel replicas of each model-parallel shard (one tensor-parallel group of one pipeline stage): the
+        GPUs the strategy runs over."""
+        return self.gpus // (self.tp * self.pp)
+
+    @property
+    def model_parallel_text(self) -> str:
+        """``TP 8 + SP × PP 2 (1F1B)``: the model-parallel dimensions, or "" when there are none."""
+        parts = []
+        if self.tp > 1:
+            parts.append(f"TP {self.tp}" + (" + SP" if self.sp else ""))
+        if self.pp > 1:
+            label = {"1f1b": "1F1B", "gpipe": "GPipe", "interleaved-1f1b": f"interleaved ×{self.virtual_stages}"}
+            parts.append(f"PP {self.pp} ({label[self.schedule]})")
+        return " × ".join(parts)
 
     @property
     def shards(self) -> int:
@@ -164,7 +207,7 @@ class Parallelism:
         if self.strategy == "ddp":
             return 1
         if self.strategy == "fsdp-hybrid":
-            return min(self.dp, max(1, self.node_size // self.tp))
+            return min(self.dp, max(1, self.node_size // (self.tp * self.pp)))
         return self.dp
 
     @property

@@ -78,6 +78,10 @@ class ModelSpec:
     fused_gate_up: bool
     hidden_act: str
     rotary_dim: int  # dims of each head that get rotary embedding (0: learned positions)
+    #: A pipeline stage holds a slice of the layers: the first stage the embedding, the last the final norm and the
+    #: LM head (a tied head is then the last stage's own copy, as Megatron-LM keeps it; ``core.pipeline``).
+    stage_first: bool = True
+    stage_last: bool = True
     name: str = ""
     source: str = ""
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -135,10 +139,14 @@ class ModelSpec:
 
     @property
     def embedding_params(self) -> int:
+        if not self.stage_first:
+            return 0
         return self.vocab_size * self.hidden_size + self.learned_positions * self.hidden_size
 
     @property
     def lm_head_params(self) -> int:
+        if not self.stage_last:
+            return 0
         if self.tied_embeddings:
             return self.lm_head_bias * self.vocab_size
         return self.vocab_size * self.hidden_size + (self.vocab_size if self.lm_head_bias else 0)
@@ -149,7 +157,7 @@ class ModelSpec:
         return (
             self.embedding_params
             + self.num_layers * self.layer_params
-            + self._norm_params(self.hidden_size)
+            + (self._norm_params(self.hidden_size) if self.stage_last else 0)
             + self.lm_head_params
         )
 
@@ -158,7 +166,7 @@ class ModelSpec:
         """Weights that autocast copies to 16 bits: every Linear/Conv1D weight and the LM head."""
         h, i, q, kv = self.hidden_size, self.intermediate_size, self.q_dim, self.kv_dim
         per_layer = h * (q + 2 * kv) + q * h + (3 if self.gated_mlp else 2) * h * i
-        return self.num_layers * per_layer + self.vocab_size * h
+        return self.num_layers * per_layer + (self.vocab_size * h if self.stage_last else 0)
 
     @property
     def largest_module_params(self) -> int:
@@ -212,7 +220,7 @@ class ModelSpec:
             after.append((v, h))
         if self.lm_head_bias:
             after.append((v, 1))
-        return before, layer, after
+        return before if self.stage_first else [], layer, after if self.stage_last else []
 
     def param_tensors(self) -> list[tuple[int, int, int]]:
         """Distinct parameter shapes as ``(rows, cols, how_many)`` (order not kept)."""

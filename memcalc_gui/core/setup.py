@@ -14,6 +14,7 @@ from .errors import InputError
 from .finetune import FineTuning
 from .layout import check_tensor_parallel
 from .model import ModelSpec
+from .pipeline import check_pipeline
 from .resources import load_json
 from .units import MAX_COUNT, MAX_SIZE_BYTES, format_bytes
 
@@ -251,6 +252,19 @@ class TrainingSetup:
             check_tensor_parallel(self.model, self.parallel.tp)
             if self.tuning.method != "full":
                 raise InputError("tp", f"{self.tuning.method} beside tensor parallelism is not modelled yet")
+        par = self.parallel
+        if par.pp > 1 or par.sp:
+            if self.model is None:
+                raise InputError("pp" if par.pp > 1 else "sp", "pipeline and sequence parallelism split a model's "
+                                 "layers and sequence: they need an architecture (a preset or config.json)")
+            check_pipeline(self.model, par.pp, par.virtual_stages)
+            for on, what in ((self.tuning.method != "full", self.tuning.method),
+                             (self.loss == "chunked", "the chunked loss"),
+                             (self.activation_offload != "none", "activation offloading"),
+                             (self.optimizer_in_backward, "the optimizer step in backward"),
+                             (self.packing, "packing")):
+                if on and par.pp > 1:
+                    raise InputError("pp", f"{what} beside pipeline parallelism is not modelled yet")
         if self.tuning.method != "full":
             if self.model is None:
                 raise InputError("tuning", f"{self.tuning.method} needs an architecture (a preset or config.json), "
@@ -387,6 +401,10 @@ class TrainingSetup:
             "offload": self.parallel.offload,
             "ep": self.parallel.ep,
             "tp": self.parallel.tp,
+            "pp": self.parallel.pp,
+            "schedule": self.parallel.schedule,
+            "virtual_stages": self.parallel.virtual_stages,
+            "sp": self.parallel.sp,
             "reshard_after_forward": self.parallel.reshard_after_forward,
             "tuning": self.tuning.method,
             **({"lora_rank": self.tuning.rank, "lora_targets": list(self.tuning.targets),
@@ -442,7 +460,7 @@ class TrainingSetup:
         cap = f", {format_bytes(self.capacity_bytes)}" if self.capacity_bytes else ""
         par = self.parallel
         gpus = f", {par.gpus} GPUs {par.strategy}" if par.is_distributed else ""
-        gpus += f", tensor parallel {par.tp} × data parallel {par.dp}" if par.tp > 1 else ""
+        gpus += f", {par.model_parallel_text} × data parallel {par.dp}" if par.model_parallel_text else ""
         gpus += f", offload {par.offload}" if par.offload != "none" else ""
         gpus += f", experts over {par.ep}" if par.ep > 1 else ""
         gpus += ", not resharded after forward" if not par.reshard_after_forward else ""

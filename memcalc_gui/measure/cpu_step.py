@@ -165,6 +165,7 @@ def measure_training_step(
     galore_rank: int = 128,
     galore_gap: int = 200,
     premade: Any = None,
+    pipeline: Callable[[Any], Any] | None = None,
 ) -> StepMeasurement:
     """Build the model from ``config`` and measure ``iterations`` training steps on CPU.
 
@@ -188,6 +189,9 @@ def measure_training_step(
     mixed precision without autocast (FSDP2's MixedPrecisionPolicy casts the gathered weights instead). In a fake run
     the model is built and parallelized on the meta device first, outside the fake mode (a ``DeviceMesh`` computes its
     coordinates with real tensors), and materialized on fake storage in the load phase (``premade``).
+    ``pipeline(model)`` makes the driver of a pipeline rank (:mod:`memcalc_gui.trace.pipeline`; ``parallelize`` has
+    cut the model to the rank's stages): each step is then its schedule over ``grad_accum`` micro-batches of ``batch``
+    rows, each forward, loss and backward of a micro-batch a window of its phase.
     ``documents=n`` packs n documents into each row (``batch`` must be 1; padding-free packing as transformers'
     ``DataCollatorWithFlattening`` does it): ``position_ids`` restart at every document, from which transformers
     limits attention to each document. ``attention="flash"`` runs FlashAttention-2's variable-length attention as
@@ -211,6 +215,7 @@ def measure_training_step(
                 loss_chunk=loss_chunk, optimizer_in_backward=optimizer_in_backward,
                 activation_offload=activation_offload, parallelize=parallelize, autocast=autocast,
                 documents=documents, galore_rank=galore_rank, galore_gap=galore_gap, premade=premade,
+                pipeline=pipeline,
             )
 
     def announce(phase: str, it: int, micro: int = 0) -> None:
@@ -269,6 +274,7 @@ def measure_training_step(
                     if parallelize is not None:
                         runner = parallelize(model)
                 runner = runner if runner is not None else model
+                stepper = pipeline(model) if pipeline is not None else None
                 for p in model.parameters():
                     tracker.track(p, "parameters")
                 for b in model.buffers():
@@ -299,7 +305,8 @@ def measure_training_step(
             if activation_offload != "none":
                 hooks.extend(offload_hooks(model, tracker, activation_offload))
             vocab_size = int(model.config.vocab_size)
-            input_ids = torch.randint(0, vocab_size, (batch, seq), dtype=torch.long)
+            rows = batch * grad_accum if stepper is not None else batch  # the schedule splits the step's rows
+            input_ids = torch.randint(0, vocab_size, (rows, seq), dtype=torch.long)
             tracker.track(input_ids, "inputs")
             lengths = varlen_attention.document_lengths(seq, documents or 1)
             position_ids = None
@@ -316,8 +323,12 @@ def measure_training_step(
             frozen = True
 
             live_end: list[int] = []
+            windows = grad_accum
             for it in range(1, iterations + 1):
-                for micro in range(grad_accum):
+                if stepper is not None:
+                    announce("forward", it)
+                    windows = stepper.step(input_ids, lambda name, micro, it=it: tracker.phase(name, it, micro))
+                for micro in range(grad_accum if stepper is None else 0):
                     announce("forward", it, micro)
                     with tracker.phase("forward", it, micro), packed():
                         value = step_forward(runner, input_ids, precision if autocast else "fp32", loss, loss_chunk,
@@ -341,7 +352,7 @@ def measure_training_step(
                         opt.zero_grad(set_to_none=True)
                 gc.collect()
                 live_end.append(tracker.live_bytes)
-        summary = _summarize(tracker, iterations, grad_accum, n_params, live_end, round_to)
+        summary = _summarize(tracker, iterations, windows, n_params, live_end, round_to)
         summary = dataclasses.replace(summary, host_bytes=tracker.host_peak_bytes)
         return dataclasses.replace(summary, tracker=tracker) if keep_tracker else summary
     finally:

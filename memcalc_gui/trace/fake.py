@@ -31,6 +31,7 @@ from ..core.estimate import estimate
 from ..core.layout import tensor_parallel_spec
 from ..core.ledger import Estimate, with_overheads
 from ..core.optimizer import optimizer_cost
+from ..core.pipeline import fsdp2_unsynced_bytes, stage_spec
 from ..core.result import Result
 from ..core.setup import TrainingSetup
 from ..core.solver import gpu_plan, solve
@@ -158,7 +159,19 @@ def trace_estimate(
         # packed documents: under fake tensors transformers takes the batch as packed, as a real run finds it
         sequences = contextlib.nullcontext() if setup.packing else unpacked_sequences()
         step: Any = measure_training_step
-        if setup.parallel.tp > 1:  # one rank of the tensor-parallel group, parallelized on the fake process group
+        par = setup.parallel
+        pipe_rank = 0
+        if par.pp > 1:  # the most loaded pipeline rank, run by PyTorch's schedule on the fake process group
+            from .pipeline import PipeRank, trace_pipeline_rank
+
+            pipe_rank = int(estimate(setup).details.get("pipeline_rank", 0))
+            step = functools.partial(trace_pipeline_rank, layout=PipeRank(
+                par.pp, pipe_rank, par.schedule, par.virtual_stages, setup.grad_accum))
+            if par.tp > 1:  # one tensor-parallel rank runs the narrower model (core.layout; tests/test_layout.py)
+                from .ranks import tensor_parallel_config
+
+                cfg = tensor_parallel_config(cfg, par.tp)
+        elif par.tp > 1:  # one rank of the tensor-parallel group, parallelized on the fake process group
             from .ranks import RankLayout, trace_rank
 
             step = functools.partial(trace_rank, layout=RankLayout(1, setup.parallel.tp))
@@ -213,6 +226,8 @@ def trace_estimate(
         step = objects["optimizer_step"]
         state, temps = step.get("optimizer_state", 0), step.get("optimizer_temporaries", 0)
         rank = tensor_parallel_spec(setup.model, setup.parallel.tp)  # the model one rank runs
+        if setup.parallel.pp > 1:
+            rank = stage_spec(rank, setup.parallel.pp, pipe_rank)
         if fsdp2_mixed:
             cost = optimizer_cost(setup.optimizer, setup.optimizer_impl, rank.param_layout(), rank.num_layers, 4)
             state, temps = cost.state_bytes + cost.paged_bytes, cost.step_temporary_bytes
@@ -220,14 +235,23 @@ def trace_estimate(
         load, fwd, (bwd,), stp = per_gpu_ledger(states, setup.parallel, objects["load"], objects["forward"],
                                                [objects["backward"]], step)
         objects = {"load": load, "forward": fwd, "backward": bwd, "optimizer_step": stp}
+        gathered, unsynced = fsdp2_unsynced_bytes(setup, rank)
+        for name in ("forward", "backward") if gathered else ():
+            objects[name] = dict(objects[name], parameters=objects[name].get("parameters", 0) + gathered,
+                                 gradients=objects[name].get("gradients", 0) + unsynced)
         notes, host_bytes = states.notes, states.host_bytes + offloaded * setup.parallel.gpus_per_node
     phases = {name: with_overheads(objects[name], name, setup) for name in PHASES}
     rules = [
         "Traced on fake tensors (device cpu): every tensor storage of two real training iterations, "
         "the second reported",
         *([f"Traced {TRACED_MICRO_BATCHES} of the {setup.grad_accum:,} accumulation micro-batches per iteration: "
-           "every later one repeats the second's tensors exactly"] if setup.grad_accum > TRACED_MICRO_BATCHES
+           "every later one repeats the second's tensors exactly"]
+          if setup.grad_accum > TRACED_MICRO_BATCHES and setup.parallel.pp == 1
           else []),
+        *([f"Traced pipeline rank {pipe_rank + 1} of {setup.parallel.pp} (the analytic ledger's most loaded) under "
+           f"PyTorch's {setup.parallel.schedule} schedule over {setup.grad_accum} micro-batch(es), on the fake process "
+           "group" + (f"; its tensor-parallel rank as the model with a {setup.parallel.tp}th of the heads and MLP"
+                      if setup.parallel.tp > 1 else "")] if setup.parallel.pp > 1 else []),
         f"CUDA allocator rounding: each allocation rounded up to {CUDA_ROUNDING} B",
         f"CUDA context {setup.cuda_context_bytes / 2**20:.0f} MiB and allocator reserve "
         f"{setup.allocator_reserve:.0%} added (a CPU trace cannot see them)",

@@ -14,8 +14,8 @@ This is what torchtitan's memory estimation does for FSDP/HSDP (its ``scripts/es
 parallelism: the mesh and its sub-meshes are built, and the parallelism applied, outside the fake mode (their
 coordinates are computed with real tensors), which is why torchtitan's estimator refuses TP.
 
-Not traced here (the formulas stand alone, ``core.layout``): pipeline stages (``torch.distributed.pipelining``
-sends and receives between processes), context parallelism (``context_parallel`` runs ring attention through
+Pipeline stages are traced by :mod:`.pipeline`. Not traced here (the formulas stand alone, ``core.layout``): context
+parallelism (``context_parallel`` runs ring attention through
 SDPA kernels the CPU fake mode does not dispatch), expert parallelism. torch is imported inside functions only.
 """
 
@@ -51,6 +51,21 @@ class RankLayout:
     @property
     def world(self) -> int:
         return self.dp_shard * self.tp
+
+
+def tensor_parallel_config(config: dict[str, Any], tp: int) -> dict[str, Any]:
+    """The config of the model one rank of a ``tp``-way group runs (``core.layout``: a tp-th of the heads, key/value
+    heads and MLP features at the same head size), for families whose config takes ``head_dim``."""
+    from ..core.layout import check_tensor_parallel
+    from ..core.model import spec_from_config
+
+    spec = spec_from_config(config)
+    check_tensor_parallel(spec, tp)
+    if spec.family not in ("llama", "mistral", "qwen2", "qwen3", "gemma"):
+        raise InputError("tp", f"the narrower-model trace of a tensor-parallel rank needs a config with head_dim; "
+                               f"{spec.family}'s has none")
+    return dict(config, num_attention_heads=spec.num_heads // tp, num_key_value_heads=spec.num_kv_heads // tp,
+                intermediate_size=spec.intermediate_size // tp, head_dim=spec.head_dim)
 
 
 def tp_plan(config: dict[str, Any]) -> dict[str, str]:

@@ -58,8 +58,8 @@ def strategy_text(setup: TrainingSetup) -> str:
         text += ", not resharded after forward"
     if par.offload != "none":
         text += f", {OFFLOAD_TEXT[par.offload]}"
-    if par.tp > 1:
-        text = f"tensor parallel {par.tp} × {text} over {par.dp:,}"
+    if par.model_parallel_text:
+        text = f"{par.model_parallel_text} × {text} over {par.dp:,}"
     return text
 
 
@@ -74,8 +74,9 @@ def chart_scope(setup: TrainingSetup) -> str:
     """The chart's short title: ``32 GPUs, ZeRO-3, optimizer offload``."""
     par = setup.parallel
     text = f"{par.gpus:,} GPU{'s' if par.gpus != 1 else ''}, {STRATEGY_SHORT.get(par.strategy, par.strategy)}"
-    if par.tp > 1:
-        text = f"{par.gpus:,} GPUs: TP {par.tp} × {STRATEGY_SHORT.get(par.strategy, par.strategy)} over {par.dp:,}"
+    if par.model_parallel_text:
+        text = (f"{par.gpus:,} GPUs: {par.model_parallel_text} × {STRATEGY_SHORT.get(par.strategy, par.strategy)} "
+                f"over {par.dp:,}")
     if not par.reshard_after_forward:
         text += " (no reshard)"
     if par.offload != "none":

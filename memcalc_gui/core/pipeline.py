@@ -1,0 +1,207 @@
+"""Pipeline parallelism per rank: which stage holds what, how many micro-batches each keeps, and its ledger.
+
+The decoder layers are split evenly into ``pp × virtual_stages`` stages (torchtitan's and Megatron-LM's default
+split); the first stage also holds the embedding, the last the final norm, the LM head and the loss (a tied head is
+the last stage's own copy, as Megatron-LM keeps it). A rank runs the step's micro-batches (the gradient-accumulation
+count ``m``) through its stages as the schedule orders them, and keeps each micro-batch's saved activations from its
+forward to its backward. At its peak rank ``r`` keeps:
+
+==================  ==============================================  ===========================================
+schedule            micro-batches of activations in flight          source
+==================  ==============================================  ===========================================
+GPipe               ``m`` (every forward before any backward)       Huang et al. 2019
+1F1B                ``min(m, pp − r)``                              Narayanan et al. 2021 (PipeDream-Flush)
+interleaved 1F1B    ``min(m·v, 2(pp − r − 1) + (v − 1)·pp + 1)``     Narayanan et al. 2021; the warm-up count of
+                    stage-chunks of ``L/(pp·v)`` layers             Megatron-LM and ``ScheduleInterleaved1F1B``
+==================  ==============================================  ===========================================
+
+So stage 0 keeps ``pp`` micro-batches of ``L/pp`` layers under 1F1B: ``L`` layers' worth, what one GPU without
+pipelining keeps (Korthikanti et al. 2022, §4.2.3), plus the embedding; the interleaved schedule adds the factor
+``1 + (pp − 1)/(pp·v)`` Megatron-LM's theoretical memory applies.
+
+A rank's ledger is the analytic ledger of its stage model (``ModelSpec.stage_first``/``stage_last``: the embedding
+or the head only where they live) for one micro-batch, plus what the schedule adds:
+
+- the other in-flight micro-batches' saved activations and the stage output the schedule keeps for each;
+- gradients during forward once a backward has run (the steady state, when ``m`` exceeds the micro-batches in flight);
+- ``torch.distributed.pipelining``'s receive buffers: one per micro-batch of the activations a later stage receives
+  and of the gradients an earlier one receives, made at the first step and kept;
+- FSDP2 (``fully_shard``) under a pipeline schedule: PyTorch's stage runs every backward but the last without
+  gradient sync and without resharding (``PipelineStage.backward_maybe_with_nosync``), so the stage's gathered
+  weights stay and its unsharded gradients (fp32 under the mixed-precision policy) accumulate through the step.
+
+The trace of a rank (``memcalc_gui.trace.pipeline``) runs PyTorch's own schedules on the fake process group and
+checks these rules (``tests/test_pipeline.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from .errors import InputError
+from .model import ModelSpec
+
+if TYPE_CHECKING:
+    from .ledger import Estimate
+    from .setup import TrainingSetup
+
+
+def in_flight(schedule: str, pp: int, rank: int, microbatches: int, virtual: int = 1) -> int:
+    """Micro-batch chunks (of ``L/(pp·virtual)`` layers each) whose activations rank ``rank`` keeps at its peak."""
+    if schedule == "gpipe":
+        return microbatches
+    if schedule == "1f1b":
+        return min(microbatches, pp - rank)
+    if schedule == "interleaved-1f1b":
+        return min(microbatches * virtual, 2 * (pp - rank - 1) + (virtual - 1) * pp + 1)
+    raise InputError("schedule", f"unknown pipeline schedule {schedule!r}")
+
+
+def check_pipeline(spec: ModelSpec, pp: int, virtual: int = 1) -> None:
+    """:class:`InputError` naming ``pp`` unless the layers split evenly into ``pp × virtual`` stages."""
+    stages = pp * virtual
+    if stages > 1 and spec.num_layers % stages:
+        raise InputError("pp", f"{spec.name or spec.family} has {spec.num_layers} decoder layers, which "
+                               f"{stages} pipeline stages cannot split evenly")
+
+
+def stage_spec(spec: ModelSpec, pp: int, rank: int) -> ModelSpec:
+    """The model rank ``rank`` of ``pp`` holds: ``L/pp`` layers, the embedding on rank 0, the head on the last."""
+    if pp == 1:
+        return spec
+    check_pipeline(spec, pp)
+    first, last = rank == 0, rank == pp - 1
+    return dataclasses.replace(spec, num_layers=spec.num_layers // pp, stage_first=first, stage_last=last,
+                               tied_embeddings=spec.tied_embeddings and first and last,
+                               name=f"{spec.name or spec.family} (pipeline rank {rank + 1} of {pp})")
+
+
+def fsdp2_unsynced_bytes(setup: TrainingSetup, stage: ModelSpec) -> tuple[int, int]:
+    """(gathered weights, unsharded gradients) FSDP2 keeps through a pipeline step of more than one micro-batch:
+    PyTorch's stage runs every backward but the last without gradient sync or resharding
+    (``PipelineStage.backward_maybe_with_nosync``); the gradients accumulate in the policy's reduce dtype."""
+    par = setup.parallel
+    if par.strategy != "fsdp2" or par.pp == 1 or setup.grad_accum == 1 or par.dp == 1:
+        return 0, 0
+    w = 2 if setup.precision in ("mixed", "bf16", "bf16-autocast") else 4
+    return stage.num_params * w, stage.num_params * (4 if setup.precision == "mixed" else w)
+
+
+def ranks_to_check(pp: int) -> tuple[int, ...]:
+    """The ranks whose ledgers can differ most: the first, the second (the busiest middle one), the last."""
+    return tuple(sorted({0, min(1, pp - 1), pp - 1}))
+
+
+def pipeline_estimate(setup: TrainingSetup) -> Estimate:
+    """The ledger of the most loaded pipeline rank (see the module's docstring); ``details["pipeline_ranks"]`` has
+    each checked rank's phase peaks, ``details["pipeline_rank"]`` which one this is."""
+    from .analytic import estimate_analytic
+
+    par = setup.parallel
+    assert setup.model is not None
+    spec = setup.model
+    m = setup.grad_accum
+    ranks: list[dict[str, Any]] = []
+    best: Estimate | None = None
+    best_peak = -1
+    for r in ranks_to_check(par.pp):
+        est = _rank_estimate(setup, spec, r, m, estimate_analytic)
+        peak = max(est.phases[ph].total_bytes for ph in est.phases)
+        flights = in_flight(par.schedule, par.pp, r, m, par.virtual_stages)
+        ranks.append({"rank": r, "in_flight": flights, "peak_bytes": peak,
+                      "phases": {ph: est.phases[ph].total_bytes for ph in est.phases}})
+        if peak > best_peak:
+            best, best_peak = est, peak
+    assert best is not None
+    details = dict(best.details, pipeline_ranks=ranks)
+    return dataclasses.replace(best, setup=setup, details=details)
+
+
+def _rank_estimate(setup: TrainingSetup, spec: ModelSpec, rank: int, m: int,
+                   analytic: Callable[[TrainingSetup], Estimate]) -> Estimate:
+    from .ledger import with_overheads
+    from .vocab import PHASES
+
+    par = setup.parallel
+    v = par.virtual_stages
+    stage = stage_spec(spec, par.pp, rank)
+    inner = dataclasses.replace(par, pp=1, gpus=par.gpus // par.pp, schedule="1f1b", virtual_stages=1)
+    one = analytic(dataclasses.replace(setup, model=stage, parallel=inner, grad_accum=1))
+    acc = analytic(dataclasses.replace(setup, model=stage, parallel=inner, grad_accum=m)) if m > 1 else one
+    flights = in_flight(par.schedule, par.pp, rank, m, v)
+    t = setup.tokens
+    h = spec.hidden_size
+    residual = 4 if setup.precision in ("fp32", "mixed") else 2  # the hidden states a stage sends
+    # what one micro-batch keeps from its forward to its backward: its saved activations and the stage's output (kept
+    # by the schedule; on the last stage the logits, and the loss's log-softmax); a later stage's first layer keeps its
+    # input, which is the receive buffer it came in (counted among the buffers)
+    stream = t * h * residual
+    # (interleaved: each of the rank's v chunks keeps its output, and receives its input but the very first); autocast
+    # makes each micro-batch's 16-bit weight copies anew, and its matmuls save them
+    first, last = int(stage.stage_first), int(stage.stage_last)
+    kept = int(one.details["saved_activations_bytes"]) - (v - first) * stream + (v - last) * stream \
+        + last * (int(one.details["logits_bytes"]) + t * spec.vocab_size * 4)
+    kept_copies = int(one.details["saved_copy_bytes"])  # under Parameters, as the ledger counts autocast's copies
+    per_micro = kept + kept_copies
+
+    def extra(chunks: int) -> int:  # the other micro-batches (chunks) in flight beside the one at work
+        return max(0, (chunks - v) * per_micro // v)
+    receives = (0 if stage.stage_first else 1) + (0 if stage.stage_last else 1)
+    buffers = receives * m * v * t * h * residual
+    inputs = m * t * 8 if (stage.stage_first or stage.stage_last) else 0  # the step's token ids (and labels)
+    gathered, unsynced = fsdp2_unsynced_bytes(setup, stage)
+    phases = {}
+    for ph in PHASES:
+        # the first forwards and the first backward run before any gradient exists, beside the most micro-batches in
+        # flight; a later forward (steady state) or backward runs with gradients, beside fewer in the cool-down
+        candidates = [(one, extra(flights))]
+        if m > 1 and ph == "forward" and flights < m * v:
+            candidates.append((acc, extra(flights)))
+        if m > 1 and ph == "backward":
+            candidates.append((acc, extra(min(flights, (m - 1) * v))))
+        if ph in ("load", "optimizer_step"):
+            candidates = [(acc, 0)]
+        src, more = max(candidates, key=lambda c: c[0].phases[ph].total_bytes + c[1])
+        objects = dict(src.phases[ph].objects)
+        for k in ("cuda_context", "allocator_reserve"):
+            objects.pop(k, None)
+        copies_more = more * kept_copies // per_micro if per_micro else 0
+        objects["activations"] = objects.get("activations", 0) + more - copies_more
+        objects["parameters"] = objects.get("parameters", 0) + copies_more
+        if ph == "forward" and v > 1:
+            # autocast's cache lives through one chunk's forward: the other chunks' unsaved copies are gone
+            unsaved = one.details["compute_copy_bytes"] - one.details["saved_copy_bytes"]
+            objects["parameters"] -= max(0, unsaved) * (v - 1) // v
+        if ph in ("forward", "backward") and not stage.stage_first:  # the one at work's input: a receive buffer
+            objects["activations"] = max(0, objects["activations"] - stream)
+        if ph == "backward" and stage.stage_last:
+            # the schedule holds the stage's output, the logits, until the loss's backward has run
+            objects["activations"] += one.details["logits_bytes"]
+        if ph != "load":  # the token ids; the receive buffers hold activations (or their gradients)
+            objects["inputs"] = inputs
+            objects["activations"] = objects.get("activations", 0) + buffers
+        if ph in ("forward", "backward") and gathered:  # FSDP2: kept gathered, accumulated unsharded
+            objects["parameters"] = objects.get("parameters", 0) + gathered
+            objects["gradients"] = objects.get("gradients", 0) + unsynced
+        phases[ph] = with_overheads({k: val for k, val in objects.items() if val}, ph, setup)
+    notes: tuple[str, ...] = (
+        f"Pipeline rank {rank + 1} of {par.pp} ({_schedule_label(par.schedule, v)}, {m} micro-batch(es) per step): "
+        f"{stage.num_layers} decoder layers"
+        + (" and the embedding" if stage.stage_first else "")
+        + (", the final norm and the LM head" if stage.stage_last else "")
+        + f"; {flights} micro-batch{'es' if flights != 1 else ''}"
+        + (f" of {stage.num_layers // v}-layer chunks" if v > 1 else "") + " of activations in flight",)
+    if gathered:
+        notes += ("FSDP2 under a pipeline schedule: every backward but the last runs without gradient sync or "
+                  "resharding, so the stage's gathered weights and unsharded gradients stay through the step",)
+    details = dict(acc.details, parallel_notes=notes + tuple(acc.details.get("parallel_notes", ())),
+                   pipeline_rank=rank, in_flight=flights, pipeline_buffers_bytes=buffers)
+    return dataclasses.replace(acc, phases=phases, details=details,
+                               assumptions=acc.assumptions + notes)
+
+
+def _schedule_label(schedule: str, virtual: int) -> str:
+    return {"1f1b": "1F1B", "gpipe": "GPipe",
+            "interleaved-1f1b": f"interleaved 1F1B, {virtual} stages per GPU"}[schedule]

@@ -1,0 +1,237 @@
+"""One pipeline-parallel rank, traced: the real transformers model cut into stages and run by PyTorch's own pipeline
+schedules (``torch.distributed.pipelining``) on the fake process group, in this one process.
+
+The model is built (on the meta device in a fake run), checkpointed as asked, and cut to what rank ``rank`` of a
+``pp``-stage pipeline holds: its decoder layers, the embedding on the first stage, the final norm and the LM head on
+the last (transformers' ``base_model_pp_plan`` names the same split: embed_tokens, layers, norm). Each stage is the
+family's own base-model forward over its slice of layers (the base model shallow-copied with its ``layers``
+replaced: no model code is rewritten), wrapped in a :class:`~torch.distributed.pipelining.PipelineStage` with static
+shapes, and driven by ``ScheduleGPipe``, ``Schedule1F1B`` or ``ScheduleInterleaved1F1B``: the schedule decides
+how many micro-batches' activations the rank keeps at once, as on a real cluster. The fake backend returns every
+send and receive at once; the received activations and gradients are the stage's own preallocated buffers.
+
+One adaptation, said here: the schedules open with a vote between the ranks (does every stage have static
+shapes?), whose result they read with ``.item()``; on the fake process group no peer answers, so the rank's own
+vote, static, is its result. torch is imported inside functions only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from ..core.errors import InputError
+
+#: Schedules this trace runs, by the names the CLI uses, and PyTorch's class for each.
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B"}
+
+
+@dataclass(frozen=True)
+class PipeRank:
+    """Rank ``rank`` of a ``pp``-rank pipeline, ``virtual`` stages per rank (interleaved), ``microbatches`` per step."""
+
+    pp: int
+    rank: int = 0
+    schedule: str = "1f1b"
+    virtual: int = 1
+    microbatches: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("pp", "virtual", "microbatches"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 4096:
+                raise InputError(name, f"must be an integer from 1 to 4096, got {value!r}")
+        if not 0 <= self.rank < self.pp:
+            raise InputError("stage", f"must be a rank from 0 to {self.pp - 1}, got {self.rank!r}")
+        if self.schedule not in SCHEDULES:
+            raise InputError("schedule", f"must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if (self.virtual > 1) != (self.schedule == "interleaved-1f1b"):
+            raise InputError("virtual_stages", "more than one stage per rank is the interleaved schedule's, and it "
+                                               "needs more than one")
+
+    @property
+    def stages(self) -> tuple[int, ...]:
+        """The global stage indices this rank runs (interleaved: ``rank``, ``rank + pp``, …, loop order)."""
+        return tuple(self.rank + i * self.pp for i in range(self.virtual))
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.virtual
+
+
+def stage_layers(num_layers: int, num_stages: int, stage: int) -> range:
+    """The decoder layers of ``stage`` when ``num_stages`` split ``num_layers`` evenly (as torchtitan's default)."""
+    if num_layers % num_stages:
+        raise InputError("pp", f"{num_layers} decoder layers cannot be split evenly into {num_stages} pipeline stages")
+    per = num_layers // num_stages
+    return range(stage * per, (stage + 1) * per)
+
+
+def _base(model: Any) -> Any:
+    inner = getattr(model, "model", None)
+    if inner is None or not all(hasattr(inner, k) for k in ("layers", "embed_tokens", "norm")):
+        raise InputError("pp", f"the pipeline trace cuts models with a llama-style decoder (model.layers); "
+                               f"{type(model).__name__} has none")
+    return inner
+
+
+def cutter(layout: PipeRank) -> Callable[[Any], None]:
+    """The ``parallelize(model)`` callback: keep only what ``layout``'s rank holds (in place, before the model is
+    made real): its layers, the embedding on stage 0, the final norm and the head on the last stage."""
+    import torch
+
+    def cut(model: Any) -> None:
+        inner = _base(model)
+        n = len(inner.layers)
+        keep = [j for s in layout.stages for j in stage_layers(n, layout.num_stages, s)]
+        inner.layers = torch.nn.ModuleList(inner.layers[j] for j in keep)
+        if 0 not in layout.stages:
+            inner.embed_tokens = None
+        if layout.num_stages - 1 not in layout.stages:
+            inner.norm = torch.nn.Identity()
+            model.lm_head = torch.nn.Identity()
+
+    return cut
+
+
+class _Stage:
+    """Factory of the stage modules (a class so that torch is imported lazily)."""
+
+    @staticmethod
+    def make(model: Any, layers: list[Any], first: bool, last: bool, autocast: Any) -> Any:
+        import torch
+
+        inner = _base(model)
+        body = copy.copy(inner)  # the family's own forward over this stage's layers
+        body._modules = dict(inner._modules)
+        body._parameters = dict(inner._parameters)
+        body._buffers = dict(inner._buffers)
+        body.layers = torch.nn.ModuleList(layers)
+        if not first:
+            body.embed_tokens = None
+        if not last:
+            body.norm = torch.nn.Identity()
+
+        class Stage(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.body = body
+                self.head = model.lm_head if last else None
+
+            def forward(self, x: Any) -> Any:
+                with autocast():
+                    out = self.body(input_ids=x) if first else self.body(inputs_embeds=x)
+                    hidden = out.last_hidden_state
+                    return self.head(hidden) if self.head is not None else hidden
+
+        return Stage()
+
+
+def driver(config: dict[str, Any], layout: PipeRank, *, batch: int, seq: int, precision: str) -> Callable[[Any], Any]:
+    """The ``pipeline(model)`` callback of :func:`~memcalc_gui.measure.cpu_step.measure_training_step`: the rank's
+    stages and schedule over the cut model; its ``step(input_ids, phase)`` runs one step of the schedule with each
+    forward, loss and backward of a micro-batch in its own phase window."""
+    import torch
+    from torch.distributed import pipelining
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    half = precision in ("mixed", "bf16-autocast")
+
+    def autocast() -> Any:
+        return torch.autocast("cpu", dtype=torch.bfloat16) if half else contextlib.nullcontext()
+
+    def make(model: Any) -> Any:
+        inner = _base(model)
+        per = len(inner.layers) // layout.virtual
+        h, v = int(model.config.hidden_size), int(model.config.vocab_size)
+        dtype = next(model.parameters()).dtype
+        stages = []
+        for i, s in enumerate(layout.stages):
+            first, last = s == 0, s == layout.num_stages - 1
+            module = _Stage.make(model, list(inner.layers[i * per:(i + 1) * per]), first, last, autocast)
+            hidden = torch.empty(batch, seq, h, dtype=dtype, device="meta")
+            out = torch.empty(batch, seq, v, dtype=torch.bfloat16 if half else dtype, device="meta") if last \
+                else hidden
+            inp = torch.empty(batch, seq, dtype=torch.long, device="meta") if first else hidden
+            stage = pipelining.PipelineStage(
+                module, s, layout.num_stages, torch.device("cpu"), input_args=(inp,), output_args=(out,),
+                output_grads=None if last else (hidden,), input_grads=None if first else (hidden,))
+            # the opening vote: no peer answers on the fake process group; every stage is static (module docstring)
+            stage._warmup_forward_vote = _static_vote
+            stage._warmup_backward_result = _static_vote
+            stages.append(stage)
+
+        def loss_fn(logits: Any, target: Any) -> Any:
+            return ForCausalLMLoss(logits, target, v)
+
+        cls = getattr(pipelining, SCHEDULES[layout.schedule])
+        schedule = cls(stages if layout.virtual > 1 else stages[0], n_microbatches=layout.microbatches,
+                       loss_fn=loss_fn)
+        return _Driver(schedule, stages, layout)
+
+    return make
+
+
+def _static_vote(*_args: Any, **_kwargs: Any) -> Any:
+    import torch
+
+    return torch.ones(1, dtype=torch.int32)
+
+
+class _Driver:
+    """Runs the schedule's step, each chunk's forward, loss and backward in its own phase window."""
+
+    def __init__(self, schedule: Any, stages: list[Any], layout: PipeRank) -> None:
+        self.schedule, self.stages, self.layout = schedule, stages, layout
+        self._phase: Callable[[str, int], contextlib.AbstractContextManager[None]] | None = None
+        self.count = {"forward": 0, "backward": 0}
+        for stage in stages:
+            stage.forward_one_chunk = self._windowed("forward", stage.forward_one_chunk)
+            stage.backward_one_chunk = self._windowed("backward", stage.backward_one_chunk)
+        schedule._compute_loss = self._windowed("forward", schedule._compute_loss)
+
+    def _windowed(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if self._phase is None:
+                return fn(*args, **kwargs)
+            micro = self.count[name]
+            self.count[name] += 1
+            with self._phase(name, micro):
+                return fn(*args, **kwargs)
+        return run
+
+    @contextlib.contextmanager
+    def _windows(self, phase: Callable[[str, int], contextlib.AbstractContextManager[None]]) -> Iterator[None]:
+        self._phase, self.count = phase, {"forward": 0, "backward": 0}
+        try:
+            yield
+        finally:
+            self._phase = None
+
+    def step(self, input_ids: Any, phase: Callable[[str, int], contextlib.AbstractContextManager[None]]) -> int:
+        """One step; the number of windows of the busier phase (the step's 'micro-batches' for the summary)."""
+        with self._windows(phase):
+            first = 0 in self.layout.stages
+            last = self.layout.num_stages - 1 in self.layout.stages
+            args = (input_ids,) if first else ()
+            # return_outputs=False: no micro-batch's logits kept to be returned (torchtitan's call)
+            self.schedule.step(*args, target=input_ids if last else None, return_outputs=False)
+        return max(self.count.values())
+
+
+def trace_pipeline_rank(config: dict[str, Any], layout: PipeRank, *, fake: bool = True, **step: Any) -> Any:
+    """The step of ``config`` on ``layout``'s rank, its schedule over ``layout.microbatches`` micro-batches of
+    ``batch`` rows (``step``: :func:`~memcalc_gui.measure.cpu_step.measure_training_step`'s keywords); a
+    :class:`~memcalc_gui.measure.cpu_step.StepMeasurement`. ``fake`` (the default) traces on fake tensors."""
+    from ..measure import exclusive_torch_job
+    from ..measure.cpu_step import measure_training_step
+    from .fake import unpacked_sequences
+    from .ranks import STEP_DEFAULTS, fake_process_group
+
+    kw = STEP_DEFAULTS | step | {"grad_accum": layout.microbatches}
+    with exclusive_torch_job(), fake_process_group(layout.pp, layout.rank), unpacked_sequences():
+        make = driver(config, layout, batch=kw["batch"], seq=kw["seq"], precision=kw["precision"])
+        return measure_training_step(config, fake=fake, parallelize=cutter(layout), pipeline=make, **kw)
