@@ -88,6 +88,10 @@ def cutter(layout: PipeRank) -> Callable[[Any], None]:
         n = len(inner.layers)
         keep = [j for s in layout.stages for j in stage_layers(n, layout.num_stages, s)]
         inner.layers = torch.nn.ModuleList(inner.layers[j] for j in keep)
+        if {0, layout.num_stages - 1} - set(layout.stages):
+            # a tied head on the last stage is that stage's own copy (Megatron-LM's layout): nothing left to tie
+            model.config.tie_word_embeddings = False
+            getattr(model.config, "get_text_config", lambda: model.config)().tie_word_embeddings = False
         if 0 not in layout.stages:
             inner.embed_tokens = None
         if layout.num_stages - 1 not in layout.stages:

@@ -1,0 +1,244 @@
+"""Pipeline and sequence parallelism per rank (issue 17): each stage's ledger against the rank traced under PyTorch's
+own pipeline schedules on the fake process group, the schedules' in-flight counts against their sources, and the
+layout's validation in the core and on the command line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bench.accuracy import FAMILIES
+from memcalc_gui.cli import main as cli_main
+from memcalc_gui.core.distributed import Parallelism
+from memcalc_gui.core.errors import InputError
+from memcalc_gui.core.estimate import estimate
+from memcalc_gui.core.finetune import FineTuning
+from memcalc_gui.core.model import preset_spec, spec_from_config
+from memcalc_gui.core.pipeline import in_flight, stage_spec
+from memcalc_gui.core.setup import TrainingSetup
+
+#: Eight layers, so that 2 and 4 stages (and 2 × 2 interleaved) split them; a tied variant for the head's copy.
+LLAMA8 = dict(FAMILIES["llama"], num_hidden_layers=8)
+QWEN_TIED = dict(FAMILIES["qwen2"], num_hidden_layers=4)
+STEP = dict(batch=2, seq=64)
+
+
+def _setup(cfg: dict, pp: int, m: int, precision: str = "fp32", ckpt: str = "none", schedule: str = "1f1b",
+           v: int = 1, **par: object) -> TrainingSetup:
+    return TrainingSetup(model=spec_from_config(cfg), grad_accum=m, precision=precision,  # type: ignore[arg-type]
+                         checkpointing=ckpt, optimizer_impl="foreach", target_device="cpu",  # type: ignore[arg-type]
+                         cuda_context_bytes=0, allocator_reserve=0.0,
+                         parallel=Parallelism(gpus=par.pop("gpus", pp), pp=pp, schedule=schedule,  # type: ignore
+                                              virtual_stages=v, **par), **STEP)  # type: ignore[arg-type]
+
+
+# ---- the schedules and the split, without torch --------------------------------------------------------------------
+def test_in_flight_micro_batches_follow_the_schedules() -> None:
+    # 1F1B (PipeDream-Flush): rank r keeps pp − r; fewer when the step has fewer micro-batches (Megatron's discount)
+    assert [in_flight("1f1b", 4, r, 8) for r in range(4)] == [4, 3, 2, 1]
+    assert in_flight("1f1b", 4, 0, 2) == 2
+    assert in_flight("gpipe", 4, 3, 8) == 8
+    # interleaved: Megatron's (and ScheduleInterleaved1F1B's) warm-up count plus the one at work, in chunks
+    assert in_flight("interleaved-1f1b", 4, 0, 16, 2) == 2 * 3 + 1 * 4 + 1
+    # its memory factor over 1F1B is Megatron's 1 + (pp − 1)/(pp·v)
+    pp, v = 8, 4
+    assert in_flight("interleaved-1f1b", pp, 0, 64, v) / v == pytest.approx(pp * (1 + (pp - 1) / (pp * v)), abs=1 / v)
+
+
+def test_the_stages_hold_the_model_once_and_a_tied_head_twice() -> None:
+    spec = preset_spec("llama-3.1-8b")
+    stages = [stage_spec(spec, 4, r) for r in range(4)]
+    assert sum(s.num_params for s in stages) == spec.num_params
+    assert stages[0].embedding_params and not stages[0].lm_head_params
+    assert stages[3].lm_head_params and not stages[3].embedding_params
+    tied = spec_from_config(QWEN_TIED)
+    assert tied.tied_embeddings
+    parts = [stage_spec(tied, 2, r) for r in range(2)]
+    # Megatron-LM keeps the tied matrix on the first stage (embedding) and a copy on the last (head)
+    assert sum(s.num_params for s in parts) == tied.num_params + tied.vocab_size * tied.hidden_size
+
+
+@pytest.mark.parametrize(("kw", "field", "words"), [
+    ({"gpus": 8, "pp": 3}, "pp", "multiple of tp × pp"),
+    ({"gpus": 8, "pp": 2, "schedule": "interleaved-1f1b"}, "virtual_stages", "interleaved"),
+    ({"gpus": 8, "pp": 2, "virtual_stages": 2}, "virtual_stages", "interleaved"),
+    ({"gpus": 8, "schedule": "gpipe"}, "schedule", "pipeline stages"),
+    ({"gpus": 8, "sp": True}, "sp", "--tp"),
+    ({"gpus": 8, "pp": 2, "ep": 2}, "pp", "expert"),
+])
+def test_layouts_that_cannot_run_are_refused_naming_the_field(kw: dict, field: str, words: str) -> None:
+    with pytest.raises(InputError, match=words) as exc:
+        TrainingSetup(model=preset_spec("llama-3.1-8b"), parallel=Parallelism(**kw))  # type: ignore[arg-type]
+    assert exc.value.field == field
+
+
+def test_a_pipeline_the_layers_do_not_split_into_or_beside_lora_is_refused() -> None:
+    with pytest.raises(InputError, match="32 decoder layers") as exc:  # Llama-3.1-8B
+        TrainingSetup(model=preset_spec("llama-3.1-8b"), parallel=Parallelism(gpus=6, pp=6))
+    assert exc.value.field == "pp"
+    with pytest.raises(InputError, match="lora") as exc:
+        TrainingSetup(model=preset_spec("llama-3.1-8b"), parallel=Parallelism(gpus=2, pp=2),
+                      tuning=FineTuning(method="lora"))
+    assert exc.value.field == "pp"
+
+
+def test_the_first_stage_keeps_pp_micro_batches_of_its_layers() -> None:
+    """Under 1F1B the first of 4 stages keeps 4 micro-batches of a quarter of the layers: about the activations of
+    the whole model on one GPU (Korthikanti et al. 2022, §4.2.3), beside a quarter of the weights."""
+    spec = preset_spec("llama-3.1-8b")
+    one = estimate(TrainingSetup(model=spec, seq=4096, checkpointing="full"))
+    pipe = estimate(TrainingSetup(model=spec, seq=4096, checkpointing="full", grad_accum=8,
+                                  parallel=Parallelism(gpus=4, pp=4)))
+    ranks = {r["rank"]: r for r in pipe.details["pipeline_ranks"]}
+    assert ranks[0]["in_flight"] == 4 and ranks[3]["in_flight"] == 1
+    assert pipe.details["pipeline_rank"] in ranks
+    # saved activations: 4 micro-batches × 8 layers' inputs ≈ the single GPU's 32
+    first = estimate(TrainingSetup(model=spec, seq=4096, checkpointing="full", grad_accum=8,
+                                   parallel=Parallelism(gpus=4, pp=4)))
+    assert first.peak_bytes < one.peak_bytes
+
+
+def test_sequence_parallelism_splits_the_norms_and_the_stream() -> None:
+    spec = preset_spec("llama-3.1-8b")
+    base = dict(model=spec, seq=4096, parallel=Parallelism(gpus=8, tp=8))
+    tp = estimate(TrainingSetup(**base))  # type: ignore[arg-type]
+    sp = estimate(TrainingSetup(**dict(base, parallel=Parallelism(gpus=8, tp=8, sp=True))))  # type: ignore[arg-type]
+    per_layer_tp = sum(tp.details["activations_per_layer"].values())
+    per_layer_sp = sum(sp.details["activations_per_layer"].values())
+    norms = sum(v for k, v in tp.details["activations_per_layer"].items() if k.startswith("norm") or k == "residual")
+    assert per_layer_sp == per_layer_tp - norms + sum(
+        -(-v // 8) for k, v in tp.details["activations_per_layer"].items() if k.startswith("norm") or k == "residual")
+    assert sp.phases["forward"].objects["activations"] < tp.phases["forward"].objects["activations"]
+    assert sp.phases["forward"].objects["parameters"] == tp.phases["forward"].objects["parameters"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(pp=st.sampled_from([1, 2, 4, 8]), m=st.integers(1, 16), schedule=st.sampled_from(["1f1b", "gpipe"]),
+       precision=st.sampled_from(["fp32", "mixed", "bf16"]), ckpt=st.sampled_from(["none", "full", "selective"]),
+       strategy=st.sampled_from(["ddp", "zero1", "zero2", "fsdp2"]), dp=st.sampled_from([1, 2]))
+def test_every_pipeline_layout_gives_a_ledger_with_the_most_loaded_rank(pp: int, m: int, schedule: str,
+                                                                        precision: str, ckpt: str, strategy: str,
+                                                                        dp: int) -> None:
+    if pp == 1 and schedule != "1f1b":
+        schedule = "1f1b"
+    setup = TrainingSetup(model=preset_spec("llama-3.2-1b"), grad_accum=m, precision=precision,  # type: ignore
+                          checkpointing=ckpt, seq=1024,  # type: ignore[arg-type]
+                          parallel=Parallelism(gpus=pp * dp, pp=pp, schedule=schedule,  # type: ignore[arg-type]
+                                               strategy=strategy))  # type: ignore[arg-type]
+    est = estimate(setup)
+    assert all(p.total_bytes > 0 for p in est.phases.values())
+    if pp > 1:
+        ranks = est.details["pipeline_ranks"]
+        assert est.peak_bytes == max(r["peak_bytes"] for r in ranks)
+        assert all(r["in_flight"] >= 1 for r in ranks)
+
+
+# ---- the command line -----------------------------------------------------------------------------------------------
+def test_the_done_when_command_prints_the_most_loaded_rank_and_whether_it_fits(capsys: pytest.CaptureFixture) -> None:
+    args = ["estimate", "--preset", "llama-3.1-70b", "--seq", "8192", "--batch", "1", "--gpus", "64", "--tp", "8",
+            "--pp", "2", "--sp", "--strategy", "fsdp2", "--gpu", "h100-80gb"]
+    assert cli_main(args) == 0
+    out = capsys.readouterr().out
+    assert "pipeline 2 stages" in out and "sequence parallelism" in out
+    assert "the most loaded" in out and "Verdict    Fits" in out
+    assert cli_main([*args, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (data["tp"], data["pp"], data["dp"], data["sp"]) == (8, 2, 4, True)
+    assert data["pipeline_rank"] in (0, 1) and len(data["pipeline_ranks"]) == 2
+
+
+@pytest.mark.parametrize(("extra", "flag"), [
+    (["--pp", "3"], "--pp"), (["--pp", "0"], "--pp"), (["--pp", "2", "--virtual-stages", "x"], "--virtual-stages"),
+    (["--sp"], "--sp"), (["--pp", "2", "--schedule", "interleaved-1f1b"], "--virtual-stages"),
+])
+def test_bad_pipeline_flags_exit_2_naming_the_flag(extra: list[str], flag: str,
+                                                   capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["estimate", "--preset", "llama-3.1-8b", "--gpus", "8", *extra])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and flag in err[0]
+
+
+# ---- against the traced rank -----------------------------------------------------------------------------------------
+def _traced(cfg: dict, pp: int, rank: int, m: int, precision: str = "fp32", ckpt: str = "none",
+            schedule: str = "1f1b", v: int = 1, fake: bool = True):  # type: ignore[no-untyped-def]
+    from memcalc_gui.trace.pipeline import PipeRank, trace_pipeline_rank
+
+    return trace_pipeline_rank(cfg, PipeRank(pp, rank, schedule, v, m), fake=fake, precision=precision,
+                               checkpointing=ckpt, optimizer_impl="foreach", **STEP)
+
+
+def _rank_ledger(cfg: dict, pp: int, rank: int, m: int, **kw: object):  # type: ignore[no-untyped-def]
+    from memcalc_gui.core.analytic import estimate_analytic
+    from memcalc_gui.core.pipeline import _rank_estimate
+
+    setup = _setup(cfg, pp, m, **kw)  # type: ignore[arg-type]
+    assert setup.model is not None
+    return _rank_estimate(setup, setup.model, rank, m, estimate_analytic)
+
+
+CASES = [  # (config, pp, m, precision, checkpointing, schedule, virtual stages)
+    ("llama8", 2, 4, "fp32", "none", "1f1b", 1),
+    ("llama8", 4, 8, "fp32", "none", "1f1b", 1),
+    ("llama8", 4, 4, "mixed", "none", "1f1b", 1),
+    ("llama8", 4, 8, "mixed", "full", "1f1b", 1),
+    ("llama8", 2, 4, "bf16", "none", "1f1b", 1),
+    ("llama8", 2, 4, "mixed", "selective", "1f1b", 1),
+    ("llama8", 2, 4, "fp32", "none", "gpipe", 1),
+    ("llama8", 2, 4, "mixed", "none", "interleaved-1f1b", 2),
+    ("qwen-tied", 2, 4, "mixed", "none", "1f1b", 1),
+]
+
+
+@pytest.mark.parametrize(("name", "pp", "m", "precision", "ckpt", "schedule", "v"), CASES)
+def test_each_stage_ledger_matches_the_rank_traced_under_pytorchs_schedule(name: str, pp: int, m: int,
+                                                                          precision: str, ckpt: str, schedule: str,
+                                                                          v: int) -> None:
+    """Within 2.5 % in every phase on the first, a middle and the last rank (bench/pipeline.py prints the table)."""
+    cfg = LLAMA8 if name == "llama8" else QWEN_TIED
+    for rank in sorted({0, 1, pp - 1}):
+        traced = _traced(cfg, pp, rank, m, precision, ckpt, schedule, v)
+        ledger = _rank_ledger(cfg, pp, rank, m, precision=precision, ckpt=ckpt, schedule=schedule, v=v)
+        for ph in ("forward", "backward", "optimizer_step"):
+            assert ledger.phases[ph].total_bytes == pytest.approx(traced.phases[ph].peak_bytes, rel=0.025), \
+                (rank, ph)
+        # the stage's parameters are what the cut model holds (and its rotary inv_freq buffer)
+        assert ledger.phases["load"].objects["parameters"] == pytest.approx(
+            traced.phases["load"].objects["parameters"], abs=1024)
+
+
+def test_the_fake_trace_of_a_rank_equals_its_real_step() -> None:
+    """The fake-tensor trace of a pipeline rank is the step run with real tensors (on the fake process group the
+    received activations and gradients are whatever the receive buffers hold; their sizes are what counts)."""
+    for rank in (0, 1):
+        fake = _traced(LLAMA8, 2, rank, 4, "mixed")
+        real = _traced(LLAMA8, 2, rank, 4, "mixed", fake=False)
+        for ph in ("forward", "backward", "optimizer_step"):
+            assert fake.phases[ph].peak_bytes == real.phases[ph].peak_bytes, (rank, ph)
+
+
+def test_more_micro_batches_add_receive_buffers_not_activations() -> None:
+    """PyTorch's stage makes one receive buffer per micro-batch (of activations from the stage before, of gradients
+    from the stage after); the activations kept stay those of the micro-batches in flight."""
+    a, b = (_traced(LLAMA8, 4, 1, m) for m in (4, 8))
+    buffer = STEP["batch"] * STEP["seq"] * LLAMA8["hidden_size"] * 4
+    ids = 4 * STEP["batch"] * STEP["seq"] * 8  # the step's token ids, four micro-batches more
+    assert b.phases["optimizer_step"].peak_bytes - a.phases["optimizer_step"].peak_bytes == 2 * 4 * buffer + ids
+    la, lb = (_rank_ledger(LLAMA8, 4, 1, m) for m in (4, 8))
+    assert lb.phases["optimizer_step"].total_bytes - la.phases["optimizer_step"].total_bytes == 2 * 4 * buffer
+
+
+def test_the_trace_method_traces_the_most_loaded_rank() -> None:
+    from memcalc_gui.trace.fake import trace_estimate
+
+    setup = _setup(LLAMA8, 4, 4, "mixed", gpus=8, tp=2)
+    result = trace_estimate(setup)
+    assert any("Traced pipeline rank" in r for r in result.rules)
+    assert result.analytic is not None
+    for ph in ("forward", "backward", "optimizer_step"):
+        assert result.estimate.phases[ph].total_bytes == pytest.approx(result.analytic.phases[ph].total_bytes,
+                                                                       rel=0.03), ph
