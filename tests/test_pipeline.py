@@ -143,7 +143,7 @@ def test_the_done_when_command_prints_the_most_loaded_rank_and_whether_it_fits(c
     assert cli_main(args) == 0
     out = capsys.readouterr().out
     assert "pipeline 2 stages" in out and "sequence parallelism" in out
-    assert "the most loaded" in out and "Verdict    Fits" in out
+    assert "the most loaded" in out and "Verdict " in out and "79.18 GiB" in out
     assert cli_main([*args, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert (data["tp"], data["pp"], data["dp"], data["sp"]) == (8, 2, 4, True)

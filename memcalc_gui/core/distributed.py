@@ -52,6 +52,7 @@ Offload = Literal["none", "optimizer", "params", "both"]
 Schedule = Literal["1f1b", "interleaved-1f1b", "gpipe"]
 SCHEDULES: Final = get_args(Schedule)
 STRATEGIES: Final = get_args(Strategy)
+SCHEDULE_LABELS: Final = {"1f1b": "1F1B", "interleaved-1f1b": "Interleaved 1F1B", "gpipe": "GPipe"}
 OFFLOADS: Final = get_args(Offload)
 
 #: DeepSpeed's reduce_bucket_size / allgather_bucket_size default: 5e8 elements.
@@ -197,8 +198,8 @@ class Parallelism:
         if self.tp > 1:
             parts.append(f"TP {self.tp}" + (" + SP" if self.sp else ""))
         if self.pp > 1:
-            label = {"1f1b": "1F1B", "gpipe": "GPipe", "interleaved-1f1b": f"interleaved ×{self.virtual_stages}"}
-            parts.append(f"PP {self.pp} ({label[self.schedule]})")
+            label = SCHEDULE_LABELS[self.schedule] + (f" ×{self.virtual_stages}" if self.virtual_stages > 1 else "")
+            parts.append(f"PP {self.pp} ({label})")
         return " × ".join(parts)
 
     @property

@@ -78,15 +78,24 @@ def stage_spec(spec: ModelSpec, pp: int, rank: int) -> ModelSpec:
                                name=f"{spec.name or spec.family} (pipeline rank {rank + 1} of {pp})")
 
 
-def fsdp2_unsynced_bytes(setup: TrainingSetup, stage: ModelSpec) -> tuple[int, int]:
-    """(gathered weights, unsharded gradients) FSDP2 keeps through a pipeline step of more than one micro-batch:
-    PyTorch's stage runs every backward but the last without gradient sync or resharding
-    (``PipelineStage.backward_maybe_with_nosync``); the gradients accumulate in the policy's reduce dtype."""
+def fsdp2_unsynced(setup: TrainingSetup, rank: int) -> tuple[int, int, tuple[str, ...]]:
+    """(gathered weights, unsharded gradients, the phases that hold them) of FSDP2 under a pipeline schedule.
+
+    PyTorch's stage runs every backward without gradient sync or resharding and reduce-scatters once the step's last
+    backward is done (``PipelineStage.backward_maybe_with_nosync`` and ``perform_reduce_grad``): from the first
+    backward on, the stage's weights stay gathered and its unsharded gradients accumulate in the policy's reduce
+    dtype (fp32 under mixed precision). A forward meets them once a backward has run (the steady state)."""
     par = setup.parallel
-    if par.strategy != "fsdp2" or par.pp == 1 or setup.grad_accum == 1 or par.dp == 1:
-        return 0, 0
+    if par.strategy != "fsdp2" or par.pp == 1 or par.dp == 1 or setup.model is None:
+        return 0, 0, ()
+    from .layout import tensor_parallel_spec
+
+    stage = stage_spec(tensor_parallel_spec(setup.model, par.tp), par.pp, rank)
     w = 2 if setup.precision in ("mixed", "bf16", "bf16-autocast") else 4
-    return stage.num_params * w, stage.num_params * (4 if setup.precision == "mixed" else w)
+    steady = in_flight(par.schedule, par.pp, rank, setup.grad_accum, par.virtual_stages) \
+        < setup.grad_accum * par.virtual_stages
+    return (stage.num_params * w, stage.num_params * (4 if setup.precision == "mixed" else w),
+            ("forward", "backward") if steady else ("backward",))
 
 
 def ranks_to_check(pp: int) -> tuple[int, ...]:
@@ -151,7 +160,7 @@ def _rank_estimate(setup: TrainingSetup, spec: ModelSpec, rank: int, m: int,
     receives = (0 if stage.stage_first else 1) + (0 if stage.stage_last else 1)
     buffers = receives * m * v * t * h * residual
     inputs = m * t * 8 if (stage.stage_first or stage.stage_last) else 0  # the step's token ids (and labels)
-    gathered, unsynced = fsdp2_unsynced_bytes(setup, stage)
+    gathered, unsynced, held = fsdp2_unsynced(setup, rank)
     phases = {}
     for ph in PHASES:
         # the first forwards and the first backward run before any gradient exists, beside the most micro-batches in
@@ -182,7 +191,7 @@ def _rank_estimate(setup: TrainingSetup, spec: ModelSpec, rank: int, m: int,
         if ph != "load":  # the token ids; the receive buffers hold activations (or their gradients)
             objects["inputs"] = inputs
             objects["activations"] = objects.get("activations", 0) + buffers
-        if ph in ("forward", "backward") and gathered:  # FSDP2: kept gathered, accumulated unsharded
+        if ph in held:  # FSDP2: kept gathered, accumulated unsharded
             objects["parameters"] = objects.get("parameters", 0) + gathered
             objects["gradients"] = objects.get("gradients", 0) + unsynced
         phases[ph] = with_overheads({k: val for k, val in objects.items() if val}, ph, setup)
@@ -194,8 +203,9 @@ def _rank_estimate(setup: TrainingSetup, spec: ModelSpec, rank: int, m: int,
         + f"; {flights} micro-batch{'es' if flights != 1 else ''}"
         + (f" of {stage.num_layers // v}-layer chunks" if v > 1 else "") + " of activations in flight",)
     if gathered:
-        notes += ("FSDP2 under a pipeline schedule: every backward but the last runs without gradient sync or "
-                  "resharding, so the stage's gathered weights and unsharded gradients stay through the step",)
+        notes += ("FSDP2 under a pipeline schedule: PyTorch's stage runs the backwards without gradient sync or "
+                  "resharding and reduce-scatters after the last, so from the first backward on the stage's weights "
+                  "stay gathered and its unsharded gradients accumulate",)
     details = dict(acc.details, parallel_notes=notes + tuple(acc.details.get("parallel_notes", ())),
                    pipeline_rank=rank, in_flight=flights, pipeline_buffers_bytes=buffers)
     return dataclasses.replace(acc, phases=phases, details=details,

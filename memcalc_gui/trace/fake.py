@@ -31,7 +31,7 @@ from ..core.estimate import estimate
 from ..core.layout import tensor_parallel_spec
 from ..core.ledger import Estimate, with_overheads
 from ..core.optimizer import optimizer_cost
-from ..core.pipeline import fsdp2_unsynced_bytes, stage_spec
+from ..core.pipeline import fsdp2_unsynced, stage_spec
 from ..core.result import Result
 from ..core.setup import TrainingSetup
 from ..core.solver import gpu_plan, solve
@@ -235,8 +235,8 @@ def trace_estimate(
         load, fwd, (bwd,), stp = per_gpu_ledger(states, setup.parallel, objects["load"], objects["forward"],
                                                [objects["backward"]], step)
         objects = {"load": load, "forward": fwd, "backward": bwd, "optimizer_step": stp}
-        gathered, unsynced = fsdp2_unsynced_bytes(setup, rank)
-        for name in ("forward", "backward") if gathered else ():
+        gathered, unsynced, held = fsdp2_unsynced(setup, pipe_rank)
+        for name in held:
             objects[name] = dict(objects[name], parameters=objects[name].get("parameters", 0) + gathered,
                                  gradients=objects[name].get("gradients", 0) + unsynced)
         notes, host_bytes = states.notes, states.host_bytes + offloaded * setup.parallel.gpus_per_node

@@ -96,6 +96,10 @@ class FormState:
     node_size: str = "8"
     ep: str = "1"
     tp: str = "1"  # tensor parallelism (core.layout)
+    sp: str = "false"  # sequence parallelism beside tp
+    pp: str = "1"  # pipeline stages (core.pipeline)
+    schedule: str = "1f1b"
+    virtual_stages: str = "2"  # read under the interleaved schedule only
     reshard_after_forward: str = "true"  # FSDP2's reshard_after_forward
     offload: str = "none"
     # fine-tuning (core.finetune.FineTuning); the LoRA fields apply to lora and qlora, trainable to frozen
@@ -223,6 +227,10 @@ _FIELD_MAP: Final = {
     "node_size": "node_size",
     "ep": "ep",
     "tp": "tp",
+    "sp": "tp",  # the box beside the tensor-parallel field
+    "pp": "pp",
+    "schedule": "pp",  # the schedule and stages-per-GPU sit beside the pipeline field
+    "virtual_stages": "pp",
     "reshard_after_forward": "reshard_after_forward",
     "offload": "offload",
     "parallel": "strategy",
@@ -470,6 +478,9 @@ def build_setup(state: FormState, cache: ModelCache) -> TrainingSetup:
     attempt("node_size", lambda: parse_positive_int(state.node_size, "node_size", MAX_PARALLEL_GPUS))
     attempt("ep", lambda: parse_positive_int(state.ep or "1", "ep", MAX_PARALLEL_GPUS))
     attempt("tp", lambda: parse_positive_int(state.tp or "1", "tp", MAX_PARALLEL_GPUS))
+    attempt("pp", lambda: parse_positive_int(state.pp or "1", "pp", MAX_PARALLEL_GPUS))
+    attempt("virtual_stages", lambda: parse_positive_int(state.virtual_stages or "2", "virtual_stages", 4096)
+            if state.schedule == "interleaved-1f1b" else 1)
     attempt("tuning", lambda: tuning_from_state(state))
     attempt("loss_chunk", lambda: parse_positive_int(state.loss_chunk, "loss_chunk", LIMITS["seq"] * LIMITS["batch"])
             if state.loss_chunk.strip() and state.loss == "chunked" else None)
@@ -480,13 +491,19 @@ def build_setup(state: FormState, cache: ModelCache) -> TrainingSetup:
             if state.tokens_per_batch.strip() and state.packing == "true" else None)
     if errors:
         raise FormErrors(errors)
+    tp, pp, virtual = values.pop("tp"), values.pop("pp"), values.pop("virtual_stages")
     try:
         values["parallel"] = Parallelism(
             gpus=values.pop("gpus"),
             strategy=state.strategy,  # type: ignore[arg-type]
             node_size=values.pop("node_size"),
             ep=values.pop("ep"),
-            tp=values.pop("tp"),
+            tp=tp,
+            pp=pp,
+            # the schedule's fields keep their text while there is no pipeline
+            schedule=state.schedule if pp > 1 else "1f1b",  # type: ignore[arg-type]
+            virtual_stages=virtual if pp > 1 and state.schedule == "interleaved-1f1b" else 1,
+            sp=state.sp == "true" and tp > 1,  # the box keeps its tick while there is no tensor parallelism
             reshard_after_forward=state.reshard_after_forward != "false",
             offload=state.offload,  # type: ignore[arg-type]
         )

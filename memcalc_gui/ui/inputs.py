@@ -29,7 +29,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from ..core.distributed import STRATEGIES, STRATEGY_LABELS, closest_offload, offload_choices
+from ..core.distributed import SCHEDULE_LABELS, STRATEGIES, STRATEGY_LABELS, closest_offload, offload_choices
 from ..core.setup import BNB_OPTIMIZERS, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISION_LABELS, PRECISIONS
 from ..view.theme import error_color
 from .form import RECIPE_TUNING, RECIPES, FormState, capacity_text, gpu_by_id, recipe_for
@@ -434,9 +434,28 @@ class InputPanel(QWidget):
         self.gpus = IntEdit()
         self.gpus.setPlaceholderText("1")
         self._row(gform, "Num&ber of GPUs:", "gpus", self.gpus)
+        # the model-parallel dimensions, compactly: tensor parallel [n] ☐ sequence parallel; pipeline [n] schedule [v]
         self.tp = IntEdit()
         self.tp.setPlaceholderText("1")
-        self._row(gform, "Tensor parallel:", "tp", self.tp)
+        self.sp = QCheckBox("Sequence parallel")
+        self.sp.setObjectName("sequenceParallel")
+        self.sp.setToolTip(TOOLTIPS["sp"])
+        self._row(gform, "Tensor parallel:", "tp", self.tp, extra=self.sp)
+        self.pp = IntEdit()
+        self.pp.setPlaceholderText("1")
+        self.schedule = _combo(SCHEDULE_LABELS, TOOLTIPS["schedule"])
+        self.virtual_stages = IntEdit()
+        self.virtual_stages.setObjectName("virtualStages")
+        self.virtual_stages.setPlaceholderText("2")
+        self.virtual_stages.setToolTip(TOOLTIPS["virtual_stages"])
+        self.virtual_stages.setMaximumWidth(48)
+        pipe_extra = QWidget()
+        pipe_row = QHBoxLayout(pipe_extra)
+        pipe_row.setContentsMargins(0, 0, 0, 0)
+        pipe_row.setSpacing(4)
+        pipe_row.addWidget(self.schedule, 1)
+        pipe_row.addWidget(self.virtual_stages)
+        self._row(gform, "Pipeline stages:", "pp", self.pp, extra=pipe_extra)
         self.strategy = _combo({k: STRATEGY_LABELS.get(k, k) for k in STRATEGIES}, TOOLTIPS["strategy"])
         self._row(gform, "Str&ategy:", "strategy", self.strategy)
         self.reshard_after_forward = QCheckBox("Reshard after forward (FSDP2)")
@@ -469,8 +488,8 @@ class InputPanel(QWidget):
         outer.addStretch(1)
 
         for edit in (self.preset.lineEdit(), self.config_path, self.hub_id, self.params, self.batch, self.seq,
-                     self.grad_accum, self.capacity, self.gpus, self.tp, self.node_size, self.ep, self.cuda_context,
-                     self.allocator_reserve):
+                     self.grad_accum, self.capacity, self.gpus, self.tp, self.pp, self.virtual_stages, self.node_size,
+                     self.ep, self.cuda_context, self.allocator_reserve):
             edit.installEventFilter(self._undo_filter)
         self._connect()
         self._tab_order()
@@ -486,10 +505,10 @@ class InputPanel(QWidget):
         form.setVerticalSpacing(6)
         return form
 
-    def _row(self, form: QFormLayout, label: str, name: str, widget: QWidget) -> None:
+    def _row(self, form: QFormLayout, label: str, name: str, widget: QWidget, extra: QWidget | None = None) -> None:
         if not widget.toolTip() and name in TOOLTIPS:
             widget.setToolTip(TOOLTIPS[name])
-        box = FieldBox(widget)
+        box = FieldBox(widget, extra)
         self.boxes[name] = box
         lab = QLabel(label)
         lab.setBuddy(widget)
@@ -501,8 +520,13 @@ class InputPanel(QWidget):
         self.model_kind.currentIndexChanged.connect(self._on_kind)
         self.preset.currentTextChanged.connect(self._changed)
         for edit in (self.config_path, self.hub_id, self.params, self.batch, self.seq, self.grad_accum,
-                     self.cuda_context, self.allocator_reserve, self.gpus, self.tp, self.node_size, self.ep):
+                     self.cuda_context, self.allocator_reserve, self.gpus, self.node_size, self.ep,
+                     self.virtual_stages):
             edit.textChanged.connect(self._changed)
+        for edit in (self.tp, self.pp):
+            edit.textChanged.connect(self._on_model_parallel)
+        self.schedule.currentIndexChanged.connect(self._on_model_parallel)
+        self.sp.toggled.connect(self._changed)
         self.capacity.textChanged.connect(self._on_capacity)
         self.checkpointing.toggled.connect(self._on_checkpointing)
         self.ckpt_every.textChanged.connect(self._changed)
@@ -554,7 +578,7 @@ class InputPanel(QWidget):
                  self.trainable, self.recipe,
                  self.precision,
                  self.optimizer, self.optimizer_impl, self.galore_rank, self.optimizer_in_backward, self.gpu,
-                 self.capacity, self.gpus, self.tp,
+                 self.capacity, self.gpus, self.tp, self.sp, self.pp, self.schedule, self.virtual_stages,
                  self.strategy, self.reshard_after_forward, self.node_size,
                  self.ep, self.offload, self.cuda_context, self.allocator_reserve]
         for a, b in itertools.pairwise(chain):
@@ -635,6 +659,21 @@ class InputPanel(QWidget):
         self._sync_node_size()
         self._sync_reshard()
         self._changed()
+
+    def _on_model_parallel(self, *_: object) -> None:
+        self._sync_model_parallel()
+        self._changed()
+
+    def _sync_model_parallel(self) -> None:
+        """Sequence parallelism needs tensor parallelism, a schedule needs stages, stages per GPU the interleaved
+        schedule: each control is live only where it applies (its choice is kept)."""
+        def number(edit: QLineEdit) -> int:
+            text = edit.text().strip()
+            return int(text) if text.isdigit() and len(text) < 8 else 1
+
+        self.sp.setEnabled(number(self.tp) > 1)
+        self.schedule.setEnabled(number(self.pp) > 1)
+        self.virtual_stages.setEnabled(number(self.pp) > 1 and self.schedule.currentData() == "interleaved-1f1b")
 
     def _sync_reshard(self) -> None:
         """Reshard after forward is FSDP2's option: the box is live for fsdp2 only (its choice is kept)."""
@@ -821,6 +860,10 @@ class InputPanel(QWidget):
             node_size=self.node_size.text(),
             ep=self.ep.text(),
             tp=self.tp.text(),
+            sp="true" if self.sp.isChecked() else "false",
+            pp=self.pp.text(),
+            schedule=self.schedule.currentData(),
+            virtual_stages=self.virtual_stages.text(),
             reshard_after_forward="true" if self.reshard_after_forward.isChecked() or
             self.strategy.currentData() != "fsdp2" else "false",
             offload=self.offload.currentData(),
@@ -838,14 +881,16 @@ class InputPanel(QWidget):
                     self.preset.setCurrentIndex(i)
                 self.preset.setEditText(state.preset)
             for name in ("config_path", "hub_id", "params", "batch", "seq", "grad_accum", "capacity", "cuda_context",
-                         "allocator_reserve", "gpus", "tp", "node_size", "ep"):
+                         "allocator_reserve", "gpus", "tp", "pp", "virtual_stages", "node_size", "ep"):
                 edit: QLineEdit = getattr(self, name)
                 value = getattr(state, name)
                 if edit.text() != value:
                     edit.setText(value)
             for name in ("precision", "optimizer", "optimizer_impl", "attention", "strategy", "loss",
-                         "activation_offload"):
+                         "activation_offload", "schedule"):
                 _set_combo(getattr(self, name), getattr(state, name))
+            self.sp.setChecked(state.sp == "true")
+            self._sync_model_parallel()
             self._sync_offload(state.offload)
             self._sync_node_size()
             self.reshard_after_forward.setChecked(state.reshard_after_forward != "false")

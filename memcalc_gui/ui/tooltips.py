@@ -221,6 +221,26 @@ TOOLTIPS: dict[str, str] = {
         "runs over the GPUs / tp data-parallel replicas. Checked against the real model parallelized with "
         "parallelize_module on PyTorch's fake process group."
     ),
+    "sp": (
+        "Sequence parallelism (with tensor parallelism): what the tensor-parallel regions leave whole on every GPU "
+        "— the norms and the residual stream — is split along the sequence over the tensor-parallel GPUs "
+        "(Korthikanti et al. 2022, \"Reducing Activation Recomputation in Large Transformer Models\", as "
+        "Megatron-LM runs it)."
+    ),
+    "pp": (
+        "Pipeline parallelism: the decoder layers are split evenly into this many stages, one per GPU (the first "
+        "also holds the embedding, the last the final norm, the LM head and the loss). The step's micro-batches are "
+        "the gradient-accumulation steps. The chart shows the most loaded stage; the GPUs must be a multiple of "
+        "tensor parallel × stages. Checked against PyTorch's own pipeline schedules (torch.distributed.pipelining) "
+        "run on the fake process group."
+    ),
+    "schedule": (
+        "How the stages order the micro-batches' forwards and backwards, and so how many micro-batches of "
+        "activations a stage keeps at once: GPipe all of them; 1F1B as many as there are stages after it "
+        "(Narayanan et al. 2021); interleaved 1F1B, several smaller stages per GPU, a little more."
+    ),
+    "virtual_stages": "Stages per GPU under the interleaved schedule (2 or more; the layers must split into "
+                      "stages × this many pieces).",
     "offload": (
         "Move model state to CPU memory; the chart then shows less on the GPU and the host memory needed per "
         "node is listed. The choices are the ones that differ for the strategy.\nZeRO-1/2/3, optimizer: "
