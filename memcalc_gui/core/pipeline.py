@@ -41,6 +41,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .errors import InputError
+from .layout import tensor_parallel_spec
 from .model import ModelSpec
 
 if TYPE_CHECKING:
@@ -88,8 +89,6 @@ def fsdp2_unsynced(setup: TrainingSetup, rank: int) -> tuple[int, int, tuple[str
     par = setup.parallel
     if par.strategy != "fsdp2" or par.pp == 1 or par.dp == 1 or setup.model is None:
         return 0, 0, ()
-    from .layout import tensor_parallel_spec
-
     stage = stage_spec(tensor_parallel_spec(setup.model, par.tp), par.pp, rank)
     w = 2 if setup.precision in ("mixed", "bf16", "bf16-autocast") else 4
     steady = in_flight(par.schedule, par.pp, rank, setup.grad_accum, par.virtual_stages) \
@@ -142,7 +141,8 @@ def _rank_estimate(setup: TrainingSetup, spec: ModelSpec, rank: int, m: int,
     flights = in_flight(par.schedule, par.pp, rank, m, v)
     t = setup.tokens
     h = spec.hidden_size
-    residual = 4 if setup.precision in ("fp32", "mixed") else 2  # the hidden states a stage sends
+    # the hidden states a stage sends: fp32 under autocast, 16-bit where FSDP2's policy computes in bf16
+    residual = 4 if setup.precision == "fp32" or (setup.precision == "mixed" and par.strategy != "fsdp2") else 2
     # what one micro-batch keeps from its forward to its backward: its saved activations and the stage's output (kept
     # by the schedule; on the last stage the logits, and the loss's log-softmax); a later stage's first layer keeps its
     # input, which is the receive buffer it came in (counted among the buffers)
@@ -160,19 +160,11 @@ def _rank_estimate(setup: TrainingSetup, spec: ModelSpec, rank: int, m: int,
     receives = (0 if stage.stage_first else 1) + (0 if stage.stage_last else 1)
     buffers = receives * m * v * t * h * residual
     inputs = m * t * 8 if (stage.stage_first or stage.stage_last) else 0  # the step's token ids (and labels)
-    gathered, unsynced, held = fsdp2_unsynced(setup, rank)
-    phases = {}
-    for ph in PHASES:
-        # the first forwards and the first backward run before any gradient exists, beside the most micro-batches in
-        # flight; a later forward (steady state) or backward runs with gradients, beside fewer in the cool-down
-        candidates = [(one, extra(flights))]
-        if m > 1 and ph == "forward" and flights < m * v:
-            candidates.append((acc, extra(flights)))
-        if m > 1 and ph == "backward":
-            candidates.append((acc, extra(min(flights, (m - 1) * v))))
-        if ph in ("load", "optimizer_step"):
-            candidates = [(acc, 0)]
-        src, more = max(candidates, key=lambda c: c[0].phases[ph].total_bytes + c[1])
+    gathered, unsynced, _held = fsdp2_unsynced(setup, rank)
+    stage_unit = tensor_parallel_spec(stage, par.tp).layer_params
+    def build(ph: str, src: Estimate, more: int, after_backward: bool) -> dict[str, int]:
+        """The phase's objects from ``src``'s ledger of one micro-batch, ``more`` bytes of other micro-batches in
+        flight, and whether a backward of this step has run (FSDP2's gradients are then accumulated unsharded)."""
         objects = dict(src.phases[ph].objects)
         for k in ("cuda_context", "allocator_reserve"):
             objects.pop(k, None)
@@ -191,9 +183,31 @@ def _rank_estimate(setup: TrainingSetup, spec: ModelSpec, rank: int, m: int,
         if ph != "load":  # the token ids; the receive buffers hold activations (or their gradients)
             objects["inputs"] = inputs
             objects["activations"] = objects.get("activations", 0) + buffers
-        if ph in held:  # FSDP2: kept gathered, accumulated unsharded
-            objects["parameters"] = objects.get("parameters", 0) + gathered
-            objects["gradients"] = objects.get("gradients", 0) + unsynced
+        if gathered and after_backward and ph in ("forward", "backward"):
+            # FSDP2: the unsharded gradients accumulate (in backward also a unit's 16-bit gradient on its way into
+            # the accumulator), none reduce-scattered yet; the units a backward gathered stay gathered until the
+            # next forward reshards them: a moment as FSDP2 gathers, or one with every unit gathered beside the
+            # micro-batches in flight (a backward's end, a forward's start)
+            grads = unsynced + (stage_unit * 2 if ph == "backward" and setup.precision == "mixed" else 0)
+            everything = {"parameters": acc.phases["load"].objects["parameters"] + gathered, "gradients": grads,
+                          "optimizer_state": objects.get("optimizer_state", 0),
+                          "inputs": objects.get("inputs", 0), "activations": more + buffers}
+            objects = max(dict(objects, gradients=grads), everything, key=lambda o: sum(o.values()))
+        return objects
+
+    phases = {}
+    for ph in PHASES:
+        # the first forwards and the first backward run before any gradient exists, beside the most micro-batches in
+        # flight; a later forward (steady state) or backward runs with gradients, beside fewer in the cool-down
+        if ph in ("load", "optimizer_step"):
+            candidates = [build(ph, acc, 0, False)]
+        else:
+            candidates = [build(ph, one, extra(flights), False)]
+            if m > 1 and ph == "forward" and flights < m * v:
+                candidates.append(build(ph, acc, extra(flights), True))
+            if m > 1 and ph == "backward":
+                candidates.append(build(ph, acc, extra(min(flights, (m - 1) * v)), True))
+        objects = max(candidates, key=lambda o: sum(o.values()))
         phases[ph] = with_overheads({k: val for k, val in objects.items() if val}, ph, setup)
     notes: tuple[str, ...] = (
         f"Pipeline rank {rank + 1} of {par.pp} ({_schedule_label(par.schedule, v)}, {m} micro-batch(es) per step): "

@@ -31,7 +31,7 @@ from ..core.estimate import estimate
 from ..core.layout import tensor_parallel_spec
 from ..core.ledger import Estimate, with_overheads
 from ..core.optimizer import optimizer_cost
-from ..core.pipeline import fsdp2_unsynced, stage_spec
+from ..core.pipeline import stage_spec
 from ..core.result import Result
 from ..core.setup import TrainingSetup
 from ..core.solver import gpu_plan, solve
@@ -154,6 +154,7 @@ def trace_estimate(
     # and take the fp32 state the strategy shards from the optimizer's rule
     fsdp2_mixed = setup.parallel.strategy == "fsdp2" and setup.precision == "mixed"
     compute = "bf16" if fsdp2_mixed else setup.precision
+    fsdp2_pipeline = setup.parallel.pp > 1 and setup.parallel.strategy == "fsdp2" and setup.parallel.dp > 1
     t0 = time.perf_counter()
     try:
         # packed documents: under fake tensors transformers takes the batch as packed, as a real run finds it
@@ -165,8 +166,11 @@ def trace_estimate(
             from .pipeline import PipeRank, trace_pipeline_rank
 
             pipe_rank = int(estimate(setup).details.get("pipeline_rank", 0))
+            if fsdp2_pipeline:  # each stage fully_shard-ed over its data-parallel ranks, in the trace itself
+                compute = setup.precision
             step = functools.partial(trace_pipeline_rank, layout=PipeRank(
-                par.pp, pipe_rank, par.schedule, par.virtual_stages, setup.grad_accum))
+                par.pp, pipe_rank, par.schedule, par.virtual_stages, setup.grad_accum,
+                dp_shard=par.dp if fsdp2_pipeline else 1))
             if par.tp > 1:  # one tensor-parallel rank runs the narrower model (core.layout; tests/test_layout.py)
                 from .ranks import tensor_parallel_config
 
@@ -217,7 +221,7 @@ def trace_estimate(
     notes: tuple[str, ...] = ()
     offloaded = m.host_bytes  # the most offloaded activations the step held in host memory
     host_bytes = offloaded
-    if setup.parallel.is_distributed and setup.model is not None:
+    if setup.parallel.is_distributed and setup.model is not None and not fsdp2_pipeline:
         # The trace runs one replica; the strategy's per-GPU model states replace the traced ones. Sharded
         # strategies hold their state throughout, so each phase peaks where the transient memory does.
         if setup.parallel.strategy != "ddp":
@@ -235,10 +239,6 @@ def trace_estimate(
         load, fwd, (bwd,), stp = per_gpu_ledger(states, setup.parallel, objects["load"], objects["forward"],
                                                [objects["backward"]], step)
         objects = {"load": load, "forward": fwd, "backward": bwd, "optimizer_step": stp}
-        gathered, unsynced, held = fsdp2_unsynced(setup, pipe_rank)
-        for name in held:
-            objects[name] = dict(objects[name], parameters=objects[name].get("parameters", 0) + gathered,
-                                 gradients=objects[name].get("gradients", 0) + unsynced)
         notes, host_bytes = states.notes, states.host_bytes + offloaded * setup.parallel.gpus_per_node
     phases = {name: with_overheads(objects[name], name, setup) for name in PHASES}
     rules = [

@@ -38,9 +38,11 @@ class PipeRank:
     schedule: str = "1f1b"
     virtual: int = 1
     microbatches: int = 1
+    #: FSDP2 (``fully_shard``) over this many data-parallel ranks of each stage (mesh ``pp × dp_shard``).
+    dp_shard: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("pp", "virtual", "microbatches"):
+        for name in ("pp", "virtual", "microbatches", "dp_shard"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 4096:
                 raise InputError(name, f"must be an integer from 1 to 4096, got {value!r}")
@@ -61,6 +63,15 @@ class PipeRank:
     def num_stages(self) -> int:
         return self.pp * self.virtual
 
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp_shard
+
+    @property
+    def global_rank(self) -> int:
+        """This rank in the ``pp × dp_shard`` mesh (the first of its stage's data-parallel ranks)."""
+        return self.rank * self.dp_shard
+
 
 def stage_layers(num_layers: int, num_stages: int, stage: int) -> range:
     """The decoder layers of ``stage`` when ``num_stages`` split ``num_layers`` evenly (as torchtitan's default)."""
@@ -78,9 +89,21 @@ def _base(model: Any) -> Any:
     return inner
 
 
-def cutter(layout: PipeRank) -> Callable[[Any], None]:
+def _meshes(layout: PipeRank) -> tuple[Any, Any]:
+    """The pipeline's process group and the data-parallel mesh (built now, outside any fake mode)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (layout.pp, layout.dp_shard), mesh_dim_names=("pp", "dp_shard"))
+    for name in ("pp", "dp_shard"):
+        mesh[name].get_coordinate()
+    return mesh["pp"].get_group(), mesh["dp_shard"]
+
+
+def cutter(layout: PipeRank, dp_mesh: Any = None, precision: str = "fp32") -> Callable[[Any], None]:
     """The ``parallelize(model)`` callback: keep only what ``layout``'s rank holds (in place, before the model is
-    made real): its layers, the embedding on stage 0, the final norm and the head on the last stage."""
+    made real): its layers, the embedding on stage 0, the final norm and the head on the last stage; with a
+    data-parallel mesh, each layer, the embedding and the norm with the head sharded by ``fully_shard`` (torchtitan's
+    units; mixed precision: bf16 gathers, fp32 reduction)."""
     import torch
 
     def cut(model: Any) -> None:
@@ -97,8 +120,24 @@ def cutter(layout: PipeRank) -> Callable[[Any], None]:
         if layout.num_stages - 1 not in layout.stages:
             inner.norm = torch.nn.Identity()
             model.lm_head = torch.nn.Identity()
+        if dp_mesh is not None:
+            from torch.distributed.fsdp import fully_shard
+
+            policy = _policy(precision)
+            for unit in [inner.embed_tokens, *inner.layers, [inner.norm, model.lm_head]]:
+                if unit is not None and any(True for m in (unit if isinstance(unit, list) else [unit])
+                                            for _ in m.parameters()):
+                    fully_shard(unit, mesh=dp_mesh, mp_policy=policy)
 
     return cut
+
+
+def _policy(precision: str) -> Any:
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "mixed" \
+        else MixedPrecisionPolicy()
 
 
 class _Stage:
@@ -134,7 +173,8 @@ class _Stage:
         return Stage()
 
 
-def driver(config: dict[str, Any], layout: PipeRank, *, batch: int, seq: int, precision: str) -> Callable[[Any], Any]:
+def driver(config: dict[str, Any], layout: PipeRank, *, batch: int, seq: int, precision: str, group: Any = None,
+           dp_mesh: Any = None) -> Callable[[Any], Any]:
     """The ``pipeline(model)`` callback of :func:`~memcalc_gui.measure.cpu_step.measure_training_step`: the rank's
     stages and schedule over the cut model; its ``step(input_ids, phase)`` runs one step of the schedule with each
     forward, loss and backward of a micro-batch in its own phase window."""
@@ -142,7 +182,9 @@ def driver(config: dict[str, Any], layout: PipeRank, *, batch: int, seq: int, pr
     from torch.distributed import pipelining
     from transformers.loss.loss_utils import ForCausalLMLoss
 
-    half = precision in ("mixed", "bf16-autocast")
+    # FSDP2 runs mixed precision through its policy (bf16 gathered weights, no autocast), as torchtitan does
+    half = precision in ("mixed", "bf16-autocast") and dp_mesh is None
+    bf16_compute = precision == "mixed" and dp_mesh is not None
 
     def autocast() -> Any:
         return torch.autocast("cpu", dtype=torch.bfloat16) if half else contextlib.nullcontext()
@@ -151,18 +193,23 @@ def driver(config: dict[str, Any], layout: PipeRank, *, batch: int, seq: int, pr
         inner = _base(model)
         per = len(inner.layers) // layout.virtual
         h, v = int(model.config.hidden_size), int(model.config.vocab_size)
-        dtype = next(model.parameters()).dtype
+        dtype = torch.bfloat16 if bf16_compute else next(model.parameters()).dtype
         stages = []
         for i, s in enumerate(layout.stages):
             first, last = s == 0, s == layout.num_stages - 1
             module = _Stage.make(model, list(inner.layers[i * per:(i + 1) * per]), first, last, autocast)
+            if dp_mesh is not None:  # the stage's root unit (its units sharded in the cut)
+                from torch.distributed.fsdp import fully_shard
+
+                fully_shard(module, mesh=dp_mesh, mp_policy=_policy(precision))
             hidden = torch.empty(batch, seq, h, dtype=dtype, device="meta")
-            out = torch.empty(batch, seq, v, dtype=torch.bfloat16 if half else dtype, device="meta") if last \
+            out = torch.empty(batch, seq, v, dtype=torch.bfloat16 if half or bf16_compute else dtype, device="meta") \
+                if last \
                 else hidden
             inp = torch.empty(batch, seq, dtype=torch.long, device="meta") if first else hidden
             stage = pipelining.PipelineStage(
                 module, s, layout.num_stages, torch.device("cpu"), input_args=(inp,), output_args=(out,),
-                output_grads=None if last else (hidden,), input_grads=None if first else (hidden,))
+                output_grads=None if last else (hidden,), input_grads=None if first else (hidden,), group=group)
             # the opening vote: no peer answers on the fake process group; every stage is static (module docstring)
             stage._warmup_forward_vote = _static_vote
             stage._warmup_backward_result = _static_vote
@@ -171,12 +218,21 @@ def driver(config: dict[str, Any], layout: PipeRank, *, batch: int, seq: int, pr
         def loss_fn(logits: Any, target: Any) -> Any:
             return ForCausalLMLoss(logits, target, v)
 
-        cls = getattr(pipelining, SCHEDULES[layout.schedule])
+        cls = getattr(pipelining, SCHEDULES[traced_schedule(layout)])
         schedule = cls(stages if layout.virtual > 1 else stages[0], n_microbatches=layout.microbatches,
                        loss_fn=loss_fn)
         return _Driver(schedule, stages, layout)
 
     return make
+
+
+def traced_schedule(layout: PipeRank) -> str:
+    """The schedule the trace runs: PyTorch's Schedule1F1B wants at least as many micro-batches as stages; with
+    fewer, every rank runs all its forwards before its first backward (1F1B's warm-up covers the step), which is
+    GPipe's order."""
+    if layout.schedule == "1f1b" and layout.microbatches < layout.pp:
+        return "gpipe"
+    return layout.schedule
 
 
 def _static_vote(*_args: Any, **_kwargs: Any) -> Any:
@@ -236,6 +292,10 @@ def trace_pipeline_rank(config: dict[str, Any], layout: PipeRank, *, fake: bool 
     from .ranks import STEP_DEFAULTS, fake_process_group
 
     kw = STEP_DEFAULTS | step | {"grad_accum": layout.microbatches}
-    with exclusive_torch_job(), fake_process_group(layout.pp, layout.rank), unpacked_sequences():
-        make = driver(config, layout, batch=kw["batch"], seq=kw["seq"], precision=kw["precision"])
-        return measure_training_step(config, fake=fake, parallelize=cutter(layout), pipeline=make, **kw)
+    with exclusive_torch_job(), fake_process_group(layout.world, layout.global_rank), unpacked_sequences():
+        group, dp_mesh = _meshes(layout)
+        dp_mesh = dp_mesh if layout.dp_shard > 1 else None
+        make = driver(config, layout, batch=kw["batch"], seq=kw["seq"], precision=kw["precision"], group=group,
+                      dp_mesh=dp_mesh)
+        return measure_training_step(config, fake=fake, parallelize=cutter(layout, dp_mesh, kw["precision"]),
+                                     pipeline=make, autocast=dp_mesh is None, **kw)
