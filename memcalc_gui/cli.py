@@ -99,6 +99,7 @@ FLAGS = {
     "schedule": "--schedule",
     "virtual_stages": "--virtual-stages",
     "sp": "--sp",
+    "loss_parallel": "--loss-parallel",
     "stage": "--stage",
     "reshard_after_forward": "--reshard-after-forward",
     "tuning": "--tuning",
@@ -222,6 +223,9 @@ def _add_setup_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sp", action="store_true",
                    help="sequence parallelism beside --tp: norms and the residual stream split along the sequence "
                         "(Korthikanti et al. 2022, as Megatron-LM runs it)")
+    p.add_argument("--loss-parallel", action="store_true",
+                   help="beside --tp: the embedding's rows, the head's columns and the loss split over the tensor-"
+                        "parallel GPUs (torchtitan's loss parallel, Megatron-LM's vocab-parallel cross-entropy)")
     p.add_argument("--pp", default="1", metavar="N",
                    help="pipeline parallelism: the decoder layers split into N stages on as many GPUs (default 1); "
                         "the step's micro-batches are --grad-accum; the ledger is the most loaded stage's")
@@ -415,6 +419,7 @@ def setup_from_args(args: argparse.Namespace) -> tuple[TrainingSetup, list[str]]
                                  virtual_stages=parse_positive_int(getattr(args, "virtual_stages", "1"),
                                                                    "virtual_stages", MAX_PARALLEL_GPUS),
                                  sp=bool(getattr(args, "sp", False)),
+                                 loss_parallel=bool(getattr(args, "loss_parallel", False)),
                                  reshard_after_forward=getattr(args, "reshard_after_forward", "on") == "on")
     if args.cuda_context is not None:
         kw["cuda_context_bytes"] = parse_size(args.cuda_context, "cuda_context", allow_zero=True)
@@ -473,6 +478,7 @@ def format_ledger(result: Result) -> str:
                      + ("" if par.reshard_after_forward else ", not resharded after forward")
                      + (f", experts split over {par.ep} (expert parallelism)" if par.ep > 1 else "")
                      + (f", tensor parallel {par.tp}" + (" with sequence parallelism" if par.sp else "")
+                        + (", loss parallel" if par.loss_parallel else "")
                         if par.tp > 1 else "")
                      + (f", pipeline {par.pp} stages ({par.schedule}"
                         + (f", {par.virtual_stages} per GPU" if par.virtual_stages > 1 else "") + ")"

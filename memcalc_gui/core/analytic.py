@@ -86,7 +86,8 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
         from .pipeline import pipeline_estimate
 
         return pipeline_estimate(setup)
-    spec = tensor_parallel_spec(setup.model, setup.parallel.tp)  # one rank of a tensor-parallel group
+    # one rank of a tensor-parallel group
+    spec = tensor_parallel_spec(setup.model, setup.parallel.tp, setup.parallel.loss_parallel)
     d = Dtypes.of(setup)
     b, seq = setup.rows, setup.row_len  # packed documents: one row of every real token
     t = b * seq

@@ -132,6 +132,10 @@ class Parallelism:
     #: Sequence parallelism beside tensor parallelism (Korthikanti et al. 2022): what the tensor-parallel regions
     #: leave whole (norms, residual stream) is split along the sequence over the tensor-parallel ranks.
     sp: bool = False
+    #: Vocabulary parallelism beside tensor parallelism (torchtitan's loss parallel, Megatron-LM's vocab-parallel
+    #: embedding and cross-entropy): the embedding's rows and the head's columns split over the tensor-parallel
+    #: ranks, each computing the loss over its slice of the logits.
+    loss_parallel: bool = False
 
     def __post_init__(self) -> None:
         for name in ("gpus", "node_size", "ep", "tp", "pp", "virtual_stages"):
@@ -173,6 +177,11 @@ class Parallelism:
             raise InputError("schedule", "a pipeline schedule needs pipeline stages (--pp 2 or more)")
         if not isinstance(self.sp, bool):
             raise InputError("sp", f"must be on or off, got {self.sp!r}")
+        if not isinstance(self.loss_parallel, bool):
+            raise InputError("loss_parallel", f"must be on or off, got {self.loss_parallel!r}")
+        if self.loss_parallel and self.tp == 1:
+            raise InputError("loss_parallel", "loss parallelism splits the vocabulary over the tensor-parallel GPUs: "
+                                              "it needs --tp 2 or more")
         if self.sp and self.tp == 1:
             raise InputError("sp", "sequence parallelism splits what tensor parallelism leaves whole: it needs --tp 2 "
                                    "or more")
@@ -196,7 +205,8 @@ class Parallelism:
         """``TP 8 + SP × PP 2 (1F1B)``: the model-parallel dimensions, or "" when there are none."""
         parts = []
         if self.tp > 1:
-            parts.append(f"TP {self.tp}" + (" + SP" if self.sp else ""))
+            parts.append(f"TP {self.tp}" + (" + SP" if self.sp else "") + (" + loss parallel" if self.loss_parallel
+                                                                            else ""))
         if self.pp > 1:
             label = SCHEDULE_LABELS[self.schedule] + (f" ×{self.virtual_stages}" if self.virtual_stages > 1 else "")
             parts.append(f"PP {self.pp} ({label})")

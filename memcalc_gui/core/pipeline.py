@@ -89,7 +89,7 @@ def fsdp2_unsynced(setup: TrainingSetup, rank: int) -> tuple[int, int, tuple[str
     par = setup.parallel
     if par.strategy != "fsdp2" or par.pp == 1 or par.dp == 1 or setup.model is None:
         return 0, 0, ()
-    stage = stage_spec(tensor_parallel_spec(setup.model, par.tp), par.pp, rank)
+    stage = stage_spec(tensor_parallel_spec(setup.model, par.tp, par.loss_parallel), par.pp, rank)
     w = 2 if setup.precision in ("mixed", "bf16", "bf16-autocast") else 4
     steady = in_flight(par.schedule, par.pp, rank, setup.grad_accum, par.virtual_stages) \
         < setup.grad_accum * par.virtual_stages
@@ -147,11 +147,12 @@ def _rank_estimate(setup: TrainingSetup, spec: ModelSpec, rank: int, m: int,
     # by the schedule; on the last stage the logits, and the loss's log-softmax); a later stage's first layer keeps its
     # input, which is the receive buffer it came in (counted among the buffers)
     stream = t * h * residual
+    vocab = tensor_parallel_spec(spec, par.tp, par.loss_parallel).vocab_size  # the logits' width on this rank
     # (interleaved: each of the rank's v chunks keeps its output, and receives its input but the very first); autocast
     # makes each micro-batch's 16-bit weight copies anew, and its matmuls save them
     first, last = int(stage.stage_first), int(stage.stage_last)
     kept = int(one.details["saved_activations_bytes"]) - (v - first) * stream + (v - last) * stream \
-        + last * (int(one.details["logits_bytes"]) + t * spec.vocab_size * 4)
+        + last * (int(one.details["logits_bytes"]) + t * vocab * 4)
     kept_copies = int(one.details["saved_copy_bytes"])  # under Parameters, as the ledger counts autocast's copies
     per_micro = kept + kept_copies
 
@@ -161,7 +162,7 @@ def _rank_estimate(setup: TrainingSetup, spec: ModelSpec, rank: int, m: int,
     buffers = receives * m * v * t * h * residual
     inputs = m * t * 8 if (stage.stage_first or stage.stage_last) else 0  # the step's token ids (and labels)
     gathered, unsynced, _held = fsdp2_unsynced(setup, rank)
-    stage_unit = tensor_parallel_spec(stage, par.tp).layer_params
+    stage_unit = tensor_parallel_spec(stage, par.tp, par.loss_parallel).layer_params
     def build(ph: str, src: Estimate, more: int, after_backward: bool) -> dict[str, int]:
         """The phase's objects from ``src``'s ledger of one micro-batch, ``more`` bytes of other micro-batches in
         flight, and whether a backward of this step has run (FSDP2's gradients are then accumulated unsharded)."""

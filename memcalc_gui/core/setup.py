@@ -405,6 +405,7 @@ class TrainingSetup:
             "schedule": self.parallel.schedule,
             "virtual_stages": self.parallel.virtual_stages,
             "sp": self.parallel.sp,
+            "loss_parallel": self.parallel.loss_parallel,
             "reshard_after_forward": self.parallel.reshard_after_forward,
             "tuning": self.tuning.method,
             **({"lora_rank": self.tuning.rank, "lora_targets": list(self.tuning.targets),

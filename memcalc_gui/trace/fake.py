@@ -174,11 +174,11 @@ def trace_estimate(
             if par.tp > 1:  # one tensor-parallel rank runs the narrower model (core.layout; tests/test_layout.py)
                 from .ranks import tensor_parallel_config
 
-                cfg = tensor_parallel_config(cfg, par.tp)
+                cfg = tensor_parallel_config(cfg, par.tp, par.loss_parallel)
         elif par.tp > 1:  # one rank of the tensor-parallel group, parallelized on the fake process group
             from .ranks import RankLayout, trace_rank
 
-            step = functools.partial(trace_rank, layout=RankLayout(1, setup.parallel.tp))
+            step = functools.partial(trace_rank, layout=RankLayout(1, par.tp, loss_parallel=par.loss_parallel))
         with exclusive_torch_job(should_stop, TraceCancelled), sequences:
             m = step(
                 cfg, batch=setup.rows, seq=setup.row_len, documents=setup.batch if setup.packing else None,
@@ -229,7 +229,8 @@ def trace_estimate(
                 objects[name] = {k: v for k, v in m.phases[name].transient_objects.items() if v}
         step = objects["optimizer_step"]
         state, temps = step.get("optimizer_state", 0), step.get("optimizer_temporaries", 0)
-        rank = tensor_parallel_spec(setup.model, setup.parallel.tp)  # the model one rank runs
+        # the model one rank runs
+        rank = tensor_parallel_spec(setup.model, setup.parallel.tp, setup.parallel.loss_parallel)
         if setup.parallel.pp > 1:
             rank = stage_spec(rank, setup.parallel.pp, pipe_rank)
         if fsdp2_mixed:

@@ -41,6 +41,9 @@ class RankLayout:
     dp_shard: int = 1
     tp: int = 1
     reshard_after_forward: bool = True
+    #: The vocabulary split too (torchtitan's loss parallel): the embedding ``RowwiseParallel``, the head
+    #: ``ColwiseParallel`` with sharded logits, the loss under ``loss_parallel()``.
+    loss_parallel: bool = False
 
     def __post_init__(self) -> None:
         for name in ("dp_shard", "tp"):
@@ -53,9 +56,10 @@ class RankLayout:
         return self.dp_shard * self.tp
 
 
-def tensor_parallel_config(config: dict[str, Any], tp: int) -> dict[str, Any]:
+def tensor_parallel_config(config: dict[str, Any], tp: int, vocab: bool = False) -> dict[str, Any]:
     """The config of the model one rank of a ``tp``-way group runs (``core.layout``: a tp-th of the heads, key/value
-    heads and MLP features at the same head size), for families whose config takes ``head_dim``."""
+    heads and MLP features at the same head size; ``vocab``: a tp-th of the vocabulary), for families whose config
+    takes ``head_dim``."""
     from ..core.layout import check_tensor_parallel
     from ..core.model import spec_from_config
 
@@ -65,7 +69,8 @@ def tensor_parallel_config(config: dict[str, Any], tp: int) -> dict[str, Any]:
         raise InputError("tp", f"the narrower-model trace of a tensor-parallel rank needs a config with head_dim; "
                                f"{spec.family}'s has none")
     return dict(config, num_attention_heads=spec.num_heads // tp, num_key_value_heads=spec.num_kv_heads // tp,
-                intermediate_size=spec.intermediate_size // tp, head_dim=spec.head_dim)
+                intermediate_size=spec.intermediate_size // tp, head_dim=spec.head_dim,
+                vocab_size=-(-spec.vocab_size // tp) if vocab else spec.vocab_size)
 
 
 def tp_plan(config: dict[str, Any]) -> dict[str, str]:
@@ -128,6 +133,8 @@ def parallelizer(config: dict[str, Any], layout: RankLayout, precision: str) -> 
             styles = {k: getattr(tp_api, STYLES[v])() for k, v in plan.items()}
             for layer in layers:
                 tp_api.parallelize_module(layer, tp_mesh, styles)
+            if layout.loss_parallel:
+                _split_vocabulary(model, tp_mesh)
             _replicate_the_rest(model, tp_mesh)
         if layout.dp_shard > 1:
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
@@ -143,6 +150,26 @@ def parallelizer(config: dict[str, Any], layout: RankLayout, precision: str) -> 
 STEP_DEFAULTS: dict[str, Any] = {"batch": 1, "seq": 128, "precision": "fp32", "optimizer": "adamw",
                                  "optimizer_impl": "foreach", "checkpointing": "none", "grad_accum": 1,
                                  "iterations": 2}
+
+
+def _split_vocabulary(model: Any, mesh: Any) -> None:
+    """torchtitan's loss-parallel plan on a transformers model: the embedding's rows and the head's columns split, the
+    logits left sharded for the loss (a tied head is tied again to the split embedding: both shard dim 0)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import parallel as tp_api
+
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = head is not None and head.weight is embed.weight
+    tp_api.parallelize_module(embed, mesh, tp_api.RowwiseParallel(input_layouts=Replicate()))
+    if head is None:
+        return
+    if tied:
+        head.weight = embed.weight
+        tp_api.parallelize_module(head, mesh, tp_api.PrepareModuleInputOutput(
+            input_layouts=Replicate(), desired_input_layouts=Replicate(), output_layouts=Shard(-1),
+            desired_output_layouts=Shard(-1), use_local_output=False))
+        return
+    tp_api.parallelize_module(head, mesh, tp_api.ColwiseParallel(output_layouts=Shard(-1), use_local_output=False))
 
 
 def _replicate_the_rest(model: Any, mesh: Any) -> None:
@@ -187,4 +214,13 @@ def trace_rank(config: dict[str, Any], layout: RankLayout, **step: Any) -> Any:
     kw = STEP_DEFAULTS | {k: v for k, v in step.items() if k != "fake"}  # always fake
     with exclusive_torch_job(), fake_process_group(layout.world), unpacked_sequences():
         apply = parallelizer(config, layout, kw["precision"])
-        return measure_training_step(config, fake=True, parallelize=apply, autocast=layout.dp_shard == 1, **kw)
+        with _loss_parallel(layout.loss_parallel):
+            return measure_training_step(config, fake=True, parallelize=apply, autocast=layout.dp_shard == 1, **kw)
+
+
+def _loss_parallel(on: bool) -> contextlib.AbstractContextManager[None]:
+    if not on:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()  # type: ignore[no-any-return]
