@@ -268,3 +268,31 @@ def test_the_banner_says_why_a_per_gpu_number_moves(window):
     assert w.banner.extra.isVisibleTo(w.banner) and "CPUOffload" in w.banner.extra.text()
     w.banner.more.click()
     assert not w.banner.extra.isVisibleTo(w.banner)
+
+
+def test_model_parallel_fields_set_the_layout_and_apply_only_where_they_can(window, qtbot):
+    """Tensor parallel with its sequence-parallel and loss-parallel boxes, pipeline stages with the schedule and the
+    stages per GPU: each live only where it applies; the chart's title names the layout; a layout the model cannot
+    split marks the field and keeps the last result."""
+    w = window
+    inputs = w.inputs
+    assert not inputs.sp.isEnabled() and not inputs.schedule.isEnabled() and not inputs.virtual_stages.isEnabled()
+    assert set_fields(w, gpus="64", tp="8", sp="true", loss_parallel="true", pp="2", strategy="fsdp2",
+                      grad_accum="8")
+    assert inputs.sp.isEnabled() and inputs.loss_parallel.isEnabled() and inputs.schedule.isEnabled()
+    par = w.result.setup.parallel
+    assert (par.tp, par.pp, par.dp, par.sp, par.loss_parallel) == (8, 2, 4, True, True)
+    assert "TP 8 + SP + loss parallel × PP 2 (1F1B) × FSDP2 over 4" in w.chart.title_text()
+    assert_chart_matches(w)
+    assert any("Pipeline rank" in a for a in w.result.estimate.assumptions)
+    inputs.schedule.setCurrentIndex(inputs.schedule.findData("interleaved-1f1b"))
+    qtbot.waitUntil(lambda: w.result.setup.parallel.schedule == "interleaved-1f1b", timeout=2000)
+    assert inputs.virtual_stages.isEnabled() and w.result.setup.parallel.virtual_stages == 2
+    before = w.result
+    assert not set_fields(w, pp="3")  # 64 GPUs are not whole groups of tp 8 × 3 stages
+    assert "pp" in inputs.errors() and w.result is before
+    assert not set_fields(w, gpus="48", pp="3", schedule="1f1b")  # 80 layers do not split into 3 stages
+    assert "80 decoder layers" in inputs.errors()["pp"]
+    # with tensor parallelism off the boxes keep their ticks but do not apply
+    assert set_fields(w, gpus="2", tp="1", pp="2")
+    assert not w.result.setup.parallel.sp and inputs.state().sp == "true" and not inputs.sp.isEnabled()

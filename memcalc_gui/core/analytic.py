@@ -344,7 +344,10 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
                                 activations=kept_fwd - head_saved + grad_x))
     else:
         where.append(("loss", 0))
-        moments.append(_objects(**base_bwd, activations=kept_fwd + lsm, temporaries=2 * t * v * 4))
+        # (the vocabulary-parallel cross-entropy's backward makes one logits-sized gradient, not two: traced with
+        # PyTorch's loss_parallel)
+        ce_grads = 1 if setup.parallel.loss_parallel else 2
+        moments.append(_objects(**base_bwd, activations=kept_fwd + lsm, temporaries=ce_grads * t * v * 4))
     # (B) LM-head backward: logits gradient, hidden-state gradient, the weight gradient appears.
     lm_tmp = t * v * d.matmul + (0 if head_only else t * h * d.matmul) + \
         (v * h * d.matmul if d.matmul != p and head_trains else 0)

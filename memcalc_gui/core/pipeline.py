@@ -172,10 +172,10 @@ def _rank_estimate(setup: TrainingSetup, spec: ModelSpec, rank: int, m: int,
         copies_more = more * kept_copies // per_micro if per_micro else 0
         objects["activations"] = objects.get("activations", 0) + more - copies_more
         objects["parameters"] = objects.get("parameters", 0) + copies_more
-        if ph == "forward" and v > 1:
+        if ph == "forward" and v > 1 and par.strategy != "fsdp2":  # (FSDP2 computes without autocast)
             # autocast's cache lives through one chunk's forward: the other chunks' unsaved copies are gone
             unsaved = one.details["compute_copy_bytes"] - one.details["saved_copy_bytes"]
-            objects["parameters"] -= max(0, unsaved) * (v - 1) // v
+            objects["parameters"] = max(0, objects["parameters"] - max(0, unsaved) * (v - 1) // v)
         if ph in ("forward", "backward") and not stage.stage_first:  # the one at work's input: a receive buffer
             objects["activations"] = max(0, objects["activations"] - stream)
         if ph == "backward" and stage.stage_last:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from ..core.distributed import MAX_PARALLEL_GPUS, OFFLOADS, STRATEGIES, Parallelism
+from ..core.distributed import MAX_PARALLEL_GPUS, OFFLOADS, SCHEDULES, STRATEGIES, Parallelism
 from ..core.errors import ConfigError, InputError, UnsupportedFamilyError
 from ..core.finetune import MAX_RANK, TUNINGS, FineTuning
 from ..core.model import (
@@ -97,6 +97,7 @@ class FormState:
     ep: str = "1"
     tp: str = "1"  # tensor parallelism (core.layout)
     sp: str = "false"  # sequence parallelism beside tp
+    loss_parallel: str = "false"  # the vocabulary split beside tp
     pp: str = "1"  # pipeline stages (core.pipeline)
     schedule: str = "1f1b"
     virtual_stages: str = "2"  # read under the interleaved schedule only
@@ -136,6 +137,8 @@ class FormState:
             raise ValueError(f"unknown strategy {state.strategy!r}")
         if state.offload not in OFFLOADS:
             raise ValueError(f"unknown offload {state.offload!r}")
+        if state.schedule not in SCHEDULES:
+            raise ValueError(f"unknown pipeline schedule {state.schedule!r}")
         if state.loss not in LOSSES:
             raise ValueError(f"unknown loss {state.loss!r}")
         if state.activation_offload not in ACTIVATION_OFFLOADS:
@@ -228,6 +231,7 @@ _FIELD_MAP: Final = {
     "ep": "ep",
     "tp": "tp",
     "sp": "tp",  # the box beside the tensor-parallel field
+    "loss_parallel": "loss_parallel",
     "pp": "pp",
     "schedule": "pp",  # the schedule and stages-per-GPU sit beside the pipeline field
     "virtual_stages": "pp",
@@ -504,6 +508,7 @@ def build_setup(state: FormState, cache: ModelCache) -> TrainingSetup:
             schedule=state.schedule if pp > 1 else "1f1b",  # type: ignore[arg-type]
             virtual_stages=virtual if pp > 1 and state.schedule == "interleaved-1f1b" else 1,
             sp=state.sp == "true" and tp > 1,  # the box keeps its tick while there is no tensor parallelism
+            loss_parallel=state.loss_parallel == "true" and tp > 1,
             reshard_after_forward=state.reshard_after_forward != "false",
             offload=state.offload,  # type: ignore[arg-type]
         )

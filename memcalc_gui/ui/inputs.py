@@ -441,6 +441,11 @@ class InputPanel(QWidget):
         self.sp.setObjectName("sequenceParallel")
         self.sp.setToolTip(TOOLTIPS["sp"])
         self._row(gform, "Tensor parallel:", "tp", self.tp, extra=self.sp)
+        self.loss_parallel = QCheckBox("Split the vocabulary too (loss parallel)")
+        self.loss_parallel.setObjectName("lossParallel")
+        self.loss_parallel.setToolTip(TOOLTIPS["loss_parallel"])
+        self.boxes["loss_parallel"] = FieldBox(self.loss_parallel)
+        gform.addRow(self.boxes["loss_parallel"])
         self.pp = IntEdit()
         self.pp.setPlaceholderText("1")
         self.schedule = _combo(SCHEDULE_LABELS, TOOLTIPS["schedule"])
@@ -527,6 +532,7 @@ class InputPanel(QWidget):
             edit.textChanged.connect(self._on_model_parallel)
         self.schedule.currentIndexChanged.connect(self._on_model_parallel)
         self.sp.toggled.connect(self._changed)
+        self.loss_parallel.toggled.connect(self._changed)
         self.capacity.textChanged.connect(self._on_capacity)
         self.checkpointing.toggled.connect(self._on_checkpointing)
         self.ckpt_every.textChanged.connect(self._changed)
@@ -578,7 +584,8 @@ class InputPanel(QWidget):
                  self.trainable, self.recipe,
                  self.precision,
                  self.optimizer, self.optimizer_impl, self.galore_rank, self.optimizer_in_backward, self.gpu,
-                 self.capacity, self.gpus, self.tp, self.sp, self.pp, self.schedule, self.virtual_stages,
+                 self.capacity, self.gpus, self.tp, self.sp, self.loss_parallel, self.pp, self.schedule,
+                 self.virtual_stages,
                  self.strategy, self.reshard_after_forward, self.node_size,
                  self.ep, self.offload, self.cuda_context, self.allocator_reserve]
         for a, b in itertools.pairwise(chain):
@@ -672,6 +679,7 @@ class InputPanel(QWidget):
             return int(text) if text.isdigit() and len(text) < 8 else 1
 
         self.sp.setEnabled(number(self.tp) > 1)
+        self.loss_parallel.setEnabled(number(self.tp) > 1)
         self.schedule.setEnabled(number(self.pp) > 1)
         self.virtual_stages.setEnabled(number(self.pp) > 1 and self.schedule.currentData() == "interleaved-1f1b")
 
@@ -861,6 +869,7 @@ class InputPanel(QWidget):
             ep=self.ep.text(),
             tp=self.tp.text(),
             sp="true" if self.sp.isChecked() else "false",
+            loss_parallel="true" if self.loss_parallel.isChecked() else "false",
             pp=self.pp.text(),
             schedule=self.schedule.currentData(),
             virtual_stages=self.virtual_stages.text(),
@@ -890,6 +899,7 @@ class InputPanel(QWidget):
                          "activation_offload", "schedule"):
                 _set_combo(getattr(self, name), getattr(state, name))
             self.sp.setChecked(state.sp == "true")
+            self.loss_parallel.setChecked(state.loss_parallel == "true")
             self._sync_model_parallel()
             self._sync_offload(state.offload)
             self._sync_node_size()

@@ -227,6 +227,12 @@ TOOLTIPS: dict[str, str] = {
         "(Korthikanti et al. 2022, \"Reducing Activation Recomputation in Large Transformer Models\", as "
         "Megatron-LM runs it)."
     ),
+    "loss_parallel": (
+        "With tensor parallelism: the embedding's rows and the LM head's columns are split over the tensor-parallel "
+        "GPUs too, and each computes the loss over its slice of the logits (torchtitan's loss parallel; Megatron-LM's "
+        "vocab-parallel embedding and cross-entropy). Without it the embedding and head stay whole on every GPU and "
+        "each holds the full logits."
+    ),
     "pp": (
         "Pipeline parallelism: the decoder layers are split evenly into this many stages, one per GPU (the first "
         "also holds the embedding, the last the final norm, the LM head and the loss). The step's micro-batches are "
