@@ -271,13 +271,13 @@ def test_fsdp2_stages_match_the_rank_traced_with_fully_shard(precision: str, ckp
             assert 0.99 <= ratio <= 1.12, (rank, ph, ratio)
 
 
-@pytest.mark.parametrize(("family", "tolerance"), [("llama", 0.01), ("qwen2", 0.04)])
-def test_a_loss_parallel_rank_matches_the_rank_traced_with_the_vocabulary_split(family: str, tolerance: float) -> None:
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_loss_parallel_rank_matches_the_rank_traced_with_the_vocabulary_split(family: str) -> None:
     """torchtitan's loss-parallel plan (embedding RowwiseParallel, head ColwiseParallel with sharded logits, the loss
     under loss_parallel()) on the fake process group: the rank is the model with a tp-th of the vocabulary, whose
-    cross-entropy backward makes one logits-sized gradient. A tied head (qwen2) stays tied to the split embedding;
-    its optimizer step holds one more embedding-sized tensor in the trace than in the ledger (4 %, not explained
-    yet)."""
+    cross-entropy backward makes one logits-sized gradient; a tied head (qwen2) stays tied to the split embedding.
+    The optimizer step is within 4 %: the foreach step holds one more embedding-sized temporary in the trace (the split
+    embedding and head are DTensors of another placement than the rest; not modelled yet)."""
     from memcalc_gui.trace.ranks import RankLayout, trace_rank
 
     cfg = FAMILIES[family]
@@ -288,5 +288,5 @@ def test_a_loss_parallel_rank_matches_the_rank_traced_with_the_vocabulary_split(
     plain = estimate(dataclasses.replace(setup, parallel=Parallelism(gpus=2, tp=2)))
     ledger = estimate(setup)
     assert ledger.phases["load"].objects["parameters"] < plain.phases["load"].objects["parameters"]
-    for ph in ("forward", "backward", "optimizer_step"):
+    for ph, tolerance in (("forward", 0.01), ("backward", 0.01), ("optimizer_step", 0.04)):
         assert ledger.phases[ph].total_bytes == pytest.approx(traced.phases[ph].peak_bytes, rel=tolerance), ph
