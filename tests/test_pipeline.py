@@ -290,3 +290,44 @@ def test_a_loss_parallel_rank_matches_the_rank_traced_with_the_vocabulary_split(
     assert ledger.phases["load"].objects["parameters"] < plain.phases["load"].objects["parameters"]
     for ph, tolerance in (("forward", 0.01), ("backward", 0.01), ("optimizer_step", 0.04)):
         assert ledger.phases[ph].total_bytes == pytest.approx(traced.phases[ph].peak_bytes, rel=tolerance), ph
+
+
+# ---- Megatron-LM's theoretical memory ------------------------------------------------------------------------------
+@pytest.mark.parametrize(("tp", "pp", "dp", "dist"), [(8, 4, 2, False), (8, 4, 2, True), (1, 1, 8, True),
+                                                      (4, 8, 4, True)])
+def test_weights_and_optimizer_per_rank_equal_megatrons_theoretical_memory(tp: int, pp: int, dp: int,
+                                                                           dist: bool) -> None:
+    """Llama-3.1-70B under Megatron-LM's recipe (bf16 weights, fp32 main grads and weights, Adam; vocab-parallel
+    embedding and head): the most loaded rank's parameters, gradients and optimizer state in backward equal
+    Megatron's 18 B/param (or 6 + 12/dp with the distributed optimizer) of its most loaded shard, ``(block/pp +
+    embedding)/tp``. The 0.1 % left is the norms, which Megatron counts split over tp and transformers' plans keep
+    whole."""
+    from memcalc_gui.core.analytic import estimate_analytic
+    from memcalc_gui.core.distributed import megatron_theoretical_memory
+    from memcalc_gui.core.pipeline import _rank_estimate
+
+    spec = preset_spec("llama-3.1-70b")
+    weights, _ = megatron_theoretical_memory(spec.hidden_size, spec.intermediate_size, spec.num_layers,
+                                             spec.num_heads, spec.num_kv_heads, spec.vocab_size, tp=tp, pp=pp, dp=dp,
+                                             distributed_optimizer=dist, untied=not spec.tied_embeddings)
+    par = Parallelism(gpus=tp * pp * dp, tp=tp, pp=pp, loss_parallel=tp > 1,
+                      strategy="megatron-distopt" if dist else "megatron")
+    setup = TrainingSetup(model=spec, seq=4096, grad_accum=8, parallel=par)
+    rank = _rank_estimate(setup, spec, 0, 8, estimate_analytic) if pp > 1 else estimate(setup)
+    objects = rank.phases["backward"].objects
+    states = objects["parameters"] + objects["gradients"] + objects["optimizer_state"]
+    assert states == pytest.approx(weights, rel=1e-3)
+
+
+def test_megatron_strategies_keep_the_main_grad_buffer_through_the_step() -> None:
+    spec = preset_spec("llama-3.1-8b")
+    ddp = estimate(TrainingSetup(model=spec, parallel=Parallelism(gpus=8, strategy="megatron")))
+    dist = estimate(TrainingSetup(model=spec, parallel=Parallelism(gpus=8, strategy="megatron-distopt")))
+    n = spec.num_params
+    for est in (ddp, dist):
+        assert est.phases["forward"].objects["gradients"] == 4 * n  # zeroed, not freed, between steps
+    assert ddp.phases["optimizer_step"].objects["optimizer_state"] == 8 * n
+    assert dist.phases["optimizer_step"].objects["optimizer_state"] == 8 * n // 8
+    with pytest.raises(InputError) as exc:
+        Parallelism(gpus=8, strategy="megatron", offload="optimizer")
+    assert exc.value.field == "offload"

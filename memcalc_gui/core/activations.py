@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .distributed import BF16_COMPUTE
 from .finetune import layer_linears
 from .model import ModelSpec
 from .setup import TrainingSetup
@@ -58,9 +59,10 @@ class Dtypes:
             return Dtypes(4, 2, True) if setup.precision == "bf16-autocast" else Dtypes(4, 4, False)
         if setup.precision == "fp32":
             return Dtypes(4, 4, False)
-        if setup.precision == "mixed" and setup.parallel.strategy == "fsdp2":
+        if setup.precision == "mixed" and setup.parallel.strategy in BF16_COMPUTE:
             # FSDP2's MixedPrecisionPolicy (torchtitan): bf16 weights gathered, bf16 compute without autocast; the
-            # fp32 sharded weights, gradients and optimizer state are the strategy's (core.distributed)
+            # fp32 sharded weights, gradients and optimizer state are the strategy's (core.distributed); Megatron-LM
+            # likewise runs a bf16 model
             return Dtypes(2, 2, False)
         if setup.precision == "bf16":
             return Dtypes(2, 2, False)

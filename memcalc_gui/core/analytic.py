@@ -31,7 +31,7 @@ from .activations import (
     selective_saved,
     tuned_layer_saved,
 )
-from .distributed import ModelStates, Parallelism, model_states
+from .distributed import BF16_COMPUTE, ModelStates, Parallelism, model_states
 from .errors import InputError
 from .finetune import FineTuning, layer_linears
 from .layout import tensor_parallel_spec
@@ -95,7 +95,7 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
     n_layers = spec.num_layers
     n_params = spec.num_params
     # FSDP2 under mixed precision computes in bf16, but its weights, gradients and optimizer state are fp32
-    p = 4 if setup.precision == "mixed" and setup.parallel.strategy == "fsdp2" else d.param
+    p = 4 if setup.precision == "mixed" and setup.parallel.strategy in BF16_COMPUTE else d.param
 
     ft = setup.tuning
     tuned = ft.method != "full"

@@ -46,7 +46,8 @@ from typing import Final, Literal, get_args
 
 from .errors import InputError
 
-Strategy = Literal["ddp", "zero1", "zero2", "zero3", "fsdp-full-shard", "fsdp-shard-grad-op", "fsdp-hybrid", "fsdp2"]
+Strategy = Literal["ddp", "zero1", "zero2", "zero3", "fsdp-full-shard", "fsdp-shard-grad-op", "fsdp-hybrid", "fsdp2",
+                   "megatron", "megatron-distopt"]
 Offload = Literal["none", "optimizer", "params", "both"]
 #: Pipeline schedules (``torch.distributed.pipelining``'s ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B).
 Schedule = Literal["1f1b", "interleaved-1f1b", "gpipe"]
@@ -71,10 +72,15 @@ STRATEGY_LABELS: Final = {
     "fsdp-shard-grad-op": "FSDP SHARD_GRAD_OP",
     "fsdp-hybrid": "FSDP HYBRID_SHARD",
     "fsdp2": "FSDP2 (fully_shard)",
+    "megatron": "Megatron-LM DDP (fp32 main grads)",
+    "megatron-distopt": "Megatron-LM distributed optimizer",
 }
+#: Strategies whose mixed precision computes in bf16 weights without autocast (FSDP2's MixedPrecisionPolicy;
+#: Megatron-LM's bf16 model with fp32 main weights in the optimizer).
+BF16_COMPUTE: Final = ("fsdp2", "megatron", "megatron-distopt")
 #: Preference when several strategies fit: least communication first.
-PREFERENCE: Final = ("ddp", "zero1", "zero2", "fsdp-shard-grad-op", "fsdp-hybrid", "zero3", "fsdp2",
-                     "fsdp-full-shard")
+PREFERENCE: Final = ("ddp", "megatron", "zero1", "megatron-distopt", "zero2", "fsdp-shard-grad-op", "fsdp-hybrid",
+                     "zero3", "fsdp2", "fsdp-full-shard")
 
 
 def offload_choices(strategy: str) -> tuple[str, ...]:
@@ -82,7 +88,7 @@ def offload_choices(strategy: str) -> tuple[str, ...]:
     (ZeRO-Offload); ZeRO-3 also the parameters (ZeRO-Infinity, which here implies the optimizer: ``params``
     and ``both`` are the same); FSDP's one ``CPUOffload`` moves parameters, gradients and the step together,
     so every non-``none`` kind gives the same ledger and ``both`` names it."""
-    if strategy == "ddp":
+    if strategy in ("ddp", "megatron", "megatron-distopt"):
         return ("none",)
     if strategy in ("zero1", "zero2"):
         return ("none", "optimizer")
@@ -159,6 +165,8 @@ class Parallelism:
                                         "(zero3, fsdp-full-shard or fsdp-hybrid)")
         if self.offload != "none" and self.strategy == "ddp":
             raise InputError("offload", "DDP cannot offload; use zero1/2/3 or FSDP")
+        if self.offload != "none" and self.strategy.startswith("megatron"):
+            raise InputError("offload", "Megatron-LM's optimizer offload is not modelled; use zero1/2/3 or FSDP")
         if self.gpus % self.ep:
             raise InputError("ep", f"expert parallelism over {self.ep} GPUs needs a GPU count it divides, "
                                    f"got {self.gpus}")
@@ -215,7 +223,7 @@ class Parallelism:
     @property
     def shards(self) -> int:
         """Over how many GPUs the sharded state is split."""
-        if self.strategy == "ddp":
+        if self.strategy in ("ddp", "megatron"):
             return 1
         if self.strategy == "fsdp-hybrid":
             return min(self.dp, max(1, self.node_size // (self.tp * self.pp)))
@@ -269,7 +277,7 @@ def model_states(
     g = w  # gradients as backward produces them under ZeRO/FSDP
     notes: list[str] = []
     c = {"w_full": 0, "w_part": 0, "master_part": 0, "gathered": 0, "copies": 0,
-         "g_full": 0, "g_part": 0, "g_bucket": 0, "g_fp32_part": 0, "unit_grads": 0, "ddp_buckets": 0}
+         "g_full": 0, "g_part": 0, "g_bucket": 0, "g_fp32_part": 0, "unit_grads": 0, "ddp_buckets": 0, "g_buffer": 0}
     state = _ceil_div(state_bytes_single, n)
     temps = _ceil_div(step_temporaries_single, n)
     if s == "ddp":
@@ -289,6 +297,17 @@ def model_states(
             c["g_bucket"] = min(psi, DS_BUCKET_ELEMENTS) * g
             notes.append("ZeRO-2 reduces gradients through a 5e8-element bucket and keeps its partition; "
                          "DeepSpeed's estimator counts all 16-bit gradients (4Ψ + 16Ψ/N)")
+    elif s in ("megatron", "megatron-distopt"):
+        # Megatron-LM: the model's weights in 16 bits (bf16 compute), the optimizer's fp32 main weights, and one fp32
+        # main-grad buffer every backward accumulates into (gradient_accumulation_fusion) and that is zeroed, not
+        # freed, each step; the distributed optimizer splits the main weights and the moments over the data-parallel
+        # GPUs. Megatron's theoretical memory: 18 B/param, or 6 + 12/dp.
+        c["w_full"] = psi * w
+        c["master_part"] = _ceil_div(psi * 4, n) if mixed else 0
+        c["g_buffer"] = psi * (4 if mixed else g)
+        notes.append(f"{STRATEGY_LABELS[s]}: 16-bit weights, an fp32 main-grad buffer kept through the step"
+                     + (", the fp32 main weights and the moments split over the data-parallel GPUs"
+                        if s == "megatron-distopt" else ", the fp32 main weights and the moments on every GPU"))
     else:  # zero3 and FSDP shard the parameters
         fsdp = s.startswith("fsdp")
         shard_bytes = 4 if (fsdp and mixed) else w  # FSDP shards fp32 flat parameters; ZeRO-3 16-bit ones
@@ -331,7 +350,7 @@ def model_states(
         active = ph in ("forward", "backward")
         params[ph] = c["w_full"] + c["w_part"] + (c["master_part"] if ph != "load" else 0) \
             + (c["gathered"] + c["copies"] if active else 0)
-        grads[ph] = 0 if ph == "load" else c["ddp_buckets"]
+        grads[ph] = 0 if ph == "load" else c["ddp_buckets"] + c["g_buffer"]
     grads["forward"] += c["g_bucket"]
     grads["backward"] += c["g_full"] + c["g_part"] + c["g_bucket"] + c["unit_grads"]
     grads["optimizer_step"] += (0 if par.offload != "none" else c["g_full"]) + c["g_part"] + c["g_fp32_part"]
@@ -383,6 +402,36 @@ def deepspeed_zero3_estimate(num_params: int, largest_layer: int, gpus_per_node:
         gpu = largest + int(18 * num_params / total)
         cpu = (largest_layer if zero_init else num_params) * 4 * gpus_per_node * buffer_factor
     return int(cpu), int(gpu)
+
+
+def megatron_theoretical_memory(hidden: int, ffn: int, layers: int, heads: int, kv_heads: int, vocab: int,
+                                *, swiglu: bool = True, rmsnorm: bool = True, untied: bool = True, tp: int = 1,
+                                pp: int = 1, dp: int = 1, distributed_optimizer: bool = False, seq: int = 2048,
+                                micro_batch: int = 1, microbatches: int | None = None,
+                                virtual: int | None = None) -> tuple[float, float]:
+    """Megatron-LM's ``theoretical_memory_usage``: (weights and optimizer, activations) in bytes for the most loaded
+    rank, under its assumptions (bf16 weights, fp32 main grads and weights, Adam: 18 B/param, or 6 + 12/dp with the
+    distributed optimizer; the most loaded shard holds ``(block/pp + embedding)/tp``; activations by Korthikanti et
+    al. 2022, Table 2, with sequence parallelism and selective recomputation, on the first stage). Dense models."""
+    norm = 1 if rmsnorm else 2
+    gated = 3 / 2 if swiglu else 1
+    attn = 2 * hidden * hidden * (1 + kv_heads / heads)
+    layer = 2 * hidden * (ffn * gated + norm) + attn
+    block = layer * layers + norm * hidden
+    embedding = hidden * vocab
+    shard = (block / pp + embedding) / tp
+    if untied and pp == 1:
+        shard += embedding / tp
+    weights = shard * (6 + 12 / dp if distributed_optimizer else 18)
+    act = seq * micro_batch * hidden * (18 + 4 * ffn / hidden) * layers
+    act += 8 * seq * micro_batch * pp + seq * micro_batch * hidden * pp
+    if virtual is not None:
+        act *= 1 + (pp - 1) / (pp * virtual)
+    elif pp > 1 and microbatches is not None:
+        act *= min(1, microbatches / pp)
+    if pp == 1:
+        act += seq * micro_batch * hidden * 4 * (1 + vocab / hidden)
+    return weights, act / tp
 
 
 def expert_parallel_states(par: Parallelism, num_params: int, expert_params: int, dense_unit: int,

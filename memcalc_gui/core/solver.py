@@ -412,7 +412,9 @@ def _tensor_parallel_degrees(setup: TrainingSetup) -> list[int]:
 
 STRATEGY_TITLES: dict[str, str] = {"zero1": "ZeRO-1", "zero2": "ZeRO-2 (DeepSpeed)", "zero3": "ZeRO-3 (DeepSpeed)",
                                    "fsdp-full-shard": "FSDP FULL_SHARD", "fsdp-shard-grad-op": "FSDP SHARD_GRAD_OP",
-                                   "fsdp-hybrid": "FSDP HYBRID_SHARD", "fsdp2": "FSDP2 (fully_shard, torchtitan)"}
+                                   "fsdp-hybrid": "FSDP HYBRID_SHARD", "fsdp2": "FSDP2 (fully_shard, torchtitan)",
+                                   "megatron": "Megatron-LM DDP",
+                                   "megatron-distopt": "Megatron-LM's distributed optimizer"}
 
 
 def _combinations(groups: dict[str, list[Lever]]) -> Iterator[tuple[Lever, ...]]:

@@ -26,6 +26,7 @@ from typing import Any
 from .. import install_hint
 from ..core.analytic import per_gpu_ledger, states_for
 from ..core.configfile import transformers_kwargs
+from ..core.distributed import BF16_COMPUTE
 from ..core.errors import InputError, MemcalcError, one_line
 from ..core.estimate import estimate
 from ..core.layout import tensor_parallel_spec
@@ -152,7 +153,8 @@ def trace_estimate(
 
     # FSDP2 under mixed precision computes in bf16 (its MixedPrecisionPolicy) over fp32 shards: trace the bf16 step,
     # and take the fp32 state the strategy shards from the optimizer's rule
-    fsdp2_mixed = setup.parallel.strategy == "fsdp2" and setup.precision == "mixed"
+    # (Megatron-LM's bf16 model likewise)
+    fsdp2_mixed = setup.parallel.strategy in BF16_COMPUTE and setup.precision == "mixed"
     compute = "bf16" if fsdp2_mixed else setup.precision
     fsdp2_pipeline = setup.parallel.pp > 1 and setup.parallel.strategy == "fsdp2" and setup.parallel.dp > 1
     t0 = time.perf_counter()

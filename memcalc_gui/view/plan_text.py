@@ -26,6 +26,8 @@ STRATEGY_SHORT: Final = {
     "fsdp-shard-grad-op": "FSDP shard-grad-op",
     "fsdp-hybrid": "FSDP hybrid shard",
     "fsdp2": "FSDP2",
+    "megatron": "Megatron DDP",
+    "megatron-distopt": "Megatron dist-opt",
 }
 #: Appended to the best strategy's label in :func:`plan_rows`.
 BEST_MARK: Final = " — best"
