@@ -84,6 +84,7 @@ SPECS = {n: preset_spec(n) for n in block_preset_names()}
 def test_per_gpu_memory_never_grows_with_more_gpus(name: str, strategy: str, a: int, b: int, precision: str,
                                                     offload: str, batch: int, seq: int) -> None:
     lo, hi = sorted((a, b))
+    offload = offload if strategy in ("zero1", "zero2", "zero3") or strategy.startswith("fsdp") else "none"
     base = TrainingSetup(model=SPECS[name], batch=batch, seq=seq, precision=precision)
     small = estimate(base.with_changes(parallel=Parallelism(gpus=lo, strategy=strategy, offload=offload)))
     big = estimate(base.with_changes(parallel=Parallelism(gpus=hi, strategy=strategy, offload=offload)))
