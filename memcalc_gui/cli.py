@@ -101,6 +101,7 @@ FLAGS = {
     "sp": "--sp",
     "loss_parallel": "--loss-parallel",
     "stage": "--stage",
+    "top": "--top",
     "reshard_after_forward": "--reshard-after-forward",
     "tuning": "--tuning",
     "lora_rank": "--lora-rank",
@@ -285,6 +286,13 @@ def build_parser() -> argparse.ArgumentParser:
                           "\"Memory over time\" figure (in a PDF, or a strip below a PNG's 1600×1000)")
     rep.add_argument("--page", choices=("a4", "letter"), default=None,
                      help="PDF paper size (default from the locale: Letter in the US, Canada, Mexico, …; else A4)")
+
+    lay = sub.add_parser("layouts", help="every tensor × pipeline × data-parallel split of --gpus, the most loaded "
+                                         "GPU's peak and whether it fits, ranked (docs/parallelism.md)")
+    _add_model_args(lay, params=False)
+    _add_setup_args(lay)
+    lay.add_argument("--top", default="15", metavar="N", help="print the best N layouts (default 15; 0: all)")
+    lay.add_argument("--json", action="store_true", help="print one JSON object")
 
     pre = sub.add_parser("presets", help="list model and GPU presets")
     pre.add_argument("--json", action="store_true")
@@ -747,6 +755,42 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_layouts(args: argparse.Namespace) -> int:
+    from .core.estimate import estimate
+    from .core.layouts import search
+
+    setup, _notes = setup_from_args(args)
+    if getattr(args, "unknown_config", None) is not None or setup.model is None:
+        raise InputError("model", "a layout search splits a model's layers and heads: give a preset or a config of a "
+                                  "family memcalc models")
+    top = parse_positive_int(args.top, "top", 10_000) if args.top.strip() not in ("0", "") else 0
+    layouts = search(setup, estimate, min_gpus_for=top or 10_000)
+    shown = layouts[:top] if top else layouts
+    if args.json:
+        _out(json.dumps({"schema": 1, "gpus": setup.parallel.gpus, "capacity_bytes": setup.capacity_bytes,
+                         "layouts": [lay.to_json() for lay in shown], "count": len(layouts)}, indent=2))
+        return 0
+    cap = setup.capacity_bytes
+    _out(f"{len(layouts)} layouts of {setup.parallel.gpus} GPUs for {setup.model.name or setup.model.family}"
+         + (f", {format_bytes(cap)} each" if cap else " (no capacity: --gpu or --capacity for a verdict)")
+         + "; best first: fits, then tokens/s by a rough step model (docs/parallelism.md), then headroom")
+    best = min((lay.seconds_per_token for lay in layouts if lay.fits is not False), default=None)
+    width = max((len(lay.label) for lay in shown), default=6)
+    _out(f"{'#':>3}  {'layout':<{width}} {'peak/GPU':>11} {'headroom':>11} {'speed':>6} {'bubble':>6} "
+         f"{'sent/GPU':>11} {'fewest GPUs':>11}")
+    for i, lay in enumerate(shown, 1):
+        head = "—" if lay.headroom_bytes is None else format_bytes(lay.headroom_bytes) if lay.fits else "over"
+        speed = f"{best / lay.seconds_per_token:.0%}" if best and lay.seconds_per_token else "—"
+        fewest = f"{lay.min_gpus:,}" if lay.min_gpus else "never" if lay.min_gpus_searched and cap else "—"
+        _out(f"{i:>3}  {lay.label:<{width}} {format_bytes(lay.peak_bytes):>11} {head:>11} {speed:>6} "
+             f"{lay.bubble:>6.0%} {format_bytes(lay.communication_bytes):>11} {fewest:>11}")
+    _out("speed: tokens per second relative to the best layout that fits (compute, pipeline bubble and "
+         "communication of one step; a ranking, not a forecast)")
+    if len(shown) < len(layouts):
+        _out(f"     … {len(layouts) - len(shown)} more (--top 0 shows all)")
+    return 0
+
+
 def cmd_presets(args: argparse.Namespace) -> int:
     models = []
     for name in preset_names():
@@ -811,6 +855,8 @@ def _run(argv: Sequence[str] | None) -> int:
             return cmd_report(args)
         if args.command == "reconcile":
             return cmd_reconcile(args)
+        if args.command == "layouts":
+            return cmd_layouts(args)
         return cmd_presets(args)
     except InputError as exc:
         _field_error(exc)

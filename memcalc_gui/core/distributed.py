@@ -75,6 +75,19 @@ STRATEGY_LABELS: Final = {
     "megatron": "Megatron-LM DDP (fp32 main grads)",
     "megatron-distopt": "Megatron-LM distributed optimizer",
 }
+#: Short strategy names for running text (the window's combo shows :data:`STRATEGY_LABELS`).
+STRATEGY_SHORT: Final = {
+    "ddp": "DDP",
+    "zero1": "ZeRO-1",
+    "zero2": "ZeRO-2",
+    "zero3": "ZeRO-3",
+    "fsdp-full-shard": "FSDP full shard",
+    "fsdp-shard-grad-op": "FSDP shard-grad-op",
+    "fsdp-hybrid": "FSDP hybrid shard",
+    "fsdp2": "FSDP2",
+    "megatron": "Megatron DDP",
+    "megatron-distopt": "Megatron dist-opt",
+}
 #: Strategies whose mixed precision computes in bf16 weights without autocast (FSDP2's MixedPrecisionPolicy;
 #: Megatron-LM's bf16 model with fp32 main weights in the optimizer).
 BF16_COMPUTE: Final = ("fsdp2", "megatron", "megatron-distopt")

@@ -664,7 +664,7 @@ def _every_lever_counts(setup: TrainingSetup, estimator: Estimator, combo: tuple
 def _fewest_gpus(setup: TrainingSetup, estimator: Estimator, capacity: int, limit: int = 0) -> int | None:
     """The fewest GPUs (at most ``limit``, default :data:`MAX_GPUS`) with which ``setup``'s strategy fits."""
     limit = min(limit or MAX_GPUS, MAX_GPUS)
-    group = setup.parallel.tp  # GPU counts come in whole tensor-parallel groups
+    group = setup.parallel.tp * setup.parallel.pp  # GPU counts come in whole model-parallel groups
     groups = limit // group
     if groups < 1:
         return None
@@ -733,7 +733,7 @@ def gpu_plan(setup: TrainingSetup, estimator: Estimator) -> GpuPlan | None:
         trial = _with_parallel(setup, strategy=strategy, gpus=gpus)
         return None if trial is None else estimator(trial).peak_bytes
 
-    group = setup.parallel.tp  # GPU counts come in whole tensor-parallel groups
+    group = setup.parallel.tp * setup.parallel.pp  # GPU counts come in whole model-parallel groups
     mins: dict[str, int | None] = {}
     for strategy in PREFERENCE:
         top = MAX_GPUS // group

@@ -9,26 +9,13 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Final
 
-from ..core.distributed import PREFERENCE, STRATEGY_LABELS
+from ..core.distributed import PREFERENCE, STRATEGY_LABELS, STRATEGY_SHORT
 from ..core.errors import InputError
 from ..core.estimate import estimate
 from ..core.result import Result
 from ..core.setup import TrainingSetup, gpu_presets
 from ..core.units import format_bytes
 
-#: Short strategy names for running text (the combo shows :data:`STRATEGY_LABELS`).
-STRATEGY_SHORT: Final = {
-    "ddp": "DDP",
-    "zero1": "ZeRO-1",
-    "zero2": "ZeRO-2",
-    "zero3": "ZeRO-3",
-    "fsdp-full-shard": "FSDP full shard",
-    "fsdp-shard-grad-op": "FSDP shard-grad-op",
-    "fsdp-hybrid": "FSDP hybrid shard",
-    "fsdp2": "FSDP2",
-    "megatron": "Megatron DDP",
-    "megatron-distopt": "Megatron dist-opt",
-}
 #: Appended to the best strategy's label in :func:`plan_rows`.
 BEST_MARK: Final = " — best"
 OFFLOAD_TEXT: Final = {

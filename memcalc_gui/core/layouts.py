@@ -1,0 +1,182 @@
+"""The layouts of a GPU count: every split of the model over tensor, pipeline and data parallelism, its most loaded
+GPU's peak, and a ranking by what fits and how fast it would train.
+
+A layout is ``tp × pp × dp`` GPUs with a data-parallel strategy. Tensor parallelism stays within a node and comes with
+sequence and loss parallelism (they only save memory); the stages split the layers evenly; the step's micro-batches
+are the setup's gradient-accumulation steps, so a layout with more data-parallel replicas trains on more tokens a step.
+
+Ranking (a heuristic, stated so it can be argued with): layouts that fit first, then the most tokens per second by a
+rough model of one step, then the most headroom. The step takes its compute, ``6 · parameters · tokens`` FLOPs spread
+over the GPUs at :data:`EFFECTIVE_FLOPS` each (Kaplan et al. 2020's 6N per token), stretched by the pipeline's bubble
+``(pp − 1)/(m·v + pp − 1)`` (Narayanan et al. 2021), plus its communication, not overlapped, at
+:data:`NVLINK_BYTES_PER_S` within a node and :data:`NETWORK_BYTES_PER_S` between nodes per GPU. Communication is what
+a GPU sends, ring collectives moving ``2(n − 1)/n`` of the buffer for an all-reduce:
+
+- data parallelism: the rank's gradients all-reduced once per step (DDP, ZeRO-1/2, Megatron: reduce-scatter +
+  all-gather of the same volume), and the weights gathered again in forward and backward for ZeRO-3/FSDP (3×);
+- tensor parallelism: four all-reduces (or their sequence-parallel reduce-scatter/all-gather pairs) of the hidden
+  states per layer and micro-batch, two in forward and two in backward (Shoeybi et al. 2019);
+- pipeline parallelism: the stage's output and its gradient once per micro-batch.
+
+The constants are an H100-class node's (bf16 at about 40 % of its dense peak, NVLink 4, one 400 Gb/s NIC per GPU);
+they rank layouts against each other, they do not predict a run's speed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Final
+
+from .distributed import MAX_PARALLEL_GPUS, STRATEGY_SHORT, Parallelism
+from .errors import InputError
+from .ledger import Estimate
+from .setup import TrainingSetup
+
+#: Strategies the search tries, least communication first (``distributed.PREFERENCE``'s order).
+LAYOUT_STRATEGIES: Final = ("ddp", "megatron", "zero1", "megatron-distopt", "zero2", "zero3", "fsdp2")
+TP_DEGREES: Final = (1, 2, 4, 8)
+PP_DEGREES: Final = (1, 2, 4, 8, 16, 32)
+#: The throughput model's constants (see the module's docstring).
+EFFECTIVE_FLOPS: Final = 400e12
+NVLINK_BYTES_PER_S: Final = 450e9
+NETWORK_BYTES_PER_S: Final = 50e9
+#: The fewest-GPUs search runs for this many of the best layouts (each is a bisection of a dozen estimates).
+MIN_GPUS_FOR: Final = 12
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One layout: its per-GPU peak, whether it fits, and the ranking's communication estimate."""
+
+    parallel: Parallelism
+    peak_bytes: int
+    capacity_bytes: int | None
+    communication_bytes: int
+    bubble: float
+    seconds_per_token: float  # the ranking's step model (module docstring); compare layouts, not runs
+    min_gpus: int | None = None  # the fewest GPUs of this tp × pp × strategy that fit (None: never, or not searched)
+    min_gpus_searched: bool = False
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.capacity_bytes is None else self.peak_bytes <= self.capacity_bytes
+
+    @property
+    def headroom_bytes(self) -> int | None:
+        return None if self.capacity_bytes is None else self.capacity_bytes - self.peak_bytes
+
+    @property
+    def label(self) -> str:
+        """``TP 8 + SP + loss parallel × PP 2 (1F1B) × FSDP2 over 4``."""
+        p = self.parallel
+        return (p.model_parallel_text + " × " if p.model_parallel_text else "") + \
+            f"{STRATEGY_SHORT.get(p.strategy, p.strategy)} over {p.dp:,}"
+
+    def to_json(self) -> dict[str, Any]:
+        p = self.parallel
+        return {"label": self.label, "gpus": p.gpus, "tp": p.tp, "pp": p.pp, "dp": p.dp, "sp": p.sp,
+                "loss_parallel": p.loss_parallel, "strategy": p.strategy, "schedule": p.schedule,
+                "peak_bytes": self.peak_bytes, "fits": self.fits, "seconds_per_token": self.seconds_per_token,
+                "headroom_bytes": self.headroom_bytes, "communication_bytes": self.communication_bytes,
+                "bubble": round(self.bubble, 4), "min_gpus": self.min_gpus}
+
+
+def candidates(setup: TrainingSetup, gpus: int | None = None) -> list[Parallelism]:
+    """Every layout of ``gpus`` (default the setup's) the model can be split into (see the module's docstring)."""
+    par = setup.parallel
+    gpus = gpus or par.gpus
+    out: list[Parallelism] = []
+    for tp in TP_DEGREES:
+        for pp in PP_DEGREES:
+            if gpus % (tp * pp) or tp > par.node_size:
+                continue
+            for strategy in LAYOUT_STRATEGIES:
+                try:
+                    layout = Parallelism(gpus=gpus, tp=tp, pp=pp, strategy=strategy,
+                                         node_size=par.node_size, sp=tp > 1, loss_parallel=tp > 1,
+                                         schedule=par.schedule if pp > 1 else "1f1b",
+                                         virtual_stages=par.virtual_stages if pp > 1 else 1)
+                    setup.with_changes(parallel=layout)  # the model must split this way
+                except InputError:
+                    continue
+                out.append(layout)
+    return out
+
+
+def communication(setup: TrainingSetup, par: Parallelism) -> tuple[int, float, float]:
+    """(bytes a GPU sends per step, the pipeline bubble, seconds per token) by the module's heuristic."""
+    spec = setup.model
+    if spec is None:
+        return 0, 0.0, 0.0
+    m, v = setup.grad_accum, par.virtual_stages
+    act = 4 if setup.precision == "fp32" else 2
+    grad = 4 if setup.precision in ("fp32", "mixed") else 2
+    rank_params = spec.num_params // (par.tp * par.pp)
+    hidden = setup.tokens * spec.hidden_size * act  # one micro-batch's hidden states
+
+    def ring(n: int) -> float:
+        return 2 * (n - 1) / n if n > 1 else 0.0
+
+    def leaves(group: int, stride: int) -> bool:  # a group of GPUs ``stride`` apart is wider than a node
+        return group * stride > par.node_size
+
+    gathers = 3 if par.strategy == "zero3" or par.strategy.startswith("fsdp") else 1
+    parts = [(ring(par.dp) * rank_params * grad * gathers, leaves(par.dp, par.tp * par.pp)),
+             (ring(par.tp) * 4 * (spec.num_layers // par.pp) * hidden * m, leaves(par.tp, 1)),
+             (2 * hidden * m if par.pp > 1 else 0, leaves(par.pp, par.tp))]
+    sent = sum(b for b, _ in parts)
+    comm_s = sum(b / (NETWORK_BYTES_PER_S if across else NVLINK_BYTES_PER_S) for b, across in parts)
+    bubble = (par.pp - 1) / (m * v + par.pp - 1) if par.pp > 1 else 0.0
+    tokens = setup.tokens * m * par.dp
+    compute_s = 6 * spec.num_params * tokens / (par.gpus * EFFECTIVE_FLOPS)
+    return int(sent), bubble, (compute_s / (1 - bubble) + comm_s) / tokens
+
+
+def search(setup: TrainingSetup, estimator: Callable[[TrainingSetup], Estimate], gpus: int | None = None,
+           min_gpus_for: int = MIN_GPUS_FOR) -> list[Layout]:
+    """The layouts of ``gpus`` GPUs, best first (the module's ranking), each with its most loaded GPU's peak; the
+    fewest GPUs each of the best ``min_gpus_for`` needs."""
+    if setup.model is None:
+        raise InputError("model", "a layout search splits a model's layers and heads: it needs an architecture")
+    cap = setup.capacity_bytes
+    found: list[Layout] = []
+    for par in candidates(setup, gpus):
+        trial = setup.with_changes(parallel=par)
+        comm, bubble, per_token = communication(trial, par)
+        found.append(Layout(par, estimator(trial).peak_bytes, cap, comm, bubble, per_token))
+    found.sort(key=lambda lay: (lay.fits is False, round(lay.seconds_per_token, 15),
+                                -(lay.headroom_bytes or 0), lay.peak_bytes))
+    if cap is not None:
+        found[:min_gpus_for] = [dataclasses.replace(lay, min_gpus=_fewest(setup, lay.parallel, estimator, cap),
+                                                    min_gpus_searched=True) for lay in found[:min_gpus_for]]
+    return found
+
+
+def _fewest(setup: TrainingSetup, par: Parallelism, estimator: Callable[[TrainingSetup], Estimate],
+            cap: int) -> int | None:
+    """The fewest GPUs with ``par``'s tp × pp × strategy that fit (one replica has no gradient buckets; from two on,
+    per-GPU memory never grows with more replicas)."""
+    group = par.tp * par.pp
+    top = min(4096, MAX_PARALLEL_GPUS) // group
+
+    def fits(k: int) -> bool:
+        try:
+            trial = setup.with_changes(parallel=dataclasses.replace(par, gpus=k * group))
+        except InputError:
+            return False
+        return estimator(trial).peak_bytes <= cap
+
+    if top >= 1 and fits(1):
+        return group
+    if top < 2 or not fits(top):
+        return None
+    lo, hi = 1, top
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi * group
