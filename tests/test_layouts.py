@@ -1,0 +1,96 @@
+"""The layout search (issue 17): every split of a GPU count over tensor, pipeline and data parallelism, each with its
+most loaded GPU's peak from the one estimator, ranked by fit, a stated step-time model and headroom."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from memcalc_gui.cli import main as cli_main
+from memcalc_gui.core.distributed import Parallelism
+from memcalc_gui.core.estimate import estimate
+from memcalc_gui.core.layouts import candidates, communication, search
+from memcalc_gui.core.model import preset_spec
+from memcalc_gui.core.setup import TrainingSetup, find_gpu
+
+H100 = find_gpu("h100-80gb").capacity_bytes
+
+
+def _setup(gpus: int = 64, **kw: object) -> TrainingSetup:
+    return TrainingSetup(model=preset_spec("llama-3.1-70b"), seq=8192, grad_accum=8, capacity_bytes=H100,
+                         gpu="h100-80gb", parallel=Parallelism(gpus=gpus), **kw)  # type: ignore[arg-type]
+
+
+def test_candidates_split_the_gpus_and_the_model() -> None:
+    setup = _setup()
+    spec = setup.model
+    assert spec is not None
+    found = candidates(setup)
+    assert found and len({(p.tp, p.pp, p.strategy) for p in found}) == len(found)
+    for p in found:
+        assert p.gpus == 64 and p.tp * p.pp * p.dp == 64 and p.tp <= p.node_size
+        assert spec.num_layers % p.pp == 0 and spec.num_kv_heads % p.tp == 0
+        assert p.sp == p.loss_parallel == (p.tp > 1)
+
+
+def test_layouts_come_ranked_and_their_peaks_are_the_estimators() -> None:
+    setup = _setup()
+    layouts = search(setup, estimate, min_gpus_for=3)
+    fits = [lay.fits for lay in layouts]
+    assert fits == sorted(fits, reverse=True)  # every layout that fits before any that does not
+    fitting = [lay for lay in layouts if lay.fits]
+    assert fitting, "a 70B model fits 64 H100s in some layout"
+    times = [lay.seconds_per_token for lay in fitting]
+    assert times == sorted(times)
+    for lay in layouts[:5]:
+        assert lay.peak_bytes == estimate(setup.with_changes(parallel=lay.parallel)).peak_bytes
+    for lay in layouts[:3]:  # the fewest GPUs of that shape fit, one group fewer does not
+        group = lay.parallel.tp * lay.parallel.pp
+        assert lay.min_gpus_searched and lay.min_gpus is not None and lay.min_gpus % group == 0
+        at_min = estimate(setup.with_changes(parallel=Parallelism(**{**_fields(lay.parallel), "gpus": lay.min_gpus})))
+        assert at_min.peak_bytes <= H100
+        if lay.min_gpus > 2 * group:
+            fewer = Parallelism(**{**_fields(lay.parallel), "gpus": lay.min_gpus - group})
+            assert estimate(setup.with_changes(parallel=fewer)).peak_bytes > H100
+
+
+def _fields(p: Parallelism) -> dict:
+    import dataclasses
+
+    return {f.name: getattr(p, f.name) for f in dataclasses.fields(p)}
+
+
+def test_the_step_model_charges_the_bubble_and_the_network() -> None:
+    setup = _setup()
+    few = setup.with_changes(grad_accum=2)
+    pipe = Parallelism(gpus=64, tp=8, pp=8, sp=True, loss_parallel=True)
+    _, bubble_few, slow = communication(few.with_changes(parallel=pipe), pipe)
+    _, bubble_many, fast = communication(setup.with_changes(parallel=pipe), pipe)
+    assert bubble_few > bubble_many and slow > fast  # more micro-batches hide the bubble
+    across = Parallelism(gpus=64, tp=8, sp=True, loss_parallel=True, strategy="zero1")  # 8 nodes of 8
+    within = Parallelism(gpus=64, tp=8, sp=True, loss_parallel=True, strategy="zero1", node_size=64)
+    assert communication(setup, within)[0] == communication(setup, across)[0]  # the same bytes, a faster link
+    assert communication(setup, within)[2] < communication(setup, across)[2]
+    assert communication(setup, Parallelism(gpus=64, strategy="fsdp2"))[0] > \
+        communication(setup, Parallelism(gpus=64, strategy="zero1"))[0]  # FSDP gathers the weights again
+
+
+def test_the_layouts_command_prints_a_ranked_table_and_json(capsys: pytest.CaptureFixture) -> None:
+    args = ["layouts", "--preset", "llama-3.1-70b", "--seq", "8192", "--gpus", "64", "--gpu", "h100-80gb",
+            "--grad-accum", "8", "--top", "5"]
+    assert cli_main(args) == 0
+    out = capsys.readouterr().out
+    assert "layouts of 64 GPUs" in out and "TP 8 + SP + loss parallel" in out and "… " in out
+    assert cli_main([*args, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert len(data["layouts"]) == 5 and data["count"] > 5
+    assert data["layouts"][0]["fits"] is True and data["layouts"][0]["min_gpus"] >= 8
+
+
+def test_bad_layout_input_exits_2_naming_the_flag(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["layouts", "--preset", "llama-3.1-70b", "--gpus", "64", "--top", "many"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--top" in err[0]
