@@ -296,3 +296,23 @@ def test_model_parallel_fields_set_the_layout_and_apply_only_where_they_can(wind
     # with tensor parallelism off the boxes keep their ticks but do not apply
     assert set_fields(w, gpus="2", tp="1", pp="2")
     assert not w.result.setup.parallel.sp and inputs.state().sp == "true" and not inputs.sp.isEnabled()
+
+
+def test_the_layout_search_lists_ranked_layouts_and_applies_one_as_one_undo_step(window, qtbot):
+    w = window
+    assert set_fields(w, gpus="64", seq="8192", grad_accum="8", checkpointing="none")
+    before = w.result.setup.parallel
+    dialog = w.show_layouts()
+    assert dialog is not None and dialog.isVisible()
+    table = dialog.table
+    assert table.rowCount() > 5 and table.item(0, 0).text().startswith("TP")
+    top = dialog.layouts[0]
+    assert top.fits and table.item(0, 1).text() == format_bytes(top.peak_bytes)
+    dialog.use_button.click()
+    qtbot.waitUntil(lambda: w.result.setup.parallel.tp == top.parallel.tp, timeout=3000)
+    par = w.result.setup.parallel
+    assert (par.tp, par.pp, par.strategy, par.sp, par.loss_parallel) == (
+        top.parallel.tp, top.parallel.pp, top.parallel.strategy, top.parallel.sp, top.parallel.loss_parallel)
+    assert w.result.estimate.peak_bytes == top.peak_bytes  # the window's number is the search's
+    w.undo()
+    assert w.result.setup.parallel == before

@@ -215,6 +215,7 @@ class InputPanel(QWidget):
     edited = Signal()
     open_config_requested = Signal()
     fetch_hub_requested = Signal(str)
+    layouts_requested = Signal()
 
     def __init__(self, preset_names: list[str], parent: QWidget | None = None, *,
                  preset_details: dict[str, str] | None = None, preset_groups: list[list[str]] | None = None) -> None:
@@ -485,6 +486,13 @@ class InputPanel(QWidget):
         self.allocator_reserve.setPlaceholderText("e.g. 10 %")
         self.allocator_reserve.setToolTip(TOOLTIPS["allocator_reserve"])
         self._row(gform, "Allocator reserve:", "allocator_reserve", self.allocator_reserve)
+        self.layouts_button = QPushButton("Find &layouts…")
+        self.layouts_button.setObjectName("findLayouts")
+        self.layouts_button.setToolTip("Every tensor × pipeline × data-parallel split of these GPUs, the most loaded "
+                                       "GPU's memory and whether it fits, best first (the same search as "
+                                       "`memcalc layouts`)")
+        self.layouts_button.clicked.connect(self.layouts_requested)
+        gform.addRow(self.layouts_button)
         outer.addWidget(gpu_group)
 
         # ---- a general message (errors that belong to no single field) ----
@@ -587,7 +595,7 @@ class InputPanel(QWidget):
                  self.capacity, self.gpus, self.tp, self.sp, self.loss_parallel, self.pp, self.schedule,
                  self.virtual_stages,
                  self.strategy, self.reshard_after_forward, self.node_size,
-                 self.ep, self.offload, self.cuda_context, self.allocator_reserve]
+                 self.ep, self.offload, self.cuda_context, self.allocator_reserve, self.layouts_button]
         for a, b in itertools.pairwise(chain):
             QWidget.setTabOrder(a, b)
 

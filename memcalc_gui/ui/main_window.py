@@ -62,6 +62,7 @@ from .form import (
     state_with_changes,
 )
 from .inputs import InputPanel
+from .layouts_dialog import LayoutsDialog
 from .ledger_table import LedgerTable
 from .measure_panel import MeasurePanel
 from .results import METHOD_NOTES, AdvicePanel, VerdictBanner
@@ -229,6 +230,7 @@ class MainWindow(QMainWindow):
         self.inputs.edited.connect(self.schedule_refresh)
         self.inputs.open_config_requested.connect(self.choose_config)
         self.inputs.fetch_hub_requested.connect(self.fetch_hub)
+        self.inputs.layouts_requested.connect(self.show_layouts)
         self.fits: dict[str, Any] = {}  # fitted-method calibrations by config and setup (or why one failed)
         self._fit_job: str | None = None
         self.fit_runner = TaskRunner("memcalc-fit", parent=self)
@@ -806,6 +808,19 @@ class MainWindow(QMainWindow):
             return
         self.push_state(new, title)
         self.statusBar().showMessage(f"Applied: {title} (Ctrl+Z undoes)", 8000)
+
+    def show_layouts(self) -> LayoutsDialog | None:
+        """The layout search of the current setup in a dialog; the layout chosen there is one undoable step."""
+        if self._dirty():
+            self.refresh()
+        if self.result is None or self.result.setup.model is None:
+            self.statusBar().showMessage("A layout search needs an architecture: a preset or a config.json", 8000)
+            return None
+        dialog = LayoutsDialog(self.result.setup, self)
+        dialog.chosen.connect(lambda changes, title: self.apply_changes(title, changes))
+        dialog.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
+        dialog.open()
+        return dialog
 
     def reset_to_defaults(self) -> None:
         self.push_state(default_state(), "Reset to defaults")

@@ -1,0 +1,123 @@
+"""The layout search in the window: every tensor × pipeline × data-parallel split of the current GPU count
+(:func:`memcalc_gui.core.layouts.search`), best first; choosing one applies it to the form as one undoable step.
+
+The dialog is given the setup and returns the chosen layout as form changes; it knows nothing of the main window.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtGui import QPalette
+from PySide6.QtWidgets import (
+    QAbstractItemView,
+    QDialog,
+    QDialogButtonBox,
+    QHeaderView,
+    QLabel,
+    QTableWidget,
+    QTableWidgetItem,
+    QVBoxLayout,
+    QWidget,
+)
+
+from ..core.errors import InputError
+from ..core.estimate import estimate
+from ..core.layouts import Layout, search
+from ..core.setup import TrainingSetup
+from ..core.units import format_bytes
+
+#: Rows shown (the search ranks them all; the best are what a person compares).
+SHOWN = 40
+COLUMNS = ("Layout", "Peak per GPU", "Headroom", "Speed", "Bubble", "Fewest GPUs")
+
+
+def layout_changes(layout: Layout) -> dict[str, str]:
+    """The form fields that set ``layout`` (the schedule and stages per GPU stay the form's)."""
+    p = layout.parallel
+    return {"gpus": str(p.gpus), "tp": str(p.tp), "pp": str(p.pp), "strategy": p.strategy,
+            "sp": "true" if p.sp else "false", "loss_parallel": "true" if p.loss_parallel else "false"}
+
+
+class LayoutsDialog(QDialog):
+    """A ranked table of the layouts of ``setup``'s GPU count; :attr:`chosen` carries the form changes."""
+
+    chosen = Signal(dict, str)
+
+    def __init__(self, setup: TrainingSetup, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setWindowTitle(f"Layouts of {setup.parallel.gpus:,} GPUs")
+        self.setObjectName("layoutsDialog")
+        self.resize(820, 480)
+        lay = QVBoxLayout(self)
+        try:
+            self.layouts = search(setup, estimate, min_gpus_for=SHOWN)
+            error = ""
+        except InputError as exc:
+            self.layouts, error = [], exc.reason
+        cap = setup.capacity_bytes
+        fitting = [x for x in self.layouts if x.fits is not False]
+        intro = QLabel(
+            error or f"{len(self.layouts)} ways to split {setup.model.name if setup.model else 'the model'} over "
+            f"{setup.parallel.gpus:,} GPUs"
+            + (f" of {format_bytes(cap)}" if cap else " (choose a GPU or a capacity for a verdict)")
+            + f"; {len(fitting)} fit. Best first: what fits, then speed by a rough model of one step (compute, the "
+              "pipeline bubble, communication; a ranking, not a forecast), then headroom. Tensor parallelism stays "
+              "within a node, with sequence and loss parallelism.")
+        intro.setWordWrap(True)
+        lay.addWidget(intro)
+        self.table = QTableWidget(0, len(COLUMNS))
+        self.table.setObjectName("layoutsTable")
+        self.table.setHorizontalHeaderLabels(COLUMNS)
+        self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
+        self.table.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
+        self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
+        self.table.verticalHeader().setVisible(False)
+        header = self.table.horizontalHeader()
+        header.setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
+        for i in range(1, len(COLUMNS)):
+            header.setSectionResizeMode(i, QHeaderView.ResizeMode.ResizeToContents)
+        self._fill(self.layouts[:SHOWN], cap)
+        self.table.itemDoubleClicked.connect(lambda *_: self._use())
+        lay.addWidget(self.table, 1)
+        buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Close)
+        self.use_button = buttons.addButton("Use this layout", QDialogButtonBox.ButtonRole.AcceptRole)
+        self.use_button.setEnabled(bool(self.layouts))
+        self.use_button.clicked.connect(self._use)
+        buttons.rejected.connect(self.reject)
+        lay.addWidget(buttons)
+        if self.layouts:
+            self.table.selectRow(0)
+
+    def _fill(self, rows: list[Layout], cap: int | None) -> None:
+        best = min((x.seconds_per_token for x in self.layouts if x.fits is not False and x.seconds_per_token),
+                   default=None)
+        dim = self.palette().color(QPalette.ColorGroup.Disabled, QPalette.ColorRole.Text)
+        self.table.setRowCount(len(rows))
+        for r, layout in enumerate(rows):
+            head = "—" if layout.headroom_bytes is None else \
+                format_bytes(layout.headroom_bytes) if layout.fits else "over"
+            fewest = f"{layout.min_gpus:,}" if layout.min_gpus else "never" if layout.min_gpus_searched and cap \
+                else "—"
+            speed = f"{best / layout.seconds_per_token:.0%}" if best and layout.seconds_per_token else "—"
+            cells = (layout.label, format_bytes(layout.peak_bytes), head, speed, f"{layout.bubble:.0%}", fewest)
+            for c, text in enumerate(cells):
+                item = QTableWidgetItem(text)
+                if c:
+                    item.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
+                if layout.fits is False:
+                    item.setForeground(dim)
+                    item.setToolTip("Does not fit: the most loaded GPU needs more than the capacity")
+                self.table.setItem(r, c, item)
+
+    def selected(self) -> Layout | None:
+        rows = self.table.selectionModel().selectedRows()
+        return self.layouts[rows[0].row()] if rows else None
+
+    def _use(self, *_: Any) -> None:
+        layout = self.selected()
+        if layout is None:
+            return
+        self.chosen.emit(layout_changes(layout), f"Use layout {layout.label}")
+        self.accept()
