@@ -1,6 +1,7 @@
 """A real multi-process training step over several CPU processes (PyTorch's gloo backend), each rank measured with
 the live-storage tracker: the check of the per-GPU ledgers against the engines themselves, not only their formulas.
-DDP wraps the model in ``DistributedDataParallel`` (its defaults);
+DDP wraps the model in ``DistributedDataParallel`` (its defaults); ``pipeline:<schedule>`` runs one pipeline stage per
+process under PyTorch's schedule (:mod:`memcalc_gui.trace.pipeline`), activations and gradients really sent;
 
 FSDP2 (``torch.distributed.fsdp.fully_shard``) wraps every decoder layer and then the root model, as torchtitan's
 ``apply_fsdp`` does; under mixed precision its ``MixedPrecisionPolicy`` gathers bf16 weights and reduces gradients
@@ -72,8 +73,17 @@ def _rank(rank: int, world: int, port: int, kwargs: dict[str, Any], strategy: st
                                       autocast=False, seed=rank)
         elif strategy == "ddp":
             m = measure_training_step(**kwargs, parallelize=ddp_parallelize(), seed=rank)
+        elif strategy.startswith("pipeline:"):  # pipeline:<schedule>: one stage per process, sends and receives real
+            from ..trace.fake import unpacked_sequences
+            from ..trace.pipeline import PipeRank, cutter, driver
+
+            layout = PipeRank(world, rank, strategy.split(":", 1)[1], 1, kwargs["grad_accum"])
+            make = driver(kwargs["config"], layout, batch=kwargs["batch"], seq=kwargs["seq"],
+                          precision=kwargs["precision"])
+            with unpacked_sequences():
+                m = measure_training_step(**kwargs, parallelize=cutter(layout), pipeline=make, seed=0)
         else:
-            raise ValueError(f"the multi-process CPU step runs ddp or fsdp2, not {strategy!r}")
+            raise ValueError(f"the multi-process CPU step runs ddp, fsdp2 or pipeline:<schedule>, not {strategy!r}")
         out.put((rank, m, None))
     except Exception as exc:  # reported to the parent, which raises it
         out.put((rank, None, f"{type(exc).__name__}: {exc}"))
