@@ -184,16 +184,18 @@ def _rank_estimate(setup: TrainingSetup, spec: ModelSpec, rank: int, m: int,
         if ph != "load":  # the token ids; the receive buffers hold activations (or their gradients)
             objects["inputs"] = inputs
             objects["activations"] = objects.get("activations", 0) + buffers
-        if gathered and after_backward and ph in ("forward", "backward"):
+        if gathered and (after_backward and ph == "forward" or ph == "backward"):
             # FSDP2: the unsharded gradients accumulate (in backward also a unit's 16-bit gradient on its way into
-            # the accumulator), none reduce-scattered yet; the units a backward gathered stay gathered until the
-            # next forward reshards them: a moment as FSDP2 gathers, or one with every unit gathered beside the
-            # micro-batches in flight (a backward's end, a forward's start)
+            # the accumulator), none reduce-scattered before the step's last backward has ended; the units a
+            # backward gathered stay gathered until the next forward reshards them: a moment as FSDP2 gathers, or
+            # one with every unit gathered and every gradient made beside the micro-batches in flight (a backward's
+            # end, a forward's start)
             grads = unsynced + (stage_unit * 2 if ph == "backward" and setup.precision == "mixed" else 0)
-            everything = {"parameters": acc.phases["load"].objects["parameters"] + gathered, "gradients": grads,
+            everything = {"parameters": acc.phases["load"].objects["parameters"] + gathered, "gradients": unsynced,
                           "optimizer_state": objects.get("optimizer_state", 0),
                           "inputs": objects.get("inputs", 0), "activations": more + buffers}
-            objects = max(dict(objects, gradients=grads), everything, key=lambda o: sum(o.values()))
+            working = dict(objects, gradients=grads) if after_backward else objects
+            objects = max(working, everything, key=lambda o: sum(o.values()))
         return objects
 
     phases = {}

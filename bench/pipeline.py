@@ -1,0 +1,86 @@
+"""Pipeline ranks: each stage's ledger against the rank traced under PyTorch's own schedules (issue 17). Prints each
+case's formula-vs-trace difference per phase for the first, second and last rank, and a summary per kind.
+
+    python bench/pipeline.py [--quick]
+
+The trace (``memcalc_gui.trace.pipeline``) cuts the real transformers model into stages, runs ScheduleGPipe,
+Schedule1F1B or ScheduleInterleaved1F1B on PyTorch's fake process group (with FSDP2 over each stage's data-parallel
+ranks where the case says so), on fake tensors; it equals the same step with real tensors, and a real 2-process gloo
+pipeline within one micro-batch's hidden states (``tests/test_pipeline.py``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import time
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.accuracy import FAMILIES
+from memcalc_gui.core.analytic import estimate_analytic
+from memcalc_gui.core.distributed import Parallelism
+from memcalc_gui.core.model import spec_from_config
+from memcalc_gui.core.pipeline import _rank_estimate
+from memcalc_gui.core.setup import TrainingSetup
+
+CONFIGS = {"llama-8L": dict(FAMILIES["llama"], num_hidden_layers=8),
+           "qwen2-tied-4L": dict(FAMILIES["qwen2"], num_hidden_layers=4),
+           "mistral-8L": dict(FAMILIES["mistral"], num_hidden_layers=8)}
+STEP = dict(batch=2, seq=64)
+PHASES = ("forward", "backward", "optimizer_step")
+
+
+def case(name: str, pp: int, m: int, schedule: str, v: int, precision: str, ckpt: str, dp: int) -> dict[int, dict]:
+    """{rank: {phase: formula − trace, % of the trace}} for the first, second and last rank."""
+    from memcalc_gui.trace.pipeline import PipeRank, trace_pipeline_rank
+
+    cfg = CONFIGS[name]
+    setup = TrainingSetup(model=spec_from_config(cfg), grad_accum=m, precision=precision,  # type: ignore[arg-type]
+                          checkpointing=ckpt, optimizer_impl="foreach", target_device="cpu",  # type: ignore
+                          cuda_context_bytes=0, allocator_reserve=0.0,
+                          parallel=Parallelism(gpus=pp * dp, pp=pp, schedule=schedule,  # type: ignore[arg-type]
+                                               virtual_stages=v, strategy="fsdp2" if dp > 1 else "ddp"), **STEP)
+    assert setup.model is not None
+    out = {}
+    for rank in sorted({0, 1, pp - 1}):
+        traced = trace_pipeline_rank(cfg, PipeRank(pp, rank, schedule, v, m, dp_shard=dp), precision=precision,
+                                     checkpointing=ckpt, optimizer_impl="foreach", **STEP)
+        ledger = _rank_estimate(setup, setup.model, rank, m, estimate_analytic)
+        out[rank] = {ph: 100 * (ledger.phases[ph].total_bytes / traced.phases[ph].peak_bytes - 1) for ph in PHASES}
+    return out
+
+
+def main(quick: bool = False) -> None:
+    warnings.filterwarnings("ignore")
+    layouts = [(2, 4, "1f1b", 1), (4, 8, "1f1b", 1), (4, 4, "1f1b", 1), (2, 4, "gpipe", 1),
+               (2, 4, "interleaved-1f1b", 2)]
+    precisions = ("fp32", "mixed") if quick else ("fp32", "mixed", "bf16")
+    names = ("llama-8L",) if quick else tuple(CONFIGS)
+    print(f"{'model':<14}{'pp':>3}{'m':>3} {'schedule':<17}{'dp':>3} {'precision':<9} {'ckpt':<5}{'rank':>5}"
+          + "".join(f"{p[:8]:>10}" for p in PHASES) + "   (formula − trace, % of trace)")
+    worst: dict[str, list[float]] = {}
+    start = time.perf_counter()
+    for name, (pp, m, schedule, v), precision, ckpt, dp in itertools.product(
+            names, layouts, precisions, ("none", "full"), (1, 2)):
+        if name == "qwen2-tied-4L" and pp * v > 4:
+            continue
+        if dp > 1 and (schedule != "1f1b" or precision == "bf16"):
+            continue  # FSDP2 × PP: 1F1B, fp32 and mixed (its policy)
+        for rank, diff in case(name, pp, m, schedule, v, precision, ckpt, dp).items():
+            kind = ("fsdp2 × " if dp > 1 else "") + schedule
+            worst.setdefault(kind, []).append(max(abs(d) for d in diff.values()))
+            print(f"{name:<14}{pp:>3}{m:>3} {schedule:<17}{dp:>3} {precision:<9} {ckpt:<5}{rank:>5}"
+                  + "".join(f"{diff[p]:>+10.2f}" for p in PHASES))
+    print()
+    print(f"{'kind':<24}{'ranks':>7}{'≤ 1 %':>8}{'≤ 2 %':>8}{'≤ 3 %':>8}{'worst':>9}")
+    for kind, errs in worst.items():
+        print(f"{kind:<24}{len(errs):>7}{sum(e <= 1 for e in errs):>8}{sum(e <= 2 for e in errs):>8}"
+              f"{sum(e <= 3 for e in errs):>8}{max(errs):>8.2f}%")
+    print(f"\n{sum(len(v) for v in worst.values())} traced ranks in {time.perf_counter() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main("--quick" in sys.argv)
