@@ -184,7 +184,7 @@ def _rank_estimate(setup: TrainingSetup, spec: ModelSpec, rank: int, m: int,
         if ph != "load":  # the token ids; the receive buffers hold activations (or their gradients)
             objects["inputs"] = inputs
             objects["activations"] = objects.get("activations", 0) + buffers
-        if gathered and (after_backward and ph == "forward" or ph == "backward"):
+        if gathered and ((after_backward and ph == "forward") or ph == "backward"):
             # FSDP2: the unsharded gradients accumulate (in backward also a unit's 16-bit gradient on its way into
             # the accumulator), none reduce-scattered before the step's last backward has ended; the units a
             # backward gathered stay gathered until the next forward reshards them: a moment as FSDP2 gathers, or
