@@ -96,6 +96,7 @@ FLAGS = {
     "ep": "--ep",
     "tp": "--tp",
     "pp": "--pp",
+    "cp": "--cp",
     "schedule": "--schedule",
     "virtual_stages": "--virtual-stages",
     "sp": "--sp",
@@ -227,6 +228,9 @@ def _add_setup_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--loss-parallel", action="store_true",
                    help="beside --tp: the embedding's rows, the head's columns and the loss split over the tensor-"
                         "parallel GPUs (torchtitan's loss parallel, Megatron-LM's vocab-parallel cross-entropy)")
+    p.add_argument("--cp", default="1", metavar="N",
+                   help="context parallelism: each sequence split over N GPUs, attention as ring attention "
+                        "(torchtitan's context_parallel; default 1); the state is sharded over data × context ranks")
     p.add_argument("--pp", default="1", metavar="N",
                    help="pipeline parallelism: the decoder layers split into N stages on as many GPUs (default 1); "
                         "the step's micro-batches are --grad-accum; the ledger is the most loaded stage's")
@@ -423,6 +427,7 @@ def setup_from_args(args: argparse.Namespace) -> tuple[TrainingSetup, list[str]]
                                  ep=parse_positive_int(getattr(args, "ep", "1"), "ep", MAX_PARALLEL_GPUS),
                                  tp=parse_positive_int(getattr(args, "tp", "1"), "tp", MAX_PARALLEL_GPUS),
                                  pp=parse_positive_int(getattr(args, "pp", "1"), "pp", MAX_PARALLEL_GPUS),
+                                 cp=parse_positive_int(getattr(args, "cp", "1"), "cp", MAX_PARALLEL_GPUS),
                                  schedule=getattr(args, "schedule", "1f1b"),
                                  virtual_stages=parse_positive_int(getattr(args, "virtual_stages", "1"),
                                                                    "virtual_stages", MAX_PARALLEL_GPUS),
@@ -491,7 +496,8 @@ def format_ledger(result: Result) -> str:
                      + (f", pipeline {par.pp} stages ({par.schedule}"
                         + (f", {par.virtual_stages} per GPU" if par.virtual_stages > 1 else "") + ")"
                         if par.pp > 1 else "")
-                     + (f" × data parallel {par.dp}" if par.tp > 1 or par.pp > 1 else "")
+                     + (f", context parallel {par.cp}" if par.cp > 1 else "")
+                     + (f" × data parallel {par.dp}" if par.tp > 1 or par.pp > 1 or par.cp > 1 else "")
                      + " — the ledger is per GPU")
     for row in est.details.get("pipeline_ranks", ()):
         lines.append(f"Stage      pipeline rank {row['rank'] + 1} of {par.pp}: peak {format_bytes(row['peak_bytes'])}"

@@ -349,3 +349,49 @@ def test_a_real_two_process_pipeline_matches_the_trace_and_the_ledger() -> None:
             got = real[rank].phases[ph].peak_bytes
             assert 0 <= got - traced.phases[ph].peak_bytes <= hidden, (rank, ph)
             assert ledger.phases[ph].total_bytes == pytest.approx(got, rel=0.025), (rank, ph)
+
+
+# ---- context parallelism ----------------------------------------------------------------------------------------------
+def test_a_context_parallel_rank_is_the_model_at_its_share_of_the_sequence_plus_the_ring() -> None:
+    """One of cp ranks runs seq/cp tokens of every sequence, with its state sharded over dp × cp (torchtitan's mesh):
+    the ledger of 8 data-parallel ranks at seq/2, plus the key/value chunks of ring attention."""
+    spec = preset_spec("llama-3.1-8b")
+    cp = estimate(TrainingSetup(model=spec, seq=65536, checkpointing="full",
+                                parallel=Parallelism(gpus=8, cp=2, strategy="fsdp2")))
+    half = estimate(TrainingSetup(model=spec, seq=32768, checkpointing="full",
+                                  parallel=Parallelism(gpus=8, strategy="fsdp2")))
+    for ph in ("forward", "backward", "optimizer_step"):
+        a, b = cp.phases[ph].objects, half.phases[ph].objects
+        for obj in ("parameters", "gradients", "optimizer_state", "activations"):
+            assert a[obj] == b[obj], (ph, obj)
+    kv = 32768 * spec.kv_dim * 2 * 2
+    assert cp.phases["forward"].objects["temporaries"] - half.phases["forward"].objects["temporaries"] == 2 * kv
+    assert cp.phases["backward"].objects["temporaries"] > half.phases["backward"].objects["temporaries"]
+    assert any("Context parallelism over 2 GPUs" in a for a in cp.assumptions)
+
+
+@pytest.mark.parametrize(("kw", "par", "words"), [
+    (dict(seq=1004), dict(gpus=8, cp=4), "equal chunks"),
+    (dict(seq=8192, attention="eager"), dict(gpus=8, cp=2), "ring attention"),
+    (dict(seq=8192), dict(gpus=8, tp=4, cp=4), "multiple of tp × pp × cp"),
+])
+def test_context_parallel_layouts_that_cannot_run_are_refused_naming_cp(kw: dict, par: dict, words: str) -> None:
+    with pytest.raises(InputError, match=words) as exc:
+        TrainingSetup(model=preset_spec("llama-3.1-8b"), parallel=Parallelism(**par), **kw)
+    assert exc.value.field == "cp"
+
+
+def test_long_sequences_get_context_parallelism_suggested_and_the_trace_says_it_cannot(
+        capsys: pytest.CaptureFixture) -> None:
+    args = ["estimate", "--preset", "llama-3.1-8b", "--seq", "128k", "--gpus", "8", "--strategy", "fsdp2",
+            "--checkpointing", "full", "--gpu", "h100-80gb"]
+    assert cli_main(args) == 0
+    assert "Split each sequence over 4 GPUs (context parallelism)" in capsys.readouterr().out
+    assert cli_main([*args, "--cp", "4", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["cp"] == 4 and data["dp"] == 2 and data["fits"]
+    from memcalc_gui.trace.fake import TraceError, trace_estimate
+
+    with pytest.raises(TraceError, match="ring attention"):
+        trace_estimate(TrainingSetup(model=preset_spec("llama-3.2-1b"), seq=4096,
+                                     parallel=Parallelism(gpus=2, cp=2)))

@@ -316,3 +316,16 @@ def test_the_layout_search_lists_ranked_layouts_and_applies_one_as_one_undo_step
     assert w.result.estimate.peak_bytes == top.peak_bytes  # the window's number is the search's
     w.undo()
     assert w.result.setup.parallel == before
+
+
+def test_a_context_parallel_suggestion_applies_and_a_layout_it_breaks_is_marked(window):
+    w = window
+    assert set_fields(w, preset="llama-3.1-8b", seq="131072", gpus="8", strategy="fsdp2", checkpointing="full")
+    assert not w.result.verdict.fits
+    fix = next(s for s in w.result.verdict.suggestions if "context parallelism" in s.title)
+    w.apply_changes(fix.title, fix.changes)
+    assert w.result.setup.parallel.cp == fix.changes["cp"] and w.inputs.state().cp == str(fix.changes["cp"])
+    assert "CP " in w.chart.title_text()
+    before = w.result
+    assert not set_fields(w, tp="8")  # 8 GPUs are not whole groups of tp 8 × cp
+    assert "cp" in w.inputs.errors() and w.result is before

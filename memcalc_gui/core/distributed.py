@@ -155,9 +155,12 @@ class Parallelism:
     #: embedding and cross-entropy): the embedding's rows and the head's columns split over the tensor-parallel
     #: ranks, each computing the loss over its slice of the logits.
     loss_parallel: bool = False
+    #: Context parallelism: each sequence split over this many GPUs, attention run as ring attention over the chunks
+    #: (torchtitan's ``context_parallel``); the sharded state is split over ``dp × cp``, as torchtitan's mesh does.
+    cp: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("gpus", "node_size", "ep", "tp", "pp", "virtual_stages"):
+        for name in ("gpus", "node_size", "ep", "tp", "pp", "virtual_stages", "cp"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InputError(name, f"must be a positive integer, got {value!r}")
@@ -189,6 +192,11 @@ class Parallelism:
         if self.gpus % (self.tp * self.pp):
             raise InputError("pp", f"{self.gpus:,} GPUs cannot be split into {self.pp} pipeline stages of "
                                    f"{self.tp} tensor-parallel GPU(s): the GPU count must be a multiple of tp × pp")
+        if self.gpus % (self.tp * self.pp * self.cp):
+            raise InputError("cp", f"{self.gpus:,} GPUs cannot be split into context-parallel groups of {self.cp}: the "
+                                   "GPU count must be a multiple of tp × pp × cp")
+        if self.cp > 1 and (self.ep > 1 or self.offload != "none"):
+            raise InputError("cp", "context parallelism beside expert parallelism or offload is not modelled yet")
         if self.schedule not in SCHEDULES:
             raise InputError("schedule", f"must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if (self.virtual_stages > 1) != (self.schedule == "interleaved-1f1b"):
@@ -219,12 +227,14 @@ class Parallelism:
     def dp(self) -> int:
         """Data-parallel replicas of each model-parallel shard (one tensor-parallel group of one pipeline stage): the
         GPUs the strategy runs over."""
-        return self.gpus // (self.tp * self.pp)
+        return self.gpus // (self.tp * self.pp * self.cp)
 
     @property
     def model_parallel_text(self) -> str:
         """``TP 8 + SP × PP 2 (1F1B)``: the model-parallel dimensions, or "" when there are none."""
         parts = []
+        if self.cp > 1:
+            parts.append(f"CP {self.cp}")
         if self.tp > 1:
             parts.append(f"TP {self.tp}" + (" + SP" if self.sp else "") + (" + loss parallel" if self.loss_parallel
                                                                             else ""))

@@ -1,7 +1,8 @@
 """The layouts of a GPU count: every split of the model over tensor, pipeline and data parallelism, its most loaded
 GPU's peak, and a ranking by what fits and how fast it would train.
 
-A layout is ``tp × pp × dp`` GPUs with a data-parallel strategy. Tensor parallelism stays within a node and comes with
+A layout is ``tp × pp × cp × dp`` GPUs (the setup's context parallelism kept) with a data-parallel strategy. Tensor
+parallelism stays within a node and comes with
 sequence and loss parallelism (they only save memory); the stages split the layers evenly; the step's micro-batches
 are the setup's gradient-accumulation steps, so a layout with more data-parallel replicas trains on more tokens a step.
 
@@ -90,14 +91,14 @@ def candidates(setup: TrainingSetup, gpus: int | None = None) -> list[Parallelis
     out: list[Parallelism] = []
     for tp in TP_DEGREES:
         for pp in PP_DEGREES:
-            if gpus % (tp * pp) or tp > par.node_size:
+            if gpus % (tp * pp * par.cp) or tp > par.node_size:
                 continue
             for strategy in LAYOUT_STRATEGIES:
                 try:
                     layout = Parallelism(gpus=gpus, tp=tp, pp=pp, strategy=strategy,
                                          node_size=par.node_size, sp=tp > 1, loss_parallel=tp > 1,
                                          schedule=par.schedule if pp > 1 else "1f1b",
-                                         virtual_stages=par.virtual_stages if pp > 1 else 1)
+                                         virtual_stages=par.virtual_stages if pp > 1 else 1, cp=par.cp)
                     setup.with_changes(parallel=layout)  # the model must split this way
                 except InputError:
                     continue
@@ -158,7 +159,7 @@ def _fewest(setup: TrainingSetup, par: Parallelism, estimator: Callable[[Trainin
             cap: int) -> int | None:
     """The fewest GPUs with ``par``'s tp × pp × strategy that fit (one replica has no gradient buckets; from two on,
     per-GPU memory never grows with more replicas)."""
-    group = par.tp * par.pp
+    group = par.tp * par.pp * par.cp
     top = min(4096, MAX_PARALLEL_GPUS) // group
 
     def fits(k: int) -> bool:

@@ -82,6 +82,7 @@ class Result:
             "dp": est.setup.parallel.dp,
             "pp": est.setup.parallel.pp,
             "sp": est.setup.parallel.sp,
+            "cp": est.setup.parallel.cp,
             "pipeline_rank": est.details.get("pipeline_rank"),
             "pipeline_ranks": list(est.details.get("pipeline_ranks", ())),
             "reshard_after_forward": est.setup.parallel.reshard_after_forward,

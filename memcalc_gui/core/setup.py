@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Final, Literal, get_args
 
+from .context import check_context_parallel
 from .distributed import Parallelism
 from .errors import InputError
 from .finetune import FineTuning
@@ -253,6 +254,13 @@ class TrainingSetup:
             if self.tuning.method != "full":
                 raise InputError("tp", f"{self.tuning.method} beside tensor parallelism is not modelled yet")
         par = self.parallel
+        if par.cp > 1:
+            if self.model is None:
+                raise InputError("cp", "context parallelism splits a model's sequences: it needs an architecture (a "
+                                       "preset or config.json)")
+            if self.tuning.method != "full":
+                raise InputError("cp", f"{self.tuning.method} beside context parallelism is not modelled yet")
+            check_context_parallel(self)
         if par.pp > 1 or par.sp:
             if self.model is None:
                 raise InputError("pp" if par.pp > 1 else "sp", "pipeline and sequence parallelism split a model's "
@@ -405,6 +413,7 @@ class TrainingSetup:
             "schedule": self.parallel.schedule,
             "virtual_stages": self.parallel.virtual_stages,
             "sp": self.parallel.sp,
+            "cp": self.parallel.cp,
             "loss_parallel": self.parallel.loss_parallel,
             "reshard_after_forward": self.parallel.reshard_after_forward,
             "tuning": self.tuning.method,

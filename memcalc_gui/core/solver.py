@@ -234,6 +234,9 @@ LEVER_COSTS: dict[str, int] = {
     "optimizer-in-backward": 12,  # a custom loop step: no gradient accumulation or clipping over all gradients
     "strategy": 6,
     "tp": 9,  # an all-reduce per layer in forward and backward: fast links (one node) wanted
+    "cp": 9,  # key/value chunks passed round a ring in every attention: fast links wanted
+    "sp": 2,  # the tensor-parallel all-reduces become reduce-scatter + all-gather of the same volume
+    "loss-parallel": 2,  # the head's logits stay split: one all-reduce of per-token statistics
     "strategy:zero2": 5,  # shards optimizer state and gradients only: the least extra communication
     "gpus": 4,
     "optimizer-fused": 1,
@@ -247,7 +250,7 @@ MAX_FIXES = 3
 GPU_GROWTH = 8
 MAX_EVALUATIONS = 400
 SHARDED = ("zero2", "zero3", "fsdp-full-shard", "fsdp2")
-PARALLEL_KEYS = ("gpus", "strategy", "offload", "node_size", "ep", "tp")
+PARALLEL_KEYS = ("gpus", "strategy", "offload", "node_size", "ep", "tp", "cp", "sp", "loss_parallel")
 #: Change keys that edit the fine-tuning method (core.finetune.FineTuning's fields, as the CLI names them).
 TUNING_KEYS = {"tuning": "method", "lora_rank": "rank", "lora_targets": "targets", "lora_dropout": "dropout",
                "adapter_dtype": "adapter_dtype", "quant": "quant", "double_quant": "double_quant",
@@ -393,9 +396,30 @@ def levers(setup: TrainingSetup) -> list[Lever]:
     for tp in _tensor_parallel_degrees(setup):
         out.append(Lever("tp", f"tp:{tp}", f"split each layer over {tp} GPUs (tensor parallelism)", {"tp": tp},
                          "an all-reduce per layer in forward and backward: GPUs in one node (NVLink) wanted"))
+    if par.tp > 1 and not par.sp:
+        out.append(Lever("sp", "sp", "split the norms and residual stream over the tensor-parallel GPUs (sequence "
+                         "parallelism)", {"sp": True}, "none to speak of: the same traffic in other collectives"))
+    if par.tp > 1 and not par.loss_parallel:
+        out.append(Lever("loss-parallel", "loss-parallel", "split the vocabulary over the tensor-parallel GPUs (loss "
+                         "parallelism)", {"loss_parallel": True}, "the embedding and head split: a loss kernel "
+                                                                  "that works on sharded logits"))
+    for cp in _context_parallel_degrees(setup):
+        out.append(Lever("cp", f"cp:{cp}", f"split each sequence over {cp} GPUs (context parallelism)", {"cp": cp},
+                         "key/value chunks passed round a ring in every attention: fast links wanted"))
     out.append(Lever("gpus", "gpus", "spread over more GPUs of this kind", {},
                      "more GPUs (cost); sharded state and more communication"))
     return out
+
+
+def _context_parallel_degrees(setup: TrainingSetup) -> list[int]:
+    """Larger context-parallel degrees (2, 4, 8) that split the sequence into 2·cp chunks and the GPUs evenly (long
+    sequences only: from 8,192 tokens, where attention's activations dominate)."""
+    par = setup.parallel
+    if setup.model is None or setup.seq < 8192 or setup.attention == "eager" or setup.packing \
+            or setup.tuning.method != "full" or par.ep > 1 or par.offload != "none":
+        return []
+    rest = par.gpus // (par.tp * par.pp)
+    return [cp for cp in (2, 4, 8) if par.cp < cp and rest % cp == 0 and setup.seq % (2 * cp) == 0]
 
 
 def _tensor_parallel_degrees(setup: TrainingSetup) -> list[int]:
@@ -406,7 +430,7 @@ def _tensor_parallel_degrees(setup: TrainingSetup) -> list[int]:
     if spec is None or spec.family not in TP_FAMILIES or setup.tuning.method != "full" or par.offload != "none" \
             or par.ep > 1:
         return []
-    return [tp for tp in (2, 4, 8) if par.tp < tp <= par.node_size and par.gpus % tp == 0
+    return [tp for tp in (2, 4, 8) if par.tp < tp <= par.node_size and par.gpus % (tp * par.pp * par.cp) == 0
             and not (spec.num_heads % tp or spec.num_kv_heads % tp or spec.intermediate_size % tp)]
 
 
@@ -664,7 +688,7 @@ def _every_lever_counts(setup: TrainingSetup, estimator: Estimator, combo: tuple
 def _fewest_gpus(setup: TrainingSetup, estimator: Estimator, capacity: int, limit: int = 0) -> int | None:
     """The fewest GPUs (at most ``limit``, default :data:`MAX_GPUS`) with which ``setup``'s strategy fits."""
     limit = min(limit or MAX_GPUS, MAX_GPUS)
-    group = setup.parallel.tp * setup.parallel.pp  # GPU counts come in whole model-parallel groups
+    group = setup.parallel.tp * setup.parallel.pp * setup.parallel.cp  # GPU counts come in whole model-parallel groups
     groups = limit // group
     if groups < 1:
         return None
@@ -733,7 +757,7 @@ def gpu_plan(setup: TrainingSetup, estimator: Estimator) -> GpuPlan | None:
         trial = _with_parallel(setup, strategy=strategy, gpus=gpus)
         return None if trial is None else estimator(trial).peak_bytes
 
-    group = setup.parallel.tp * setup.parallel.pp  # GPU counts come in whole model-parallel groups
+    group = setup.parallel.tp * setup.parallel.pp * setup.parallel.cp  # GPU counts come in whole model-parallel groups
     mins: dict[str, int | None] = {}
     for strategy in PREFERENCE:
         top = MAX_GPUS // group

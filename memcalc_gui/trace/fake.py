@@ -128,6 +128,9 @@ def trace_estimate(
         config = dict(setup.model.raw)
     if not trace_available():
         raise TraceError(f"the trace needs PyTorch: {install_hint()}")
+    if setup.parallel.cp > 1:
+        raise TraceError("context parallelism is not traced: its ring attention runs SDPA's CUDA kernels, which "
+                         "fake tensors on a CPU do not dispatch; the analytic estimate holds")
     model_type, kwargs = transformers_kwargs(config)
     cfg = {"model_type": model_type, **kwargs}
     layers = setup.model.num_layers if setup.model is not None else _layer_count(cfg)

@@ -99,6 +99,7 @@ class FormState:
     sp: str = "false"  # sequence parallelism beside tp
     loss_parallel: str = "false"  # the vocabulary split beside tp
     pp: str = "1"  # pipeline stages (core.pipeline)
+    cp: str = "1"  # context parallelism (core.context)
     schedule: str = "1f1b"
     virtual_stages: str = "2"  # read under the interleaved schedule only
     reshard_after_forward: str = "true"  # FSDP2's reshard_after_forward
@@ -233,6 +234,7 @@ _FIELD_MAP: Final = {
     "sp": "tp",  # the box beside the tensor-parallel field
     "loss_parallel": "loss_parallel",
     "pp": "pp",
+    "cp": "cp",
     "schedule": "pp",  # the schedule and stages-per-GPU sit beside the pipeline field
     "virtual_stages": "pp",
     "reshard_after_forward": "reshard_after_forward",
@@ -483,6 +485,7 @@ def build_setup(state: FormState, cache: ModelCache) -> TrainingSetup:
     attempt("ep", lambda: parse_positive_int(state.ep or "1", "ep", MAX_PARALLEL_GPUS))
     attempt("tp", lambda: parse_positive_int(state.tp or "1", "tp", MAX_PARALLEL_GPUS))
     attempt("pp", lambda: parse_positive_int(state.pp or "1", "pp", MAX_PARALLEL_GPUS))
+    attempt("cp", lambda: parse_positive_int(state.cp or "1", "cp", MAX_PARALLEL_GPUS))
     attempt("virtual_stages", lambda: parse_positive_int(state.virtual_stages or "2", "virtual_stages", 4096)
             if state.schedule == "interleaved-1f1b" else 1)
     attempt("tuning", lambda: tuning_from_state(state))
@@ -495,7 +498,7 @@ def build_setup(state: FormState, cache: ModelCache) -> TrainingSetup:
             if state.tokens_per_batch.strip() and state.packing == "true" else None)
     if errors:
         raise FormErrors(errors)
-    tp, pp, virtual = values.pop("tp"), values.pop("pp"), values.pop("virtual_stages")
+    tp, pp, cp, virtual = values.pop("tp"), values.pop("pp"), values.pop("cp"), values.pop("virtual_stages")
     try:
         values["parallel"] = Parallelism(
             gpus=values.pop("gpus"),
@@ -504,6 +507,7 @@ def build_setup(state: FormState, cache: ModelCache) -> TrainingSetup:
             ep=values.pop("ep"),
             tp=tp,
             pp=pp,
+            cp=cp,
             # the schedule's fields keep their text while there is no pipeline
             schedule=state.schedule if pp > 1 else "1f1b",  # type: ignore[arg-type]
             virtual_stages=virtual if pp > 1 and state.schedule == "interleaved-1f1b" else 1,

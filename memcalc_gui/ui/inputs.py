@@ -447,6 +447,9 @@ class InputPanel(QWidget):
         self.loss_parallel.setToolTip(TOOLTIPS["loss_parallel"])
         self.boxes["loss_parallel"] = FieldBox(self.loss_parallel)
         gform.addRow(self.boxes["loss_parallel"])
+        self.cp = IntEdit()
+        self.cp.setPlaceholderText("1")
+        self._row(gform, "Context parallel:", "cp", self.cp)
         self.pp = IntEdit()
         self.pp.setPlaceholderText("1")
         self.schedule = _combo(SCHEDULE_LABELS, TOOLTIPS["schedule"])
@@ -501,7 +504,8 @@ class InputPanel(QWidget):
         outer.addStretch(1)
 
         for edit in (self.preset.lineEdit(), self.config_path, self.hub_id, self.params, self.batch, self.seq,
-                     self.grad_accum, self.capacity, self.gpus, self.tp, self.pp, self.virtual_stages, self.node_size,
+                     self.grad_accum, self.capacity, self.gpus, self.tp, self.cp, self.pp, self.virtual_stages,
+                     self.node_size,
                      self.ep, self.cuda_context, self.allocator_reserve):
             edit.installEventFilter(self._undo_filter)
         self._connect()
@@ -534,7 +538,7 @@ class InputPanel(QWidget):
         self.preset.currentTextChanged.connect(self._changed)
         for edit in (self.config_path, self.hub_id, self.params, self.batch, self.seq, self.grad_accum,
                      self.cuda_context, self.allocator_reserve, self.gpus, self.node_size, self.ep,
-                     self.virtual_stages):
+                     self.virtual_stages, self.cp):
             edit.textChanged.connect(self._changed)
         for edit in (self.tp, self.pp):
             edit.textChanged.connect(self._on_model_parallel)
@@ -592,7 +596,7 @@ class InputPanel(QWidget):
                  self.trainable, self.recipe,
                  self.precision,
                  self.optimizer, self.optimizer_impl, self.galore_rank, self.optimizer_in_backward, self.gpu,
-                 self.capacity, self.gpus, self.tp, self.sp, self.loss_parallel, self.pp, self.schedule,
+                 self.capacity, self.gpus, self.tp, self.sp, self.loss_parallel, self.cp, self.pp, self.schedule,
                  self.virtual_stages,
                  self.strategy, self.reshard_after_forward, self.node_size,
                  self.ep, self.offload, self.cuda_context, self.allocator_reserve, self.layouts_button]
@@ -879,6 +883,7 @@ class InputPanel(QWidget):
             sp="true" if self.sp.isChecked() else "false",
             loss_parallel="true" if self.loss_parallel.isChecked() else "false",
             pp=self.pp.text(),
+            cp=self.cp.text(),
             schedule=self.schedule.currentData(),
             virtual_stages=self.virtual_stages.text(),
             reshard_after_forward="true" if self.reshard_after_forward.isChecked() or
@@ -898,7 +903,7 @@ class InputPanel(QWidget):
                     self.preset.setCurrentIndex(i)
                 self.preset.setEditText(state.preset)
             for name in ("config_path", "hub_id", "params", "batch", "seq", "grad_accum", "capacity", "cuda_context",
-                         "allocator_reserve", "gpus", "tp", "pp", "virtual_stages", "node_size", "ep"):
+                         "allocator_reserve", "gpus", "tp", "pp", "cp", "virtual_stages", "node_size", "ep"):
                 edit: QLineEdit = getattr(self, name)
                 value = getattr(state, name)
                 if edit.text() != value:

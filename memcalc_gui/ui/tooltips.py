@@ -233,6 +233,12 @@ TOOLTIPS: dict[str, str] = {
         "vocab-parallel embedding and cross-entropy). Without it the embedding and head stay whole on every GPU and "
         "each holds the full logits."
     ),
+    "cp": (
+        "Context parallelism: each sequence split over this many GPUs (two chunks each, for a balanced causal mask), "
+        "attention run as ring attention passing key/value chunks round the GPUs (torchtitan's context_parallel). Each "
+        "GPU runs its share of the tokens; parameters, gradients and optimizer state are sharded over the data- and "
+        "context-parallel GPUs together. For long sequences; not traced (ring attention runs CUDA kernels)."
+    ),
     "pp": (
         "Pipeline parallelism: the decoder layers are split evenly into this many stages, one per GPU (the first "
         "also holds the embedding, the last the final norm, the LM head and the loss). The step's micro-batches are "

@@ -1,0 +1,72 @@
+"""Context parallelism per rank: each sequence split over ``cp`` GPUs, attention run as ring attention.
+
+torchtitan's ``context_parallel`` (PyTorch's ``torch.distributed.tensor.experimental.context_parallel``) shards every
+sequence into ``2·cp`` chunks, each rank taking two (head and tail, for a balanced causal mask), and runs SDPA as ring
+attention: a rank keeps its own queries, keys and values and passes key/value chunks round the ring, merging partial
+outputs with their log-sum-exp. So one rank runs the step of ``seq/cp`` tokens per sequence (embeddings, layers, the
+head and the loss over its own tokens; what attention saves is its local q, k, v, output and log-sum-exp), and:
+
+- holds, while a layer's attention runs, the key/value chunk it computes with and the next one arriving
+  (forward), and in backward also the key/value gradients travelling with them, accumulated in fp32;
+- shards its parameters, gradients and optimizer state over ``dp × cp`` (torchtitan's ``dp_shard_cp`` mesh; the
+  gradients are reduced over the context-parallel ranks too), which is the data-parallel ledger of ``dp·cp`` ranks.
+
+Not traced: ring attention dispatches SDPA's flash or memory-efficient CUDA kernels, which the CPU fake mode does not
+run; the formula stands alone (docs/parallelism.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from .errors import InputError
+from .layout import tensor_parallel_spec
+
+if TYPE_CHECKING:
+    from .ledger import Estimate
+    from .setup import TrainingSetup
+
+
+def check_context_parallel(setup: TrainingSetup) -> None:
+    """:class:`InputError` naming ``cp`` unless the sequence splits into ``2·cp`` equal chunks under ring attention."""
+    cp = setup.parallel.cp
+    if cp == 1:
+        return
+    if setup.seq % (2 * cp):
+        raise InputError("cp", f"a sequence of {setup.seq:,} tokens cannot be split into {2 * cp} equal chunks "
+                               f"(context parallelism over {cp} GPUs balances the causal mask with 2 chunks each)")
+    if setup.attention == "eager":
+        raise InputError("cp", "context parallelism runs SDPA as ring attention: choose sdpa or flash attention")
+    if setup.packing:
+        raise InputError("cp", "packed documents beside context parallelism are not modelled yet")
+
+
+def context_parallel_estimate(setup: TrainingSetup) -> Estimate:
+    """The ledger of one context-parallel rank (see the module's docstring)."""
+    from .analytic import estimate_analytic
+    from .ledger import with_overheads
+
+    par = setup.parallel
+    cp = par.cp
+    check_context_parallel(setup)
+    rank = dataclasses.replace(setup, seq=setup.seq // cp, parallel=dataclasses.replace(par, cp=1))
+    est = estimate_analytic(rank)
+    assert setup.model is not None
+    spec = tensor_parallel_spec(setup.model, par.tp, par.loss_parallel)
+    t = rank.tokens
+    m = 2 if setup.precision in ("mixed", "bf16", "bf16-autocast") else 4
+    kv = t * spec.kv_dim * 2 * m  # one key/value chunk of this rank's size
+    ring = {"forward": 2 * kv, "backward": 2 * kv + 2 * t * spec.kv_dim * 2 * 4}
+    phases = {}
+    for ph, ledger in est.phases.items():
+        objects = {k: v for k, v in ledger.objects.items() if k not in ("cuda_context", "allocator_reserve")}
+        if ph in ring:
+            objects["temporaries"] = objects.get("temporaries", 0) + ring[ph]
+        phases[ph] = with_overheads(objects, ph, setup)
+    note = (f"Context parallelism over {cp} GPUs: each runs {rank.seq:,} of every sequence's {setup.seq:,} tokens "
+            f"(ring attention: one key/value chunk at work and the next arriving); parameters, gradients and optimizer "
+            f"state sharded over data parallel × context parallel ({par.dp * cp:,})")
+    details = dict(est.details, parallel_notes=(note, *est.details.get("parallel_notes", ())),
+                   ring_attention_bytes=ring["backward"])
+    return dataclasses.replace(est, setup=setup, phases=phases, details=details, assumptions=(*est.assumptions, note))
