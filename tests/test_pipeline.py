@@ -121,19 +121,19 @@ def test_sequence_parallelism_splits_the_norms_and_the_stream() -> None:
        schedule=st.sampled_from(["1f1b", "gpipe", "interleaved-1f1b"]),
        precision=st.sampled_from(["fp32", "mixed", "bf16"]), ckpt=st.sampled_from(["none", "full", "selective"]),
        strategy=st.sampled_from(["ddp", "zero1", "zero2", "fsdp2"]), dp=st.sampled_from([1, 2]),
-       tp=st.sampled_from([1, 2, 4]), sp=st.booleans(), vocab=st.booleans())
+       tp=st.sampled_from([1, 2, 4]), sp=st.booleans(), vocab=st.booleans(), cp=st.sampled_from([1, 2]))
 def test_every_pipeline_layout_gives_a_ledger_with_the_most_loaded_rank(pp: int, m: int, schedule: str,
                                                                         precision: str, ckpt: str, strategy: str,
                                                                         dp: int, tp: int, sp: bool,
-                                                                        vocab: bool) -> None:
+                                                                        vocab: bool, cp: int) -> None:
     if pp == 1:
         schedule = "1f1b"
     v = 2 if schedule == "interleaved-1f1b" else 1
     setup = TrainingSetup(model=preset_spec("llama-3.2-1b"), grad_accum=m, precision=precision,  # type: ignore
                           checkpointing=ckpt, seq=1024,  # type: ignore[arg-type]
-                          parallel=Parallelism(gpus=pp * dp * tp, pp=pp, schedule=schedule,  # type: ignore[arg-type]
+                          parallel=Parallelism(gpus=pp * dp * tp * cp, pp=pp, schedule=schedule,  # type: ignore
                                                virtual_stages=v, strategy=strategy, tp=tp,  # type: ignore[arg-type]
-                                               sp=sp and tp > 1, loss_parallel=vocab and tp > 1))
+                                               sp=sp and tp > 1, loss_parallel=vocab and tp > 1, cp=cp))
     est = estimate(setup)
     assert all(p.total_bytes > 0 for p in est.phases.values())
     assert all(n >= 0 for p in est.phases.values() for n in p.objects.values())
@@ -351,7 +351,7 @@ def test_a_real_two_process_pipeline_matches_the_trace_and_the_ledger() -> None:
             assert ledger.phases[ph].total_bytes == pytest.approx(got, rel=0.025), (rank, ph)
 
 
-# ---- context parallelism ----------------------------------------------------------------------------------------------
+# ---- context parallelism --------------------------------------------------------------------------------------------
 def test_a_context_parallel_rank_is_the_model_at_its_share_of_the_sequence_plus_the_ring() -> None:
     """One of cp ranks runs seq/cp tokens of every sequence, with its state sharded over dp × cp (torchtitan's mesh):
     the ledger of 8 data-parallel ranks at seq/2, plus the key/value chunks of ring attention."""
