@@ -82,14 +82,14 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
     """The analytic ledger for a setup that describes an architecture."""
     if setup.model is None:
         raise ValueError("the analytic method needs an architecture (preset or config.json)")
-    if setup.parallel.cp > 1:  # one context-parallel rank: the model at seq/cp tokens, plus ring attention's chunks
-        from .context import context_parallel_estimate
-
-        return context_parallel_estimate(setup)
     if setup.parallel.pp > 1:  # the most loaded pipeline rank: its stage's ledger and the schedule's additions
         from .pipeline import pipeline_estimate
 
         return pipeline_estimate(setup)
+    if setup.parallel.cp > 1:  # one context-parallel rank: the model at seq/cp tokens, plus ring attention's chunks
+        from .context import context_parallel_estimate
+
+        return context_parallel_estimate(setup)
     # one rank of a tensor-parallel group
     spec = tensor_parallel_spec(setup.model, setup.parallel.tp, setup.parallel.loss_parallel)
     d = Dtypes.of(setup)

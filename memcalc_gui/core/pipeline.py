@@ -87,7 +87,7 @@ def fsdp2_unsynced(setup: TrainingSetup, rank: int) -> tuple[int, int, tuple[str
     backward on, the stage's weights stay gathered and its unsharded gradients accumulate in the policy's reduce
     dtype (fp32 under mixed precision). A forward meets them once a backward has run (the steady state)."""
     par = setup.parallel
-    if par.strategy != "fsdp2" or par.pp == 1 or par.dp == 1 or setup.model is None:
+    if par.strategy != "fsdp2" or par.pp == 1 or par.dp * par.cp == 1 or setup.model is None:
         return 0, 0, ()
     stage = stage_spec(tensor_parallel_spec(setup.model, par.tp, par.loss_parallel), par.pp, rank)
     w = 2 if setup.precision in ("mixed", "bf16", "bf16-autocast") else 4
@@ -139,7 +139,7 @@ def _rank_estimate(setup: TrainingSetup, spec: ModelSpec, rank: int, m: int,
     one = analytic(dataclasses.replace(setup, model=stage, parallel=inner, grad_accum=1))
     acc = analytic(dataclasses.replace(setup, model=stage, parallel=inner, grad_accum=m)) if m > 1 else one
     flights = in_flight(par.schedule, par.pp, rank, m, v)
-    t = setup.tokens
+    t = setup.tokens // par.cp  # a context-parallel rank's share of the tokens
     h = spec.hidden_size
     # the hidden states a stage sends: fp32 under autocast, 16-bit where FSDP2's policy computes in bf16
     residual = 4 if setup.precision == "fp32" or (setup.precision == "mixed" and par.strategy != "fsdp2") else 2
