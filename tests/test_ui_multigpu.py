@@ -329,3 +329,23 @@ def test_a_context_parallel_suggestion_applies_and_a_layout_it_breaks_is_marked(
     before = w.result
     assert not set_fields(w, tp="8")  # 8 GPUs are not whole groups of tp 8 × cp
     assert "cp" in w.inputs.errors() and w.result is before
+
+
+def test_the_wheel_over_an_unfocused_choice_scrolls_the_form_and_keeps_the_choice(window, qtbot):
+    """Found driving the real window: scrolling the inputs with the wheel changed whichever combo box passed under
+    the pointer. A choice without the keyboard focus now passes the wheel to the form's scroll bar."""
+    from PySide6.QtCore import QPoint, QPointF
+    from PySide6.QtGui import QWheelEvent
+    from PySide6.QtWidgets import QApplication
+
+    w = window
+    w.resize(1280, 600)
+    combo = w.inputs.activation_offload
+    before = combo.currentData()
+    w.setFocus()
+    assert not combo.hasFocus()
+    center = QPointF(combo.rect().center())
+    event = QWheelEvent(center, QPointF(combo.mapToGlobal(combo.rect().center())), QPoint(0, 0), QPoint(0, -120),
+                        Qt.MouseButton.NoButton, Qt.KeyboardModifier.NoModifier, Qt.ScrollPhase.NoScrollPhase, False)
+    QApplication.sendEvent(combo, event)
+    assert combo.currentData() == before

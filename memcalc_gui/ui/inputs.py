@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import itertools
 
-from PySide6.QtCore import QEvent, QModelIndex, QObject, QPersistentModelIndex, QSize, Qt, Signal
+from PySide6.QtCore import QCoreApplication, QEvent, QModelIndex, QObject, QPersistentModelIndex, QSize, Qt, Signal
 from PySide6.QtGui import QKeyEvent, QKeySequence, QPainter, QPalette
 from PySide6.QtWidgets import (
+    QAbstractScrollArea,
     QCheckBox,
     QComboBox,
     QCompleter,
@@ -90,6 +91,21 @@ class _KeepUndoForWindow(QObject):
             event.ignore()
             return True
         return False
+
+
+class _ScrollNotChoose(QObject):
+    """The mouse wheel over a choice that does not have the keyboard focus scrolls the form, as the pointer passes
+    over it while scrolling, instead of changing the choice (the Qt default, which changed settings unseen)."""
+
+    def eventFilter(self, obj: QObject, event: QEvent) -> bool:
+        if event.type() != QEvent.Type.Wheel or not isinstance(obj, QWidget) or obj.hasFocus():
+            return False
+        parent = obj.parentWidget()
+        while parent is not None and not isinstance(parent, QAbstractScrollArea):
+            parent = parent.parentWidget()
+        if parent is not None:
+            QCoreApplication.sendEvent(parent.verticalScrollBar(), event)
+        return True
 
 
 class IntEdit(QLineEdit):
@@ -508,6 +524,10 @@ class InputPanel(QWidget):
                      self.node_size,
                      self.ep, self.cuda_context, self.allocator_reserve):
             edit.installEventFilter(self._undo_filter)
+        self._scroll_filter = _ScrollNotChoose(self)
+        for combo in self.findChildren(QComboBox):
+            combo.setFocusPolicy(Qt.FocusPolicy.StrongFocus)  # a wheel does not take the focus either
+            combo.installEventFilter(self._scroll_filter)
         self._connect()
         self._tab_order()
         self.setStyleSheet("*[invalid=\"true\"] { border: 1px solid #D32F2F; border-radius: 3px; }")
