@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from memcalc_gui.core.distributed import STRATEGIES, Parallelism
+from memcalc_gui.core.distributed import BF16_COMPUTE, STRATEGIES, Parallelism
 from memcalc_gui.core.errors import InputError
 from memcalc_gui.core.fitted import FitModel, estimate_fitted
 from memcalc_gui.core.setup import TrainingSetup
@@ -127,7 +127,7 @@ def test_over_capacity_the_fitted_verdict_searches_what_it_can(opt_fit: FitModel
 LLAMA = dict(COMMON, model_type="llama", intermediate_size=344, num_key_value_heads=2)
 
 
-@pytest.mark.parametrize("strategy", [s for s in STRATEGIES if s != "fsdp2"])
+@pytest.mark.parametrize("strategy", [s for s in STRATEGIES if s not in BF16_COMPUTE])
 def test_the_per_gpu_fitted_ledger_equals_the_analytic_one(strategy: str) -> None:
     """A family with both methods: the fitted single-replica trace made per-GPU (model states replaced by the
     strategy's, as ``analytic.per_gpu_ledger`` does) agrees with the analytic per-GPU ledger phase by phase, with and
@@ -154,10 +154,11 @@ def test_the_per_gpu_fitted_ledger_equals_the_analytic_one(strategy: str) -> Non
             assert fitted.details["host_bytes"] == pytest.approx(analytic.details["host_bytes"], rel=1e-3)
 
 
-def test_the_fitted_fsdp2_budget_is_an_upper_bound() -> None:
+@pytest.mark.parametrize("strategy", BF16_COMPUTE)
+def test_the_fitted_bf16_compute_budget_is_an_upper_bound(strategy: str) -> None:
     """FSDP2's analytic ledger goes moment by moment (checked against real gloo steps) and computes in bf16 under
-    mixed precision; the fitted method uses the generic per-GPU states on the traced autocast step: never below it,
-    and within a third of it."""
+    mixed precision, as Megatron-LM's bf16 model does; the fitted method uses the generic per-GPU states on the traced
+    autocast step: never below it, and within a third of it."""
     from memcalc_gui.core.analytic import estimate_analytic
     from memcalc_gui.core.model import spec_from_config
 
@@ -165,7 +166,7 @@ def test_the_fitted_fsdp2_budget_is_an_upper_bound() -> None:
     single = TrainingSetup(model=spec, batch=2, seq=128, optimizer_impl="single-tensor", cuda_context_bytes=0,
                            allocator_reserve=0.0)
     fit = fitmod.calibrate(LLAMA, single, spec.num_params)
-    setup = single.with_changes(batch=3, seq=200, parallel=Parallelism(gpus=4, strategy="fsdp2"))
+    setup = single.with_changes(batch=3, seq=200, parallel=Parallelism(gpus=4, strategy=strategy))  # type: ignore
     fitted, analytic = estimate_fitted(setup, fit), estimate_analytic(setup)
     for phase in ("forward", "backward"):
         want = analytic.phases[phase].total_bytes

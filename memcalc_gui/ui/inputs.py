@@ -505,7 +505,7 @@ class InputPanel(QWidget):
         self.allocator_reserve.setPlaceholderText("e.g. 10 %")
         self.allocator_reserve.setToolTip(TOOLTIPS["allocator_reserve"])
         self._row(gform, "Allocator reserve:", "allocator_reserve", self.allocator_reserve)
-        self.layouts_button = QPushButton("Find &layouts…")
+        self.layouts_button = QPushButton("Find lay&outs…")
         self.layouts_button.setObjectName("findLayouts")
         self.layouts_button.setToolTip("Every tensor × pipeline × data-parallel split of these GPUs, the most loaded "
                                        "GPU's memory and whether it fits, best first (the same search as "
