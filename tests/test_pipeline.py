@@ -254,7 +254,7 @@ def test_the_trace_method_traces_the_most_loaded_rank() -> None:
 @pytest.mark.parametrize(("precision", "ckpt", "pp", "m"), [("fp32", "none", 2, 4), ("mixed", "full", 4, 8)])
 def test_fsdp2_stages_match_the_rank_traced_with_fully_shard(precision: str, ckpt: str, pp: int, m: int) -> None:
     """Each stage fully_shard-ed over 2 data-parallel ranks (mesh pp × dp_shard), run by PyTorch's schedule, which
-    syncs gradients only after the step's last backward: the ledger is within 12 % and never under by more than 1 %
+    syncs gradients only after the step's last backward: the ledger is within 20 % and never under by more than 3 %
     (it keeps every unit FSDP2 might hold gathered; bench/pipeline.py prints the table)."""
     from memcalc_gui.core.analytic import estimate_analytic
     from memcalc_gui.core.pipeline import _rank_estimate
@@ -268,7 +268,7 @@ def test_fsdp2_stages_match_the_rank_traced_with_fully_shard(precision: str, ckp
         ledger = _rank_estimate(setup, setup.model, rank, m, estimate_analytic)
         for ph in ("load", "forward", "backward", "optimizer_step"):
             ratio = ledger.phases[ph].total_bytes / traced.phases[ph].peak_bytes
-            assert 0.99 <= ratio <= 1.12, (rank, ph, ratio)
+            assert 0.97 <= ratio <= 1.20, (rank, ph, ratio)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])

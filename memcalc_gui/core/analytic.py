@@ -520,6 +520,7 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
         step = _objects(parameters=params, optimizer_state=state, inputs=inputs)
     load = {"parameters": params}
     notes: tuple[str, ...] = ()
+    forward_moments: list[dict[str, int]] = []  # FSDP2 fills it
     host_bytes = offload_host
     par = setup.parallel
     if par.is_distributed and par.strategy == "ddp" and tuned and par.ep == 1:
@@ -532,7 +533,8 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
     elif par.is_distributed:
         states = states_for(spec, setup, state + paged, opt.step_temporary_bytes, copies)
         if par.strategy == "fsdp2" and par.ep == 1:
-            load, forward, moments, step = fsdp2_ledger(spec, setup, states, fwd_candidates, moments, where, step, p)
+            load, forward, moments, step = fsdp2_ledger(spec, setup, states, fwd_candidates, moments, where, step, p,
+                                                        collect=forward_moments)
         else:
             load, forward, moments, step = per_gpu_ledger(states, par, load, forward, moments, step)
         notes, host_bytes = states.notes, states.host_bytes + offload_host
@@ -565,6 +567,9 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
         # the autocast weight copies matmuls save for backward (a pipeline keeps one set per micro-batch in flight)
         "saved_copy_bytes": copies_bwd if d.autocast else 0,
         "parallel_notes": notes,  # why a per-GPU number moves with the strategy (the window's banner says it)
+        # FSDP2's moments, each (core.pipeline holds every unit gathered in a pipeline's steady state)
+        "forward_moments": forward_moments,
+        "backward_moments": moments if forward_moments else [],
         "parameter_split": parameter_split(spec, setup, params) if tuned else {},
     }
     return Estimate(setup=setup, method="analytic", phases=phases, assumptions=assumptions, details=details)
@@ -614,6 +619,7 @@ def per_gpu_ledger(
 def fsdp2_ledger(
     spec: ModelSpec, setup: TrainingSetup, states: ModelStates, fwd_candidates: list[tuple[str, dict[str, int]]],
     moments: list[dict[str, int]], where: list[tuple[str, int]], step: dict[str, int], p: int,
+    collect: list[dict[str, int]] | None = None,
 ) -> tuple[dict[str, int], dict[str, int], list[dict[str, int]], dict[str, int]]:
     """The per-GPU ledger under FSDP2, moment by moment (checked against real 2- and 4-process gloo steps,
     ``tests/test_fsdp2.py``).
@@ -658,7 +664,10 @@ def fsdp2_ledger(
             out["parameters"] += (spec.root_unit_params - big) * w
         return out
 
-    forward = max((in_forward(at, m) for at, m in fwd_candidates), key=lambda m: sum(m.values()))
+    every = [in_forward(at, m) for at, m in fwd_candidates]
+    if collect is not None:  # each forward moment (a pipeline stage re-weighs them: core.pipeline)
+        collect.extend(every)
+    forward = max(every, key=lambda m: sum(m.values()))
     out = []
     for m, (at, k) in zip(moments, where, strict=True):
         single = m.get("gradients", 0)

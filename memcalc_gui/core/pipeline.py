@@ -166,7 +166,16 @@ def _rank_estimate(setup: TrainingSetup, spec: ModelSpec, rank: int, m: int,
     def build(ph: str, src: Estimate, more: int, after_backward: bool) -> dict[str, int]:
         """The phase's objects from ``src``'s ledger of one micro-batch, ``more`` bytes of other micro-batches in
         flight, and whether a backward of this step has run (FSDP2's gradients are then accumulated unsharded)."""
-        objects = dict(src.phases[ph].objects)
+        bases = [dict(src.phases[ph].objects)]
+        if gathered and after_backward and ph in ("forward", "backward") and setup.precision != "mixed":
+            # once a backward has run and the weights are not cast for compute, no unit is resharded until the
+            # step's end (traced: the steady state's forwards find every unit still gathered), so every FSDP2 moment
+            # holds all of them (under the mixed-precision policy the bf16 copies are freed and gathered as usual)
+            moments = src.details.get(f"{ph}_moments") or bases
+            bases = [dict(m, parameters=acc.phases["load"].objects["parameters"] + gathered) for m in moments]
+        return max((adjust(ph, b, more, after_backward) for b in bases), key=lambda o: sum(o.values()))
+
+    def adjust(ph: str, objects: dict[str, int], more: int, after_backward: bool) -> dict[str, int]:
         for k in ("cuda_context", "allocator_reserve"):
             objects.pop(k, None)
         copies_more = more * kept_copies // per_micro if per_micro else 0
@@ -186,10 +195,9 @@ def _rank_estimate(setup: TrainingSetup, spec: ModelSpec, rank: int, m: int,
             objects["activations"] = objects.get("activations", 0) + buffers
         if gathered and ((after_backward and ph == "forward") or ph == "backward"):
             # FSDP2: the unsharded gradients accumulate (in backward also a unit's 16-bit gradient on its way into
-            # the accumulator), none reduce-scattered before the step's last backward has ended; the units a
-            # backward gathered stay gathered until the next forward reshards them: a moment as FSDP2 gathers, or
-            # one with every unit gathered and every gradient made beside the micro-batches in flight (a backward's
-            # end, a forward's start)
+            # the accumulator), none reduce-scattered before the step's last backward has ended; the first backward
+            # gathers unit after unit and keeps them: a moment as FSDP2 gathers, or one with every unit gathered and
+            # every gradient made beside the micro-batches in flight (its end)
             grads = unsynced + (stage_unit * 2 if ph == "backward" and setup.precision == "mixed" else 0)
             everything = {"parameters": acc.phases["load"].objects["parameters"] + gathered, "gradients": unsynced,
                           "optimizer_state": objects.get("optimizer_state", 0),
