@@ -190,10 +190,8 @@ def _rank_ledger(cfg: dict, pp: int, rank: int, m: int, **kw: object):  # type: 
 
 CASES = [  # (config, pp, m, precision, checkpointing, schedule, virtual stages)
     ("llama8", 2, 4, "fp32", "none", "1f1b", 1),
-    ("llama8", 4, 8, "fp32", "none", "1f1b", 1),
     ("llama8", 4, 4, "mixed", "none", "1f1b", 1),
     ("llama8", 4, 8, "mixed", "full", "1f1b", 1),
-    ("llama8", 2, 4, "bf16", "none", "1f1b", 1),
     ("llama8", 2, 4, "mixed", "selective", "1f1b", 1),
     ("llama8", 2, 4, "fp32", "none", "gpipe", 1),
     ("llama8", 2, 4, "mixed", "none", "interleaved-1f1b", 2),
@@ -221,7 +219,7 @@ def test_each_stage_ledger_matches_the_rank_traced_under_pytorchs_schedule(name:
 def test_the_fake_trace_of_a_rank_equals_its_real_step() -> None:
     """The fake-tensor trace of a pipeline rank is the step run with real tensors (on the fake process group the
     received activations and gradients are whatever the receive buffers hold; their sizes are what counts)."""
-    for rank in (0, 1):
+    for rank in (1,):  # one rank (the first runs the same code; test_a_real_two_process_pipeline covers both)
         fake = _traced(LLAMA8, 2, rank, 4, "mixed")
         real = _traced(LLAMA8, 2, rank, 4, "mixed", fake=False)
         for ph in ("forward", "backward", "optimizer_step"):
