@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
-from .distributed import MAX_PARALLEL_GPUS, STRATEGY_SHORT, Parallelism
+from .distributed import STRATEGY_SHORT, Parallelism
 from .errors import InputError
 from .ledger import Estimate
 from .setup import TrainingSetup
@@ -157,27 +157,7 @@ def search(setup: TrainingSetup, estimator: Callable[[TrainingSetup], Estimate],
 
 def _fewest(setup: TrainingSetup, par: Parallelism, estimator: Callable[[TrainingSetup], Estimate],
             cap: int) -> int | None:
-    """The fewest GPUs with ``par``'s tp × pp × strategy that fit (one replica has no gradient buckets; from two on,
-    per-GPU memory never grows with more replicas)."""
-    group = par.tp * par.pp * par.cp
-    top = min(4096, MAX_PARALLEL_GPUS) // group
+    """The fewest GPUs with ``par``'s tp × pp × cp × strategy that fit (the solver's search, in whole groups)."""
+    from .solver import _fewest_gpus
 
-    def fits(k: int) -> bool:
-        try:
-            trial = setup.with_changes(parallel=dataclasses.replace(par, gpus=k * group))
-        except InputError:
-            return False
-        return estimator(trial).peak_bytes <= cap
-
-    if top >= 1 and fits(1):
-        return group
-    if top < 2 or not fits(top):
-        return None
-    lo, hi = 1, top
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if fits(mid):
-            hi = mid
-        else:
-            lo = mid
-    return hi * group
+    return _fewest_gpus(setup.with_changes(parallel=par), estimator, cap)

@@ -79,22 +79,20 @@ def stage_spec(spec: ModelSpec, pp: int, rank: int) -> ModelSpec:
                                name=f"{spec.name or spec.family} (pipeline rank {rank + 1} of {pp})")
 
 
-def fsdp2_unsynced(setup: TrainingSetup, rank: int) -> tuple[int, int, tuple[str, ...]]:
-    """(gathered weights, unsharded gradients, the phases that hold them) of FSDP2 under a pipeline schedule.
+def fsdp2_unsynced(setup: TrainingSetup, rank: int) -> tuple[int, int]:
+    """(all units' gathered weights, all unsharded gradients) of a stage under FSDP2 and a pipeline schedule; (0, 0)
+    otherwise.
 
     PyTorch's stage runs every backward without gradient sync or resharding and reduce-scatters once the step's last
     backward is done (``PipelineStage.backward_maybe_with_nosync`` and ``perform_reduce_grad``): from the first
-    backward on, the stage's weights stay gathered and its unsharded gradients accumulate in the policy's reduce
-    dtype (fp32 under mixed precision). A forward meets them once a backward has run (the steady state)."""
+    backward on, the stage's unsharded gradients accumulate in the policy's reduce dtype (fp32 under mixed
+    precision) and the units it gathered stay gathered."""
     par = setup.parallel
     if par.strategy != "fsdp2" or par.pp == 1 or par.dp * par.cp == 1 or setup.model is None:
-        return 0, 0, ()
+        return 0, 0
     stage = stage_spec(tensor_parallel_spec(setup.model, par.tp, par.loss_parallel), par.pp, rank)
     w = 2 if setup.precision in ("mixed", "bf16", "bf16-autocast") else 4
-    steady = in_flight(par.schedule, par.pp, rank, setup.grad_accum, par.virtual_stages) \
-        < setup.grad_accum * par.virtual_stages
-    return (stage.num_params * w, stage.num_params * (4 if setup.precision == "mixed" else w),
-            ("forward", "backward") if steady else ("backward",))
+    return stage.num_params * w, stage.num_params * (4 if setup.precision == "mixed" else w)
 
 
 def ranks_to_check(pp: int) -> tuple[int, ...]:
@@ -161,7 +159,7 @@ def _rank_estimate(setup: TrainingSetup, spec: ModelSpec, rank: int, m: int,
     receives = (0 if stage.stage_first else 1) + (0 if stage.stage_last else 1)
     buffers = receives * m * v * t * h * residual
     inputs = m * t * 8 if (stage.stage_first or stage.stage_last) else 0  # the step's token ids (and labels)
-    gathered, unsynced, _held = fsdp2_unsynced(setup, rank)
+    gathered, unsynced = fsdp2_unsynced(setup, rank)
     stage_unit = tensor_parallel_spec(stage, par.tp, par.loss_parallel).layer_params
     def build(ph: str, src: Estimate, more: int, after_backward: bool) -> dict[str, int]:
         """The phase's objects from ``src``'s ledger of one micro-batch, ``more`` bytes of other micro-batches in

@@ -686,7 +686,9 @@ def _every_lever_counts(setup: TrainingSetup, estimator: Estimator, combo: tuple
 
 
 def _fewest_gpus(setup: TrainingSetup, estimator: Estimator, capacity: int, limit: int = 0) -> int | None:
-    """The fewest GPUs (at most ``limit``, default :data:`MAX_GPUS`) with which ``setup``'s strategy fits."""
+    """The fewest GPUs (at most ``limit``, default :data:`MAX_GPUS`) with which ``setup``'s layout fits: one
+    model-parallel group without replicas (no gradient buckets), or from two replicas on, where per-GPU memory never
+    grows with more."""
     limit = min(limit or MAX_GPUS, MAX_GPUS)
     group = setup.parallel.tp * setup.parallel.pp * setup.parallel.cp  # GPU counts come in whole model-parallel groups
     groups = limit // group
@@ -699,9 +701,11 @@ def _fewest_gpus(setup: TrainingSetup, estimator: Estimator, capacity: int, limi
         except InputError:
             return False
 
-    if not fits_with(groups):
+    if fits_with(1):
+        return group
+    if groups < 2 or not fits_with(groups):
         return None
-    return (_bisect_last(lambda k: not fits_with(k), 0, groups) + 1) * group
+    return (_bisect_last(lambda k: not fits_with(k), 1, groups) + 1) * group
 
 
 def solve(setup: TrainingSetup, estimator: Estimator, estimate: Estimate | None = None) -> Verdict:
