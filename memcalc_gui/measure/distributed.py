@@ -78,7 +78,7 @@ def _rank(rank: int, world: int, port: int, kwargs: dict[str, Any], strategy: st
             from ..trace.pipeline import PipeRank, cutter, driver
 
             layout = PipeRank(world, rank, strategy.split(":", 1)[1], 1, kwargs["grad_accum"])
-            make = driver(kwargs["config"], layout, batch=kwargs["batch"], seq=kwargs["seq"],
+            make = driver(layout, batch=kwargs["batch"], seq=kwargs["seq"],
                           precision=kwargs["precision"])
             with unpacked_sequences():
                 m = measure_training_step(**kwargs, parallelize=cutter(layout), pipeline=make, seed=0)

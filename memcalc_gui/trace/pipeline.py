@@ -173,7 +173,7 @@ class _Stage:
         return Stage()
 
 
-def driver(config: dict[str, Any], layout: PipeRank, *, batch: int, seq: int, precision: str, group: Any = None,
+def driver(layout: PipeRank, *, batch: int, seq: int, precision: str, group: Any = None,
            dp_mesh: Any = None) -> Callable[[Any], Any]:
     """The ``pipeline(model)`` callback of :func:`~memcalc_gui.measure.cpu_step.measure_training_step`: the rank's
     stages and schedule over the cut model; its ``step(input_ids, phase)`` runs one step of the schedule with each
@@ -295,7 +295,7 @@ def trace_pipeline_rank(config: dict[str, Any], layout: PipeRank, *, fake: bool 
     with exclusive_torch_job(), fake_process_group(layout.world, layout.global_rank), unpacked_sequences():
         group, dp_mesh = _meshes(layout)
         dp_mesh = dp_mesh if layout.dp_shard > 1 else None
-        make = driver(config, layout, batch=kw["batch"], seq=kw["seq"], precision=kw["precision"], group=group,
+        make = driver(layout, batch=kw["batch"], seq=kw["seq"], precision=kw["precision"], group=group,
                       dp_mesh=dp_mesh)
         return measure_training_step(config, fake=fake, parallelize=cutter(layout, dp_mesh, kw["precision"]),
                                      pipeline=make, autocast=dp_mesh is None, **kw)
