@@ -94,3 +94,20 @@ def test_bad_layout_input_exits_2_naming_the_flag(capsys: pytest.CaptureFixture)
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--top" in err[0]
+
+
+def test_one_group_without_replicas_counts_as_the_fewest_gpus() -> None:
+    """DDP on one tp × pp group has no gradient buckets (nothing to all-reduce); from two replicas on it has. The GPU
+    plan and the layout search both answer the one group where it fits, not "never"."""
+    from memcalc_gui.core.solver import gpu_plan
+
+    par = Parallelism(gpus=64, tp=8, pp=8, sp=True, loss_parallel=True)
+    setup = _setup().with_changes(parallel=par)
+    assert estimate(setup).peak_bytes <= H100
+    assert estimate(setup.with_changes(parallel=Parallelism(gpus=128, tp=8, pp=8, sp=True,
+                                                            loss_parallel=True))).peak_bytes > H100
+    plan = gpu_plan(setup, estimate)
+    assert plan is not None and plan.min_gpus["ddp"] == 64
+    ddp = next(lay for lay in search(setup, estimate, min_gpus_for=200)
+               if (lay.parallel.tp, lay.parallel.pp, lay.parallel.strategy) == (8, 8, "ddp"))
+    assert ddp.min_gpus == 64

@@ -765,11 +765,15 @@ def gpu_plan(setup: TrainingSetup, estimator: Estimator) -> GpuPlan | None:
     mins: dict[str, int | None] = {}
     for strategy in PREFERENCE:
         top = MAX_GPUS // group
+        one = peak(strategy, group)  # one model-parallel group: no replicas, no gradient buckets
+        if one is not None and one <= cap:
+            mins[strategy] = group
+            continue
         p = peak(strategy, top * group)
         if p is None or p > cap:
             mins[strategy] = None
             continue
-        lo, hi = 0, top  # groups: peak(lo) > cap (or lo == 0), peak(hi) <= cap
+        lo, hi = 1, top  # groups: peak(lo) > cap, peak(hi) <= cap
         while hi - lo > 1:
             mid = (lo + hi) // 2
             pm = peak(strategy, mid * group)
