@@ -29,6 +29,7 @@ from ..view.plan_text import (
     is_per_gpu,
     parallel_label,
     per_gpu_headline,
+    pipeline_text,
     plan_rows,
     plan_sentences,
     strategy_text,
@@ -339,11 +340,8 @@ def _setup_rows(result: Result) -> list[tuple[str, str]]:
         rows.append(("Strategy", STRATEGY_LABELS.get(par.strategy, par.strategy)))
         if par.model_parallel_text:
             rows.append(("Layout", f"{par.model_parallel_text} × data parallel {par.dp:,}"))
-        ranks = result.estimate.details.get("pipeline_ranks")
-        if ranks:
-            rows.append(("Pipeline", "; ".join(
-                f"rank {r['rank'] + 1}: {format_bytes(r['peak_bytes'])}"
-                + (" (shown)" if r["rank"] == result.estimate.details.get("pipeline_rank") else "") for r in ranks)))
+        if pipeline_text(result):
+            rows.append(("Pipeline", pipeline_text(result)))
         rows.append(("Offload", "none" if par.offload == "none" else OFFLOAD_TEXT[par.offload]))
         if par.strategy == "fsdp-hybrid" or par.offload != "none":
             rows.append(("GPUs per node", f"{par.node_size:,}"))

@@ -22,7 +22,15 @@ from ..core.result import Result
 from ..core.solver import Suggestion, micro_batch_changes
 from ..core.units import format_bytes
 from ..core.vocab import OBJECT_LABELS
-from ..view.plan_text import host_text, is_per_gpu, parallel_label, per_gpu_headline, plan_action, plan_sentences
+from ..view.plan_text import (
+    host_text,
+    is_per_gpu,
+    parallel_label,
+    per_gpu_headline,
+    pipeline_text,
+    plan_action,
+    plan_sentences,
+)
 from ..view.theme import FIT_COLOR, NEUTRAL_COLOR, OVER_COLOR, tinted
 
 MAX_SUGGESTIONS = 8
@@ -116,6 +124,9 @@ class VerdictBanner(QFrame):
         detail = ""
         if is_per_gpu(result):
             detail = f"Per GPU: {parallel_label(result.setup)}."
+            stages = pipeline_text(result)
+            if stages:
+                detail += f" {stages}."
         host = host_text(result)  # offloaded state, or offloaded activations on one GPU too
         if host:
             detail += f" {host}."

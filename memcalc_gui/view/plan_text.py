@@ -59,6 +59,19 @@ def parallel_label(setup: TrainingSetup) -> str:
     return f"{gpus}, {strategy_text(setup)}"
 
 
+def pipeline_text(result: Result) -> str:
+    """``The most loaded pipeline stage is shown: rank 2 of 2 (rank 1: 49.78 GiB)``, or "" without stages."""
+    details = result.estimate.details
+    ranks = details.get("pipeline_ranks") or ()
+    if not ranks:
+        return ""
+    shown = details.get("pipeline_rank")
+    pp = result.setup.parallel.pp
+    others = "; ".join(f"rank {r['rank'] + 1}: {format_bytes(r['peak_bytes'])}" for r in ranks if r["rank"] != shown)
+    return f"The most loaded pipeline stage is shown: rank {int(shown or 0) + 1} of {pp}" + \
+        (f" ({others})" if others else "")
+
+
 def chart_scope(setup: TrainingSetup) -> str:
     """The chart's short title: ``32 GPUs, ZeRO-3, optimizer offload``."""
     par = setup.parallel
