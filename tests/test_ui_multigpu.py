@@ -285,6 +285,8 @@ def test_model_parallel_fields_set_the_layout_and_apply_only_where_they_can(wind
     assert "TP 8 + SP + loss parallel × PP 2 (1F1B) × FSDP2 over 4" in w.chart.title_text()
     assert_chart_matches(w)
     assert any("Pipeline rank" in a for a in w.result.estimate.assumptions)
+    shown = w.result.estimate.details["pipeline_rank"]
+    assert f"most loaded pipeline stage is shown: rank {shown + 1} of 2" in w.banner.detail.text()
     inputs.schedule.setCurrentIndex(inputs.schedule.findData("interleaved-1f1b"))
     qtbot.waitUntil(lambda: w.result.setup.parallel.schedule == "interleaved-1f1b", timeout=2000)
     assert inputs.virtual_stages.isEnabled() and w.result.setup.parallel.virtual_stages == 2
