@@ -14,9 +14,17 @@ This is what torchtitan's memory estimation does for FSDP/HSDP (its ``scripts/es
 parallelism: the mesh and its sub-meshes are built, and the parallelism applied, outside the fake mode (their
 coordinates are computed with real tensors), which is why torchtitan's estimator refuses TP.
 
+Expert parallelism is transformers' own (``transformers.distributed.expert_parallel``): the family's
+``base_model_ep_plan`` splits each MoE layer's experts over the ``ep`` ranks, and its all-to-all implementation sends
+every (token, expert) pair to the expert's rank and back. FSDP2 then shards the experts over the ranks that hold the
+same ones (transformers' ``efsdp``: ``world / ep``) and the rest over all. One adaptation, stated: the all-to-all's
+split sizes are the one value a step reads back from the routing (``.tolist()``), which fake tensors do not hold;
+the trace takes balanced routing (every rank sends and receives ``tokens × top-k / ep`` pairs), the assumption the
+ledger makes and the one random router weights give.
+
 Pipeline stages are traced by :mod:`.pipeline`. Not traced here (the formulas stand alone, ``core.layout``): context
-parallelism (``context_parallel`` runs ring attention through
-SDPA kernels the CPU fake mode does not dispatch), expert parallelism. torch is imported inside functions only.
+parallelism (``context_parallel`` runs ring attention through SDPA kernels the CPU fake mode does not dispatch), and
+expert beside tensor parallelism. torch is imported inside functions only.
 """
 
 from __future__ import annotations
@@ -36,7 +44,9 @@ REPLICATED = ("replicated_with_grad_allreduce",)
 
 @dataclass(frozen=True)
 class RankLayout:
-    """The mesh of a traced rank: ``dp_shard`` FSDP2 shards × ``tp`` tensor-parallel ranks."""
+    """The mesh of a traced rank: ``dp_replicate`` replicas × ``dp_shard`` FSDP2 shards × ``tp`` tensor-parallel
+    ranks, with the routed experts split over ``ep`` of them (transformers' expert view of the same ranks:
+    ``world / ep`` copies of each expert, FSDP2-sharded over those copies when ``dp_shard`` > 1)."""
 
     dp_shard: int = 1
     tp: int = 1
@@ -44,16 +54,25 @@ class RankLayout:
     #: The vocabulary split too (torchtitan's loss parallel): the embedding ``RowwiseParallel``, the head
     #: ``ColwiseParallel`` with sharded logits, the loss under ``loss_parallel()``.
     loss_parallel: bool = False
+    ep: int = 1
+    #: Replicas of the model that are not sharded (each parameter whole on every rank, as under DDP): the ranks
+    #: expert parallelism spreads over without FSDP.
+    dp_replicate: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("dp_shard", "tp"):
+        for name in ("dp_shard", "tp", "ep", "dp_replicate"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 4096:
                 raise InputError(name, f"must be an integer from 1 to 4096, got {value!r}")
+        if self.ep > 1 and self.tp > 1:
+            raise InputError("ep", "expert beside tensor parallelism is not traced; the formulas hold")
+        if self.world % self.ep:
+            raise InputError("ep", f"expert parallelism over {self.ep} ranks needs a world it divides, got "
+                                   f"{self.world}")
 
     @property
     def world(self) -> int:
-        return self.dp_shard * self.tp
+        return self.dp_replicate * self.dp_shard * self.tp
 
 
 def tensor_parallel_config(config: dict[str, Any], tp: int, vocab: bool = False) -> dict[str, Any]:
@@ -122,9 +141,14 @@ def parallelizer(config: dict[str, Any], layout: RankLayout, precision: str) -> 
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     plan = tp_plan(config) if layout.tp > 1 else {}
-    mesh = init_device_mesh("cpu", (layout.dp_shard, layout.tp), mesh_dim_names=("dp_shard", "tp"))
-    dp_mesh, tp_mesh = mesh["dp_shard"], mesh["tp"]
-    for m in (dp_mesh, tp_mesh):
+    mesh = init_device_mesh("cpu", (layout.dp_replicate, layout.dp_shard, layout.tp),
+                            mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    dp_mesh, tp_mesh, replicas = mesh["dp_shard"], mesh["tp"], mesh["dp_replicate"]
+    meshes = [dp_mesh, tp_mesh, replicas]
+    if layout.ep > 1:  # transformers' expert view of the same ranks: (efsdp, ep)
+        experts_mesh = init_device_mesh("cpu", (layout.world // layout.ep, layout.ep), mesh_dim_names=("efsdp", "ep"))
+        meshes += [experts_mesh["efsdp"], experts_mesh["ep"]]
+    for m in meshes:
         m.get_coordinate()  # computed now, with real tensors
 
     def apply(model: Any) -> None:
@@ -136,9 +160,16 @@ def parallelizer(config: dict[str, Any], layout: RankLayout, precision: str) -> 
             if layout.loss_parallel:
                 _split_vocabulary(model, tp_mesh)
             _replicate_the_rest(model, tp_mesh)
+        experts: list[Any] = []
+        if layout.ep > 1:
+            experts = _split_experts(model, experts_mesh["ep"], tp_mesh)
+            if layout.dp_shard == 1:
+                _replicate_the_rest(model, replicas)  # one kind of parameter for the optimizer, as FSDP2 makes it
         if layout.dp_shard > 1:
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
                 if precision == "mixed" else MixedPrecisionPolicy()
+            for module in experts:  # transformers' order: the experts over their copies first
+                fully_shard(module, mesh=experts_mesh["efsdp"], mp_policy=policy, reshard_after_forward=True)
             for layer in layers:
                 fully_shard(layer, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=layout.reshard_after_forward)
             fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=layout.reshard_after_forward)
@@ -172,6 +203,58 @@ def _split_vocabulary(model: Any, mesh: Any) -> None:
     tp_api.parallelize_module(head, mesh, tp_api.ColwiseParallel(output_layouts=Shard(-1), use_local_output=False))
 
 
+#: The name this trace's balanced all-to-all is registered under in transformers' ``EPImplementationInterface``.
+BALANCED_EP = "memcalc-balanced-all-to-all"
+
+
+def _split_experts(model: Any, ep_mesh: Any, tp_mesh: Any) -> list[Any]:
+    """Apply the family's ``base_model_ep_plan`` with transformers' ``apply_expert_parallelism``, the tokens reaching
+    the experts through its all-to-all with balanced split sizes (see the module's docstring); the experts modules
+    it split."""
+    from transformers.distributed.expert_parallel import (
+        AllToAllEP,
+        EPImplementationInterface,
+        apply_expert_parallelism,
+    )
+
+    plan_of_layer = getattr(model.config, "base_model_ep_plan", None) or {}
+    if not plan_of_layer:
+        raise InputError("ep", f"transformers has no expert-parallel plan for {model.config.model_type}")
+
+    class BalancedAllToAll(AllToAllEP):  # type: ignore[misc]
+        """transformers' all-to-all, its split sizes those of balanced routing (fake tensors hold no routing)."""
+
+        def _dispatch_tokens(self, hidden_states: Any, top_k_index: Any, top_k_weights: Any) -> Any:
+            from torch._subclasses.fake_tensor import FakeTensor
+
+            ranks = self.ep_mesh.size()
+            pairs = -(-hidden_states.size(0) // self.tp_mesh.size()) * top_k_index.size(-1)
+            split = [pairs // ranks + (r < pairs % ranks) for r in range(ranks)]
+            original = FakeTensor.tolist
+
+            def sizes(t: Any) -> Any:  # the (sent, received) pairs per rank: the one read-back of the layer
+                return [split, split] if tuple(t.shape) == (2, ranks) else original(t)
+
+            FakeTensor.tolist = sizes  # type: ignore[method-assign]
+            try:
+                return super()._dispatch_tokens(hidden_states, top_k_index, top_k_weights)
+            finally:
+                FakeTensor.tolist = original  # type: ignore[method-assign]
+
+    EPImplementationInterface.register(BALANCED_EP, BalancedAllToAll)
+    prefix = model.base_model_prefix
+    modules = dict(model.named_modules())
+    plan: dict[str, str] = {}
+    for key, style in plan_of_layer.items():
+        head, _, tail = key.partition("*")  # "layers.*.mlp.experts" → every decoder layer's experts
+        index = 0
+        while f"{prefix}.{head}{index}" in modules:
+            plan[f"{prefix}.{head}{index}{tail}"] = style
+            index += 1
+    apply_expert_parallelism(model, ep_mesh, tp_mesh, plan, ep_implementation=BALANCED_EP)
+    return [modules[name] for name, style in plan.items() if style == "ep_dispatch_experts"]
+
+
 def _replicate_the_rest(model: Any, mesh: Any) -> None:
     """Make every parameter the plan leaves whole (embeddings, norms, the head) a replicated DTensor, its module's
     tensor inputs and outputs converted at the boundary (``distribute_module``; no copy, no communication): one
@@ -195,6 +278,8 @@ def _replicate_the_rest(model: Any, mesh: Any) -> None:
                      if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) else a for a in args)
 
     def outputs(_module: Any, out: Any, _mesh: Any) -> Any:
+        if isinstance(out, tuple):  # a router's (logits, weights, indices)
+            return tuple(o.to_local() if isinstance(o, DTensor) else o for o in out)
         return out.to_local() if isinstance(out, DTensor) else out
 
     for module in list(model.modules()):

@@ -1,0 +1,79 @@
+"""Expert parallelism (issue 17): the fitted method's per-GPU ledger of a mixture of experts against the traced rank
+of the same layout. Prints each case's formula-vs-trace difference per phase and a summary.
+
+    python bench/expert.py [--quick]
+
+The traced rank (``memcalc_gui.trace.ranks``, ``--method trace --ep``) is transformers' own expert parallelism on
+PyTorch's fake process group: the family's ``base_model_ep_plan``, its all-to-all token dispatch with balanced split
+sizes, and under FSDP2 ``fully_shard`` over the experts' copies and over all ranks for the rest. The fitted ledger
+is the single-GPU fit of the model with ``distributed.expert_parallel_states`` for the layout.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from memcalc_gui.core.distributed import Parallelism
+from memcalc_gui.core.setup import TrainingSetup
+from memcalc_gui.core.vocab import PHASES
+
+COMMON = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, vocab_size=1024, hidden_size=128,
+              num_attention_heads=4, num_hidden_layers=4, max_position_embeddings=2048, num_key_value_heads=2)
+#: Small mixtures of experts of two families (the layer counts the fit extrapolates from, and one more).
+MOE = {
+    "mixtral": dict(COMMON, model_type="mixtral", intermediate_size=128, num_local_experts=8, num_experts_per_tok=2),
+    "qwen3_moe": dict(COMMON, model_type="qwen3_moe", intermediate_size=256, moe_intermediate_size=64, num_experts=8,
+                      num_experts_per_tok=2, head_dim=32),
+}
+
+
+def case(family: str, ep: int, gpus: int, strategy: str, precision: str, ckpt: str) -> dict[str, float]:
+    """Fitted − traced, % of the traced rank, per phase (tensor bytes)."""
+    from memcalc_gui.core.fitted import estimate_fitted
+    from memcalc_gui.trace.fake import trace_estimate
+    from memcalc_gui.trace.fit import calibrate
+    from memcalc_gui.trace.meta import count_params_on_meta
+
+    cfg = MOE[family]
+    setup = TrainingSetup(params=count_params_on_meta(cfg), batch=2, seq=64, precision=precision,  # type: ignore
+                          checkpointing=ckpt, target_device="cpu",  # type: ignore[arg-type]
+                          parallel=Parallelism(gpus=gpus, ep=ep, strategy=strategy))  # type: ignore[arg-type]
+    fitted = estimate_fitted(setup, calibrate(cfg, setup, setup.params or 0))
+    traced = trace_estimate(setup, cfg).estimate
+    return {p: 100 * (fitted.phases[p].tensor_bytes - traced.phases[p].tensor_bytes) / traced.phases[p].tensor_bytes
+            for p in PHASES if p != "load"}
+
+
+def main(quick: bool = False) -> None:
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("MEMCALC_CACHE_DIR", tempfile.mkdtemp(prefix="memcalc-fits-"))
+    layouts = [(2, 2), (4, 4), (8, 8), (2, 4), (4, 8)] if not quick else [(2, 2), (4, 8)]
+    shown = [p for p in PHASES if p != "load"]
+    print(f"{'family':<10}{'ep':>3}{'gpus':>5} {'strategy':<6} {'precision':<9} {'ckpt':<5}"
+          + "".join(f"{p[:8]:>10}" for p in shown) + "   (fitted − traced, % of traced)")
+    worst: dict[str, list[float]] = {}
+    start = time.perf_counter()
+    for family, (ep, gpus), strategy, precision, ckpt in itertools.product(
+            MOE, layouts, ("ddp", "fsdp2"), ("fp32", "mixed"), ("none", "full")):
+        diff = case(family, ep, gpus, strategy, precision, ckpt)
+        worst.setdefault(strategy, []).append(max(abs(v) for v in diff.values()))
+        print(f"{family:<10}{ep:>3}{gpus:>5} {strategy:<6} {precision:<9} {ckpt:<5}"
+              + "".join(f"{diff[p]:>+10.2f}" for p in shown), flush=True)
+    print()
+    print(f"{'strategy':<10}{'cases':>7}{'≤ 1 %':>8}{'≤ 2 %':>8}{'≤ 3 %':>8}{'worst':>9}")
+    for kind, errs in worst.items():
+        print(f"{kind:<10}{len(errs):>7}{sum(e <= 1 for e in errs):>8}{sum(e <= 2 for e in errs):>8}"
+              f"{sum(e <= 3 for e in errs):>8}{max(errs):>8.2f}%")
+    print(f"\n{sum(len(v) for v in worst.values())} traced ranks in {time.perf_counter() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main("--quick" in sys.argv)
