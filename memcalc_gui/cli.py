@@ -627,7 +627,7 @@ def _fitted_result(setup: TrainingSetup, config: dict[str, Any]) -> tuple[Result
     """The fitted method's result (calibrated once per config and setup, then cached), or ``None`` and why not
     (the caller traces the full model). What-ifs that change more than the shape need calibrations of their own
     and are left out of the suggestions."""
-    from .core.fitted import FitModel, evaluate_fitted, signature
+    from .core.fitted import FitModel, evaluate_fitted, signature, worth_calibrating
     from .trace.fake import TraceError, trace_available
     from .trace.fit import FitError, calibrate
 
@@ -644,11 +644,10 @@ def _fitted_result(setup: TrainingSetup, config: dict[str, Any]) -> tuple[Result
 
     def more(changed: TrainingSetup) -> FitModel | None:
         """A what-if's own calibration: traced when only checkpointing changes (the lever that matters most when
-        activations do not fit, a few seconds once), else only a fit already in the cache."""
-        only_checkpointing = {k: v for k, v in signature(changed).items() if k != "checkpointing"} == \
-            {k: v for k, v in base.items() if k != "checkpointing"}
+        activations do not fit) or only the traced precision (a strategy that computes in bf16), a few seconds
+        once; else only a fit already in the cache."""
         try:
-            return calibrate(config, changed, changed.num_params, cached_only=not only_checkpointing)
+            return calibrate(config, changed, changed.num_params, cached_only=not worth_calibrating(base, changed))
         except (FitError, TraceError):
             return None
 

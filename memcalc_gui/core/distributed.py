@@ -431,15 +431,22 @@ def megatron_theoretical_memory(hidden: int, ffn: int, layers: int, heads: int, 
                                 *, swiglu: bool = True, rmsnorm: bool = True, untied: bool = True, tp: int = 1,
                                 pp: int = 1, dp: int = 1, distributed_optimizer: bool = False, seq: int = 2048,
                                 micro_batch: int = 1, microbatches: int | None = None,
-                                virtual: int | None = None) -> tuple[float, float]:
+                                virtual: int | None = None, experts: int = 1,
+                                moe_ffn: int | None = None) -> tuple[float, float]:
     """Megatron-LM's ``theoretical_memory_usage``: (weights and optimizer, activations) in bytes for the most loaded
     rank, under its assumptions (bf16 weights, fp32 main grads and weights, Adam: 18 B/param, or 6 + 12/dp with the
     distributed optimizer; the most loaded shard holds ``(block/pp + embedding)/tp``; activations by Korthikanti et
-    al. 2022, Table 2, with sequence parallelism and selective recomputation, on the first stage). Dense models."""
+    al. 2022, Table 2, with sequence parallelism and selective recomputation, on the first stage).
+
+    A mixture of experts (``experts`` > 1, each ``moe_ffn`` wide, every layer an MoE layer): each layer's MLP is the
+    experts plus the router (``experts × hidden``), as Megatron counts them. Its function has no expert-parallel
+    term: the most loaded shard holds every expert, whatever ``--expert-model-parallel-size`` says."""
     norm = 1 if rmsnorm else 2
     gated = 3 / 2 if swiglu else 1
     attn = 2 * hidden * hidden * (1 + kv_heads / heads)
-    layer = 2 * hidden * (ffn * gated + norm) + attn
+    mlp = 2 * hidden * ffn * gated if experts == 1 else \
+        2 * hidden * (moe_ffn or ffn) * experts * gated + experts * hidden
+    layer = mlp + 2 * hidden * norm + attn
     block = layer * layers + norm * hidden
     embedding = hidden * vocab
     shard = (block / pp + embedding) / tp

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .distributed import ModelStates, expert_parallel_states, model_states
+from .distributed import BF16_COMPUTE, ModelStates, expert_parallel_states, model_states
 from .errors import InputError
 from .ledger import Estimate, with_overheads
 from .result import Result
@@ -60,7 +60,7 @@ def signature(setup: TrainingSetup) -> dict[str, Any]:
                                     "setup (--method trace) or use the analytic method")
     ft = setup.tuning
     return {
-        "precision": setup.precision, "optimizer": setup.optimizer, "optimizer_impl": setup.optimizer_impl,
+        "precision": traced_precision(setup), "optimizer": setup.optimizer, "optimizer_impl": setup.optimizer_impl,
         "attention": setup.attention, "checkpointing": setup.checkpointing, "use_cache": setup.use_cache,
         "loss": setup.loss, "loss_chunk": setup.loss_chunk, "optimizer_in_backward": setup.optimizer_in_backward,
         "target_device": setup.target_device,
@@ -70,6 +70,22 @@ def signature(setup: TrainingSetup) -> dict[str, Any]:
                    "trainable": list(ft.trainable), "prepare_kbit": ft.prepare_kbit}
         if ft.method != "full" else {"method": "full"},
     }
+
+
+#: Optimizers whose state (and step temporaries) torch keeps in the parameters' dtype: a bf16 calibration holds half
+#: the bytes of the fp32 shards a bf16-compute strategy steps on.
+STATE_IN_PARAM_DTYPE = ("adamw", "adam", "sgd-momentum", "adafactor", "lion", "galore-adamw")
+
+
+def bf16_compute(setup: TrainingSetup) -> bool:
+    """Mixed precision under a strategy that computes in bf16 over fp32 state (FSDP2's ``MixedPrecisionPolicy``,
+    Megatron-LM's bf16 model): the calibration traces the bf16 step, as ``trace.fake`` does."""
+    return setup.precision == "mixed" and setup.parallel.strategy in BF16_COMPUTE and setup.parallel.is_distributed
+
+
+def traced_precision(setup: TrainingSetup) -> str:
+    """The precision the calibration traces (:func:`bf16_compute`)."""
+    return "bf16" if bf16_compute(setup) else setup.precision
 
 
 @dataclass(frozen=True)
@@ -209,6 +225,9 @@ def per_gpu_states(setup: TrainingSetup, fit: FitModel) -> tuple[Transform, Mode
     forward = fit.peak("forward", 1, 1)
     copies = max(0, forward.get("parameters", 0) - load) if setup.precision == "mixed" else 0
     state, temps = step.get("optimizer_state", 0), step.get("optimizer_temporaries", 0)
+    if _bf16_fit(setup, fit) and setup.optimizer in STATE_IN_PARAM_DTYPE:  # the fp32 shards' state, not bf16's
+        state, temps = 2 * state, 2 * temps
+    traced_grads = step.get("gradients", 0)  # every gradient, at the step
     buffers = 0
     if par.ep > 1:
         if not st["num_experts"]:
@@ -236,9 +255,13 @@ def per_gpu_states(setup: TrainingSetup, fit: FitModel) -> tuple[Transform, Mode
         if phase in ("forward", "backward") and buffers:
             out["temporaries"] = out.get("temporaries", 0.0) + buffers
         if par.strategy == "ddp":  # replicated: the traced states (the experts' share of them with EP) + buckets
-            for obj in ("parameters", "gradients", "optimizer_state", "optimizer_temporaries"):
+            for obj in ("gradients", "optimizer_state", "optimizer_temporaries"):
                 if obj in out:
                     out[obj] *= keep
+            if "parameters" in out:
+                # the weights split; autocast's bf16 copies live at this moment are of the dense matrices (the
+                # experts' kernel casts as it goes; traced), which every rank keeps whole
+                out["parameters"] = load * keep + max(0.0, out["parameters"] - load)
             if phase != "load":
                 out["gradients"] = out.get("gradients", 0.0) + states.gradients["forward"]  # DDP's buckets
             return out
@@ -246,6 +269,13 @@ def per_gpu_states(setup: TrainingSetup, fit: FitModel) -> tuple[Transform, Mode
             return {"parameters": float(states.parameters["load"])}
         out["parameters"] = float(states.parameters[phase])
         out["gradients"] = float(states.gradients[phase])
+        if par.strategy == "fsdp2" and phase in ("forward", "backward") and traced_grads:
+            # FSDP2 reduce-scatters each unit's gradients as its backward ends: at this moment the shards of the
+            # gradients the trace holds so far, plus one unit's unsharded gradients while the backward is under way
+            done = min(1.0, comp.get("gradients", 0.0) / traced_grads)
+            final = states.gradients["optimizer_step"]
+            unit = max(0, states.gradients["backward"] - final)
+            out["gradients"] = done * final + (unit if 0 < done < 1 else 0)
         out["optimizer_state"] = float(states.optimizer_state)
         if phase == "optimizer_step":
             out["optimizer_temporaries"] = float(states.optimizer_temporaries)
@@ -254,17 +284,31 @@ def per_gpu_states(setup: TrainingSetup, fit: FitModel) -> tuple[Transform, Mode
     return transform, states
 
 
+def _bf16_fit(setup: TrainingSetup, fit: FitModel) -> bool:
+    return setup.precision == "mixed" and fit.signature.get("precision") == "bf16"
+
+
+def _autocast_stand_in(setup: TrainingSetup, fit: FitModel) -> bool:
+    """``fit`` is the autocast calibration of a setup whose strategy computes in bf16: it stands in, as an upper
+    bound (autocast keeps fp32 activations the bf16 step does not), until the bf16 step is calibrated."""
+    return bf16_compute(setup) and fit.signature == {**signature(setup), "precision": "mixed"}
+
+
 def estimate_fitted(setup: TrainingSetup, fit: FitModel) -> Estimate:
     """The ledger of ``setup`` from ``fit`` (a calibration of the same config and signature); per GPU under a
     data-parallel strategy (:func:`per_gpu_states`)."""
-    if signature(setup) != fit.signature:
+    stand_in = _autocast_stand_in(setup, fit)
+    if signature(setup) != fit.signature and not stand_in:
         raise InputError("method", "this change needs its own calibration (a few seconds of tracing)")
     transform: Transform | None = None
     parallel_notes: tuple[str, ...] = ()
+    if stand_in:
+        parallel_notes = ("An upper bound: the autocast step's calibration stands in for the bf16 step this strategy "
+                          "runs, until that is calibrated",)
     host_bytes = 0
     if setup.parallel.is_distributed:
         transform, states = per_gpu_states(setup, fit)
-        parallel_notes, host_bytes = states.notes, states.host_bytes
+        parallel_notes, host_bytes = parallel_notes + states.notes, states.host_bytes
         if setup.parallel.ep > 1:
             parallel_notes += ("Expert parallelism assumes balanced routing: every GPU's experts get their share of "
                                "the tokens, and one MoE layer's all-to-all dispatch and combine buffers (tokens × "
@@ -310,6 +354,14 @@ def evaluate_fitted(setup: TrainingSetup, fit: FitModel,
     est = estimator(setup)
     plan = gpu_plan(setup, estimator) if setup.parallel.is_distributed else None
     return Result(est, solve(setup, estimator, est), plan)
+
+
+def worth_calibrating(base: dict[str, Any], changed: TrainingSetup) -> bool:
+    """Whether a what-if's own calibration is worth its seconds: it changes only checkpointing (the lever that
+    matters most when activations do not fit) or the traced precision (a strategy that computes in bf16)."""
+    other = signature(changed)
+    return all(other[k] == base.get(k) for k in other if k not in ("checkpointing", "precision")) and \
+        sum(other[k] != base.get(k) for k in ("checkpointing", "precision")) == 1
 
 
 def _signature_key(sig: dict[str, Any]) -> str:

@@ -759,7 +759,10 @@ def gpu_plan(setup: TrainingSetup, estimator: Estimator) -> GpuPlan | None:
 
     def peak(strategy: str, gpus: int) -> int | None:
         trial = _with_parallel(setup, strategy=strategy, gpus=gpus)
-        return None if trial is None else estimator(trial).peak_bytes
+        try:
+            return None if trial is None else estimator(trial).peak_bytes
+        except InputError:  # a what-if the estimator cannot answer yet (a fitted model not calibrated for it)
+            return None
 
     group = setup.parallel.tp * setup.parallel.pp * setup.parallel.cp  # GPU counts come in whole model-parallel groups
     mins: dict[str, int | None] = {}

@@ -27,7 +27,7 @@ from typing import Any
 
 from ..core.configfile import dense_prefix_layers, transformers_kwargs, with_layers
 from ..core.errors import MemcalcError
-from ..core.fitted import BASIS, SEPARATE, FitModel, Moment, Poly, signature
+from ..core.fitted import BASIS, SEPARATE, FitModel, Moment, Poly, signature, traced_precision
 from ..core.setup import TrainingSetup
 from ..core.vocab import PHASES
 from .meta import structure_on_meta
@@ -80,7 +80,7 @@ def _trace(cfg: dict[str, Any], layers: int, b: int, s: int, setup: TrainingSetu
 
     with unpacked_sequences():
         return measure_training_step(
-            with_layers(cfg, layers), batch=b, seq=s, precision=setup.precision,
+            with_layers(cfg, layers), batch=b, seq=s, precision=traced_precision(setup),
             optimizer=setup.optimizer, optimizer_impl=setup.optimizer_impl, attention=setup.attention,
             checkpointing=setup.checkpointing, use_cache=setup.use_cache,
             grad_accum=TRACED_MICRO_BATCHES, iterations=2, fake=True, keep_tracker=True,

@@ -30,6 +30,7 @@ expert beside tensor parallelism. torch is imported inside functions only.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -123,11 +124,13 @@ def fake_process_group(world: int, rank: int = 0) -> Iterator[None]:
 
     if dist.is_initialized():
         raise RuntimeError("a process group is already initialized in this process")
+    hook = sys.excepthook  # init_process_group wraps it with a "[rank0]" prefix, and every later one wraps again
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         yield
     finally:
         dist.destroy_process_group()
+        sys.excepthook = hook
 
 
 def parallelizer(config: dict[str, Any], layout: RankLayout, precision: str) -> Any:

@@ -589,7 +589,7 @@ class MainWindow(QMainWindow):
     def _fitted(self, needed: Any, setup: Any) -> Result | None:
         """The fitted result when this config and setup are calibrated; else start the calibration (seconds, in a
         worker; the last result stays on screen meanwhile) and return None."""
-        from ..core.fitted import evaluate_fitted, signature
+        from ..core.fitted import evaluate_fitted, signature, worth_calibrating
 
         key = self._fit_key(needed, setup)
         fit = self.fits.get(key)
@@ -608,13 +608,14 @@ class MainWindow(QMainWindow):
                 """A what-if's fit from memory; checkpointing's is calibrated next, in the worker (the solver's
                 suggestions gain it on the refresh that follows)."""
                 found = self.fits.get(self._fit_key(needed, changed))
-                if found is None and {k: v for k, v in signature(changed).items() if k != "checkpointing"} == \
-                        {k: v for k, v in signature(sized).items() if k != "checkpointing"}:
+                if found is None and worth_calibrating(signature(sized), changed):
                     wanted.append(changed)
                 return found if not isinstance(found, str) else None
 
             result = evaluate_fitted(sized, fit, more)
-            if wanted and result.verdict.fits is False and not self.fit_runner.is_running():  # worth the seconds
+            # worth the seconds: a lever when it does not fit, or the other strategies' step for the GPU plan
+            if wanted and (result.verdict.fits is False or signature(wanted[0])["precision"] != signature(sized)[
+                    "precision"]) and not self.fit_runner.is_running():
                 self._calibrate(needed, wanted[0], quiet=True)
             return result
         if not self.fit_runner.is_running():

@@ -1,0 +1,151 @@
+"""Expert parallelism (issue 17): transformers' own expert-parallel layout traced per rank on the fake process
+group, the per-GPU formulas against it, and the weights and optimizer bytes against Megatron-LM's function."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from memcalc_gui.cli import main as cli_main
+from memcalc_gui.core.distributed import Parallelism, expert_parallel_states, megatron_theoretical_memory
+from memcalc_gui.core.errors import InputError
+from memcalc_gui.core.setup import TrainingSetup
+from memcalc_gui.core.vocab import PHASES
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from memcalc_gui.trace.meta import count_params_on_meta, structure_on_meta  # noqa: E402
+from memcalc_gui.trace.ranks import RankLayout, trace_rank  # noqa: E402
+
+COMMON = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, vocab_size=1024, hidden_size=128,
+              num_attention_heads=4, num_hidden_layers=4, max_position_embeddings=2048, num_key_value_heads=2)
+MIXTRAL = dict(COMMON, model_type="mixtral", intermediate_size=128, num_local_experts=8, num_experts_per_tok=2)
+QWEN3_MOE = dict(COMMON, model_type="qwen3_moe", intermediate_size=256, moe_intermediate_size=64, num_experts=8,
+                 num_experts_per_tok=2, head_dim=32)
+STEP = dict(batch=2, seq=64)
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MEMCALC_CACHE_DIR", str(tmp_path / "fits"))
+
+
+def _split(cfg: dict[str, object]) -> tuple[int, int]:
+    st = structure_on_meta(cfg)
+    return st["num_params"] - st["expert_params"], st["expert_params"]
+
+
+@pytest.mark.parametrize("cfg", [MIXTRAL, QWEN3_MOE], ids=["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("ep", [2, 4, 8])
+def test_the_traced_rank_holds_a_share_of_the_experts(cfg: dict[str, object], ep: int) -> None:
+    """transformers' expert-parallel plan on the fake process group: a rank holds every dense parameter and 1/ep of
+    the routed experts, and its step runs (all-to-all both ways, backward, the optimizer over mixed meshes)."""
+    dense, experts = _split(cfg)
+    whole = trace_rank(cfg, RankLayout(), precision="fp32", **STEP)
+    rank = trace_rank(cfg, RankLayout(dp_replicate=ep, ep=ep), precision="fp32", **STEP)
+    assert rank.phases["load"].live_bytes == pytest.approx(4 * (dense + experts // ep), abs=1024)
+    step = rank.phases["optimizer_step"].objects
+    assert step["optimizer_state"] == pytest.approx(8 * (dense + experts // ep), abs=1024)
+    # the tokens each rank's experts run are, with balanced routing, as many as one GPU's: the activations stay
+    assert rank.phases["forward"].objects["activations"] == \
+        pytest.approx(whole.phases["forward"].objects["activations"], rel=0.01)
+
+
+def test_fsdp2_shards_the_experts_over_their_copies_and_the_rest_over_all() -> None:
+    """transformers' layout: the experts fully_shard-ed over the world/ep ranks that hold the same ones (efsdp), the
+    rest over all ranks."""
+    dense, experts = _split(MIXTRAL)
+    for world, ep in ((4, 2), (8, 4), (8, 8)):
+        rank = trace_rank(MIXTRAL, RankLayout(dp_shard=world, ep=ep), precision="fp32", **STEP)
+        want = 4 * (dense / world + experts / ep / (world // ep))
+        assert rank.phases["load"].live_bytes == pytest.approx(want, rel=0.01), (world, ep)
+
+
+def test_a_traced_rank_leaves_the_process_as_it_found_it() -> None:
+    """init_process_group wraps sys.excepthook (a "[rank0]" prefix) and destroy_process_group does not undo it: in
+    the window, every trace would wrap it once more."""
+    import sys
+
+    import torch.distributed as dist
+
+    hook = sys.excepthook
+    trace_rank(MIXTRAL, RankLayout(dp_replicate=2, ep=2), precision="fp32", **STEP)
+    assert sys.excepthook is hook
+    assert not dist.is_initialized()
+
+
+def test_the_layout_rejects_what_it_does_not_trace() -> None:
+    with pytest.raises(InputError) as exc:
+        RankLayout(tp=2, ep=2)
+    assert exc.value.field == "ep"
+    with pytest.raises(InputError):
+        RankLayout(dp_replicate=3, ep=2)
+
+
+@pytest.mark.parametrize(("cfg", "ep", "gpus", "precision", "ckpt"), [
+    (MIXTRAL, 2, 2, "fp32", "none"), (MIXTRAL, 4, 8, "mixed", "full"), (QWEN3_MOE, 8, 8, "mixed", "none"),
+], ids=["mixtral-ep2", "mixtral-ep4-of-8", "qwen3moe-ep8"])
+def test_the_fitted_ddp_ledger_with_expert_parallelism_matches_the_traced_rank(
+        cfg: dict[str, object], ep: int, gpus: int, precision: str, ckpt: str) -> None:
+    """The single-GPU fit with the expert-parallel states (``distributed.expert_parallel_states``) against the
+    traced rank of the same layout, DDP's buckets on both: within 2.5 % per phase (bench/expert.py: the matrix)."""
+    from memcalc_gui.core.fitted import estimate_fitted
+    from memcalc_gui.trace.fake import trace_estimate
+    from memcalc_gui.trace.fit import calibrate
+
+    setup = TrainingSetup(params=count_params_on_meta(cfg), precision=precision, checkpointing=ckpt,  # type: ignore
+                          target_device="cpu", parallel=Parallelism(gpus=gpus, ep=ep), **STEP)
+    fitted = estimate_fitted(setup, calibrate(cfg, setup, setup.params or 0))
+    traced = trace_estimate(setup, cfg).estimate
+    for p in PHASES:
+        assert fitted.phases[p].tensor_bytes == pytest.approx(traced.phases[p].tensor_bytes, rel=0.025), p
+
+
+def test_method_trace_runs_the_expert_parallel_rank(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(MIXTRAL))
+    common = ["estimate", "--config", str(cfg), "--batch", "2", "--seq", "64", "--json", "--method", "trace"]
+    assert cli_main([*common, "--gpus", "4", "--ep", "4", "--strategy", "fsdp2"]) == 0
+    split = json.loads(capsys.readouterr().out)
+    assert cli_main([*common, "--gpus", "1"]) == 0
+    whole = json.loads(capsys.readouterr().out)
+    assert split["peak_tensor_bytes"] < whole["peak_tensor_bytes"]
+    with pytest.raises(SystemExit) as exc:
+        cli_main([*common, "--gpus", "4", "--ep", "4", "--strategy", "zero2"])
+    assert exc.value.code == 2
+    assert "expert parallelism is traced" in capsys.readouterr().err
+
+
+MIXTRAL_8X7B = json.loads((Path(__file__).resolve().parent.parent / "resources" / "models" / "mixtral-8x7b.json")
+                          .read_text())
+
+
+@pytest.mark.parametrize("dist", [False, True], ids=["megatron", "distopt"])
+@pytest.mark.parametrize("dp", [8, 64])
+def test_mixtral_weights_and_optimizer_equal_megatrons_function_and_split_with_expert_parallelism(
+        dist: bool, dp: int) -> None:
+    """Mixtral 8x7B under Megatron-LM's recipe (tp 1, pp 1): the parameters, gradients and optimizer state per GPU
+    equal Megatron's ``theoretical_memory_usage`` (18 B/param or 6 + 12/dp, experts and router counted) to the
+    parameter. With expert parallelism memcalc splits the routed experts over ep and shards their optimizer over
+    the expert-data-parallel GPUs (dp/ep), as Megatron-Core lays them out; Megatron's function has no ep term."""
+    c = MIXTRAL_8X7B
+    st = structure_on_meta(c)
+    weights, _ = megatron_theoretical_memory(
+        c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["num_attention_heads"],
+        c["num_key_value_heads"], c["vocab_size"], dp=dp, distributed_optimizer=dist,
+        untied=not c.get("tie_word_embeddings", False), experts=c["num_local_experts"])
+
+    def per_gpu(ep: int) -> int:
+        par = Parallelism(gpus=dp, ep=ep, strategy="megatron-distopt" if dist else "megatron")
+        s = expert_parallel_states(par, st["num_params"], st["expert_params"],
+                                   st["layer_params"] - st["layer_expert_params"], st["layer_expert_params"],
+                                   "mixed", 8 * st["num_params"], 0, 0, st["root_unit"])
+        return s.parameters["backward"] + s.gradients["backward"] + s.optimizer_state
+
+    assert per_gpu(1) == pytest.approx(weights, rel=1e-6)
+    per_param = (lambda n: 6 + 12 / n) if dist else (lambda n: 18)
+    dense, experts = st["num_params"] - st["expert_params"], st["expert_params"]
+    assert per_gpu(8) == pytest.approx(dense * per_param(dp) + experts / 8 * per_param(dp // 8), rel=1e-6)
