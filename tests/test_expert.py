@@ -17,8 +17,8 @@ from memcalc_gui.core.vocab import PHASES
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from memcalc_gui.trace.meta import count_params_on_meta, structure_on_meta  # noqa: E402
-from memcalc_gui.trace.ranks import RankLayout, trace_rank  # noqa: E402
+from memcalc_gui.trace.meta import count_params_on_meta, structure_on_meta
+from memcalc_gui.trace.ranks import RankLayout, trace_rank
 
 COMMON = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, vocab_size=1024, hidden_size=128,
               num_attention_heads=4, num_hidden_layers=4, max_position_embeddings=2048, num_key_value_heads=2)
