@@ -243,3 +243,4 @@ def test_layer_patterns_and_dense_prefixes_fit(cfg: dict, layers: tuple[int, int
     fitted = estimate_fitted(st, fit)
     for phase in PHASES:
         assert fitted.phases[phase].tensor_bytes == pytest.approx(traced.phases[phase].tensor_bytes, rel=0.005)
+

@@ -221,3 +221,29 @@ def test_suggestions_say_the_host_memory_they_need():
     for s in offloading:
         assert s.host_bytes == estimate(apply_changes(setup, s.changes)).details["host_bytes"]
     assert all(s.host_bytes == 0 for s in rows if "offload" not in s.changes)
+
+
+def test_no_suggestion_is_rounding() -> None:
+    """A change that saves less than 1 MiB (and 0.1 % of the peak) without making the step fit is not offered
+    (sharding a fitted model over its one GPU once saved 563 B of rounding and was listed first); one that makes it
+    fit is, however little it saves."""
+    import dataclasses
+
+    from memcalc_gui.core.solver import MIN_SAVING_BYTES, suggestions
+
+    setup = TrainingSetup(model=preset_spec("llama-3.1-8b"), seq=4096)
+
+    def rounding(s: TrainingSetup) -> object:  # the analytic ledger, 563 B less under any sharding strategy
+        est = estimate(s)
+        if s.parallel.strategy == "ddp":
+            return est
+        phases = {p: dataclasses.replace(ph, objects={**ph.objects, "parameters": ph.objects["parameters"] - 563})
+                  if ph.objects.get("parameters", 0) > 563 else ph for p, ph in est.phases.items()}
+        return dataclasses.replace(est, phases=phases)
+
+    base = estimate(setup).peak_bytes
+    rows = suggestions(setup, rounding, None)  # type: ignore[arg-type]
+    assert rows and all(r.saves_bytes >= max(MIN_SAVING_BYTES, base // 1000) for r in rows)
+    tight = suggestions(setup, rounding, base - 100)  # type: ignore[arg-type]
+    assert any(r.fits and r.saves_bytes == 563 for r in tight)
+

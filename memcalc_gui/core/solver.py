@@ -7,7 +7,7 @@ from bisect import bisect_right
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from typing import Any
+from typing import Any, Final
 
 from .distributed import PREFERENCE, closest_offload
 from .errors import InputError
@@ -176,6 +176,10 @@ def _peak_after(setup: TrainingSetup, estimator: Estimator, changes: dict[str, A
         return None
 
 
+#: The least a suggested change saves, unless it makes the step fit (with 0.1 % of the peak).
+MIN_SAVING_BYTES: Final = 2**20
+
+
 def suggestions(setup: TrainingSetup, estimator: Estimator, capacity_bytes: int | None) -> tuple[Suggestion, ...]:
     """What to change. Over capacity: the cheapest sets of changes that fit, found by :func:`search_fixes`, then
     each single change with what it saves; otherwise the single changes, largest saving first."""
@@ -186,6 +190,8 @@ def suggestions(setup: TrainingSetup, estimator: Estimator, capacity_bytes: int 
         if peak is None or peak >= base_peak:
             continue
         ok = None if capacity_bytes is None else peak <= capacity_bytes
+        if base_peak - peak < max(MIN_SAVING_BYTES, base_peak // 1000) and not ok:
+            continue  # rounding, not a change worth making (sharding over one GPU saved 563 B)
         rows.append(Suggestion(key, title, changes, peak, base_peak - peak, ok, tradeoff))
     rows.sort(key=lambda s: (not s.fits, -s.saves_bytes))
     if capacity_bytes is None or base_peak <= capacity_bytes:
