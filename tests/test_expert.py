@@ -149,3 +149,60 @@ def test_mixtral_weights_and_optimizer_equal_megatrons_function_and_split_with_e
     per_param = (lambda n: 6 + 12 / n) if dist else (lambda n: 18)
     dense, experts = st["num_params"] - st["expert_params"], st["expert_params"]
     assert per_gpu(8) == pytest.approx(dense * per_param(dp) + experts / 8 * per_param(dp // 8), rel=1e-6)
+
+
+# ---- tensor parallelism of a mixture of experts (a family without a block model) ----------------------------------
+@pytest.mark.parametrize("cfg", [MIXTRAL, QWEN3_MOE], ids=["mixtral", "qwen3_moe"])
+def test_the_tensor_parallel_rank_of_a_mixture_of_experts_is_the_narrower_model_to_the_byte(
+        cfg: dict[str, object]) -> None:
+    """transformers' plan (PyTorch's column/row-wise styles for attention, transformers' packed_colwise, rowwise
+    and moe_tp_experts for the fused experts) on the fake process group makes exactly the step of the model with a
+    tp-th of the heads and of every expert's features: what the fitted method calibrates."""
+    from memcalc_gui.measure import exclusive_torch_job
+    from memcalc_gui.measure.cpu_step import measure_training_step
+    from memcalc_gui.trace.fake import unpacked_sequences
+    from memcalc_gui.trace.ranks import STEP_DEFAULTS, tensor_parallel_config
+
+    kw = STEP_DEFAULTS | dict(precision="mixed", **STEP)
+    traced = trace_rank(cfg, RankLayout(1, 2), **kw)
+    with exclusive_torch_job(), unpacked_sequences():
+        plain = measure_training_step(tensor_parallel_config(cfg, 2), fake=True, **kw)
+    for p in PHASES:
+        assert traced.phases[p].peak_bytes == plain.phases[p].peak_bytes, p
+
+
+def test_a_tensor_parallel_degree_the_config_cannot_split_is_refused() -> None:
+    from memcalc_gui.trace.ranks import tensor_parallel_config
+
+    with pytest.raises(InputError) as exc:
+        tensor_parallel_config(QWEN3_MOE, 4)  # 2 key/value heads
+    assert exc.value.field == "tp" and "key/value heads" in exc.value.reason
+
+
+@pytest.mark.parametrize(("gpus", "strategy", "rel"), [(2, "ddp", 0.01), (4, "ddp", 0.01), (4, "fsdp2", 0.05)])
+def test_the_fitted_tensor_parallel_rank_matches_the_traced_one(gpus: int, strategy: str, rel: float,
+                                                                tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """``--tp`` for a mixture of experts: the fitted method calibrates the narrower model and lays the strategy over
+    it; the trace runs transformers' plan and the strategy (fully_shard under FSDP2) on the fake process group. DDP
+    within 1 %; FSDP2 within 5 % on this toy model, whose gathered layers weigh as much as its activations (its
+    gathered units are counted as a bound; bench/expert.py)."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(MIXTRAL))
+    common = ["estimate", "--config", str(cfg), "--batch", "2", "--seq", "64", "--json", "--gpus", str(gpus),
+              "--tp", "2", "--strategy", strategy]
+    peaks = {}
+    for method in ("fitted", "trace"):
+        assert cli_main([*common, "--method", method]) == 0
+        out = json.loads(capsys.readouterr().out)
+        peaks[method] = {p: sum(v for k, v in out["phases"][p]["objects"].items()
+                                if k not in ("cuda_context", "allocator_reserve")) for p in PHASES}
+    for p in PHASES:
+        assert peaks["fitted"][p] == pytest.approx(peaks["trace"][p], rel=rel), p
+
+
+def test_tensor_parallelism_needs_more_than_a_parameter_count(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["estimate", "--params", "7e9", "--gpus", "2", "--tp", "2"])
+    assert exc.value.code == 2
+    assert "--tp" in capsys.readouterr().err

@@ -65,6 +65,8 @@ def signature(setup: TrainingSetup) -> dict[str, Any]:
         "loss": setup.loss, "loss_chunk": setup.loss_chunk, "optimizer_in_backward": setup.optimizer_in_backward,
         "target_device": setup.target_device,
         **({"galore_rank": setup.galore_rank} if setup.optimizer == "galore-adamw" else {}),
+        # the rank of a tensor-parallel group is its own, narrower model (trace.ranks.tensor_parallel_config)
+        **({"tp": setup.parallel.tp} if setup.parallel.tp > 1 else {}),
         "tuning": {"method": ft.method, "rank": ft.rank, "targets": list(ft.targets), "dropout": ft.dropout,
                    "adapter_dtype": ft.adapter_dtype, "quant": ft.quant, "double_quant": ft.double_quant,
                    "trainable": list(ft.trainable), "prepare_kbit": ft.prepare_kbit}

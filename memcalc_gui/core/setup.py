@@ -247,10 +247,11 @@ class TrainingSetup:
         if not isinstance(self.tuning, FineTuning):
             raise InputError("tuning", "tuning must be a FineTuning")
         if self.parallel.tp > 1:
-            if self.model is None:
-                raise InputError("tp", "tensor parallelism splits a model's heads and MLP: it needs an architecture "
-                                       "memcalc models (a preset or config.json)")
-            check_tensor_parallel(self.model, self.parallel.tp)
+            if self.model is None and self.parallel.loss_parallel:
+                raise InputError("loss_parallel", "loss parallelism is modelled for the families memcalc has a block "
+                                                  "model of")
+            if self.model is not None:  # without one, the fitted method checks the config (trace.ranks)
+                check_tensor_parallel(self.model, self.parallel.tp)
             if self.tuning.method != "full":
                 raise InputError("tp", f"{self.tuning.method} beside tensor parallelism is not modelled yet")
         par = self.parallel

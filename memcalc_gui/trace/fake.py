@@ -26,7 +26,7 @@ from typing import Any
 from .. import install_hint
 from ..core.analytic import per_gpu_ledger, states_for
 from ..core.configfile import transformers_kwargs
-from ..core.distributed import BF16_COMPUTE, expert_parallel_states
+from ..core.distributed import BF16_COMPUTE, expert_parallel_states, model_states
 from ..core.errors import InputError, MemcalcError, one_line
 from ..core.estimate import estimate
 from ..core.layout import tensor_parallel_spec
@@ -72,7 +72,7 @@ class TraceResult:
         """The trace's ledger with a verdict; what-ifs (max micro-batch, suggestions, GPU plan) use the analytic
         method."""
         setup = self.estimate.setup
-        if setup.model is None and setup.parallel.ep > 1:  # no analytic model of the layout: the verdict alone
+        if setup.model is None and setup.parallel.is_distributed:  # no analytic model of the layout: the verdict alone
             cap, peak = setup.capacity_bytes, self.estimate.peak_bytes
             return Result(self.estimate, Verdict(cap, None if cap is None else peak <= cap,
                                                  None if cap is None else cap - peak, None), None)
@@ -184,17 +184,19 @@ def trace_estimate(
                 from .ranks import tensor_parallel_config
 
                 cfg = tensor_parallel_config(cfg, par.tp, par.loss_parallel)
-        elif par.ep > 1:  # one rank of transformers' expert-parallel layout, on the fake process group
+        elif par.ep > 1 or (par.tp > 1 and setup.model is None):
+            # one rank of transformers' expert- or tensor-parallel layout of a family without a block model, the
+            # data-parallel strategy applied in the trace too, on the fake process group
             from .ranks import RankLayout, trace_rank
 
-            if par.strategy not in ("ddp", "fsdp2") or par.offload != "none" or par.tp > 1:
-                raise TraceError("expert parallelism is traced as transformers lays it out: the dense model "
-                                 "replicated (--strategy ddp) or fully_shard-ed (--strategy fsdp2), without offload; "
-                                 "the fitted method covers the other strategies")
+            if par.strategy not in ("ddp", "fsdp2") or par.offload != "none":
+                raise TraceError("expert and tensor parallelism of a family without a block model are traced as "
+                                 "transformers lays them out: the rest replicated (--strategy ddp) or fully_shard-ed "
+                                 "(--strategy fsdp2), without offload; the fitted method covers the other strategies")
             fsdp2 = par.strategy == "fsdp2"
             compute = setup.precision  # under FSDP2, its MixedPrecisionPolicy in the trace itself
             step = functools.partial(trace_rank, layout=RankLayout(
-                dp_shard=par.gpus if fsdp2 else 1, dp_replicate=1 if fsdp2 else par.gpus, ep=par.ep,
+                dp_shard=par.dp if fsdp2 else 1, dp_replicate=1 if fsdp2 else par.dp, tp=par.tp, ep=par.ep,
                 reshard_after_forward=par.reshard_after_forward))
         elif par.tp > 1:  # one rank of the tensor-parallel group, parallelized on the fake process group
             from .ranks import RankLayout, trace_rank
@@ -242,8 +244,9 @@ def trace_estimate(
     notes: tuple[str, ...] = ()
     offloaded = m.host_bytes  # the most offloaded activations the step held in host memory
     host_bytes = offloaded
-    if setup.parallel.ep > 1:  # the traced rank is the layout's own; DDP's buckets are what it does not run
-        notes, buckets = _expert_parallel_rules(cfg, setup)
+    if setup.parallel.ep > 1 or (setup.parallel.tp > 1 and setup.model is None):
+        # the traced rank is the layout's own; DDP's buckets are what it does not run
+        notes, buckets = _rank_rules(cfg, setup)
         for name in ("forward", "backward", "optimizer_step"):
             objects[name]["gradients"] = objects[name].get("gradients", 0) + buckets
     elif setup.parallel.is_distributed and setup.model is not None and not fsdp2_pipeline:
@@ -277,6 +280,9 @@ def trace_estimate(
         *([f"Traced one rank of {setup.parallel.gpus} with the routed experts split over {setup.parallel.ep} "
            "(transformers' expert-parallel plan and all-to-all, on the fake process group), balanced routing"]
           if setup.parallel.ep > 1 else []),
+        *([f"Traced one rank of a {setup.parallel.tp}-way tensor-parallel group with transformers' plan for "
+           f"{cfg.get('model_type')} (PyTorch's column- and row-wise styles, transformers' own for the experts), on "
+           "the fake process group"] if setup.parallel.tp > 1 and setup.model is None else []),
         *([f"Traced pipeline rank {pipe_rank + 1} of {setup.parallel.pp} (the analytic ledger's most loaded) under "
            f"PyTorch's {setup.parallel.schedule} schedule over {setup.grad_accum} micro-batch(es), on the fake process "
            "group" + (f"; its tensor-parallel rank as the model with a {setup.parallel.tp}th of the heads and MLP"
@@ -293,12 +299,17 @@ def trace_estimate(
     return TraceResult(est, modules, seconds, analytic, rules, timeline)
 
 
-def _expert_parallel_rules(cfg: dict[str, Any], setup: TrainingSetup) -> tuple[tuple[str, ...], int]:
+def _rank_rules(cfg: dict[str, Any], setup: TrainingSetup) -> tuple[tuple[str, ...], int]:
     """The layout's notes, and the bytes of DDP's buckets (``distributed.expert_parallel_states``: the gradients of
     what is replicated, which the trace's replicated parameters do not keep twice); no buckets under FSDP2."""
     from .meta import structure_on_meta
+    from .ranks import tensor_parallel_config
 
-    st = structure_on_meta(cfg)
+    st = structure_on_meta(tensor_parallel_config(cfg, setup.parallel.tp) if setup.parallel.tp > 1 else cfg)
+    if setup.parallel.ep == 1:
+        states = model_states(setup.parallel, st["num_params"], st["layer_params"], setup.precision, 0, 0, 0,
+                              st["root_unit"])
+        return states.notes, states.gradients["forward"] if setup.parallel.strategy == "ddp" else 0
     if not st["num_experts"]:
         raise InputError("ep", f"model_type {cfg.get('model_type')!r} has no routed experts to split (expert "
                                "parallelism needs a mixture of experts)")

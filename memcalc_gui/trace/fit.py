@@ -256,6 +256,10 @@ def calibrate(config: dict[str, Any], setup: TrainingSetup, num_params: int,
     ``cached_only`` raises :class:`FitError` rather than tracing."""
     model_type, kwargs = transformers_kwargs(config)
     cfg = {"model_type": model_type, **kwargs}
+    if setup.parallel.tp > 1:  # one tensor-parallel rank: the narrower model transformers' plan makes of it
+        from .ranks import tensor_parallel_config
+
+        cfg = tensor_parallel_config(cfg, setup.parallel.tp)
     layers = next((int(cfg[k]) for k in ("num_hidden_layers", "n_layer", "num_layers")
                    if isinstance(cfg.get(k), int)), 0)
     skip = dense_prefix_layers(cfg)  # DeepSeek's leading dense layers: the fit traces past them

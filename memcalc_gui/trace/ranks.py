@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +40,10 @@ from ..core.errors import InputError
 
 #: Plan styles of transformers' ``base_model_tp_plan`` this trace applies, and what they are in PyTorch.
 STYLES = {"colwise": "ColwiseParallel", "rowwise": "RowwiseParallel"}
+#: The mixture-of-experts styles of transformers' plans, applied with transformers' own ``apply_tensor_parallelism``:
+#: each expert's fused gate/up projection split column-wise, its down projection row-wise, the experts' outputs
+#: summed over the ranks.
+EXPERT_STYLES = ("packed_colwise", "moe_tp_experts")
 #: Styles that leave a module replicated (its gradients all-reduced): the memory of one rank is unchanged.
 REPLICATED = ("replicated_with_grad_allreduce",)
 
@@ -65,8 +70,6 @@ class RankLayout:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 4096:
                 raise InputError(name, f"must be an integer from 1 to 4096, got {value!r}")
-        if self.ep > 1 and self.tp > 1:
-            raise InputError("ep", "expert beside tensor parallelism is not traced; the formulas hold")
         if self.world % self.ep:
             raise InputError("ep", f"expert parallelism over {self.ep} ranks needs a world it divides, got "
                                    f"{self.world}")
@@ -80,10 +83,14 @@ def tensor_parallel_config(config: dict[str, Any], tp: int, vocab: bool = False)
     """The config of the model one rank of a ``tp``-way group runs (``core.layout``: a tp-th of the heads, key/value
     heads and MLP features at the same head size; ``vocab``: a tp-th of the vocabulary), for families whose config
     takes ``head_dim``."""
+    from ..core.errors import UnsupportedFamilyError
     from ..core.layout import check_tensor_parallel
     from ..core.model import spec_from_config
 
-    spec = spec_from_config(config)
+    try:
+        spec = spec_from_config(config)
+    except UnsupportedFamilyError:  # a family without a block model (a mixture of experts): from its config
+        return _narrower_config(config, tp)
     check_tensor_parallel(spec, tp)
     if spec.family not in ("llama", "mistral", "qwen2", "qwen3", "gemma"):
         raise InputError("tp", f"the narrower-model trace of a tensor-parallel rank needs a config with head_dim; "
@@ -91,6 +98,42 @@ def tensor_parallel_config(config: dict[str, Any], tp: int, vocab: bool = False)
     return dict(config, num_attention_heads=spec.num_heads // tp, num_key_value_heads=spec.num_kv_heads // tp,
                 intermediate_size=spec.intermediate_size // tp, head_dim=spec.head_dim,
                 vocab_size=-(-spec.vocab_size // tp) if vocab else spec.vocab_size)
+
+
+#: The config keys of the widths transformers' plans split column-wise (MLP features, each expert's and the shared
+#: experts' features), each divided by tp in the rank's config.
+WIDTH_KEYS = ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size")
+
+
+def _narrower_config(config: dict[str, Any], tp: int) -> dict[str, Any]:
+    """The rank's config of a family without a block model: a tp-th of the heads, key/value heads and every width
+    transformers' plan splits, at the same head size. Equal to the rank transformers' plan makes, byte for byte
+    (tests/test_expert.py), for the families whose plan holds only the styles this trace applies."""
+    from ..core.configfile import transformers_kwargs
+    from .meta import auto_config
+
+    tp_plan(config)  # a plan of styles the narrower model stands for, or InputError
+    model_type, kwargs = transformers_kwargs(config)
+    full = auto_config(model_type, kwargs)
+    heads = int(full.num_attention_heads)
+    kv = int(getattr(full, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(full, "head_dim", None) or full.hidden_size // heads)
+    out = dict(config, num_attention_heads=heads // tp, num_key_value_heads=kv // tp, head_dim=head_dim)
+    split = {"attention heads": heads, "key/value heads": kv}
+    for key in WIDTH_KEYS:
+        value = getattr(full, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            out[key] = value // tp
+            split[key.replace("_", " ")] = value
+    for what, n in split.items():
+        if n % tp:
+            raise InputError("tp", f"{model_type} has {n:,} {what}, which {tp} tensor-parallel ranks cannot split "
+                                   "evenly")
+    rank = auto_config(model_type, transformers_kwargs(out)[1])
+    if int(getattr(rank, "head_dim", 0) or 0) != head_dim:
+        raise InputError("tp", f"{model_type}'s config takes no head_dim: its tensor-parallel rank cannot be built "
+                               "as a narrower model")
+    return out
 
 
 def tp_plan(config: dict[str, Any]) -> dict[str, str]:
@@ -107,7 +150,7 @@ def tp_plan(config: dict[str, Any]) -> dict[str, str]:
             continue  # embeddings: replicated here, as transformers' own plans mostly leave them
         if style in REPLICATED:
             continue
-        if style not in STYLES:
+        if style not in STYLES and style not in EXPERT_STYLES:
             raise InputError("tp", f"transformers' tensor-parallel plan for {model_type} uses {style!r} "
                                    f"({key}), which the per-rank trace does not apply; estimate it with the formulas")
         out[key.removeprefix("layers.*.")] = style
@@ -140,7 +183,6 @@ def parallelizer(config: dict[str, Any], layout: RankLayout, precision: str) -> 
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from torch.distributed.tensor import parallel as tp_api
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     plan = tp_plan(config) if layout.tp > 1 else {}
@@ -157,9 +199,8 @@ def parallelizer(config: dict[str, Any], layout: RankLayout, precision: str) -> 
     def apply(model: Any) -> None:
         layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
         if plan:
-            styles = {k: getattr(tp_api, STYLES[v])() for k, v in plan.items()}
             for layer in layers:
-                tp_api.parallelize_module(layer, tp_mesh, styles)
+                _split_layer(layer, tp_mesh, plan)
             if layout.loss_parallel:
                 _split_vocabulary(model, tp_mesh)
             _replicate_the_rest(model, tp_mesh)
@@ -204,6 +245,22 @@ def _split_vocabulary(model: Any, mesh: Any) -> None:
             desired_output_layouts=Shard(-1), use_local_output=False))
         return
     tp_api.parallelize_module(head, mesh, tp_api.ColwiseParallel(output_layouts=Shard(-1), use_local_output=False))
+
+
+def _split_layer(layer: Any, mesh: Any, plan: dict[str, str]) -> None:
+    """One decoder layer split by its family's plan: its linear layers with PyTorch's ``ColwiseParallel`` and
+    ``RowwiseParallel``, its experts (fused weights, which are parameters, not modules) with transformers' own
+    styles; a plan entry the layer lacks (a dense MLP's, in an MoE layer) is skipped."""
+    from torch.distributed.tensor import parallel as tp_api
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+    modules, params = dict(layer.named_modules()), dict(layer.named_parameters())
+    theirs = {k: v for k, v in plan.items() if k in params or v in EXPERT_STYLES}
+    for key, style in plan.items():
+        if key not in theirs and key in modules:
+            tp_api.parallelize_module(modules[key], mesh, getattr(tp_api, STYLES[style])())
+    if theirs:
+        apply_tensor_parallelism(layer, mesh, {k: v for k, v in theirs.items() if k in params or k in modules})
 
 
 #: The name this trace's balanced all-to-all is registered under in transformers' ``EPImplementationInterface``.
@@ -300,7 +357,9 @@ def trace_rank(config: dict[str, Any], layout: RankLayout, **step: Any) -> Any:
     from .fake import unpacked_sequences
 
     kw = STEP_DEFAULTS | {k: v for k, v in step.items() if k != "fake"}  # always fake
-    with exclusive_torch_job(), fake_process_group(layout.world), unpacked_sequences():
+    with exclusive_torch_job(), fake_process_group(layout.world), unpacked_sequences(), warnings.catch_warnings():
+        # the causal LM returns a view of its logits; the step does no in-place op on it (not the user's concern)
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
         apply = parallelizer(config, layout, kw["precision"])
         with _loss_parallel(layout.loss_parallel):
             return measure_training_step(config, fake=True, parallelize=apply, autocast=layout.dp_shard == 1, **kw)
