@@ -1,6 +1,6 @@
-"""Expert parallelism (issue 17): the fitted method's per-GPU ledger of a mixture of experts against the traced rank
-of the same layout, on two toy models and on published ones at micro-batch 1 × 4096 tokens. Prints each case's
-formula-vs-trace difference per phase and a summary.
+"""Mixtures of experts across GPUs (issue 17): the fitted method's per-GPU ledger (expert, tensor and data
+parallelism) against the traced rank of the same layout, on two toy models and on published ones at micro-batch
+1 × 4096 tokens. Prints each case's formula-vs-trace difference per phase and a summary.
 
     python bench/expert.py [--quick]
 
@@ -48,7 +48,7 @@ def config(name: str) -> dict[str, object]:
     return json.loads((Path(__file__).resolve().parent.parent / "resources" / "models" / f"{name}.json").read_text())
 
 
-def case(family: str, ep: int, gpus: int, strategy: str, precision: str, ckpt: str) -> dict[str, float]:
+def case(family: str, ep: int, gpus: int, strategy: str, precision: str, ckpt: str, tp: int = 1) -> dict[str, float]:
     """Fitted − traced, % of the traced rank, per phase (tensor bytes)."""
     from memcalc_gui.core.fitted import estimate_fitted
     from memcalc_gui.trace.fake import trace_estimate
@@ -59,7 +59,7 @@ def case(family: str, ep: int, gpus: int, strategy: str, precision: str, ckpt: s
     batch, seq = (2, 64) if family in MOE else (1, 4096)
     setup = TrainingSetup(params=count_params_on_meta(cfg), batch=batch, seq=seq, precision=precision,  # type: ignore
                           checkpointing=ckpt, target_device="cpu",  # type: ignore[arg-type]
-                          parallel=Parallelism(gpus=gpus, ep=ep, strategy=strategy))  # type: ignore[arg-type]
+                          parallel=Parallelism(gpus=gpus, ep=ep, tp=tp, strategy=strategy))  # type: ignore[arg-type]
     fitted = estimate_fitted(setup, calibrate(cfg, setup, setup.params or 0))
     traced = trace_estimate(setup, cfg).estimate
     return {p: 100 * (fitted.phases[p].tensor_bytes - traced.phases[p].tensor_bytes) / traced.phases[p].tensor_bytes
@@ -69,25 +69,29 @@ def case(family: str, ep: int, gpus: int, strategy: str, precision: str, ckpt: s
 def main(quick: bool = False) -> None:
     warnings.filterwarnings("ignore")
     os.environ.setdefault("MEMCALC_CACHE_DIR", tempfile.mkdtemp(prefix="memcalc-fits-"))
-    layouts = [(2, 2), (4, 4), (8, 8), (2, 4), (4, 8)] if not quick else [(2, 2), (4, 8)]
+    # (ep, tp, gpus)
+    toy = [(2, 1, 2), (4, 1, 4), (8, 1, 8), (2, 1, 4), (4, 1, 8), (1, 1, 4), (1, 2, 2), (1, 2, 4)]
+    full = [(8, 1, 8), (4, 1, 8), (1, 1, 8), (1, 2, 8), (1, 4, 8)]
+    if quick:
+        toy, full = [(2, 1, 2), (4, 1, 8), (1, 2, 4)], [(8, 1, 8)]
     shown = [p for p in PHASES if p != "load"]
-    print(f"{'model':<18}{'ep':>3}{'gpus':>5} {'strategy':<6} {'precision':<9} {'ckpt':<5}"
+    print(f"{'model':<18}{'ep':>3}{'tp':>3}{'gpus':>5} {'strategy':<6} {'precision':<9} {'ckpt':<5}"
           + "".join(f"{p[:8]:>10}" for p in shown) + "   (fitted − traced, % of traced)")
     worst: dict[str, list[float]] = {}
     start = time.perf_counter()
-    cases = list(itertools.product(MOE, layouts, ("ddp", "fsdp2"), ("fp32", "mixed"), ("none", "full")))
-    cases += list(itertools.product(PRESETS[:1] if quick else PRESETS, [(8, 8)] if quick else [(8, 8), (4, 8)],
-                                    ("ddp", "fsdp2"), ("mixed",), ("none", "full")))
-    for family, (ep, gpus), strategy, precision, ckpt in cases:
+    cases = list(itertools.product(MOE, toy, ("ddp", "fsdp2"), ("fp32", "mixed"), ("none", "full")))
+    cases += list(itertools.product(PRESETS[:1] if quick else PRESETS, full, ("ddp", "fsdp2"), ("mixed",),
+                                    ("none", "full")))
+    for family, (ep, tp, gpus), strategy, precision, ckpt in cases:
+        row = f"{family:<18}{ep:>3}{tp:>3}{gpus:>5} {strategy:<6} {precision:<9} {ckpt:<5}"
         try:
-            diff = case(family, ep, gpus, strategy, precision, ckpt)
-        except InputError as exc:  # e.g. 60 experts over 8 GPUs
-            print(f"{family:<18}{ep:>3}{gpus:>5} {strategy:<6} {precision:<9} {ckpt:<5}  n/a: {exc}")
+            diff = case(family, ep, gpus, strategy, precision, ckpt, tp)
+        except InputError as exc:  # e.g. 60 experts over 8 GPUs, 2 key/value heads over 4
+            print(f"{row}  n/a: {exc}")
             continue
         kind = strategy + (" (toy)" if family in MOE else "")
         worst.setdefault(kind, []).append(max(abs(v) for v in diff.values()))
-        print(f"{family:<18}{ep:>3}{gpus:>5} {strategy:<6} {precision:<9} {ckpt:<5}"
-              + "".join(f"{diff[p]:>+10.2f}" for p in shown), flush=True)
+        print(row + "".join(f"{diff[p]:>+10.2f}" for p in shown), flush=True)
     print()
     print(f"{'strategy':<14}{'cases':>7}{'≤ 1 %':>8}{'≤ 2 %':>8}{'≤ 3 %':>8}{'worst':>9}")
     for kind, errs in worst.items():

@@ -566,10 +566,6 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         setup.extras["model_type"] = family
         if getattr(args, "active_params", None) is not None:
             setup.extras["active_params"] = args.active_params
-        if args.method == "trace" and setup.parallel.is_distributed and setup.parallel.ep == 1 \
-                and setup.parallel.tp == 1:
-            raise InputError("method", f"the trace runs one replica; a per-GPU {setup.parallel.strategy} budget of "
-                                       f"{family!r} comes from the fitted method (the default)")
         if args.method is None:  # exact, rather than a heuristic that is off by up to several times
             args.method = "fitted"
     elif args.method is None and setup.model is None:

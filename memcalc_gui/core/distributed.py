@@ -466,18 +466,26 @@ def megatron_theoretical_memory(hidden: int, ffn: int, layers: int, heads: int, 
 
 def expert_parallel_states(par: Parallelism, num_params: int, expert_params: int, dense_unit: int,
                            expert_unit: int, precision: str, state_bytes_single: int, step_temporaries_single: int,
-                           matmul_copy_bytes: int, root_unit: int) -> ModelStates:
+                           matmul_copy_bytes: int, root_unit: int, experts: int = 0) -> ModelStates:
     """Per-GPU model states with the routed experts split over ``par.ep`` GPUs (expert parallelism, as torchtitan
     and Megatron-LM lay it out): every GPU holds ``1/ep`` of each MoE layer's experts, an expert group is
     replicated (DDP) or sharded (ZeRO/FSDP) over the ``gpus/ep`` GPUs that hold the same experts, and the rest
     of the model (attention, shared experts, router, embeddings) is laid out over all GPUs as the strategy says.
-    The single-GPU optimizer costs and autocast copies are split in proportion to the parameters."""
-    if par.ep == 1:
+    The single-GPU optimizer costs and autocast copies are split in proportion to the parameters.
+
+    FSDP2 shards each parameter along its first dimension, which for transformers' fused experts is the expert:
+    with ``experts`` per layer, the most loaded GPU holds ``ceil(local experts / shards)`` of them (traced: 60
+    experts over 8 GPUs are 8 on the first, not 7.5)."""
+    padded = par.strategy == "fsdp2" and experts > 0 and (experts // par.ep) % max(1, par.gpus // par.ep) != 0
+    if par.ep == 1 and not padded:
         unit = expert_unit + dense_unit  # not split: the caller's unit
         return model_states(par, num_params, unit, precision, state_bytes_single, step_temporaries_single,
                             matmul_copy_bytes, root_unit)
     dense = num_params - expert_params
     share = expert_params // par.ep
+    if padded:
+        local, shards = experts // par.ep, par.gpus // par.ep
+        share = share * -(-local // shards) * shards // local
 
     def part(n: int) -> tuple[int, int, int]:
         return (state_bytes_single * n // num_params, step_temporaries_single * n // num_params,
@@ -486,10 +494,16 @@ def expert_parallel_states(par: Parallelism, num_params: int, expert_params: int
     d = model_states(replace(par, ep=1), dense, dense_unit, precision, *part(dense), root_unit)
     e = model_states(replace(par, gpus=par.gpus // par.ep, ep=1), share, expert_unit // par.ep, precision,
                      *part(share), 0)
-    note = (f"Expert parallelism over {par.ep} GPUs: each holds 1/{par.ep} of the routed experts "
-            f"({share:,} parameters), {'replicated' if par.strategy == 'ddp' else 'sharded'} over the "
-            f"{par.gpus // par.ep} GPU(s) that hold the same experts; the other {dense:,} parameters over all "
-            f"{par.gpus}")
+    if par.ep == 1:
+        note = (f"FSDP2 shards the fused experts expert by expert: {experts} per layer over {par.gpus} GPUs are "
+                f"{-(-experts // par.gpus)} on the most loaded one")
+    else:
+        copies = par.gpus // par.ep
+        note = (f"Expert parallelism over {par.ep} GPUs: each holds 1/{par.ep} of the routed experts "
+                f"({expert_params // par.ep:,} parameters), " + (
+                    "and no other GPU holds the same ones" if copies == 1 else
+                    f"{'replicated' if par.strategy == 'ddp' else 'sharded'} over the {copies} GPUs that hold the "
+                    "same ones") + f"; the other {dense:,} parameters over all {par.gpus}")
     return ModelStates(
         {ph: d.parameters[ph] + e.parameters[ph] for ph in d.parameters},
         {ph: d.gradients[ph] + e.gradients[ph] for ph in d.gradients},

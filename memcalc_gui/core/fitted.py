@@ -231,8 +231,8 @@ def per_gpu_states(setup: TrainingSetup, fit: FitModel) -> tuple[Transform, Mode
         state, temps = 2 * state, 2 * temps
     traced_grads = step.get("gradients", 0)  # every gradient, at the step
     buffers = 0
-    if par.ep > 1:
-        if not st["num_experts"]:
+    if par.ep > 1 or (par.strategy == "fsdp2" and st["num_experts"]):
+        if par.ep > 1 and not st["num_experts"]:
             raise InputError("ep", f"model_type {fit.model_type!r} has no routed experts to split (expert "
                                    "parallelism needs a mixture of experts)")
         if st["num_experts"] % par.ep:
@@ -242,11 +242,12 @@ def per_gpu_states(setup: TrainingSetup, fit: FitModel) -> tuple[Transform, Mode
             par, st["num_params"], st["expert_params"],
             st["largest_dense_module"] if zero3 else st["layer_params"] - st["layer_expert_params"],
             st["largest_expert_module"] if zero3 else st["layer_expert_params"], setup.precision, state, temps,
-            copies, st["root_unit"])
-        # the all-to-all dispatch and combine buffers of one MoE layer: every token's top-k hidden states out and
-        # back, balanced routing (torchtitan's and Megatron-LM's token dispatchers)
-        a_bytes = 4 if setup.precision == "fp32" else 2
-        buffers = 2 * setup.batch * setup.seq * st["top_k"] * st["hidden_size"] * a_bytes
+            copies, st["root_unit"], st["num_experts"])
+        if par.ep > 1:
+            # the all-to-all dispatch and combine buffers of one MoE layer: every token's top-k hidden states out
+            # and back, balanced routing (transformers', torchtitan's and Megatron-LM's token dispatchers)
+            a_bytes = 4 if setup.precision == "fp32" else 2
+            buffers = 2 * setup.batch * setup.seq * st["top_k"] * st["hidden_size"] * a_bytes
     else:
         unit = st["largest_module"] if par.strategy == "zero3" else st["layer_params"]
         states = model_states(par, st["num_params"], unit, setup.precision, state, temps, copies, st["root_unit"])

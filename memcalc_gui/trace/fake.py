@@ -184,15 +184,16 @@ def trace_estimate(
                 from .ranks import tensor_parallel_config
 
                 cfg = tensor_parallel_config(cfg, par.tp, par.loss_parallel)
-        elif par.ep > 1 or (par.tp > 1 and setup.model is None):
+        elif par.ep > 1 or (setup.model is None and par.is_distributed):
             # one rank of transformers' expert- or tensor-parallel layout of a family without a block model, the
             # data-parallel strategy applied in the trace too, on the fake process group
             from .ranks import RankLayout, trace_rank
 
             if par.strategy not in ("ddp", "fsdp2") or par.offload != "none":
-                raise TraceError("expert and tensor parallelism of a family without a block model are traced as "
-                                 "transformers lays them out: the rest replicated (--strategy ddp) or fully_shard-ed "
-                                 "(--strategy fsdp2), without offload; the fitted method covers the other strategies")
+                raise TraceError("a layout of a family without a block model is traced as transformers lays it out: "
+                                 "the model replicated (--strategy ddp) or fully_shard-ed (--strategy fsdp2), its "
+                                 "experts and heads split as --ep and --tp say, without offload; the fitted method "
+                                 "(the default) covers the other strategies")
             fsdp2 = par.strategy == "fsdp2"
             compute = setup.precision  # under FSDP2, its MixedPrecisionPolicy in the trace itself
             step = functools.partial(trace_rank, layout=RankLayout(
@@ -244,7 +245,7 @@ def trace_estimate(
     notes: tuple[str, ...] = ()
     offloaded = m.host_bytes  # the most offloaded activations the step held in host memory
     host_bytes = offloaded
-    if setup.parallel.ep > 1 or (setup.parallel.tp > 1 and setup.model is None):
+    if setup.parallel.ep > 1 or (setup.model is None and setup.parallel.is_distributed):
         # the traced rank is the layout's own; DDP's buckets are what it does not run
         notes, buckets = _rank_rules(cfg, setup)
         for name in ("forward", "backward", "optimizer_step"):
@@ -318,7 +319,7 @@ def _rank_rules(cfg: dict[str, Any], setup: TrainingSetup) -> tuple[tuple[str, .
                                f"{setup.parallel.ep} GPUs")
     states = expert_parallel_states(setup.parallel, st["num_params"], st["expert_params"],
                                     st["layer_params"] - st["layer_expert_params"], st["layer_expert_params"],
-                                    setup.precision, 0, 0, 0, st["root_unit"])
+                                    setup.precision, 0, 0, 0, st["root_unit"], st["num_experts"])
     buckets = states.gradients["forward"] if setup.parallel.strategy == "ddp" else 0
     return states.notes, buckets
 
