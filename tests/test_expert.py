@@ -25,6 +25,9 @@ COMMON = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, vocab_size=1024, h
 MIXTRAL = dict(COMMON, model_type="mixtral", intermediate_size=128, num_local_experts=8, num_experts_per_tok=2)
 QWEN3_MOE = dict(COMMON, model_type="qwen3_moe", intermediate_size=256, moe_intermediate_size=64, num_experts=8,
                  num_experts_per_tok=2, head_dim=32)
+#: A shared expert beside the routed ones, which transformers' plan leaves whole.
+QWEN2_MOE = dict(COMMON, model_type="qwen2_moe", intermediate_size=256, moe_intermediate_size=64, num_experts=8,
+                 num_experts_per_tok=2, shared_expert_intermediate_size=128)
 STEP = dict(batch=2, seq=64)
 
 
@@ -152,7 +155,7 @@ def test_mixtral_weights_and_optimizer_equal_megatrons_function_and_split_with_e
 
 
 # ---- tensor parallelism of a mixture of experts (a family without a block model) ----------------------------------
-@pytest.mark.parametrize("cfg", [MIXTRAL, QWEN3_MOE], ids=["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("cfg", [MIXTRAL, QWEN3_MOE, QWEN2_MOE], ids=["mixtral", "qwen3_moe", "qwen2_moe"])
 def test_the_tensor_parallel_rank_of_a_mixture_of_experts_is_the_narrower_model_to_the_byte(
         cfg: dict[str, object]) -> None:
     """transformers' plan (PyTorch's column/row-wise styles for attention, transformers' packed_colwise, rowwise

@@ -1014,6 +1014,35 @@ def test_a_family_without_a_block_model_is_fitted_in_the_window(window, qtbot, t
     qtbot.waitUntil(suggested, timeout=60000)
 
 
+def test_a_mixture_of_experts_across_gpus_in_the_window(window, qtbot, tmp_path):
+    """A Mixtral-shaped config split over 4 GPUs by tensor parallelism 2 and FSDP2: the window calibrates the
+    tensor-parallel rank's bf16 step in its worker, and the ledger is that rank's, below one GPU's; expert
+    parallelism next needs no other calibration of the rank than its own."""
+    pytest.importorskip("transformers")
+
+    w = window
+    cfg = {"model_type": "mixtral", "hidden_size": 64, "intermediate_size": 64, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "num_hidden_layers": 3, "vocab_size": 512, "max_position_embeddings": 512,
+           "num_local_experts": 4, "num_experts_per_tok": 2}
+    path = write_config(tmp_path / "mixtral", "config.json", cfg)
+    before = w.result
+    assert not w.open_config(path)
+    qtbot.waitUntil(lambda: w.result is not before and w.result.estimate.method == "fitted", timeout=60000)
+    single = w.result.estimate
+    w.apply_state(w.inputs.state().replace(gpus="4", tp="2", strategy="fsdp2"))
+    w.refresh()
+    qtbot.waitUntil(lambda: w.result.setup.parallel.tp == 2 and w.result.estimate.method == "fitted",
+                    timeout=60000)
+    est = w.result.estimate
+    assert est.setup.parallel.strategy == "fsdp2"
+    assert est.peak_tensor_bytes < single.peak_tensor_bytes
+    assert not any("upper bound" in n for n in est.details["parallel_notes"])  # its own bf16 calibration
+    w.apply_state(w.inputs.state().replace(tp="1", ep="4"))
+    w.refresh()
+    qtbot.waitUntil(lambda: w.result.setup.parallel.ep == 4 and w.result.setup.parallel.tp == 1, timeout=60000)
+    assert any("Expert parallelism over 4" in n for n in w.result.estimate.details["parallel_notes"])
+
+
 def test_without_torch_a_new_family_preset_is_the_heuristic_with_its_reason(window, monkeypatch):
     """The lite build cannot trace: a Mixtral preset shows the heuristic from its stored count and says so."""
     import memcalc_gui.trace.fake as fake

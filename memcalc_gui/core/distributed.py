@@ -476,7 +476,7 @@ def expert_parallel_states(par: Parallelism, num_params: int, expert_params: int
     FSDP2 shards each parameter along its first dimension, which for transformers' fused experts is the expert:
     with ``experts`` per layer, the most loaded GPU holds ``ceil(local experts / shards)`` of them (traced: 60
     experts over 8 GPUs are 8 on the first, not 7.5)."""
-    padded = par.strategy == "fsdp2" and experts > 0 and (experts // par.ep) % max(1, par.gpus // par.ep) != 0
+    padded = par.strategy == "fsdp2" and experts > 0 and (experts // par.ep) % max(1, par.dp // par.ep) != 0
     if par.ep == 1 and not padded:
         unit = expert_unit + dense_unit  # not split: the caller's unit
         return model_states(par, num_params, unit, precision, state_bytes_single, step_temporaries_single,
@@ -484,7 +484,7 @@ def expert_parallel_states(par: Parallelism, num_params: int, expert_params: int
     dense = num_params - expert_params
     share = expert_params // par.ep
     if padded:
-        local, shards = experts // par.ep, par.gpus // par.ep
+        local, shards = experts // par.ep, par.dp // par.ep
         share = share * -(-local // shards) * shards // local
 
     def part(n: int) -> tuple[int, int, int]:
@@ -495,8 +495,8 @@ def expert_parallel_states(par: Parallelism, num_params: int, expert_params: int
     e = model_states(replace(par, gpus=par.gpus // par.ep, ep=1), share, expert_unit // par.ep, precision,
                      *part(share), 0)
     if par.ep == 1:
-        note = (f"FSDP2 shards the fused experts expert by expert: {experts} per layer over {par.gpus} GPUs are "
-                f"{-(-experts // par.gpus)} on the most loaded one")
+        note = (f"FSDP2 shards the fused experts expert by expert: {experts} per layer over {par.dp} GPUs are "
+                f"{-(-experts // par.dp)} on the most loaded one")
     else:
         copies = par.gpus // par.ep
         note = (f"Expert parallelism over {par.ep} GPUs: each holds 1/{par.ep} of the routed experts "

@@ -100,9 +100,6 @@ def tensor_parallel_config(config: dict[str, Any], tp: int, vocab: bool = False)
                 vocab_size=-(-spec.vocab_size // tp) if vocab else spec.vocab_size)
 
 
-#: The config keys of the widths transformers' plans split column-wise (MLP features, each expert's and the shared
-#: experts' features), each divided by tp in the rank's config.
-WIDTH_KEYS = ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size")
 
 
 def _narrower_config(config: dict[str, Any], tp: int) -> dict[str, Any]:
@@ -112,7 +109,7 @@ def _narrower_config(config: dict[str, Any], tp: int) -> dict[str, Any]:
     from ..core.configfile import transformers_kwargs
     from .meta import auto_config
 
-    tp_plan(config)  # a plan of styles the narrower model stands for, or InputError
+    plan = tp_plan(config)  # a plan of styles the narrower model stands for, or InputError
     model_type, kwargs = transformers_kwargs(config)
     full = auto_config(model_type, kwargs)
     heads = int(full.num_attention_heads)
@@ -120,9 +117,16 @@ def _narrower_config(config: dict[str, Any], tp: int) -> dict[str, Any]:
     head_dim = int(getattr(full, "head_dim", None) or full.hidden_size // heads)
     out = dict(config, num_attention_heads=heads // tp, num_key_value_heads=kv // tp, head_dim=head_dim)
     split = {"attention heads": heads, "key/value heads": kv}
-    for key in WIDTH_KEYS:
+    # the widths the plan splits: the experts' (their own width, or the MLP's), a dense MLP's, the shared experts'
+    # (Qwen2-MoE's plan leaves its shared expert whole)
+    expert_key = "moe_intermediate_size" if isinstance(getattr(full, "moe_intermediate_size", None), int) \
+        else "intermediate_size"
+    widths = {"intermediate_size": any(k in ("mlp.gate_proj", "mlp.up_proj", "mlp.fc1") for k in plan),
+              "shared_expert_intermediate_size": any("shared_expert" in k for k in plan)}
+    widths[expert_key] = widths.get(expert_key, False) or any(k.startswith("mlp.experts.") for k in plan)
+    for key in ("moe_intermediate_size", "intermediate_size", "shared_expert_intermediate_size"):
         value = getattr(full, key, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        if widths.get(key) and isinstance(value, int) and not isinstance(value, bool) and value > 0:
             out[key] = value // tp
             split[key.replace("_", " ")] = value
     for what, n in split.items():

@@ -49,6 +49,8 @@ def strategy_text(setup: TrainingSetup) -> str:
         text += f", {OFFLOAD_TEXT[par.offload]}"
     if par.model_parallel_text:
         text = f"{par.model_parallel_text} × {text} over {par.dp:,}"
+    if par.ep > 1:
+        text += f", routed experts split over {par.ep} (expert parallel)"
     return text
 
 
@@ -83,6 +85,8 @@ def chart_scope(setup: TrainingSetup) -> str:
         text += " (no reshard)"
     if par.offload != "none":
         text += f", {'optimizer' if par.offload == 'optimizer' else 'parameter'} offload"
+    if par.ep > 1:
+        text += f", experts over {par.ep}"
     return text
 
 
