@@ -244,3 +244,23 @@ def test_layer_patterns_and_dense_prefixes_fit(cfg: dict, layers: tuple[int, int
     for phase in PHASES:
         assert fitted.phases[phase].tensor_bytes == pytest.approx(traced.phases[phase].tensor_bytes, rel=0.005)
 
+
+
+def test_the_autocast_fit_stands_in_for_a_bf16_strategy_as_a_bound() -> None:
+    """A what-if to FSDP2 before its bf16 step is calibrated (the window's GPU plan): the autocast calibration
+    stands in, says it is an upper bound, and is one."""
+    from memcalc_gui.core.model import spec_from_config
+
+    spec = spec_from_config(LLAMA)
+    single = TrainingSetup(model=spec, batch=2, seq=128, cuda_context_bytes=0, allocator_reserve=0.0)
+    autocast = fitmod.calibrate(LLAMA, single, spec.num_params)
+    sharded = single.with_changes(parallel=Parallelism(gpus=4, strategy="fsdp2"))
+    stand_in = estimate_fitted(sharded, autocast)
+    assert any("upper bound" in n for n in stand_in.details["parallel_notes"])
+    own = estimate_fitted(sharded, fitmod.calibrate(LLAMA, sharded, spec.num_params))
+    assert not any("upper bound" in n for n in own.details["parallel_notes"])
+    for phase in ("forward", "backward"):
+        assert stand_in.phases[phase].tensor_bytes >= own.phases[phase].tensor_bytes
+    with pytest.raises(InputError):  # a bf16 fit never stands in for the autocast step (it would be under)
+        estimate_fitted(single.with_changes(parallel=Parallelism(gpus=4, strategy="zero2")),
+                        fitmod.calibrate(LLAMA, sharded, spec.num_params))
