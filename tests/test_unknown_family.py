@@ -54,14 +54,22 @@ def test_analytic_on_an_unknown_family_names_the_alternatives(opt_config: str,
 def test_an_unknown_family_across_gpus_is_fitted_per_gpu(opt_config: str, capsys: pytest.CaptureFixture[str],
                                                          tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The fitted replica made per-GPU (tests/test_fitted.py checks it against the analytic ledger); the full trace
-    runs one replica and says so; expert parallelism needs experts; --router-logits needs a router."""
+    runs the rank of a replicated or fully_shard-ed layout and refuses the others, saying so; expert parallelism
+    needs experts; --router-logits needs a router."""
     monkeypatch.setenv("MEMCALC_CACHE_DIR", str(tmp_path / "fits"))
     base = ["estimate", "--config", opt_config, "--gpus", "4", "--json"]
     assert cli_main([*base, "--strategy", "zero2"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["method"] == "fitted" and data["per_gpu"] and data["strategy"] == "zero2"
     assert any("ZeRO-2 reduces gradients" in a for a in data["assumptions"])
-    for extra, words in ((["--method", "trace"], "runs one replica"), (["--ep", "2"], "no routed experts"),
+    assert cli_main([*base, "--method", "trace"]) == 0  # DDP: the replica, with its buckets
+    traced = json.loads(capsys.readouterr().out)
+    assert cli_main(base) == 0
+    fitted = json.loads(capsys.readouterr().out)
+    assert traced["method"] == "trace" and traced["peak_tensor_bytes"] == pytest.approx(
+        fitted["peak_tensor_bytes"], rel=0.02)
+    for extra, words in ((["--method", "trace", "--strategy", "zero2"], "traced as transformers lays it out"),
+                         (["--ep", "2"], "no routed experts"),
                          (["--ep", "3"], "--ep: expert parallelism over 3 GPUs needs a GPU count it divides"),
                          (["--router-logits", "on"], "--router-logits: model_type 'opt' has no router")):
         with pytest.raises(SystemExit) as exit_:

@@ -314,8 +314,9 @@ def estimate_fitted(setup: TrainingSetup, fit: FitModel) -> Estimate:
         parallel_notes, host_bytes = parallel_notes + states.notes, states.host_bytes
         if setup.parallel.ep > 1:
             parallel_notes += ("Expert parallelism assumes balanced routing: every GPU's experts get their share of "
-                               "the tokens, and one MoE layer's all-to-all dispatch and combine buffers (tokens × "
-                               "top-k × hidden, each way) are live at a time",)
+                               "the tokens. One MoE layer's all-to-all dispatch and combine buffers (tokens × top-k "
+                               "× hidden, each way) are counted at the peaks, a small bound: traced, they live "
+                               "inside the layer",)
     phases = {}
     for phase in PHASES:
         objects = fit.peak(phase, setup.batch, setup.seq, setup.grad_accum > 1, transform)

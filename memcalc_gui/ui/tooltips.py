@@ -210,8 +210,8 @@ TOOLTIPS: dict[str, str] = {
         "Expert parallelism (a mixture of experts only): the routed experts of every MoE layer are split over this "
         "many GPUs, each group of GPUs holding the same experts replicated or sharded by the strategy; attention, "
         "shared experts, router and embeddings are laid out over all GPUs. It must divide the number of GPUs and "
-        "the experts per layer. Balanced routing is assumed, with one layer's all-to-all buffers live at a time "
-        "(torchtitan's and Megatron-LM's expert-parallel token dispatch)."
+        "the experts per layer. Balanced routing is assumed, and one layer's all-to-all buffers are counted "
+        "(transformers', torchtitan's and Megatron-LM's expert-parallel token dispatch)."
     ),
     "tp": (
         "Tensor parallelism: each decoder layer's attention heads and MLP width are split over this many GPUs, as "
