@@ -86,6 +86,9 @@ def test_the_layout_rejects_what_it_does_not_trace() -> None:
     assert exc.value.field == "ep"
     with pytest.raises(InputError):
         RankLayout(tp=0)
+    with pytest.raises(InputError) as exc:
+        RankLayout(tp=2, ep=2)
+    assert exc.value.field == "ep"
 
 
 @pytest.mark.parametrize(("cfg", "ep", "gpus", "precision", "ckpt"), [

@@ -464,6 +464,15 @@ def megatron_theoretical_memory(hidden: int, ffn: int, layers: int, heads: int, 
     return weights, act / tp
 
 
+def check_experts(model_type: str, num_experts: int, ep: int) -> None:
+    """:class:`InputError` naming ``ep`` unless ``ep`` splits this model's routed experts evenly."""
+    if ep > 1 and not num_experts:
+        raise InputError("ep", f"model_type {model_type!r} has no routed experts to split (expert parallelism needs "
+                               "a mixture of experts)")
+    if num_experts % ep:
+        raise InputError("ep", f"{num_experts} experts per layer do not split evenly over {ep} GPUs")
+
+
 def expert_parallel_states(par: Parallelism, num_params: int, expert_params: int, dense_unit: int,
                            expert_unit: int, precision: str, state_bytes_single: int, step_temporaries_single: int,
                            matmul_copy_bytes: int, root_unit: int, experts: int = 0) -> ModelStates:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .distributed import BF16_COMPUTE, ModelStates, expert_parallel_states, model_states
+from .distributed import BF16_COMPUTE, ModelStates, check_experts, expert_parallel_states, model_states
 from .errors import InputError
 from .ledger import Estimate, with_overheads
 from .result import Result
@@ -232,11 +232,7 @@ def per_gpu_states(setup: TrainingSetup, fit: FitModel) -> tuple[Transform, Mode
     traced_grads = step.get("gradients", 0)  # every gradient, at the step
     buffers = 0
     if par.ep > 1 or (par.strategy == "fsdp2" and st["num_experts"]):
-        if par.ep > 1 and not st["num_experts"]:
-            raise InputError("ep", f"model_type {fit.model_type!r} has no routed experts to split (expert "
-                                   "parallelism needs a mixture of experts)")
-        if st["num_experts"] % par.ep:
-            raise InputError("ep", f"{st['num_experts']} experts per layer do not split evenly over {par.ep} GPUs")
+        check_experts(fit.model_type, st["num_experts"], par.ep)
         zero3 = par.strategy == "zero3"
         states = expert_parallel_states(
             par, st["num_params"], st["expert_params"],

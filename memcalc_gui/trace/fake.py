@@ -26,7 +26,7 @@ from typing import Any
 from .. import install_hint
 from ..core.analytic import per_gpu_ledger, states_for
 from ..core.configfile import transformers_kwargs
-from ..core.distributed import BF16_COMPUTE, expert_parallel_states, model_states
+from ..core.distributed import BF16_COMPUTE, check_experts, expert_parallel_states, model_states
 from ..core.errors import InputError, MemcalcError, one_line
 from ..core.estimate import estimate
 from ..core.layout import tensor_parallel_spec
@@ -311,12 +311,7 @@ def _rank_rules(cfg: dict[str, Any], setup: TrainingSetup) -> tuple[tuple[str, .
         states = model_states(setup.parallel, st["num_params"], st["layer_params"], setup.precision, 0, 0, 0,
                               st["root_unit"])
         return states.notes, states.gradients["forward"] if setup.parallel.strategy == "ddp" else 0
-    if not st["num_experts"]:
-        raise InputError("ep", f"model_type {cfg.get('model_type')!r} has no routed experts to split (expert "
-                               "parallelism needs a mixture of experts)")
-    if st["num_experts"] % setup.parallel.ep:
-        raise InputError("ep", f"{st['num_experts']} experts per layer do not split evenly over "
-                               f"{setup.parallel.ep} GPUs")
+    check_experts(str(cfg.get("model_type")), st["num_experts"], setup.parallel.ep)
     states = expert_parallel_states(setup.parallel, st["num_params"], st["expert_params"],
                                     st["layer_params"] - st["layer_expert_params"], st["layer_expert_params"],
                                     setup.precision, 0, 0, 0, st["root_unit"], st["num_experts"])

@@ -70,6 +70,9 @@ class RankLayout:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 4096:
                 raise InputError(name, f"must be an integer from 1 to 4096, got {value!r}")
+        if self.ep > 1 and self.tp > 1:  # transformers slices the tokens over tp before dispatch: not checked
+            raise InputError("ep", "expert beside tensor parallelism is not traced; the formulas do not model it "
+                                   "either")
         if self.world % self.ep:
             raise InputError("ep", f"expert parallelism over {self.ep} ranks needs a world it divides, got "
                                    f"{self.world}")
