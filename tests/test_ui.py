@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -574,6 +575,58 @@ def test_a_corrupt_saved_setup_falls_back_to_the_default(qtbot):
     qtbot.addWidget(w)
     assert w.inputs.state() == default_state()
     w.close()
+
+
+def test_a_saved_family_without_a_block_model_is_fitted_again_not_replaced(qtbot, tmp_path, monkeypatch):
+    """The window starts on the saved OPT config: it is calibrated in the worker (no result yet, nothing invalid),
+    not swapped for the default as an unusable setup."""
+    pytest.importorskip("transformers")
+    monkeypatch.setenv("MEMCALC_CACHE_DIR", str(tmp_path / "fits"))
+    cfg = {"model_type": "opt", "hidden_size": 64, "ffn_dim": 128, "num_attention_heads": 4, "num_hidden_layers": 3,
+           "vocab_size": 512, "max_position_embeddings": 512, "word_embed_proj_dim": 64, "pad_token_id": 1}
+    path = write_config(tmp_path / "opt", "config.json", cfg)
+    settings = make_settings()
+    state = default_state().replace(model_kind="config", config_path=str(path), batch="2", seq="64")
+    settings.setValue(KEY_SETUP, json.dumps(state.to_json()))
+    settings.sync()
+    w = MainWindow()
+    qtbot.addWidget(w)
+    w.show()
+    assert w.inputs.state() == state and not w.inputs.errors()
+    assert "could not be used" not in w.statusBar().currentMessage()
+    qtbot.waitUntil(lambda: w.result is not None and w.result.estimate.method == "fitted", timeout=120_000)
+    assert w.result.setup.extras["model_type"] == "opt" and w.inputs.state() == state
+    assert not w.undo_stack.canUndo()
+    w.close()
+
+
+def test_closing_while_fitting_stops_the_calibration(qtbot, tmp_path, monkeypatch):
+    """The calibration's worker stops between its small traces when the window closes (no thread left running)."""
+    pytest.importorskip("transformers")
+    from memcalc_gui.trace import fit as fit_module
+
+    monkeypatch.setenv("MEMCALC_CACHE_DIR", str(tmp_path / "fits"))
+    started = threading.Event()
+    original = fit_module._trace
+
+    def slow_trace(*args, **kwargs):  # the first small trace waits until the window has asked the worker to stop
+        started.set()
+        time.sleep(0.5)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(fit_module, "_trace", slow_trace)
+    cfg = {"model_type": "opt", "hidden_size": 64, "ffn_dim": 128, "num_attention_heads": 4, "num_hidden_layers": 3,
+           "vocab_size": 512, "max_position_embeddings": 512, "word_embed_proj_dim": 64, "pad_token_id": 1}
+    state = default_state().replace(model_kind="config", batch="2", seq="64",
+                                    config_path=str(write_config(tmp_path / "opt", "config.json", cfg)))
+    w = MainWindow(initial_state=state, persist=False)
+    qtbot.addWidget(w)
+    w.show()
+    qtbot.waitUntil(started.is_set, timeout=60_000)
+    t0 = time.monotonic()
+    w.close()
+    qtbot.waitUntil(lambda: not w.fit_runner.thread_running(), timeout=10_000)
+    assert time.monotonic() - t0 < 5  # one small trace, not the whole calibration
 
 
 def test_a_saved_gpu_missing_from_the_table_keeps_its_capacity(qtbot):

@@ -287,15 +287,19 @@ def _calibrate(cfg: dict[str, Any], setup: TrainingSetup, num_params: int, model
     pair, check_layers = counts
     t0 = time.perf_counter()
     windows: list[dict[tuple[str, int], _Window]] = []
-    for n in pair:
+    def say(text: str) -> None:  # before each trace: the window's worker stops here when asked
         if progress is not None:
-            progress(f"tracing {n} layers at two shapes")
-        runs = [_trace(cfg, n, b, s, setup) for b, s in SHAPES]
+            progress(text)
+
+    for n in pair:
+        runs = []
+        for b, s in SHAPES:
+            say(f"tracing {n} layers at micro-batch {b} × {s}")
+            runs.append(_trace(cfg, n, b, s, setup))
         windows.append(_windows(runs[0], runs[1]))
     moments = _phase_candidates(windows[0], windows[1], {0})
     accum = _phase_candidates(windows[0], windows[1], {0, 1})
-    if progress is not None:
-        progress("checking the fit on a further trace")
+    say("checking the fit on a further trace")
     check = FitModel(model_type, num_params, check_layers, signature(setup), pair, moments, accum)
     b, s = CHECK_SHAPE
     real = _trace(cfg, check_layers, b, s, setup)  # two micro-batches: checks the accumulating fit
@@ -317,6 +321,7 @@ def _calibrate(cfg: dict[str, Any], setup: TrainingSetup, num_params: int, model
                        "with the shape)")
     # micro-batch 1: some models skip a copy there that a batch of several needs (a view of one sequence is
     # already contiguous); the fit, calibrated on batches of several, then overestimates it a little
+    say("checking micro-batch 1")
     one = _trace(cfg, pair[0], 1, s, setup)  # the fewest layers: the micro-batch, not the depth, is checked
     shallow = dataclasses.replace(check, num_layers=pair[0])
     single = max(abs(sum(shallow.peak(p, 1, s, accumulating=True).values())

@@ -47,6 +47,7 @@ from PySide6.QtWidgets import (
 
 from ..core.errors import InputError, one_line
 from ..core.result import Result, evaluate
+from ..trace.fake import TraceCancelled
 from ..view.assets import app_icon
 from ..view.chart import MemoryChart
 from ..view.plan_text import chart_scope, is_per_gpu, per_gpu_headline
@@ -210,7 +211,9 @@ class MainWindow(QMainWindow):
         if state is None:
             state = default_state()
         self.inputs.set_state(state)
-        if not self.refresh() and state != default_state():
+        # a family without a block model is calibrated first (the fit lands in a moment): only an invalid setup
+        # falls back to the default
+        if not self.refresh() and self.inputs.errors() and state != default_state():
             reason = "; ".join(f"{FIELD_NAMES.get(k, k)}: {v}" for k, v in self.inputs.errors().items())
             message = f"The saved setup could not be used ({reason}); using the default setup."
             self.inputs.set_state(default_state())
@@ -233,7 +236,7 @@ class MainWindow(QMainWindow):
         self.inputs.layouts_requested.connect(self.show_layouts)
         self.fits: dict[str, Any] = {}  # fitted-method calibrations by config and setup (or why one failed)
         self._fit_job: str | None = None
-        self.fit_runner = TaskRunner("memcalc-fit", parent=self)
+        self.fit_runner = TaskRunner("memcalc-fit", cancel_types=(TraceCancelled,), parent=self)
         self.fit_runner.finished.connect(self._fit_done)
         self.fit_runner.failed.connect(self._fit_failed)
         self.fit_runner.progress.connect(lambda text: self.statusBar().showMessage(f"Fitting: {text}…"))
@@ -632,13 +635,18 @@ class MainWindow(QMainWindow):
         self._fit_job = self._fit_key(needed, setup)
         config = needed.config
 
-        def job(progress: Any, _stop: Any) -> Any:
+        def job(progress: Any, should_stop: Any) -> Any:
             from ..trace.fit import calibrate
             from ..trace.meta import count_params_on_meta
 
-            progress("counting the parameters on the meta device")
+            def step(text: str) -> None:  # between the small traces: closing the window stops the calibration
+                if should_stop():
+                    raise TraceCancelled("calibration cancelled")
+                progress(text)
+
+            step("counting the parameters on the meta device")
             n = count_params_on_meta(config)
-            return calibrate(config, setup.with_changes(params=n), n, progress)
+            return calibrate(config, setup.with_changes(params=n), n, step)
 
         self.fit_runner.start(job)
         if quiet:
