@@ -572,6 +572,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         args.method = "quick"
     config = setup.model.raw if setup.model is not None else unknown
     result: Result | None = None
+    fitted_failed = False
     if args.method == "fitted":
         if config is None:
             raise InputError("method", "fitted needs an architecture: give --preset, --config or --model")
@@ -579,7 +580,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         if note:
             notes.append(note)
         if result is None:
-            args.method = "trace"
+            args.method, fitted_failed = "trace", True
     snapshot_out = getattr(args, "snapshot_out", None)
     if snapshot_out and args.method != "trace":
         raise InputError("snapshot_out", "the predicted events come from the trace: add --method trace")
@@ -589,7 +590,15 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         if config is None:
             raise InputError("method", "trace needs an architecture: give --preset, --config or --model")
         traced = trace_estimate(setup, config=config)
-        result = traced.result()
+        basis = None
+        if unknown is not None and not fitted_failed:
+            # no block model: the largest micro-batch and the suggestions are the fitted method's what-ifs
+            with contextlib.suppress(InputError):
+                basis, _ = _fitted_result(setup, config)
+        if unknown is not None and basis is None and not fitted_failed:
+            notes.append("the largest micro-batch and the suggestions come from the fitted method, which does not "
+                         "apply here: the traced verdict alone")
+        result = traced.result(basis)
         modules = traced.modules
         if snapshot_out and traced.timeline is not None:
             try:
@@ -634,8 +643,8 @@ def _fitted_result(setup: TrainingSetup, config: dict[str, Any]) -> tuple[Result
         fit = calibrate(config, setup, setup.num_params)
     except (FitError, TraceError) as exc:
         if setup.parallel.is_distributed:
-            raise InputError("method", f"the fitted method does not apply here ({exc}), and the full trace runs one "
-                                       "replica: estimate one GPU (--gpus 1)") from None
+            raise InputError("method", f"the fitted method does not apply here ({exc}); --method trace traces one "
+                                       "rank of a DDP or FSDP2 layout") from None
         return None, f"the fitted method does not apply here ({exc}); traced the full model instead"
     base = signature(setup)
 

@@ -154,6 +154,46 @@ def test_real_trace_replaces_the_drawn_result_and_shows_the_difference(window, q
     assert blocker.args[0].estimate.peak_tensor_bytes > traced.estimate.peak_tensor_bytes
 
 
+@pytest.mark.skipif(not fake.trace_available(), reason="torch and transformers are not installed")
+def test_a_family_without_a_block_model_is_traced_from_its_config(qtbot, tmp_path, monkeypatch):
+    """An OPT config (fitted method): the trace runs the real model from the config, is compared with the fitted
+    estimate, and keeps the fitted what-ifs; a layout the trace cannot run is skipped with the reason."""
+    pytest.importorskip("transformers")
+    monkeypatch.setenv("MEMCALC_CACHE_DIR", str(tmp_path / "fits"))
+    cfg = {"model_type": "opt", "hidden_size": 64, "ffn_dim": 128, "num_attention_heads": 4, "num_hidden_layers": 3,
+           "vocab_size": 512, "max_position_embeddings": 512, "word_embed_proj_dim": 64, "pad_token_id": 1}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg), encoding="utf-8")
+    state = default_state().replace(model_kind="config", config_path=str(path), batch="2", seq="64", grad_accum="1",
+                                    gpu="", capacity="4 GiB")
+    w = MainWindow(initial_state=state, persist=False)
+    qtbot.addWidget(w)
+    w.show()
+    qtbot.waitUntil(lambda: w.result is not None and w.result.estimate.method == "fitted", timeout=120_000)
+    fitted = w.result
+    panel = w.trace_panel
+    traced = turn_on(qtbot, w, panel.finished).args[0]
+    assert w.result.estimate.method == "trace" and w.trace_result is traced
+    assert traced.analytic is fitted.estimate and "vs fitted" in w.method_label.text()
+    assert panel.view.phase_table.horizontalHeaderItem(0).text() == "Fitted (tensors)"
+    assert traced.estimate.peak_tensor_bytes == pytest.approx(fitted.estimate.peak_tensor_bytes, rel=0.02)
+    # the what-ifs are the fitted method's, not the quick heuristic's
+    assert w.result.verdict.max_micro_batch == fitted.verdict.max_micro_batch > 2
+    assert w.result.verdict.suggestions == fitted.verdict.suggestions
+    # a layout transformers' own does not lay out (ZeRO-2) is skipped with the reason, the fitted result kept
+    with qtbot.waitSignal(panel.skipped, timeout=60_000) as blocker:
+        assert set_fields(w, gpus="2", strategy="zero2")
+        qtbot.waitUntil(lambda: w.result.setup.parallel.gpus == 2, timeout=60_000)
+    assert "DDP" in blocker.args[0] and w.result.estimate.method == "fitted"
+    assert "not traced" in panel.view.text()
+    # another config with the same parameter count is another trace, not the cached one
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({**cfg, "max_position_embeddings": 1024}), encoding="utf-8")
+    assert trace_panel.trace_key(fitted.setup) != trace_panel.trace_key(dataclasses.replace(
+        fitted.setup, extras={"fit": type(fitted.setup.extras["fit"])(json.loads(other.read_text()), "", "")}))
+    w.close()
+
+
 # ---- with a fake engine ------------------------------------------------------------------------------
 def test_an_edit_draws_analytic_at_once_cancels_and_restarts(window, qtbot, monkeypatch):
     w = window

@@ -78,6 +78,29 @@ def test_an_unknown_family_across_gpus_is_fitted_per_gpu(opt_config: str, capsys
         assert exit_.value.code == 2 and words in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_the_trace_of_an_unknown_family_takes_its_what_ifs_from_the_fit(
+        opt_config: str, capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The traced verdict with the fitted method's largest micro-batch and suggestions: without a block model the
+    analytic what-ifs are the quick heuristic's, which put the largest micro-batch of this step at a fraction of
+    the fitted one."""
+    monkeypatch.setenv("MEMCALC_CACHE_DIR", str(tmp_path / "fits"))
+    base = ["estimate", "--config", opt_config, "--batch", "2", "--seq", "64", "--cuda-context", "0",
+            "--allocator-reserve", "0", "--json"]
+    assert cli_main(base) == 0
+    peak = json.loads(capsys.readouterr().out)["peak_bytes"]
+    capped = [*base, "--capacity", str(peak * 3)]
+    assert cli_main(capped) == 0
+    fitted = json.loads(capsys.readouterr().out)
+    assert cli_main([*capped, "--method", "trace"]) == 0
+    traced = json.loads(capsys.readouterr().out)
+    assert traced["method"] == "trace" and traced["fits"] is True
+    assert traced["peak_bytes"] == pytest.approx(fitted["peak_bytes"], rel=0.02)  # 512-byte rounding of a toy
+    assert traced["max_micro_batch"] == fitted["max_micro_batch"] and traced["max_micro_batch"] > 2
+    assert traced["suggestions"] == fitted["suggestions"]
+    assert cli_main([*capped, "--method", "quick"]) == 0
+    assert json.loads(capsys.readouterr().out)["max_micro_batch"] != traced["max_micro_batch"]
+
+
 @pytest.mark.parametrize(("cfg", "total", "active"), [
     (dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
           moe_intermediate_size=768, num_attention_heads=32, num_key_value_heads=4, head_dim=128,

@@ -68,14 +68,19 @@ class TraceResult:
     #: Every allocation and free of the two traced iterations (sizes rounded as the CUDA allocator rounds them).
     timeline: Timeline | None = None
 
-    def result(self) -> Result:
+    def result(self, basis: Result | None = None) -> Result:
         """The trace's ledger with a verdict; what-ifs (max micro-batch, suggestions, GPU plan) use the analytic
-        method."""
+        method. A family without a block model has none: its what-ifs come from ``basis`` (the fitted result of
+        the same setup) when given, else the verdict stands alone."""
         setup = self.estimate.setup
-        if setup.model is None and setup.parallel.is_distributed:  # no analytic model of the layout: the verdict alone
+        if setup.model is None:
             cap, peak = setup.capacity_bytes, self.estimate.peak_bytes
-            return Result(self.estimate, Verdict(cap, None if cap is None else peak <= cap,
-                                                 None if cap is None else cap - peak, None), None)
+            fits = None if cap is None else peak <= cap
+            headroom = None if cap is None else cap - peak
+            if basis is None:
+                return Result(self.estimate, Verdict(cap, fits, headroom, None), None)
+            v = basis.verdict
+            return Result(self.estimate, Verdict(cap, fits, headroom, v.max_micro_batch, v.suggestions), basis.plan)
         plan = gpu_plan(setup, estimate) if setup.parallel.is_distributed else None
         return Result(self.estimate, solve(setup, estimate, self.estimate), plan)
 
@@ -119,6 +124,26 @@ def trace_available() -> bool:
     return importlib.util.find_spec("torch") is not None
 
 
+def refusal(setup: TrainingSetup) -> str:
+    """Why the trace does not run ``setup`` ("" when it does): what fake tensors on a CPU cannot run, said once for
+    the CLI's error and the window's "not traced" note."""
+    par = setup.parallel
+    if par.cp > 1:
+        return ("context parallelism is not traced: its ring attention runs SDPA's CUDA kernels, which fake tensors "
+                "on a CPU do not dispatch; the analytic estimate holds")
+    if setup.tuning.method == "qlora":
+        return ("the trace does not run QLoRA: transformers quantizes the base through bitsandbytes while loading "
+                "real weights, which fake tensors do not have; the analytic ledger, checked against real bitsandbytes "
+                "steps within 3.4 %, holds")
+    if (par.ep > 1 or (setup.model is None and par.is_distributed)) and (
+            par.strategy not in ("ddp", "fsdp2") or par.offload != "none"):
+        return ("a layout of a family without a block model, or with experts split, is traced as transformers lays "
+                "it out: the model replicated (DDP) or fully_shard-ed (FSDP2), its experts and heads split as the "
+                "expert- and tensor-parallel sizes say, without offload; the fitted method covers the other "
+                "strategies")
+    return ""
+
+
 def trace_estimate(
     setup: TrainingSetup,
     config: dict[str, Any] | None = None,
@@ -132,19 +157,15 @@ def trace_estimate(
         config = dict(setup.model.raw)
     if not trace_available():
         raise TraceError(f"the trace needs PyTorch: {install_hint()}")
-    if setup.parallel.cp > 1:
-        raise TraceError("context parallelism is not traced: its ring attention runs SDPA's CUDA kernels, which "
-                         "fake tensors on a CPU do not dispatch; the analytic estimate holds")
+    refused = refusal(setup)
+    if refused:
+        raise TraceError(refused)
     model_type, kwargs = transformers_kwargs(config)
     cfg = {"model_type": model_type, **kwargs}
     layers = setup.model.num_layers if setup.model is not None else _layer_count(cfg)
     if layers > MAX_TRACE_LAYERS:
         raise TraceError(f"the trace builds and runs all {layers:,} layers, which would take minutes; it traces "
                          f"at most {MAX_TRACE_LAYERS} (the analytic estimate still holds)")
-    if setup.tuning.method == "qlora":
-        raise TraceError("the trace does not run QLoRA: transformers quantizes the base through bitsandbytes while "
-                         "loading real weights, which fake tensors do not have; the analytic ledger, checked "
-                         "against real bitsandbytes steps within 3.4 %, holds")
     if setup.tuning.uses_adapters and importlib.util.find_spec("peft") is None:
         raise TraceError(f"tracing LoRA needs peft: {install_hint('lora')}; the analytic ledger holds")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -189,11 +210,6 @@ def trace_estimate(
             # data-parallel strategy applied in the trace too, on the fake process group
             from .ranks import RankLayout, trace_rank
 
-            if par.strategy not in ("ddp", "fsdp2") or par.offload != "none":
-                raise TraceError("a layout of a family without a block model is traced as transformers lays it out: "
-                                 "the model replicated (--strategy ddp) or fully_shard-ed (--strategy fsdp2), its "
-                                 "experts and heads split as --ep and --tp say, without offload; the fitted method "
-                                 "(the default) covers the other strategies")
             fsdp2 = par.strategy == "fsdp2"
             compute = setup.precision  # under FSDP2, its MixedPrecisionPolicy in the trace itself
             step = functools.partial(trace_rank, layout=RankLayout(

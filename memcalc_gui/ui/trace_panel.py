@@ -10,14 +10,17 @@ thread, and the trace's ledger then replaces the drawn one (chart, banner, ledge
 analytic result stays. Traces of recent setups are kept, so undo back to a traced setup shows it at once.
 
 For a multi-GPU setup the trace runs one replica's step and the strategy's per-GPU model states
-replace the traced ones (as in the analytic ledger); a bare parameter count has no architecture to
-trace. torch and transformers are imported on the worker thread only (``trace_available`` looks
-for them without importing).
+replace the traced ones (as in the analytic ledger). A family without a block model (fitted method) is traced
+from its config, one rank of its DDP or FSDP2 layout; its what-ifs stay the fitted method's. A bare parameter
+count has no architecture to trace. torch and transformers are imported on the worker thread only
+(``trace_available`` looks for them without importing).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import html
+import json
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -73,31 +76,49 @@ DIFF_WARN_PCT = 10.0
 KEY_ENABLED = "trace/enabled"
 
 
-def trace_job(setup: TrainingSetup) -> Job:
+def fitted_config(setup: TrainingSetup) -> dict[str, Any] | None:
+    """The config of a family without a block model that the fitted method estimates (``None`` otherwise)."""
+    needed = setup.extras.get("fit") if setup.model is None else None
+    config = getattr(needed, "config", None)
+    return config if isinstance(config, dict) else None
+
+
+def trace_key(setup: TrainingSetup) -> tuple[TrainingSetup, str]:
+    """What a trace depends on: the setup, and a fitted family's config (setups compare without it)."""
+    config = fitted_config(setup)
+    return setup, json.dumps(config, sort_keys=True, default=str) if config is not None else ""
+
+
+def trace_job(setup: TrainingSetup, basis: Result | None = None) -> Job:
     """The worker job: ``fake.trace_estimate`` of ``setup`` (looked up at run time, so tests can replace it),
-    then the verdict and suggestions of the traced ledger, so the GUI thread only draws."""
+    then the verdict and suggestions of the traced ledger, so the GUI thread only draws. A fitted family is traced
+    from its config; ``basis``, its fitted result, gives the what-ifs and the column the trace is compared with."""
 
     def job(progress: Any, should_stop: Any) -> tuple[TraceResult, Result]:
         if "torch" not in sys.modules:
             progress("loading PyTorch…")
-        traced = fake.trace_estimate(setup, progress=progress, should_stop=should_stop)
+        traced = fake.trace_estimate(setup, config=fitted_config(setup), progress=progress, should_stop=should_stop)
         if should_stop():
             raise TraceCancelled("trace cancelled")
         progress("verdict and suggestions")
-        return traced, traced.result()
+        if setup.model is None and basis is not None and traced.analytic is None:
+            traced = dataclasses.replace(traced, analytic=basis.estimate)
+        return traced, traced.result(basis if setup.model is None else None)
 
     return job
 
 
 def skip_reason(setup: TrainingSetup) -> str:
     """Why this setup is not traced ("" when it is)."""
-    if setup.model is None and "model_type" in setup.extras:
-        return (f"The fitted estimate of {setup.extras['model_type']} already comes from fake-tensor traces of the "
-                "real model (equal to a full trace on every family checked); a full trace from the window is not "
-                "available for families without a block model yet: `memcalc estimate --config … --method trace`.")
-    if setup.model is None:
+    if setup.model is None and fitted_config(setup) is None:
         return NO_ARCHITECTURE
-    return ""
+    refused = fake.refusal(setup)
+    return refused[:1].upper() + refused[1:] + "." if refused else ""
+
+
+def compared_with(traced: TraceResult) -> str:
+    """The method the trace is compared with ("analytic", or "fitted" for a family without a block model)."""
+    return traced.analytic.method if traced.analytic is not None else "analytic"
 
 
 def peak_difference_pct(traced: TraceResult) -> float | None:
@@ -111,7 +132,8 @@ def peak_difference_pct(traced: TraceResult) -> float | None:
 def difference_text(traced: TraceResult) -> str:
     """``peak +1.2 % vs analytic, traced in 3.4 s`` (the method label's tail)."""
     diff = peak_difference_pct(traced)
-    vs = f"tensor peak {signed_pct(diff)} vs analytic" if diff is not None else "no analytic method to compare"
+    vs = f"tensor peak {signed_pct(diff)} vs {compared_with(traced)}" if diff is not None else \
+        "no analytic method to compare"
     return f"{vs}, traced in {traced.seconds:.1f} s"
 
 
@@ -247,9 +269,12 @@ class TraceView(QScrollArea):
         self.traced = traced
         est = traced.estimate
         diff = peak_difference_pct(traced)
-        vs = f", {signed_pct(diff)} vs the analytic estimate" if diff is not None else ""
+        vs = f", {signed_pct(diff)} vs the {compared_with(traced)} estimate" if diff is not None else ""
         self.headline.setText(f"Trace: tensor peak {format_bytes(est.peak_tensor_bytes)} in the "
                               f"{PHASE_LABELS[est.peak_phase].lower()} phase{vs} (traced in {traced.seconds:.1f} s).")
+        header = self.phase_table.horizontalHeaderItem(0)
+        if header is not None:
+            header.setText(f"{compared_with(traced).capitalize()} (tensors)")
         self._fill_phases(traced)
         self._fill_modules(traced.modules)
         rules = "".join(f"<li>{html.escape(r)}</li>" for r in traced.rules)
@@ -328,12 +353,12 @@ class TracePanel(QObject):
         self.setObjectName("tracePanel")
         self.window = window
         self.available = fake.trace_available()
-        self._cache: list[tuple[TrainingSetup, TraceResult, Result]] = []
+        self._cache: list[tuple[tuple[TrainingSetup, str], TraceResult, Result]] = []
         self._target: Result | None = None  # the analytic result whose setup should be traced
-        self._running: TrainingSetup | None = None
+        self._running: tuple[TrainingSetup, str] | None = None  # the trace_key of the running trace
         self._restart = False  # a trace is due once the running measurement (or trace) has ended
         self._user_cancel = False
-        self._failures: list[tuple[TrainingSetup, str]] = []  # recent setups whose trace failed, and why
+        self._failures: list[tuple[tuple[TrainingSetup, str], str]] = []  # recent setups whose trace failed, and why
         self._closed = False
 
         self.runner = TaskRunner("memcalc-trace", cancel_types=(TraceCancelled,), parent=self)
@@ -417,15 +442,16 @@ class TracePanel(QObject):
         self._consider(self._target, delay=True)
 
     def cached(self, setup: TrainingSetup) -> tuple[TraceResult, Result] | None:
-        for s, traced, result in self._cache:
-            if s == setup:
+        key = trace_key(setup)
+        for k, traced, result in self._cache:
+            if k == key:
                 return traced, result
         return None
 
     def _remember(self, traced: TraceResult, result: Result) -> None:
-        setup = traced.estimate.setup
-        self._cache = [e for e in self._cache if e[0] != setup]
-        self._cache.insert(0, (setup, traced, result))
+        key = trace_key(traced.estimate.setup)
+        self._cache = [e for e in self._cache if e[0] != key]
+        self._cache.insert(0, (key, traced, result))
         del self._cache[CACHE_SIZE:]
 
     # ---- reactions --------------------------------------------------------------------------------
@@ -470,7 +496,7 @@ class TracePanel(QObject):
                 self.runner.cancel()
             self._apply(*hit)
             return
-        failure = next((m for s, m in self._failures if s == result.setup), None)
+        failure = next((m for k, m in self._failures if k == trace_key(result.setup)), None)
         if failure is not None:
             self.delay.stop()  # it failed for exactly this setup: say so again rather than retry
             if self.runner.is_running():
@@ -490,7 +516,7 @@ class TracePanel(QObject):
             return
         self._set_note("")
         if self.runner.is_running():
-            if self._running != result.setup:
+            if self._running != trace_key(result.setup):
                 self.runner.cancel()  # the running trace is for an earlier setup
                 self._restart = True
                 self._set_progress_text("Setup changed: restarting the trace…")
@@ -508,7 +534,7 @@ class TracePanel(QObject):
             return
         if self.runner.is_running():
             self._restart = True
-            if self._running != self._target.setup:
+            if self._running != trace_key(self._target.setup):
                 self.runner.cancel()
             return
         measure = getattr(self.window, "measure_panel", None)
@@ -522,11 +548,11 @@ class TracePanel(QObject):
             return
         self._restart = False
         self._user_cancel = False
-        self._running = setup
+        self._running = trace_key(setup)
         self.view.set_waiting("Tracing this setup…")
         self._set_running(True, "Tracing: starting…")
         self.started.emit(setup)
-        self.runner.start(trace_job(setup))
+        self.runner.start(trace_job(setup, self._target))
 
     @Slot(bool)
     def _on_measure_running(self, running: bool) -> None:
@@ -574,7 +600,7 @@ class TracePanel(QObject):
         self._set_running(False)
         if self._closed or not self.is_enabled():
             return
-        if self._target is not None and failed_setup != self._target.setup:
+        if self._target is not None and failed_setup != trace_key(self._target.setup):
             self._consider(self._target, delay=False)  # the setup changed while it ran: trace the new one
             return
         if failed_setup is not None:
