@@ -594,6 +594,10 @@ def test_a_saved_family_without_a_block_model_is_fitted_again_not_replaced(qtbot
     w.show()
     assert w.inputs.state() == state and not w.inputs.errors()
     assert "could not be used" not in w.statusBar().currentMessage()
+    assert w.result is None  # nothing drawn yet: an empty chart, and no "last valid setup" to speak of
+    assert not w.chart.peak_band.isVisible() and not w.chart.capacity_line.isVisible()
+    assert w.banner.stale_note.text().startswith("Fitting model_type 'opt'")
+    assert not w.advice.use_max.isVisible()
     qtbot.waitUntil(lambda: w.result is not None and w.result.estimate.method == "fitted", timeout=120_000)
     assert w.result.setup.extras["model_type"] == "opt" and w.inputs.state() == state
     assert not w.undo_stack.canUndo()

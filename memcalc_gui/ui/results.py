@@ -156,7 +156,8 @@ class VerdictBanner(QFrame):
             return
         self._stale = stale
         self.setToolTip(reason if stale else "")
-        self.stale_note.setText(f"Showing the last valid setup — {reason}" if stale else "")
+        shown = "Showing the last valid setup — " if self.text.text() else ""  # none yet: a fit before the first
+        self.stale_note.setText(f"{shown}{reason}" if stale else "")
         self.stale_note.setVisible(stale)
         self._restyle()
 
@@ -257,6 +258,7 @@ class AdvicePanel(QWidget):
         self.use_max.setObjectName("useMaxBatch")
         self.use_max.setToolTip("Set the micro-batch to the largest that fits (Ctrl+Z undoes)")
         self.use_max.clicked.connect(self._use_max)
+        self.use_max.setVisible(False)  # until a result has a larger micro-batch to use
         row.addWidget(self.use_max)
         lay.addLayout(row)
         # the GPU plan of a distributed setup (core.solver.gpu_plan): fewest GPUs per strategy, best strategy

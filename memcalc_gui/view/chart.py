@@ -83,6 +83,7 @@ class MemoryChart(pg.GraphicsLayoutWidget):
         self.peak_band = pg.BarGraphItem(x=[0.0], height=[1.0], y0=[0.0], width=0.86,
                                          brush=QColor(255, 200, 0, 40), pen=pg.mkPen(None))
         self.peak_band.setZValue(-20)
+        self.peak_band.setVisible(False)  # until the first estimate (a config being fitted has none yet)
         self.plot.addItem(self.peak_band)
 
         zeros = np.zeros(len(PHASES))
@@ -97,6 +98,7 @@ class MemoryChart(pg.GraphicsLayoutWidget):
         self.peak_outline = pg.BarGraphItem(x=[0.0], height=[0.0], y0=[0.0], width=BAR_WIDTH + 0.04,
                                             brush=QColor(0, 0, 0, 0), pen=pg.mkPen("k", width=2.5))
         self.peak_outline.setZValue(5)
+        self.peak_outline.setVisible(False)
         self.plot.addItem(self.peak_outline)
 
         self.capacity_line = pg.InfiniteLine(angle=0, movable=False,
@@ -104,7 +106,10 @@ class MemoryChart(pg.GraphicsLayoutWidget):
         self.capacity_label = pg.InfLineLabel(self.capacity_line, text="", position=0.02, anchors=[(0, 1), (0, 1)],
                                               color="#C62828", fill=pg.mkBrush(255, 255, 255, 220))
         self.capacity_line.setZValue(10)
+        self.capacity_line.setVisible(False)
         self.plot.addItem(self.capacity_line)
+        bottom.setTicks([[(float(i), TICK_VARIANTS[0][p]) for i, p in enumerate(PHASES)]])  # before any estimate
+        self.plot.setYRange(0.0, 1.0, padding=0)
 
         self.total_labels: list[pg.TextItem] = []
         for i in range(len(PHASES)):
@@ -185,6 +190,8 @@ class MemoryChart(pg.GraphicsLayoutWidget):
         ymax = top * 1.14 if top > 0 else 1.0
         self.peak_band.setOpts(x=[float(peak_i)], y0=[0.0], height=[ymax], width=0.86)
         self.peak_outline.setOpts(x=[float(peak_i)], y0=[0.0], height=[peak_total], width=BAR_WIDTH + 0.04)
+        self.peak_band.setVisible(True)
+        self.peak_outline.setVisible(True)
 
         self._peak_i = peak_i
         for i, label in enumerate(self.total_labels):
