@@ -6,13 +6,16 @@ attention: a rank keeps its own queries, keys and values and passes key/value ch
 outputs with their log-sum-exp. So one rank runs the step of ``seq/cp`` tokens per sequence (embeddings, layers, the
 head and the loss over its own tokens; what attention saves is its local q, k, v, output and log-sum-exp), and:
 
-- holds, while a layer's attention runs, the key/value chunk it computes with and the next one arriving
-  (forward), and in backward also the key/value gradients travelling with them, accumulated in fp32;
+- saves, in every layer that is not checkpointed, a copy of the attention output beside SDPA's own: the merged output
+  comes out in SDPA's (batch, heads, tokens) order, so transformers' ``transpose(1, 2).contiguous()`` copies it;
 - shards its parameters, gradients and optimizer state over ``dp × cp`` (torchtitan's ``dp_shard_cp`` mesh; the
   gradients are reduced over the context-parallel ranks too), which is the data-parallel ledger of ``dp·cp`` ranks.
 
-Not traced: ring attention dispatches SDPA's flash or memory-efficient CUDA kernels, which the CPU fake mode does not
-run; the formula stands alone (docs/parallelism.md).
+The ring's own buffers (PyTorch's all-gathered key/value chunks, the fp32 merge, the fp32 key/value gradients passed
+back) exist only while a layer's attention runs. Measured in isolation (``trace.context``) they reach 6–40 key/value
+chunks, but a language model's step peaks at its loss, where they are gone: the ledger leaves them out, and the
+trace, which runs PyTorch's ring attention on the fake process group, counts them where they fall (within 0.8 % of
+this ledger on Llama-3.2-1B, docs/parallelism.md).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ def context_parallel_estimate(setup: TrainingSetup) -> Estimate:
     """The ledger of one context-parallel rank (see the module's docstring)."""
     from .analytic import estimate_analytic
     from .ledger import with_overheads
+    from .setup import checkpoint_every
 
     par = setup.parallel
     cp = par.cp
@@ -56,17 +60,22 @@ def context_parallel_estimate(setup: TrainingSetup) -> Estimate:
     spec = tensor_parallel_spec(setup.model, par.tp, par.loss_parallel)
     t = rank.tokens
     m = 2 if setup.precision in ("mixed", "bf16", "bf16-autocast") else 4
-    kv = t * spec.kv_dim * 2 * m  # one key/value chunk of this rank's size
-    ring = {"forward": 2 * kv, "backward": 2 * kv + 2 * t * spec.kv_dim * 2 * 4}
+    # the merged output is a new tensor in SDPA's (batch, heads, tokens) order, so the output projection's input is a
+    # copy of it (transformers' transpose(1, 2).contiguous()), saved beside SDPA's own by every layer that is not
+    # checkpointed (traced: trace.context)
+    every = checkpoint_every(setup.checkpointing)
+    kept = spec.num_layers - (spec.num_layers // every if every else 0)
+    copies = kept * t * spec.q_dim * m if setup.activation_offload == "none" else 0
+    saved = {"forward": copies, "backward": copies}
     phases = {}
     for ph, ledger in est.phases.items():
         objects = {k: v for k, v in ledger.objects.items() if k not in ("cuda_context", "allocator_reserve")}
-        if ph in ring:
-            objects["temporaries"] = objects.get("temporaries", 0) + ring[ph]
+        if ph in saved:
+            objects["activations"] = objects.get("activations", 0) + saved[ph]
         phases[ph] = with_overheads(objects, ph, setup)
     note = (f"Context parallelism over {cp} GPUs: each runs {rank.seq:,} of every sequence's {setup.seq:,} tokens "
-            f"(ring attention: one key/value chunk at work and the next arriving); parameters, gradients and optimizer "
-            f"state sharded over data parallel × context parallel ({par.dp * cp:,})")
-    details = dict(est.details, parallel_notes=(note, *est.details.get("parallel_notes", ())),
-                   ring_attention_bytes=ring["backward"])
+            f"(ring attention; its key/value chunks exist only while a layer's attention runs, below the peak at the "
+            f"loss: the trace counts them); parameters, gradients and optimizer state sharded over data parallel × "
+            f"context parallel ({par.dp * cp:,})")
+    details = dict(est.details, parallel_notes=(note, *est.details.get("parallel_notes", ())))
     return dataclasses.replace(est, setup=setup, phases=phases, details=details, assumptions=(*est.assumptions, note))

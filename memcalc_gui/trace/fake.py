@@ -128,9 +128,9 @@ def refusal(setup: TrainingSetup) -> str:
     """Why the trace does not run ``setup`` ("" when it does): what fake tensors on a CPU cannot run, said once for
     the CLI's error and the window's "not traced" note."""
     par = setup.parallel
-    if par.cp > 1:
-        return ("context parallelism is not traced: its ring attention runs SDPA's CUDA kernels, which fake tensors "
-                "on a CPU do not dispatch; the analytic estimate holds")
+    if par.cp > 1 and (par.pp > 1 or par.ep > 1 or setup.model is None):
+        return ("context parallelism is traced without pipeline or expert parallelism, on a family with a block "
+                "model; here the analytic estimate holds")
     if setup.tuning.method == "qlora":
         return ("the trace does not run QLoRA: transformers quantizes the base through bitsandbytes while loading "
                 "real weights, which fake tensors do not have; the analytic ledger, checked against real bitsandbytes "
@@ -185,6 +185,7 @@ def trace_estimate(
     fsdp2_mixed = setup.parallel.strategy in BF16_COMPUTE and setup.precision == "mixed"
     compute = "bf16" if fsdp2_mixed else setup.precision
     fsdp2_pipeline = setup.parallel.pp > 1 and setup.parallel.strategy == "fsdp2" and setup.parallel.dp > 1
+    sharded_rank = fsdp2_rank(setup)
     t0 = time.perf_counter()
     try:
         # packed documents: under fake tensors transformers takes the batch as packed, as a real run finds it
@@ -215,10 +216,20 @@ def trace_estimate(
             step = functools.partial(trace_rank, layout=RankLayout(
                 dp_shard=par.dp if fsdp2 else 1, dp_replicate=1 if fsdp2 else par.dp, tp=par.tp, ep=par.ep,
                 reshard_after_forward=par.reshard_after_forward))
-        elif par.tp > 1:  # one rank of the tensor-parallel group, parallelized on the fake process group
+        elif sharded_rank:  # FSDP2 itself: fully_shard over the data- (and context-) parallel ranks
             from .ranks import RankLayout, trace_rank
 
-            step = functools.partial(trace_rank, layout=RankLayout(1, par.tp, loss_parallel=par.loss_parallel))
+            compute = setup.precision  # its MixedPrecisionPolicy in the trace itself
+            step = functools.partial(trace_rank, layout=RankLayout(
+                dp_shard=par.dp, tp=par.tp, cp=par.cp, loss_parallel=par.loss_parallel,
+                reshard_after_forward=par.reshard_after_forward))
+        elif par.tp > 1 or par.cp > 1:
+            # one rank of the tensor-parallel group and of the context-parallel ring (its seq/cp tokens, attention as
+            # PyTorch's ring attention), parallelized on the fake process group; the model states by rule below
+            from .ranks import RankLayout, trace_rank
+
+            step = functools.partial(trace_rank, layout=RankLayout(
+                1, par.tp, loss_parallel=par.loss_parallel, cp=par.cp, replicate_context=True))
         with exclusive_torch_job(should_stop, TraceCancelled), sequences:
             m = step(
                 cfg, batch=setup.rows, seq=setup.row_len, documents=setup.batch if setup.packing else None,
@@ -261,7 +272,7 @@ def trace_estimate(
     notes: tuple[str, ...] = ()
     offloaded = m.host_bytes  # the most offloaded activations the step held in host memory
     host_bytes = offloaded
-    if setup.parallel.ep > 1 or (setup.model is None and setup.parallel.is_distributed):
+    if setup.parallel.ep > 1 or (setup.model is None and setup.parallel.is_distributed) or sharded_rank:
         # the traced rank is the layout's own; DDP's buckets are what it does not run
         notes, buckets = _rank_rules(cfg, setup)
         for name in ("forward", "backward", "optimizer_step"):
@@ -281,8 +292,10 @@ def trace_estimate(
         if fsdp2_mixed:
             cost = optimizer_cost(setup.optimizer, setup.optimizer_impl, rank.param_layout(), rank.num_layers, 4)
             state, temps = cost.state_bytes + cost.paged_bytes, cost.step_temporary_bytes
-        states = states_for(rank, setup, state, temps, m.phases["forward"].compute_copy_bytes)
-        load, fwd, (bwd,), stp = per_gpu_ledger(states, setup.parallel, objects["load"], objects["forward"],
+        # context parallelism shards the model states over data parallel × context parallel (core.context)
+        sharded = dataclasses.replace(setup, parallel=dataclasses.replace(setup.parallel, cp=1))
+        states = states_for(rank, sharded, state, temps, m.phases["forward"].compute_copy_bytes)
+        load, fwd, (bwd,), stp = per_gpu_ledger(states, sharded.parallel, objects["load"], objects["forward"],
                                                [objects["backward"]], step)
         objects = {"load": load, "forward": fwd, "backward": bwd, "optimizer_step": stp}
         notes, host_bytes = states.notes, states.host_bytes + offloaded * setup.parallel.gpus_per_node
@@ -304,6 +317,14 @@ def trace_estimate(
            f"PyTorch's {setup.parallel.schedule} schedule over {setup.grad_accum} micro-batch(es), on the fake process "
            "group" + (f"; its tensor-parallel rank as the model with a {setup.parallel.tp}th of the heads and MLP"
                       if setup.parallel.tp > 1 else "")] if setup.parallel.pp > 1 else []),
+        *([f"Traced one rank of FSDP2 itself: fully_shard over {setup.parallel.dp * setup.parallel.cp} data-"
+           f"{'and context-' if setup.parallel.cp > 1 else ''}parallel ranks of the fake process group"
+           + (f", each layer split {setup.parallel.tp} ways by tensor parallelism" if setup.parallel.tp > 1 else "")]
+          if sharded_rank else []),
+        *([f"Traced rank 1 of a {setup.parallel.cp}-way context-parallel ring: {setup.row_len // setup.parallel.cp:,} "
+           f"of each sequence's {setup.row_len:,} tokens, SDPA run as PyTorch's ring attention (all-gathered "
+           "key/value chunks, the CPU attention kernel standing in for the CUDA one), on the fake process group"
+           ] if setup.parallel.cp > 1 else []),
         f"CUDA allocator rounding: each allocation rounded up to {CUDA_ROUNDING} B",
         f"CUDA context {setup.cuda_context_bytes / 2**20:.0f} MiB and allocator reserve "
         f"{setup.allocator_reserve:.0%} added (a CPU trace cannot see them)",
@@ -316,6 +337,18 @@ def trace_estimate(
     return TraceResult(est, modules, seconds, analytic, rules, timeline)
 
 
+def fsdp2_rank(setup: TrainingSetup) -> bool:
+    """Whether the trace runs FSDP2 itself on a dense model (``fully_shard`` over the data- and context-parallel ranks
+    of the fake process group), rather than one replica with the strategy's model states by rule: the replica's rule
+    counted a whole unit's fp32 gradients at the backward peak, 8–19 % over FSDP2's own step on Llama-3.2-1B
+    (docs/parallelism.md)."""
+    par = setup.parallel
+    return (setup.model is not None and par.strategy == "fsdp2" and par.pp == 1 and par.ep == 1
+            and par.dp * par.cp > 1 and par.offload == "none" and setup.tuning.method == "full"
+            and setup.optimizer in ("adamw", "adam", "sgd") and not setup.optimizer_in_backward
+            and setup.activation_offload == "none" and setup.loss == "full" and not setup.packing)
+
+
 def _rank_rules(cfg: dict[str, Any], setup: TrainingSetup) -> tuple[tuple[str, ...], int]:
     """The layout's notes, and the bytes of DDP's buckets (``distributed.expert_parallel_states``: the gradients of
     what is replicated, which the trace's replicated parameters do not keep twice); no buckets under FSDP2."""
@@ -323,9 +356,9 @@ def _rank_rules(cfg: dict[str, Any], setup: TrainingSetup) -> tuple[tuple[str, .
     from .ranks import tensor_parallel_config
 
     st = structure_on_meta(tensor_parallel_config(cfg, setup.parallel.tp) if setup.parallel.tp > 1 else cfg)
-    if setup.parallel.ep == 1:
-        states = model_states(setup.parallel, st["num_params"], st["layer_params"], setup.precision, 0, 0, 0,
-                              st["root_unit"])
+    if setup.parallel.ep == 1:  # context parallelism shards the states with the data-parallel ranks (core.context)
+        states = model_states(dataclasses.replace(setup.parallel, cp=1), st["num_params"], st["layer_params"],
+                              setup.precision, 0, 0, 0, st["root_unit"])
         return states.notes, states.gradients["forward"] if setup.parallel.strategy == "ddp" else 0
     check_experts(str(cfg.get("model_type")), st["num_experts"], setup.parallel.ep)
     states = expert_parallel_states(setup.parallel, st["num_params"], st["expert_params"],

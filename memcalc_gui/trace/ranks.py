@@ -64,22 +64,37 @@ class RankLayout:
     #: Replicas of the model that are not sharded (each parameter whole on every rank, as under DDP): the ranks
     #: expert parallelism spreads over without FSDP.
     dp_replicate: int = 1
+    #: Ranks each sequence is split over (PyTorch's context parallelism, :mod:`.context`): the rank runs ``seq/cp``
+    #: tokens with ring attention, and FSDP2 shards over ``dp_shard × cp`` (torchtitan's ``dp_shard_cp`` mesh).
+    cp: int = 1
+    #: The context-parallel ranks hold the model whole (no FSDP2 over them): one replica's step, the strategy's model
+    #: states then taken by rule (``trace.fake``).
+    replicate_context: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("dp_shard", "tp", "ep", "dp_replicate"):
+        for name in ("dp_shard", "tp", "ep", "dp_replicate", "cp"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 4096:
                 raise InputError(name, f"must be an integer from 1 to 4096, got {value!r}")
         if self.ep > 1 and self.tp > 1:  # transformers slices the tokens over tp before dispatch: not checked
             raise InputError("ep", "expert beside tensor parallelism is not traced; the formulas do not model it "
                                    "either")
+        if self.cp > 1 and self.ep > 1:
+            raise InputError("cp", "context beside expert parallelism is not traced")
+        if self.replicate_context and self.dp_shard > 1:
+            raise InputError("cp", "the context-parallel ranks are sharded with the data-parallel ones")
         if self.world % self.ep:
             raise InputError("ep", f"expert parallelism over {self.ep} ranks needs a world it divides, got "
                                    f"{self.world}")
 
     @property
+    def fsdp_ranks(self) -> int:
+        """The ranks FSDP2 shards each parameter over (1: not applied)."""
+        return self.dp_shard * (1 if self.replicate_context else self.cp)
+
+    @property
     def world(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp
+        return self.dp_replicate * self.dp_shard * self.cp * self.tp
 
 
 def tensor_parallel_config(config: dict[str, Any], tp: int, vocab: bool = False) -> dict[str, Any]:
@@ -183,20 +198,29 @@ def fake_process_group(world: int, rank: int = 0) -> Iterator[None]:
         sys.excepthook = hook
 
 
-def parallelizer(config: dict[str, Any], layout: RankLayout, precision: str) -> Any:
-    """The ``parallelize(model)`` callback: build the mesh (outside any fake mode), apply the TP plan to every
-    decoder layer, then FSDP2 over the data-parallel dimension (mixed precision: bf16 gathers, fp32 reduction, as
-    torchtitan's defaults)."""
+def device_mesh(layout: RankLayout) -> Any:
+    """The layout's mesh ``dp_replicate × dp_shard × cp × tp`` on the fake process group, built outside any fake
+    mode."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp),
+                            mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"))
+
+
+def parallelizer(config: dict[str, Any], layout: RankLayout, precision: str, mesh: Any) -> Any:
+    """The ``parallelize(model)`` callback over ``mesh`` (:func:`device_mesh`): apply the TP plan to every decoder
+    layer, then FSDP2 over the data-parallel ranks, with the context-parallel ones (mixed precision: bf16 gathers,
+    fp32 reduction, as torchtitan's defaults)."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     plan = tp_plan(config) if layout.tp > 1 else {}
-    mesh = init_device_mesh("cpu", (layout.dp_replicate, layout.dp_shard, layout.tp),
-                            mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
-    dp_mesh, tp_mesh, replicas = mesh["dp_shard"], mesh["tp"], mesh["dp_replicate"]
-    meshes = [dp_mesh, tp_mesh, replicas]
+    sharded_context = layout.cp > 1 and not layout.replicate_context
+    dp_mesh = mesh["dp_shard", "cp"]._flatten("dp_shard_cp") if sharded_context else mesh["dp_shard"]
+    tp_mesh, replicas = mesh["tp"], mesh["dp_replicate"]
+    meshes = [dp_mesh, tp_mesh, replicas, mesh["cp"]]
     if layout.ep > 1:  # transformers' expert view of the same ranks: (efsdp, ep)
         experts_mesh = init_device_mesh("cpu", (layout.world // layout.ep, layout.ep), mesh_dim_names=("efsdp", "ep"))
         meshes += [experts_mesh["efsdp"], experts_mesh["ep"]]
@@ -214,9 +238,9 @@ def parallelizer(config: dict[str, Any], layout: RankLayout, precision: str) -> 
         experts: list[Any] = []
         if layout.ep > 1:
             experts = _split_experts(model, experts_mesh["ep"], tp_mesh)
-            if layout.dp_shard == 1:
+            if layout.fsdp_ranks == 1:
                 _replicate_the_rest(model, replicas)  # one kind of parameter for the optimizer, as FSDP2 makes it
-        if layout.dp_shard > 1:
+        if layout.fsdp_ranks > 1:
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
                 if precision == "mixed" else MixedPrecisionPolicy()
             for module in experts:  # transformers' order: the experts over their copies first
@@ -358,18 +382,29 @@ def _replicate_the_rest(model: Any, mesh: Any) -> None:
 def trace_rank(config: dict[str, Any], layout: RankLayout, **step: Any) -> Any:
     """The step of ``config`` (``step``: :func:`~memcalc_gui.measure.cpu_step.measure_training_step`'s keywords) on
     rank 0 of ``layout``, traced on fake tensors; a :class:`~memcalc_gui.measure.cpu_step.StepMeasurement`. Under
-    FSDP2, mixed precision is its ``MixedPrecisionPolicy`` (no autocast), as torchtitan runs it."""
+    FSDP2, mixed precision is its ``MixedPrecisionPolicy`` (no autocast), as torchtitan runs it. Under context
+    parallelism ``seq`` is the whole sequence, of which the rank runs ``seq/cp`` tokens with ring attention."""
     from ..measure import exclusive_torch_job
     from ..measure.cpu_step import measure_training_step
+    from .context import RingNotRun, check_ring, ring_attention
     from .fake import unpacked_sequences
 
     kw = STEP_DEFAULTS | {k: v for k, v in step.items() if k != "fake"}  # always fake
+    if layout.cp > 1:
+        check_ring(int(kw["seq"]), layout.cp, str(kw.get("attention", "sdpa")))
+        kw.update(seq=int(kw["seq"]) // layout.cp, attention="sdpa")  # the fused kernel the ring runs (flash too)
     with exclusive_torch_job(), fake_process_group(layout.world), unpacked_sequences(), warnings.catch_warnings():
         # the causal LM returns a view of its logits; the step does no in-place op on it (not the user's concern)
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-        apply = parallelizer(config, layout, kw["precision"])
-        with _loss_parallel(layout.loss_parallel):
-            return measure_training_step(config, fake=True, parallelize=apply, autocast=layout.dp_shard == 1, **kw)
+        mesh = device_mesh(layout)
+        apply = parallelizer(config, layout, kw["precision"], mesh)
+        ring = ring_attention(mesh["cp"]) if layout.cp > 1 else contextlib.nullcontext([1])
+        with _loss_parallel(layout.loss_parallel), ring as calls:
+            m = measure_training_step(config, fake=True, parallelize=apply, autocast=layout.fsdp_ranks == 1, **kw)
+    if not calls[0]:
+        raise RingNotRun("cp", "the traced step never ran ring attention (its attention did not reach SDPA's fused "
+                               "kernel); the formula stands alone")
+    return m
 
 
 def _loss_parallel(on: bool) -> contextlib.AbstractContextManager[None]:
