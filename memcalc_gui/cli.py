@@ -50,6 +50,7 @@ from .core.setup import (
 from .core.units import format_bytes, format_count, parse_count, parse_positive_int, parse_size
 from .core.vocab import OBJECT_LABELS, OBJECTS, PHASE_LABELS, PHASES
 from .measure.engine import MAX_ITERATIONS
+from .view.plan_text import suggestions_note
 
 EXIT_INPUT = 2
 EXIT_INTERRUPTED = 130
@@ -547,6 +548,8 @@ def format_ledger(result: Result) -> str:
             host = f", host {format_bytes(s.host_bytes)} per node" if s.host_bytes else ""
             lines.append(f"  {i}. {s.title}: {format_bytes(s.peak_bytes)} (saves {format_bytes(s.saves_bytes)}"
                          f"{host}){fit}")
+    if verdict.uncalibrated or (not verdict.suggestions and verdict.fits is False):
+        lines += ["", suggestions_note(result)]
     lines.append("")
     lines.append("Assumptions:")
     lines += [f"  - {a}" for a in est.assumptions]

@@ -3,6 +3,7 @@ over the layers — equal to the full trace and to real CPU steps, cached on dis
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -122,6 +123,21 @@ def test_over_capacity_the_fitted_verdict_searches_what_it_can(opt_fit: FitModel
     assert result.verdict.fits is False and 0 < result.verdict.max_micro_batch < 8
     keys = {k for s in result.verdict.suggestions for k in s.changes}
     assert {"batch", "grad_accum"} <= keys <= {"batch", "grad_accum", "strategy", "offload", "gpus"}
+    # what it left out is said, not dropped: those changes need a calibration of their own
+    from memcalc_gui.view.plan_text import suggestions_note
+
+    pending = result.verdict.uncalibrated
+    assert any("8-bit" in t for t in pending) and any("checkpointing" in t.lower() for t in pending)
+    assert not {t for t in pending} & {s.title for s in result.verdict.suggestions}
+    note = suggestions_note(result)
+    assert note.startswith("Not weighed yet: " + pending[0][0].lower() + pending[0][1:])
+    assert f"and {len(pending) - 3} more" in note and "calibration of its own" in note
+    assert result.to_json()["uncalibrated_changes"] == list(pending)
+    # with nothing calibrated that helps, the note no longer claims that no change the calculator knows would
+    bare = dataclasses.replace(result, verdict=dataclasses.replace(result.verdict, suggestions=()))
+    assert suggestions_note(bare).startswith("No calibrated change lowers the peak enough. Not weighed yet: ")
+    analytic_none = dataclasses.replace(bare, verdict=dataclasses.replace(bare.verdict, uncalibrated=()))
+    assert "a smaller model" in suggestions_note(analytic_none)
 
 
 LLAMA = dict(COMMON, model_type="llama", intermediate_size=344, num_key_value_heads=2)

@@ -70,6 +70,7 @@ class Result:
             "headroom_bytes": v.headroom_bytes,
             "max_micro_batch": v.max_micro_batch,
             "suggestions": [s.to_json() for s in v.suggestions],
+            "uncalibrated_changes": list(v.uncalibrated),
             "assumptions": list(est.assumptions),
             "warnings": list(self.warnings),
             "verdict": self.headline(),

@@ -54,6 +54,9 @@ class Verdict:
     headroom_bytes: int | None
     max_micro_batch: int | None
     suggestions: tuple[Suggestion, ...] = field(default=())
+    #: Changes the method could not answer without a calibration of their own (the fitted method), by title: left out
+    #: of the suggestions, not ruled out.
+    uncalibrated: tuple[str, ...] = field(default=())
 
 
 def fits(estimate: Estimate, capacity_bytes: int) -> bool:
@@ -168,14 +171,6 @@ def _smaller_micro_batch(setup: TrainingSetup, estimator: Estimator, capacity: i
     return divisor(max(1, fitting))
 
 
-def _peak_after(setup: TrainingSetup, estimator: Estimator, changes: dict[str, Any]) -> int | None:
-    """The peak after ``changes``, or None when the changes conflict (e.g. 8-bit Adam with fused)."""
-    try:
-        return estimator(apply_changes(setup, changes)).peak_bytes
-    except InputError:
-        return None
-
-
 #: The least a suggested change saves, unless it makes the step fit (with 0.1 % of the peak).
 MIN_SAVING_BYTES: Final = 2**20
 
@@ -183,10 +178,22 @@ MIN_SAVING_BYTES: Final = 2**20
 def suggestions(setup: TrainingSetup, estimator: Estimator, capacity_bytes: int | None) -> tuple[Suggestion, ...]:
     """What to change. Over capacity: the cheapest sets of changes that fit, found by :func:`search_fixes`, then
     each single change with what it saves; otherwise the single changes, largest saving first."""
+    return _suggestions(setup, estimator, capacity_bytes)[0]
+
+
+def _suggestions(setup: TrainingSetup, estimator: Estimator,
+                 capacity_bytes: int | None) -> tuple[tuple[Suggestion, ...], tuple[str, ...]]:
+    """:func:`suggestions`, and the titles of the single changes the method needs another calibration to answer."""
     base_peak = estimator(setup).peak_bytes
     rows: list[Suggestion] = []
+    uncalibrated: list[str] = []
     for key, title, changes, tradeoff in _candidates(setup, estimator, capacity_bytes):
-        peak = _peak_after(setup, estimator, changes)
+        try:
+            peak: int | None = estimator(apply_changes(setup, changes)).peak_bytes
+        except InputError as exc:  # a conflict (8-bit Adam with fused), or a change the fit was not calibrated for
+            peak = None
+            if exc.field == "method":
+                uncalibrated.append(title)
         if peak is None or peak >= base_peak:
             continue
         ok = None if capacity_bytes is None else peak <= capacity_bytes
@@ -195,12 +202,12 @@ def suggestions(setup: TrainingSetup, estimator: Estimator, capacity_bytes: int 
         rows.append(Suggestion(key, title, changes, peak, base_peak - peak, ok, tradeoff))
     rows.sort(key=lambda s: (not s.fits, -s.saves_bytes))
     if capacity_bytes is None or base_peak <= capacity_bytes:
-        return _with_host(setup, estimator, tuple(rows))
+        return _with_host(setup, estimator, tuple(rows)), tuple(uncalibrated)
     fixes = search_fixes(setup, estimator, capacity_bytes)
     singles = {tuple(sorted(f.changes.items(), key=str)) for f in fixes}
     rows = [r for r in rows if tuple(sorted(r.changes.items(), key=str)) not in singles]
-    return _with_host(setup, estimator,
-                      tuple(fixes) + tuple(r for r in rows if not r.fits) + tuple(r for r in rows if r.fits))
+    return _with_host(setup, estimator, tuple(fixes) + tuple(r for r in rows if not r.fits) +
+                      tuple(r for r in rows if r.fits)), tuple(uncalibrated)
 
 
 def _with_host(setup: TrainingSetup, estimator: Estimator, rows: tuple[Suggestion, ...]) -> tuple[Suggestion, ...]:
@@ -719,13 +726,15 @@ def solve(setup: TrainingSetup, estimator: Estimator, estimate: Estimate | None 
     est = estimate if estimate is not None else estimator(setup)
     cap = setup.capacity_bytes
     if cap is None:
-        return Verdict(None, None, None, None, suggestions(setup, estimator, None))
+        return Verdict(None, None, None, None, *_suggestions(setup, estimator, None))
+    rows, uncalibrated = _suggestions(setup, estimator, cap)
     return Verdict(
         capacity_bytes=cap,
         fits=est.peak_bytes <= cap,
         headroom_bytes=cap - est.peak_bytes,
         max_micro_batch=max_micro_batch(setup, estimator, cap),
-        suggestions=suggestions(setup, estimator, cap),
+        suggestions=rows,
+        uncalibrated=uncalibrated,
     )
 
 

@@ -33,6 +33,7 @@ from ..view.plan_text import (
     plan_rows,
     plan_sentences,
     strategy_text,
+    suggestions_note,
 )
 
 if TYPE_CHECKING:  # the measurement engine is optional input; never import torch here
@@ -429,9 +430,7 @@ def _ledger_table(result: Result) -> Table:
 def _suggestions_table(result: Result) -> tuple[Table | None, str]:
     v = result.verdict
     if not v.suggestions:
-        note = ("No single change lowers the peak." if v.fits is not False
-                else "No change the calculator knows lowers the peak enough; consider a larger GPU or sharding.")
-        return None, note
+        return None, suggestions_note(result)
     rows = []
     for i, s in enumerate(v.suggestions, 1):
         fit = "—" if s.fits is None else ("fits" if s.fits else "still over")
@@ -447,7 +446,8 @@ def _suggestions_table(result: Result) -> tuple[Table | None, str]:
         note = "Ranked by the bytes they save at the peak."
     else:
         note = "Ranked: changes that make the step fit first, then by the bytes they save at the peak."
-    return table, note
+    pending = suggestions_note(result)
+    return table, f"{note} {pending}" if pending else note
 
 
 def _pct(value: float | None) -> str:

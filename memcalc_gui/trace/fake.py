@@ -80,7 +80,8 @@ class TraceResult:
             if basis is None:
                 return Result(self.estimate, Verdict(cap, fits, headroom, None), None)
             v = basis.verdict
-            return Result(self.estimate, Verdict(cap, fits, headroom, v.max_micro_batch, v.suggestions), basis.plan)
+            return Result(self.estimate, Verdict(cap, fits, headroom, v.max_micro_batch, v.suggestions,
+                                                 v.uncalibrated), basis.plan)
         plan = gpu_plan(setup, estimate) if setup.parallel.is_distributed else None
         return Result(self.estimate, solve(setup, estimate, self.estimate), plan)
 

@@ -30,6 +30,7 @@ from ..view.plan_text import (
     pipeline_text,
     plan_action,
     plan_sentences,
+    suggestions_note,
 )
 from ..view.theme import FIT_COLOR, NEUTRAL_COLOR, OVER_COLOR, tinted
 
@@ -341,13 +342,9 @@ class AdvicePanel(QWidget):
                 b.setVisible(True)
             else:
                 b.setVisible(False)
-        if not self._suggestions:
-            self.empty.setText("No single change lowers the peak." if v.fits is not False
-                               else "No single change the core knows lowers the peak; try a smaller model, "
-                                    "a shorter sequence or a larger GPU.")
-            self.empty.setVisible(True)
-        else:
-            self.empty.setVisible(False)
+        note = suggestions_note(result)
+        self.empty.setText(note)
+        self.empty.setVisible(bool(note))
 
     def _set_plan(self, result: Result) -> None:
         sentences = plan_sentences(result)  # the host memory is in the banner, right above

@@ -237,7 +237,7 @@ TOOLTIPS: dict[str, str] = {
         "Context parallelism: each sequence split over this many GPUs (two chunks each, for a balanced causal mask), "
         "attention run as ring attention passing key/value chunks round the GPUs (torchtitan's context_parallel). Each "
         "GPU runs its share of the tokens; parameters, gradients and optimizer state are sharded over the data- and "
-        "context-parallel GPUs together. For long sequences; not traced (ring attention runs CUDA kernels)."
+        "context-parallel GPUs together. For long sequences; Precise (trace) runs PyTorch's own ring attention."
     ),
     "pp": (
         "Pipeline parallelism: the decoder layers are split evenly into this many stages, one per GPU (the first "

@@ -163,6 +163,28 @@ def plan_sentences(result: Result) -> list[str]:
     return [first + ".", second + "."]
 
 
+def suggestions_note(result: Result) -> str:
+    """What to say beside (or instead of) the suggestions: why there are none, and which changes the fitted method has
+    not answered yet (they need a calibration of their own, not ruled out)."""
+    v = result.verdict
+    pending = ""
+    if v.uncalibrated:
+        more = len(v.uncalibrated) - 3
+        names = "; ".join(t[0].lower() + t[1:] for t in v.uncalibrated[:3]) + (f"; and {more} more" if more > 0 else "")
+        pending = (f"Not weighed yet: {names} — each needs a calibration of its own; choose one in the form (or run "
+                   "memcalc with it) and it is fitted in seconds.")
+    if v.suggestions:
+        return pending
+    if v.fits is not False:
+        none = "No single change lowers the peak."
+    elif v.uncalibrated:
+        none = "No calibrated change lowers the peak enough."
+    else:
+        none = "No single change the calculator knows lowers the peak; try a smaller model, a shorter sequence or a " \
+               "larger GPU."
+    return f"{none} {pending}".strip()
+
+
 def plan_action(result: Result) -> tuple[str, dict[str, object]] | None:
     """One change the plan suggests: the best strategy at this count, or else the fewest GPUs that fit —
     unless a smaller micro-batch or another suggestion already fits on the GPUs at hand."""
