@@ -873,11 +873,13 @@ def test_source_switch_keeps_each_model_row_level_with_its_label(window):
     fields = {"preset": inputs.preset, "config": inputs.config_path, "hub": inputs.hub_id, "params": inputs.params}
     for kind in ("config", "preset", "params", "hub", "preset", "config"):
         inputs.model_kind.setCurrentIndex(inputs.model_kind.findData(kind))
-        for _ in range(20):  # the layout settles over a few posted LayoutRequest events (more under a loaded machine)
-            QApplication.processEvents()
-            if inputs.model_stack.height() <= inputs.model_stack.currentWidget().sizeHint().height() + 2:
-                break
         field = fields[kind]
+        for _ in range(100):  # the layout settles over a few posted LayoutRequest events (more under a loaded machine)
+            QApplication.processEvents()
+            if inputs.model_stack.height() <= inputs.model_stack.currentWidget().sizeHint().height() + 2 and \
+                    abs(centre_y(field) - centre_y(inputs.model_label)) <= 3:
+                break
+            time.sleep(0.005)
         index = inputs.model_stack.currentIndex()
         assert field.isVisible() and inputs.model_label.buddy() is field, kind
         assert abs(centre_y(field) - centre_y(inputs.model_label)) <= 3, index

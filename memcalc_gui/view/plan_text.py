@@ -171,8 +171,8 @@ def suggestions_note(result: Result) -> str:
     if v.uncalibrated:
         more = len(v.uncalibrated) - 3
         names = "; ".join(t[0].lower() + t[1:] for t in v.uncalibrated[:3]) + (f"; and {more} more" if more > 0 else "")
-        pending = (f"Not weighed yet: {names} — each needs a calibration of its own; choose one in the form (or run "
-                   "memcalc with it) and it is fitted in seconds.")
+        pending = (f"Not weighed yet: {names} — each needs a calibration of its own; set one and it is fitted in "
+                   "seconds.")
     if v.suggestions:
         return pending
     if v.fits is not False:
