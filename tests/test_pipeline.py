@@ -420,6 +420,13 @@ def test_the_ring_attention_is_run_by_pytorchs_own_functions_and_restored_after(
     assert dict(DTensor._op_dispatcher._custom_op_handlers) == handlers
     assert (cp_attention._cp_options.enable_load_balance, cp_attention._cp_options.rotate_method) == options
     assert torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default not in handlers
+    # layouts the trace does not run are refused naming the field
+    for bad in (dict(cp=0), dict(cp=2, ep=2), dict(dp_shard=2, cp=2, replicate_context=True),
+                dict(cp=2, replicate_context="yes")):
+        with pytest.raises(InputError) as exc:
+            RankLayout(**bad)  # type: ignore[arg-type]
+        assert exc.value.field in ("cp", "ep"), bad
+    assert RankLayout(dp_shard=2, cp=4).fsdp_ranks == 8 and RankLayout(cp=4, replicate_context=True).fsdp_ranks == 1
 
 
 @pytest.mark.parametrize(("kw", "par", "words"), [

@@ -81,6 +81,8 @@ class RankLayout:
                                    "either")
         if self.cp > 1 and self.ep > 1:
             raise InputError("cp", "context beside expert parallelism is not traced")
+        if not isinstance(self.replicate_context, bool):
+            raise InputError("cp", f"replicate_context must be true or false, got {self.replicate_context!r}")
         if self.replicate_context and self.dp_shard > 1:
             raise InputError("cp", "the context-parallel ranks are sharded with the data-parallel ones")
         if self.world % self.ep:
