@@ -23,6 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.summary import print_summary
 from memcalc_gui.core.distributed import Parallelism
 from memcalc_gui.core.errors import InputError
 from memcalc_gui.core.setup import TrainingSetup
@@ -92,12 +93,7 @@ def main(quick: bool = False) -> None:
         kind = strategy + (" (toy)" if family in MOE else "")
         worst.setdefault(kind, []).append(max(abs(v) for v in diff.values()))
         print(row + "".join(f"{diff[p]:>+10.2f}" for p in shown), flush=True)
-    print()
-    print(f"{'strategy':<14}{'cases':>7}{'≤ 1 %':>8}{'≤ 2 %':>8}{'≤ 3 %':>8}{'worst':>9}")
-    for kind, errs in worst.items():
-        print(f"{kind:<14}{len(errs):>7}{sum(e <= 1 for e in errs):>8}{sum(e <= 2 for e in errs):>8}"
-              f"{sum(e <= 3 for e in errs):>8}{max(errs):>8.2f}%")
-    print(f"\n{sum(len(v) for v in worst.values())} traced ranks in {time.perf_counter() - start:.0f} s")
+    print_summary(worst, start, title="strategy", width=14, limits=(1, 2, 3), unit="cases")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.accuracy import FAMILIES
+from bench.summary import print_summary
 from memcalc_gui.core.distributed import Parallelism
 from memcalc_gui.core.errors import InputError
 from memcalc_gui.core.estimate import estimate
@@ -61,12 +62,7 @@ def main(quick: bool = False) -> None:
         kind = "tp" if dp == 1 else "fsdp2" if tp == 1 else "fsdp2×tp"
         worst.setdefault(kind, []).append(max(abs(v) for v in diff.values()))
         print(f"{family:<11}{tp:>3}{dp:>3} {precision:<9} {ckpt:<5}" + "".join(f"{diff[p]:>+10.2f}" for p in PHASES))
-    print()
-    print(f"{'layout':<10}{'cases':>7}{'≤ 1 %':>8}{'≤ 2 %':>8}{'≤ 3 %':>8}{'worst':>9}")
-    for kind, errs in worst.items():
-        print(f"{kind:<10}{len(errs):>7}{sum(e <= 1 for e in errs):>8}{sum(e <= 2 for e in errs):>8}"
-              f"{sum(e <= 3 for e in errs):>8}{max(errs):>8.2f}%")
-    print(f"\n{sum(len(v) for v in worst.values())} traced ranks in {time.perf_counter() - start:.0f} s")
+    print_summary(worst, start, title="layout", width=10, limits=(1, 2, 3), unit="cases")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.accuracy import FAMILIES
+from bench.summary import print_summary
 from memcalc_gui.core.analytic import estimate_analytic
 from memcalc_gui.core.distributed import Parallelism
 from memcalc_gui.core.model import spec_from_config
@@ -74,12 +75,7 @@ def main(quick: bool = False) -> None:
             worst.setdefault(kind, []).append(max(abs(d) for d in diff.values()))
             print(f"{name:<14}{pp:>3}{m:>3} {schedule:<17}{dp:>3} {precision:<9} {ckpt:<5}{rank:>5}"
                   + "".join(f"{diff[p]:>+10.2f}" for p in PHASES))
-    print()
-    print(f"{'kind':<24}{'ranks':>7}{'≤ 1 %':>8}{'≤ 2 %':>8}{'≤ 3 %':>8}{'worst':>9}")
-    for kind, errs in worst.items():
-        print(f"{kind:<24}{len(errs):>7}{sum(e <= 1 for e in errs):>8}{sum(e <= 2 for e in errs):>8}"
-              f"{sum(e <= 3 for e in errs):>8}{max(errs):>8.2f}%")
-    print(f"\n{sum(len(v) for v in worst.values())} traced ranks in {time.perf_counter() - start:.0f} s")
+    print_summary(worst, start, title="kind", width=24, limits=(1, 2, 3), unit="ranks")
 
 
 if __name__ == "__main__":
