@@ -1,12 +1,13 @@
 """One rank of a parallel layout, traced: the real model parallelized with PyTorch's own APIs and run on fake tensors
 with the fake process group, in this one process.
 
-The layout's device mesh (``dp_shard × tp``) is built over PyTorch's "fake" backend (``FakeStore``: every collective
+The layout's device mesh (``dp_replicate × dp_shard × cp × tp``) is built over PyTorch's "fake" backend (``FakeStore``: every collective
 returns at once, nothing is sent). The model is built on the meta device, tensor-parallelized with
 ``parallelize_module`` from the model family's own plan in transformers (``config.base_model_tp_plan``: each
 ``colwise`` linear a ``ColwiseParallel``, each ``rowwise`` one a ``RowwiseParallel``, as torchtitan's Llama plan
 does), then sharded with FSDP2's ``fully_shard`` (each decoder layer, then the root) over the data-parallel mesh
-dimension, and made real on fake storage. The step then runs as :func:`~memcalc_gui.measure.cpu_step
+dimension (with the context-parallel ranks, flattened as torchtitan's ``dp_shard_cp``), and made real on fake
+storage. The step then runs as :func:`~memcalc_gui.measure.cpu_step
 .measure_training_step` runs it, under the live-storage tracker: the ledger of one rank, with DTensor's and
 FSDP2's own buffers.
 
@@ -22,9 +23,9 @@ split sizes are the one value a step reads back from the routing (``.tolist()``)
 the trace takes balanced routing (every rank sends and receives ``tokens × top-k / ep`` pairs), the assumption the
 ledger makes and the one random router weights give.
 
-Pipeline stages are traced by :mod:`.pipeline`. Not traced here (the formulas stand alone, ``core.layout``): context
-parallelism (``context_parallel`` runs ring attention through SDPA kernels the CPU fake mode does not dispatch), and
-expert beside tensor parallelism. torch is imported inside functions only.
+Context parallelism runs PyTorch's own ring attention (:mod:`.context`) over the mesh's ``cp`` dimension, the rank
+fed its ``seq/cp`` tokens. Pipeline stages are traced by :mod:`.pipeline`. Not traced here (the formulas stand alone,
+``core.layout``): expert beside tensor or context parallelism. torch is imported inside functions only.
 """
 
 from __future__ import annotations
