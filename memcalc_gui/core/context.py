@@ -31,17 +31,23 @@ if TYPE_CHECKING:
     from .setup import TrainingSetup
 
 
-def check_context_parallel(setup: TrainingSetup) -> None:
-    """:class:`InputError` naming ``cp`` unless the sequence splits into ``2·cp`` equal chunks under ring attention."""
-    cp = setup.parallel.cp
+def check_ring(seq: int, cp: int, attention: str) -> None:
+    """:class:`InputError` naming ``cp`` unless a sequence of ``seq`` tokens splits into ``2·cp`` equal chunks and
+    attention runs as ring attention (the ledger's check, and the trace's)."""
     if cp == 1:
         return
-    if setup.seq % (2 * cp):
-        raise InputError("cp", f"a sequence of {setup.seq:,} tokens cannot be split into {2 * cp} equal chunks "
+    if seq % (2 * cp):
+        raise InputError("cp", f"a sequence of {seq:,} tokens cannot be split into {2 * cp} equal chunks "
                                f"(context parallelism over {cp} GPUs balances the causal mask with 2 chunks each)")
-    if setup.attention == "eager":
+    if attention == "eager":
         raise InputError("cp", "context parallelism runs SDPA as ring attention: choose sdpa or flash attention")
-    if setup.packing:
+
+
+def check_context_parallel(setup: TrainingSetup) -> None:
+    """:class:`InputError` naming ``cp`` unless the setup's sequences split for ring attention (:func:`check_ring`)
+    and hold no packed documents."""
+    check_ring(setup.seq, setup.parallel.cp, setup.attention)
+    if setup.parallel.cp > 1 and setup.packing:
         raise InputError("cp", "packed documents beside context parallelism are not modelled yet")
 
 

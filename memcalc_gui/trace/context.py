@@ -52,6 +52,7 @@ def ring_attention(mesh: Any, rotate: str = "allgather") -> Iterator[list[int]]:
     backward_op = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
     cp = mesh.size()
     calls = [0]
+
     def ring(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         """The CPU kernel's call as DTensor's dispatcher hands it over, run by PyTorch's templated ring attention."""
         info = DTensor._op_dispatcher.unwrap_to_op_info(op_call, args, kwargs)
@@ -95,12 +96,3 @@ def ring_attention(mesh: Any, rotate: str = "allgather") -> Iterator[list[int]]:
         cp_attention._disable_context_parallel_dispatcher_impl()
         DTensor._op_dispatcher._custom_op_handlers = handlers
         options.enable_load_balance, options.rotate_method = saved
-
-
-def check_ring(seq: int, cp: int, attention: str) -> None:
-    """:class:`InputError` naming ``cp`` unless ring attention runs this step (``core.context`` says the same for the
-    ledger)."""
-    if seq % (2 * cp):
-        raise InputError("cp", f"a sequence of {seq:,} tokens cannot be split into {2 * cp} equal chunks")
-    if attention == "eager":
-        raise InputError("cp", "context parallelism runs SDPA as ring attention: choose sdpa or flash attention")

@@ -131,7 +131,7 @@ def refusal(setup: TrainingSetup) -> str:
     par = setup.parallel
     if par.cp > 1 and (par.pp > 1 or par.ep > 1 or setup.model is None):
         return ("context parallelism is traced without pipeline or expert parallelism, on a family with a block "
-                "model; here the analytic estimate holds")
+                "model; here the formulas hold")
     if setup.tuning.method == "qlora":
         return ("the trace does not run QLoRA: transformers quantizes the base through bitsandbytes while loading "
                 "real weights, which fake tensors do not have; the analytic ledger, checked against real bitsandbytes "

@@ -1,15 +1,15 @@
 """One rank of a parallel layout, traced: the real model parallelized with PyTorch's own APIs and run on fake tensors
 with the fake process group, in this one process.
 
-The layout's device mesh (``dp_replicate × dp_shard × cp × tp``) is built over PyTorch's "fake" backend (``FakeStore``: every collective
-returns at once, nothing is sent). The model is built on the meta device, tensor-parallelized with
-``parallelize_module`` from the model family's own plan in transformers (``config.base_model_tp_plan``: each
-``colwise`` linear a ``ColwiseParallel``, each ``rowwise`` one a ``RowwiseParallel``, as torchtitan's Llama plan
-does), then sharded with FSDP2's ``fully_shard`` (each decoder layer, then the root) over the data-parallel mesh
-dimension (with the context-parallel ranks, flattened as torchtitan's ``dp_shard_cp``), and made real on fake
-storage. The step then runs as :func:`~memcalc_gui.measure.cpu_step
-.measure_training_step` runs it, under the live-storage tracker: the ledger of one rank, with DTensor's and
-FSDP2's own buffers.
+The layout's device mesh (``dp_replicate × dp_shard × cp × tp``) is built over PyTorch's "fake" backend
+(``FakeStore``: every collective returns at once, nothing is sent). The model is built on the meta device,
+tensor-parallelized with ``parallelize_module`` from the model family's own plan in transformers
+(``config.base_model_tp_plan``: each ``colwise`` linear a ``ColwiseParallel``, each ``rowwise`` one a
+``RowwiseParallel``, as torchtitan's Llama plan does), then sharded with FSDP2's ``fully_shard`` (each decoder layer,
+then the root) over the data-parallel mesh dimension (with the context-parallel ranks, flattened as torchtitan's
+``dp_shard_cp``), and made real on fake storage. The step then runs as
+:func:`~memcalc_gui.measure.cpu_step.measure_training_step` runs it, under the live-storage tracker: the ledger of one
+rank, with DTensor's and FSDP2's own buffers.
 
 This is what torchtitan's memory estimation does for FSDP/HSDP (its ``scripts/estimate``), extended to tensor
 parallelism: the mesh and its sub-meshes are built, and the parallelism applied, outside the fake mode (their
@@ -387,9 +387,10 @@ def trace_rank(config: dict[str, Any], layout: RankLayout, **step: Any) -> Any:
     rank 0 of ``layout``, traced on fake tensors; a :class:`~memcalc_gui.measure.cpu_step.StepMeasurement`. Under
     FSDP2, mixed precision is its ``MixedPrecisionPolicy`` (no autocast), as torchtitan runs it. Under context
     parallelism ``seq`` is the whole sequence, of which the rank runs ``seq/cp`` tokens with ring attention."""
+    from ..core.context import check_ring
     from ..measure import exclusive_torch_job
     from ..measure.cpu_step import measure_training_step
-    from .context import RingNotRun, check_ring, ring_attention
+    from .context import RingNotRun, ring_attention
     from .fake import unpacked_sequences
 
     kw = STEP_DEFAULTS | {k: v for k, v in step.items() if k != "fake"}  # always fake
