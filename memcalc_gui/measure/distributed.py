@@ -1,7 +1,10 @@
 """A real multi-process training step over several CPU processes (PyTorch's gloo backend), each rank measured with
 the live-storage tracker: the check of the per-GPU ledgers against the engines themselves, not only their formulas.
 DDP wraps the model in ``DistributedDataParallel`` (its defaults); ``pipeline:<schedule>`` runs one pipeline stage per
-process under PyTorch's schedule (:mod:`memcalc_gui.trace.pipeline`), activations and gradients really sent;
+process (with FSDP2 over each stage's data-parallel ranks when asked) under PyTorch's schedule
+(:mod:`memcalc_gui.trace.pipeline`), activations and gradients really sent; ``ranks`` runs one rank of a tensor-,
+context-parallel and FSDP2 mesh exactly as the per-rank trace does (:func:`memcalc_gui.trace.ranks.run_rank`), on
+real tensors over gloo instead of fake ones over the fake process group.
 
 FSDP2 (``torch.distributed.fsdp.fully_shard``) wraps every decoder layer and then the root model, as torchtitan's
 ``apply_fsdp`` does; under mixed precision its ``MixedPrecisionPolicy`` gathers bf16 weights and reduces gradients
@@ -10,9 +13,13 @@ in fp32 (torchtitan's defaults), with no autocast. ``torch`` is imported inside 
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import queue
 import socket
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from .cpu_step import StepMeasurement, measure_training_step
@@ -50,8 +57,71 @@ def ddp_parallelize() -> Any:
     return apply
 
 
+#: How often the parent looks at its ranks' queue, a cancel request and the ranks' health (seconds).
+POLL_S = 0.2
+
+
+def _step(rank: int, world: int, kwargs: dict[str, Any], strategy: str, reshard_after_forward: bool,
+          layout: Any) -> StepMeasurement:
+    """This process's rank of the step: DDP or FSDP2 wrapped here, a parallel layout's rank (``ranks``: the same
+    :func:`~memcalc_gui.trace.ranks.run_rank` the per-rank trace runs, on real tensors over this process group), or
+    one pipeline stage (``pipeline:<schedule>``) under PyTorch's schedule."""
+    if strategy == "fsdp2":
+        return measure_training_step(**kwargs, parallelize=fsdp2_parallelize(kwargs["precision"],
+                                                                             reshard_after_forward),
+                                     autocast=False, seed=rank)
+    if strategy == "ddp":
+        return measure_training_step(**kwargs, parallelize=ddp_parallelize(), seed=rank)
+    if strategy == "ranks":  # one rank of a tensor-, context-parallel and FSDP2 mesh (trace.ranks), for real
+        from ..trace.ranks import run_rank
+
+        config = kwargs.pop("config")
+        m: StepMeasurement = run_rank(config, layout, fake=False, group="current", seed=rank, **kwargs)
+        return m
+    if strategy.startswith("pipeline:"):  # one stage per process (per data-parallel rank of it): sends are real
+        import dataclasses
+
+        from ..trace.pipeline import PipeRank, trace_pipeline_rank
+
+        pipe = layout if layout is not None else PipeRank(world, 0, strategy.split(":", 1)[1], 1,
+                                                          kwargs["grad_accum"])
+        pipe = dataclasses.replace(pipe, rank=rank // pipe.dp_shard)
+        config = kwargs.pop("config")
+        stage: StepMeasurement = trace_pipeline_rank(config, pipe, fake=False, group="current", seed=0, **kwargs)
+        return stage
+    raise ValueError(f"the multi-process CPU step runs ddp, fsdp2, ranks or pipeline:<schedule>, not {strategy!r}")
+
+
+@contextlib.contextmanager
+def nccl_like_reduce_scatter() -> Iterator[None]:
+    """FSDP2's reduce-scatter over gloo without gloo's own copy of the input, for the duration.
+
+    gloo runs ``reduce_scatter_single`` on a copy of its whole input (the tracker sees an input-sized storage made
+    inside the call and split: 519 MiB of fp32 beside FSDP2's own 519 MiB input at the end of Qwen2.5-0.5B's backward,
+    where its tied embedding is reduced); NCCL reduces into the output. So each rank runs it as an in-place
+    all-reduce of FSDP2's input buffer, which FSDP2 owns and frees right after, and copies its shard out: the bytes
+    NCCL holds, the same gradients."""
+    import torch.distributed as dist
+
+    original = dist.reduce_scatter_single
+
+    def reduce_scatter(output: Any, input: Any, op: Any = dist.ReduceOp.SUM, group: Any = None,
+                       async_op: bool = False) -> Any:
+        if async_op or dist.get_backend(group) != "gloo":
+            return original(output, input, op=op, group=group, async_op=async_op)
+        dist.all_reduce(input, op=op, group=group)
+        output.copy_(input.reshape(dist.get_world_size(group), -1)[dist.get_rank(group)].reshape(output.shape))
+        return None
+
+    dist.reduce_scatter_single = reduce_scatter
+    try:
+        yield
+    finally:
+        dist.reduce_scatter_single = original
+
+
 def _rank(rank: int, world: int, port: int, kwargs: dict[str, Any], strategy: str, reshard_after_forward: bool,
-          out: Any) -> None:
+          out: Any, layout: Any = None, report: bool = False) -> None:
     import torch.distributed as dist
 
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -66,25 +136,11 @@ def _rank(rank: int, world: int, port: int, kwargs: dict[str, Any], strategy: st
     # the collector runs only where the step runs it (each iteration's end): left automatic, it ran at moments that
     # differed between runs and ranks, and an FSDP2 buffer in a reference cycle was freed early or late
     gc.disable()
+    if report and rank == 0:  # the first rank tells the parent where the step is (progress)
+        kwargs = dict(kwargs, on_phase=lambda phase, it, micro: out.put((-1, (phase, it, micro), None)))
     try:
-        if strategy == "fsdp2":
-            m = measure_training_step(**kwargs, parallelize=fsdp2_parallelize(kwargs["precision"],
-                                                                              reshard_after_forward),
-                                      autocast=False, seed=rank)
-        elif strategy == "ddp":
-            m = measure_training_step(**kwargs, parallelize=ddp_parallelize(), seed=rank)
-        elif strategy.startswith("pipeline:"):  # pipeline:<schedule>: one stage per process, sends and receives real
-            from ..trace.fake import unpacked_sequences
-            from ..trace.pipeline import PipeRank, cutter, driver
-
-            layout = PipeRank(world, rank, strategy.split(":", 1)[1], 1, kwargs["grad_accum"])
-            make = driver(layout, batch=kwargs["batch"], seq=kwargs["seq"],
-                          precision=kwargs["precision"])
-            with unpacked_sequences():
-                m = measure_training_step(**kwargs, parallelize=cutter(layout), pipeline=make, seed=0)
-        else:
-            raise ValueError(f"the multi-process CPU step runs ddp, fsdp2 or pipeline:<schedule>, not {strategy!r}")
-        out.put((rank, m, None))
+        with nccl_like_reduce_scatter():
+            out.put((rank, _step(rank, world, kwargs, strategy, reshard_after_forward, layout), None))
     except Exception as exc:  # reported to the parent, which raises it
         out.put((rank, None, f"{type(exc).__name__}: {exc}"))
     finally:
@@ -97,49 +153,79 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+class RanksCancelled(RuntimeError):
+    """``should_stop()`` said stop: every rank was ended."""
+
+
 def measure_sharded_step(config: dict[str, Any], *, world: int = 2, strategy: str = "fsdp2",
-                         reshard_after_forward: bool = True, **kwargs: Any) -> list[StepMeasurement]:
+                         reshard_after_forward: bool = True, layout: Any = None,
+                         on_phase: Callable[[str, int, int], None] | None = None,
+                         should_stop: Callable[[], bool] | None = None, **kwargs: Any) -> list[StepMeasurement]:
     """Run the training step of :func:`measure_training_step` (``kwargs``) on ``world`` CPU processes under
-    ``strategy`` and return each rank's measurement, rank 0 first. A rendezvous port another process took between
-    choosing and binding it is tried again once with a new one."""
+    ``strategy`` (``ddp``, ``fsdp2``, ``ranks`` with a :class:`~memcalc_gui.trace.ranks.RankLayout`, or
+    ``pipeline:<schedule>``, with a :class:`~memcalc_gui.trace.pipeline.PipeRank` for more than plain stages) and
+    return each rank's measurement, rank 0 first. ``on_phase`` hears rank 0's phases; ``should_stop()`` true ends
+    every rank (:class:`RanksCancelled`). A rendezvous port another process took between choosing and binding it is
+    tried again once with a new one."""
+    run = functools.partial(_run, config, world, strategy, reshard_after_forward, kwargs, layout, on_phase,
+                            should_stop)
     try:
-        return _run(config, world, strategy, reshard_after_forward, kwargs)
+        return run()
     except RuntimeError as exc:
         if "address already in use" not in str(exc).lower() and "eaddrinuse" not in str(exc).lower():
             raise
-        return _run(config, world, strategy, reshard_after_forward, kwargs)
+        return run()
 
 
-def _run(config: dict[str, Any], world: int, strategy: str, reshard_after_forward: bool,
-         kwargs: dict[str, Any]) -> list[StepMeasurement]:
+def _run(config: dict[str, Any], world: int, strategy: str, reshard_after_forward: bool, kwargs: dict[str, Any],
+         layout: Any, on_phase: Callable[[str, int, int], None] | None,
+         should_stop: Callable[[], bool] | None) -> list[StepMeasurement]:
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     args = dict(kwargs, config=config)
     port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, args, strategy, reshard_after_forward, out))
+    procs = [ctx.Process(target=_rank, args=(r, world, port, args, strategy, reshard_after_forward, out, layout,
+                                             on_phase is not None), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
     results: dict[int, StepMeasurement] = {}
     errors: list[str] = []
+    deadline = time.monotonic() + RANK_TIMEOUT_S
     try:
-        for _ in procs:
+        while len(results) < world and not errors:
+            if should_stop is not None and should_stop():
+                raise RanksCancelled("measurement cancelled")
             try:
-                rank, m, err = out.get(timeout=RANK_TIMEOUT_S)
+                rank, m, err = out.get(timeout=POLL_S)
             except queue.Empty:
-                errors.append(f"no rank answered within {RANK_TIMEOUT_S} s")
-                break
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in results]
+                if dead and out.empty():  # a rank killed (out of memory, most often) answers nothing
+                    time.sleep(POLL_S)  # its last message may still be in the pipe
+                    if out.empty():
+                        errors.append(f"rank {dead[0]} ended without a result (exit code "
+                                      f"{procs[dead[0]].exitcode}; out of memory?)")
+                elif time.monotonic() > deadline:
+                    errors.append(f"no rank answered within {RANK_TIMEOUT_S} s")
+                continue
+            if rank < 0:  # rank 0's progress
+                if on_phase is not None:
+                    on_phase(*m)
+                continue
             if err:  # the other ranks would wait for it in a collective: stop them
                 errors.append(f"rank {rank}: {err}")
                 break
             results[rank] = m
     finally:
+        stopping = bool(errors) or len(results) < world
         for p in procs:
-            p.join(timeout=30 if not errors else 1)
+            p.join(timeout=1 if stopping else 30)
             if p.is_alive():
                 p.kill()
+                p.join(timeout=5)
+        out.close()
     if errors:
         raise RuntimeError("; ".join(errors))
     return [results[r] for r in range(world)]

@@ -282,17 +282,19 @@ class _Driver:
         return max(self.count.values())
 
 
-def trace_pipeline_rank(config: dict[str, Any], layout: PipeRank, *, fake: bool = True, **step: Any) -> Any:
+def trace_pipeline_rank(config: dict[str, Any], layout: PipeRank, *, fake: bool = True, group: str = "fake",
+                        **step: Any) -> Any:
     """The step of ``config`` on ``layout``'s rank, its schedule over ``layout.microbatches`` micro-batches of
     ``batch`` rows (``step``: :func:`~memcalc_gui.measure.cpu_step.measure_training_step`'s keywords); a
-    :class:`~memcalc_gui.measure.cpu_step.StepMeasurement`. ``fake`` (the default) traces on fake tensors."""
+    :class:`~memcalc_gui.measure.cpu_step.StepMeasurement`. ``fake`` (the default) traces on fake tensors; ``group``
+    is the fake process group (``"fake"``) or the real one this process is a rank of (``"current"``)."""
     from ..measure import exclusive_torch_job
     from ..measure.cpu_step import measure_training_step
     from .fake import unpacked_sequences
-    from .ranks import STEP_DEFAULTS, fake_process_group
+    from .ranks import STEP_DEFAULTS, process_group
 
     kw = STEP_DEFAULTS | step | {"grad_accum": layout.microbatches}
-    with exclusive_torch_job(), fake_process_group(layout.world, layout.global_rank), unpacked_sequences():
+    with exclusive_torch_job(), process_group(group, layout.world, layout.global_rank), unpacked_sequences():
         group, dp_mesh = _meshes(layout)
         dp_mesh = dp_mesh if layout.dp_shard > 1 else None
         make = driver(layout, batch=kw["batch"], seq=kw["seq"], precision=kw["precision"], group=group,

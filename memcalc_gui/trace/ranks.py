@@ -184,6 +184,18 @@ def tp_plan(config: dict[str, Any]) -> dict[str, str]:
     return out
 
 
+def process_group(kind: str, world: int, rank: int = 0) -> contextlib.AbstractContextManager[None]:
+    """``fake``: :func:`fake_process_group` for the duration; ``current``: the process group this process runs in,
+    which must span ``world`` ranks."""
+    if kind == "fake":
+        return fake_process_group(world, rank)
+    import torch.distributed as dist
+
+    if kind != "current" or not dist.is_initialized() or dist.get_world_size() != world:
+        raise RuntimeError(f"a {world}-rank step needs the fake process group or a current one of {world} ranks")
+    return contextlib.nullcontext()
+
+
 @contextlib.contextmanager
 def fake_process_group(world: int, rank: int = 0) -> Iterator[None]:
     """PyTorch's fake backend as the default process group for the duration (one process, no communication)."""
@@ -387,26 +399,35 @@ def trace_rank(config: dict[str, Any], layout: RankLayout, **step: Any) -> Any:
     rank 0 of ``layout``, traced on fake tensors; a :class:`~memcalc_gui.measure.cpu_step.StepMeasurement`. Under
     FSDP2, mixed precision is its ``MixedPrecisionPolicy`` (no autocast), as torchtitan runs it. Under context
     parallelism ``seq`` is the whole sequence, of which the rank runs ``seq/cp`` tokens with ring attention."""
+    return run_rank(config, layout, **step)
+
+
+def run_rank(config: dict[str, Any], layout: RankLayout, *, fake: bool = True, group: str = "fake",
+             **step: Any) -> Any:
+    """One rank of ``layout`` stepped, on fake tensors (``fake``) or real ones, over the fake process group
+    (``group="fake"``) or the one this process already belongs to (``"current"``: one of the real ranks
+    :mod:`memcalc_gui.measure.distributed` launches). The traced and the measured rank are the same code: the same
+    mesh, the same parallelization, the same step."""
     from ..core.context import check_ring
     from ..measure import exclusive_torch_job
     from ..measure.cpu_step import measure_training_step
     from .context import RingNotRun, ring_attention
     from .fake import unpacked_sequences
 
-    kw = STEP_DEFAULTS | {k: v for k, v in step.items() if k != "fake"}  # always fake
+    kw = STEP_DEFAULTS | {k: v for k, v in step.items() if k != "fake"}
     if layout.cp > 1:
         check_ring(int(kw["seq"]), layout.cp, str(kw.get("attention", "sdpa")))
         kw.update(seq=int(kw["seq"]) // layout.cp, attention="sdpa")  # the fused kernel the ring runs (flash too)
-    with exclusive_torch_job(), fake_process_group(layout.world), unpacked_sequences(), warnings.catch_warnings():
+    with exclusive_torch_job(), process_group(group, layout.world), unpacked_sequences(), warnings.catch_warnings():
         # the causal LM returns a view of its logits; the step does no in-place op on it (not the user's concern)
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
         mesh = device_mesh(layout)
         apply = parallelizer(config, layout, kw["precision"], mesh)
         ring = ring_attention(mesh["cp"]) if layout.cp > 1 else contextlib.nullcontext([1])
         with _loss_parallel(layout.loss_parallel), ring as calls:
-            m = measure_training_step(config, fake=True, parallelize=apply, autocast=layout.fsdp_ranks == 1, **kw)
+            m = measure_training_step(config, fake=fake, parallelize=apply, autocast=layout.fsdp_ranks == 1, **kw)
     if not calls[0]:
-        raise RingNotRun("cp", "the traced step never ran ring attention (its attention did not reach SDPA's fused "
+        raise RingNotRun("cp", "the step never ran ring attention (its attention did not reach SDPA's fused "
                                "kernel); the formula stands alone")
     return m
 
