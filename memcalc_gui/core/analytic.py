@@ -487,9 +487,11 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
     elif tuned and not tp.embeddings_trainable:
         emb_tmp = 0  # frozen embeddings: the backward ends in the lowest trained layer
     elif spec.tied_embeddings:
-        emb_tmp = grad_stream + (3 if accumulating else 2) * v * h * p
+        # (autograd's gradients have the weights' dtype as the step computes: bf16 under FSDP2's mixed-precision
+        # policy and Megatron-LM's bf16 model, whose fp32 gradients are the strategy's)
+        emb_tmp = grad_stream + (3 if accumulating else 2) * v * h * d.param
     else:
-        emb_tmp = grad_stream + (v * h * p if accumulating else 0)
+        emb_tmp = grad_stream + (v * h * d.param if accumulating else 0)
     where.append(("embedding", n_layers))
     moments.append(_objects(parameters=params, optimizer_state=state, inputs=inputs, gradients=grads_all,
                             temporaries=emb_tmp))
@@ -611,7 +613,10 @@ def per_gpu_ledger(
             out["parameters"] = states.parameters[phase]
         return _objects(**out)
 
-    load = dict(load) if par.strategy == "ddp" else {"parameters": states.parameters["load"]}
+    if par.strategy == "ddp":
+        load = _objects(**dict(load, gradients=load.get("gradients", 0) + states.gradients["load"]))
+    else:
+        load = _objects(parameters=states.parameters["load"], gradients=states.gradients["load"])
     return (load, replace(forward, "forward"), [replace(m, "backward") for m in moments],
             replace(step, "optimizer_step"))
 
@@ -688,6 +693,11 @@ def fsdp2_ledger(
             sharded = all_shards if accumulating else 0
             gathered = keep_all
         moment = objects(m, gathered, unsharded + sharded)
+        if at == "embedding":
+            # the bottom layer's reduce-scatter input is kept now, not the last all-gather's output (traced: the
+            # two weigh the same but under mixed precision, where the input is fp32; a tied model peaks here)
+            moment["temporaries"] += big * rs
+            moment["parameters"] -= 0 if keep_all else big * w
         if (at == "gather" and k < nl) or (at in ("mlp", "attn") and 1 < k < nl):
             # a layer above was reduce-scattered: FSDP2 keeps the last reduce-scatter's input (in the reduce dtype,
             # fp32 under mixed precision) as the next layer's all-gather is copied out, and through the backward of

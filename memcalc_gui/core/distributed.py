@@ -373,7 +373,9 @@ def model_states(
         active = ph in ("forward", "backward")
         params[ph] = c["w_full"] + c["w_part"] + (c["master_part"] if ph != "load" else 0) \
             + (c["gathered"] + c["copies"] if active else 0)
-        grads[ph] = 0 if ph == "load" else c["ddp_buckets"] + c["g_buffer"]
+        # DDP's buckets and Megatron-LM's main-grad buffer are allocated as the model is wrapped (DDP's Reducer
+        # makes its flat buckets in its constructor: a real 2-process DDP run holds them at load)
+        grads[ph] = c["ddp_buckets"] + c["g_buffer"]
     grads["forward"] += c["g_bucket"]
     grads["backward"] += c["g_full"] + c["g_part"] + c["g_bucket"] + c["unit_grads"]
     grads["optimizer_step"] += (0 if par.offload != "none" else c["g_full"]) + c["g_part"] + c["g_fp32_part"]

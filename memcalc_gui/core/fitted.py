@@ -261,8 +261,7 @@ def per_gpu_states(setup: TrainingSetup, fit: FitModel) -> tuple[Transform, Mode
                 # the weights split; autocast's bf16 copies live at this moment are of the dense matrices (the
                 # experts' kernel casts as it goes; traced), which every rank keeps whole
                 out["parameters"] = load * keep + max(0.0, out["parameters"] - load)
-            if phase != "load":
-                out["gradients"] = out.get("gradients", 0.0) + states.gradients["forward"]  # DDP's buckets
+            out["gradients"] = out.get("gradients", 0.0) + states.gradients["forward"]  # DDP's buckets (from load)
             return out
         if phase == "load":
             return {"parameters": float(states.parameters["load"])}
@@ -316,8 +315,9 @@ def estimate_fitted(setup: TrainingSetup, fit: FitModel) -> Estimate:
     phases = {}
     for phase in PHASES:
         objects = fit.peak(phase, setup.batch, setup.seq, setup.grad_accum > 1, transform)
-        if phase == "load":
-            objects = {"parameters": sum(objects.values())}
+        if phase == "load":  # the model, and DDP's buckets made as it wraps the model
+            buckets = objects.get("gradients", 0)
+            objects = {"parameters": sum(objects.values()) - buckets, "gradients": buckets}
         phases[phase] = with_overheads(objects, phase, setup)
     worst = max((v for k, v in fit.checked.items() if k in PHASES), default=0.0)
     assumptions = (

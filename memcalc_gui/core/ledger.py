@@ -38,10 +38,10 @@ class PhaseLedger:
             value = self.objects.setdefault(name, 0)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise LedgerError(f"{self.phase}.{name} must be a non-negative integer, got {value!r}")
-        if self.phase == "load":
-            extra = [n for n in TENSOR_OBJECTS if n != "parameters" and self.objects[n]]
+        if self.phase == "load":  # the model, and the gradient buckets a wrapper makes as it wraps it (DDP's)
+            extra = [n for n in TENSOR_OBJECTS if n not in ("parameters", "gradients") and self.objects[n]]
             if extra:
-                raise LedgerError(f"load holds only parameters, not {extra}")
+                raise LedgerError(f"load holds only parameters and gradient buckets, not {extra}")
 
     @property
     def total_bytes(self) -> int:

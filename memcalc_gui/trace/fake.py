@@ -276,7 +276,7 @@ def trace_estimate(
     if setup.parallel.ep > 1 or (setup.model is None and setup.parallel.is_distributed) or sharded_rank:
         # the traced rank is the layout's own; DDP's buckets are what it does not run
         notes, buckets = _rank_rules(cfg, setup)
-        for name in ("forward", "backward", "optimizer_step"):
+        for name in PHASES:  # (DDP makes its buckets as it wraps the model)
             objects[name]["gradients"] = objects[name].get("gradients", 0) + buckets
     elif setup.parallel.is_distributed and setup.model is not None and not fsdp2_pipeline:
         # The trace runs one replica; the strategy's per-GPU model states replace the traced ones. Sharded
