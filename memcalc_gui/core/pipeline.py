@@ -125,6 +125,17 @@ def pipeline_estimate(setup: TrainingSetup) -> Estimate:
     return dataclasses.replace(best, setup=setup, details=details)
 
 
+def stage_estimate(setup: TrainingSetup, rank: int) -> Estimate:
+    """The ledger of pipeline rank ``rank`` (0-based) of ``setup``'s layout, any rank (the estimate itself checks the
+    first, the second and the last): what a measurement of every rank is compared with."""
+    from .analytic import estimate_analytic
+
+    assert setup.model is not None
+    if not 0 <= rank < setup.parallel.pp:
+        raise InputError("stage", f"must be a pipeline rank from 0 to {setup.parallel.pp - 1}, got {rank!r}")
+    return _rank_estimate(setup, setup.model, rank, setup.grad_accum, estimate_analytic)
+
+
 def _rank_estimate(setup: TrainingSetup, spec: ModelSpec, rank: int, m: int,
                    analytic: Callable[[TrainingSetup], Estimate]) -> Estimate:
     from .ledger import with_overheads

@@ -36,6 +36,7 @@ from ..core.timeline import Timeline, read_timeline
 from ..core.units import format_bytes
 from ..core.vocab import PHASES
 from . import exclusive_torch_job
+from .layout import PROCESS_BYTES, SPAWN_S, measured_world, rank_job, refusal, scale_layout
 
 #: Fraction of the device's free memory a full-size measurement may plan to use.
 MEMORY_MARGIN = 0.6
@@ -84,6 +85,35 @@ class PhaseReading:
     reserved_bytes: int = 0
 
 
+@dataclass(frozen=True)
+class RankReading:
+    """One rank of a multi-rank measurement beside its own estimate (a pipeline stage's, or the layout's rank)."""
+
+    rank: int
+    world: int
+    stage: int | None  # its pipeline stage (0-based), None without pipeline parallelism
+    stages: int
+    phases: dict[str, PhaseReading]
+    estimate_bytes: dict[str, int]  # the rank's estimated tensor bytes per phase
+    live_bytes: list[int]
+
+    @property
+    def label(self) -> str:
+        """``rank 2 of 4`` or ``rank 2 of 4 (stage 1 of 2)``, 1-based as people count."""
+        stage = f" (stage {self.stage + 1} of {self.stages})" if self.stage is not None else ""
+        return f"rank {self.rank + 1} of {self.world}{stage}"
+
+    @property
+    def peak_bytes(self) -> int:
+        return max((p.peak_bytes for p in self.phases.values()), default=0)
+
+    @property
+    def error_pct(self) -> dict[str, float]:
+        """(estimate − measured) / measured per phase, in percent."""
+        return {name: (self.estimate_bytes[name] - r.peak_bytes) / r.peak_bytes * 100
+                for name, r in self.phases.items() if r.peak_bytes and name in self.estimate_bytes}
+
+
 @dataclass
 class MeasureResult:
     """A measured step beside the estimate of the same setup."""
@@ -107,6 +137,10 @@ class MeasureResult:
     #: Every allocation and free of the measured iterations (CPU: the tracker's; CUDA: the snapshot's, when one
     #: was written), for the timeline view.
     timeline: Timeline | None = field(default=None, repr=False)
+    #: Every rank of a multi-rank measurement (``phases`` are then those of ``shown_rank``, the one the estimate
+    #: shown describes: the most loaded pipeline stage's first rank, else the rank that held the most).
+    ranks: list[RankReading] = field(default_factory=list)
+    shown_rank: int = 0
 
     @property
     def measured_peak_bytes(self) -> int:
@@ -162,6 +196,15 @@ class MeasureResult:
             where = f"; largest phase error {value:+.1f} % in {worst.replace('_', ' ')}"
         kind = "CPU tensor measurement" if self.device.kind == "cpu" else "CUDA allocator"
         scaled = ", scaled-down setup" if self.scaled else ""
+        if self.ranks:
+            worst_rank = max(((r, ph) for r in self.ranks for ph in r.error_pct), default=None,
+                             key=lambda pair: abs(pair[0].error_pct[pair[1]]))
+            if worst_rank is not None:
+                r, ph = worst_rank
+                value = r.error_pct[ph] if abs(r.error_pct[ph]) >= 0.05 else 0.0
+                where = f"; largest phase error {value:+.1f} % in {ph.replace('_', ' ')} ({r.label})"
+            return (f"Measured {len(self.ranks)} ranks {self.device.label} (one gloo process each, {kind}{scaled})"
+                    f"{where}.")
         return f"Measured {self.device.label} ({kind}{scaled}){where}."
 
     def to_json(self) -> dict[str, Any]:
@@ -189,6 +232,13 @@ class MeasureResult:
             "seconds": round(self.seconds, 3),
             "notes": self.notes,
             "host_bytes": self.host_bytes,
+            "ranks": [{"rank": r.rank, "stage": r.stage, "label": r.label,
+                       "phases": {name: {"peak_bytes": p.peak_bytes, "live_bytes": p.live_bytes,
+                                         "objects": dict(p.objects)} for name, p in r.phases.items()},
+                       "estimate_bytes": dict(r.estimate_bytes),
+                       "error_pct": {k: round(v, 3) for k, v in r.error_pct.items()},
+                       "live_bytes_per_iteration": list(r.live_bytes)} for r in self.ranks],
+            "shown_rank": self.shown_rank if self.ranks else None,
         }
 
 
@@ -254,40 +304,54 @@ def _with_layers(setup: TrainingSetup, layers: int) -> TrainingSetup:
 
 
 def _step_seconds(setup: TrainingSetup, flops: float) -> float:
-    """One training step: the matmul work (6·N·tokens) or, for narrow deep models, the per-op overhead of each
-    layer's forward and backward (about 40 ms per layer and micro-batch with the CPU tracker on a 2-core machine)."""
-    t = setup.tokens * setup.grad_accum
-    layers = setup.model.num_layers if setup.model is not None else 1
+    """One training step of one rank: the matmul work (6·N·tokens, N the rank's share of the model) or, for narrow
+    deep models, the per-op overhead of each layer's forward and backward (about 40 ms per layer and micro-batch with
+    the CPU tracker on a 2-core machine)."""
+    par = setup.parallel
+    t = setup.tokens * setup.grad_accum // par.cp
+    layers = (setup.model.num_layers if setup.model is not None else 1) // par.pp
     overhead = LAYER_OVERHEAD_S * (layers + 2) * setup.grad_accum * (1 if flops == CPU_FLOPS else 0.1)
-    return max(6 * setup.num_params * t / flops, overhead)
+    return max(6 * setup.num_params / (par.tp * par.pp) * t / flops, overhead)
 
 
 def plan(setup: TrainingSetup, device: DeviceInfo, time_budget_s: float) -> tuple[TrainingSetup, str]:
-    """The setup to measure: the full one when it fits the device with margin and the time budget."""
+    """The setup to measure: the full one when it fits the device with margin and the time budget. A multi-GPU
+    layout runs as that many processes (:mod:`.layout`), each holding its rank and sharing the CPU's cores."""
     if setup.model is None:
         raise InputError("model", "measuring needs an architecture (a preset or a config.json), not a bare count")
     flops = CUDA_FLOPS if device.kind == "cuda" else CPU_FLOPS
     budget = device.free_bytes * MEMORY_MARGIN
+    changes: list[str] = []
+    ranked = setup.parallel.is_distributed
+    if ranked:
+        setup, changes = scale_layout(setup)
+    processes = measured_world(setup.parallel) if ranked else 1
+    cores = max(1, os.cpu_count() or 1)
+    par = setup.parallel
+    multiple = par.pp * par.virtual_stages  # the stages split the layers evenly
 
     def fits_memory(s: TrainingSetup) -> bool:
-        return evaluate(s.with_changes(capacity_bytes=None)).estimate.peak_tensor_bytes <= budget
+        peak = evaluate(s.with_changes(capacity_bytes=None)).estimate.peak_tensor_bytes
+        return processes * (peak + (PROCESS_BYTES if ranked else 0)) <= budget
 
     def seconds(s: TrainingSetup) -> float:
-        """Importing torch (first time only), building the model, three iterations."""
-        start = 0.0 if "torch" in sys.modules else TORCH_IMPORT_S
-        return start + BUILD_S_PER_BILLION * s.num_params / 1e9 + 3 * _step_seconds(s, flops)
+        """Importing torch (first time only; in every rank process), building the model, three iterations (the
+        ranks share the cores)."""
+        start = SPAWN_S * max(1, processes / cores) if ranked else 0.0 if "torch" in sys.modules else TORCH_IMPORT_S
+        share = max(1.0, processes / cores)
+        return start + BUILD_S_PER_BILLION * s.num_params / 1e9 + 3 * _step_seconds(s, flops) * share
 
     def ok(s: TrainingSetup) -> bool:
         # memory is a hard limit; time a soft one
         return fits_memory(s) and seconds(s) <= time_budget_s
 
     if ok(setup):
-        return setup, ""
+        return setup, _scale_note(changes)
+    assert setup.model is not None
     current = setup
-    changes: list[str] = []
     layers = setup.model.num_layers
-    while layers > 1 and not ok(current):
-        layers = max(1, layers // 2)
+    while layers > multiple and not ok(current):
+        layers = max(multiple, layers // 2 // multiple * multiple)
         current = _with_layers(setup, layers)
     if layers != setup.model.num_layers:
         changes.append(f"{layers} of {setup.model.num_layers} layers")
@@ -297,7 +361,7 @@ def plan(setup: TrainingSetup, device: DeviceInfo, time_budget_s: float) -> tupl
         changes.append(f"micro-batch {current.batch} instead of {setup.batch}")
     if current.grad_accum > 2 and not ok(current):
         current = current.with_changes(grad_accum=2)
-        changes.append("2 accumulation steps")
+        changes.append("2 accumulation steps" if par.pp == 1 else "2 micro-batches per step")
     while current.seq > 64 and not ok(current):
         current = current.with_changes(seq=max(64, current.seq // 2))
     if current.seq != setup.seq:
@@ -312,7 +376,13 @@ def plan(setup: TrainingSetup, device: DeviceInfo, time_budget_s: float) -> tupl
         raise MeasureError("even the smallest scaled-down setup would not fit this device's memory")
     expected = seconds(current)
     slow = "" if ok(current) or expected < 1 else f" (expect about {expected:.0f} s)"
-    return current, "Measured a scaled-down setup: " + ", ".join(changes) + \
+    return current, _scale_note(changes, slow)
+
+
+def _scale_note(changes: list[str], slow: str = "") -> str:
+    if not changes:
+        return ""
+    return "Measured a scaled-down setup: " + ", ".join(changes) + \
         "; the comparison is with the estimate of exactly that setup" + slow + "."
 
 
@@ -335,7 +405,21 @@ def measure(
         raise InputError("model", "measuring needs an architecture (a preset or a config.json), not a bare count")
     t0 = time.perf_counter()
     info = detect_device(device)
-    measured, note = (setup, "") if full_size else plan(setup, info, time_budget_s)
+    ranked = setup.parallel.is_distributed
+    if ranked:  # the layout's ranks as CPU processes (measure.layout)
+        refused = refusal(setup)
+        if refused:
+            raise InputError("strategy", refused)
+        if info.kind == "cuda":
+            if device == "cuda":
+                raise MeasureError("a multi-GPU layout is measured as CPU processes over gloo; NCCL across GPUs is "
+                                   "not run yet (measure with --device cpu or auto)")
+            info = detect_device("cpu")
+    if ranked and full_size:
+        measured, changes = scale_layout(setup)
+        note = _scale_note(changes)
+    else:
+        measured, note = (setup, "") if full_size else plan(setup, info, time_budget_s)
     assert measured.model is not None
     config = dict(measured.model.raw)
 
@@ -344,11 +428,13 @@ def measure(
             raise Cancelled("measurement cancelled")
         if progress is not None:
             if phase == "load":
-                progress(f"building the model on {info.name if info.kind == 'cuda' else 'the CPU'}")
+                progress(f"starting {measured_world(measured.parallel)} rank processes and building the model"
+                         if ranked else f"building the model on {info.name if info.kind == 'cuda' else 'the CPU'}")
                 return
             extra = f", accumulation step {micro + 1} of {measured.grad_accum}" \
-                if measured.grad_accum > 1 and phase in ("forward", "backward") else ""
-            progress(f"iteration {it} of {iterations}: {phase.replace('_', ' ')}{extra}")
+                if measured.grad_accum > 1 and phase in ("forward", "backward") and measured.parallel.pp == 1 else ""
+            who = "rank 1: " if ranked else ""
+            progress(f"{who}iteration {it} of {iterations}: {phase.replace('_', ' ')}{extra}")
 
     # the estimate the measurement is compared with models the device it runs on (CPU dropout masks differ)
     estimate_result = evaluate(measured.with_changes(capacity_bytes=setup.capacity_bytes,
@@ -356,7 +442,9 @@ def measure(
     result = MeasureResult(info, measured, setup, bool(note), note, {}, estimate_result, [])
     try:
         with exclusive_torch_job(should_stop, Cancelled):
-            if info.kind == "cuda":
+            if ranked:
+                _measure_ranks(result, measured, iterations, on_phase, should_stop)
+            elif info.kind == "cuda":
                 _measure_cuda(result, config, measured, iterations, snapshot, on_phase)
             else:
                 _measure_cpu(result, config, measured, iterations, on_phase)
@@ -430,6 +518,66 @@ def _measure_cpu(result: MeasureResult, config: dict[str, Any], setup: TrainingS
         result.timeline = timeline_from_tracker(m.tracker, "measured")
     result.notes.append("CPU tensor measurement (live-storage tracker): every tensor storage, split by "
                         "ledger object; no CUDA context or allocator cache on a CPU")
+
+
+def _measure_ranks(result: MeasureResult, setup: TrainingSetup, iterations: int,
+                   on_phase: Callable[[str, int, int], None], should_stop: Callable[[], bool] | None) -> None:
+    """Every rank of the layout as a gloo process (:mod:`.distributed`), each compared with its own estimate."""
+    from ..core.pipeline import stage_estimate
+    from .distributed import RanksCancelled, measure_sharded_step
+
+    job = rank_job(setup)
+    on_phase("load", 0, 0)  # at once: the ranks report their own phases once they have started
+
+    def rank_phase(phase: str, it: int, micro: int) -> None:
+        if phase != "load":
+            on_phase(phase, it, micro)
+
+    step = dict(batch=setup.rows, seq=setup.row_len, documents=setup.batch if setup.packing else None,
+                precision=setup.precision, optimizer=setup.optimizer, optimizer_impl=setup.optimizer_impl,
+                attention=setup.attention, checkpointing=setup.checkpointing, use_cache=setup.use_cache,
+                grad_accum=setup.grad_accum, iterations=iterations,
+                tuning=setup.tuning if setup.tuning.method != "full" else None, loss=setup.loss,
+                loss_chunk=setup.loss_chunk, optimizer_in_backward=setup.optimizer_in_backward,
+                activation_offload=setup.activation_offload, galore_rank=setup.galore_rank)
+    try:
+        measured = measure_sharded_step(job.config, world=job.world, strategy=job.strategy, layout=job.layout,
+                                        reshard_after_forward=setup.parallel.reshard_after_forward,
+                                        on_phase=rank_phase, should_stop=should_stop, **step)
+    except RanksCancelled:
+        raise Cancelled("measurement cancelled") from None
+    except RuntimeError as exc:
+        text = str(exc)
+        if "can't allocate memory" in text or "out of memory" in text.lower() or "exit code -9" in text:
+            result.oom = f"Does not fit: a rank ran out of this machine's memory ({one_line(text, 160)})."
+            return
+        raise MeasureError(f"a rank failed: {one_line(text, 300)}") from None
+    staged = setup.parallel.pp > 1
+    estimates: dict[int, dict[str, int]] = {}
+    for stage in sorted(set(job.stage_of)):
+        est = stage_estimate(result.estimate.estimate.setup, stage) if staged else result.estimate.estimate
+        estimates[stage] = {name: est.phases[name].tensor_bytes for name in PHASES}
+    for r, m in enumerate(measured):
+        phases = {}
+        for name in PHASES:
+            ph = m.phases[name]
+            peak = ph.live_bytes if name == "load" else ph.peak_bytes
+            phases[name] = PhaseReading(peak, ph.live_bytes, {"parameters": peak} if name == "load"
+                                        else dict(ph.objects))
+        result.ranks.append(RankReading(r, job.world, job.stage_of[r] if staged else None, setup.parallel.pp,
+                                        phases, estimates[job.stage_of[r]],
+                                        [i.live_bytes_end for i in m.iterations]))
+    if staged:  # the first rank of the stage the estimate shows (its most loaded)
+        shown_stage = int(result.estimate.estimate.details.get("pipeline_rank", 0))
+        result.shown_rank = job.stage_of.index(shown_stage)
+    else:
+        result.shown_rank = max(range(job.world), key=lambda r: result.ranks[r].peak_bytes)
+    shown = result.ranks[result.shown_rank]
+    result.phases = dict(shown.phases)
+    result.iterations_live_bytes = list(shown.live_bytes)
+    result.notes += list(job.notes)
+    result.notes.append(f"{job.world} ranks, one CPU process each on PyTorch's gloo backend, each measured with the "
+                        f"live-storage tracker; the table shows {shown.label}, the one the estimate describes")
 
 
 def _measure_cuda(result: MeasureResult, config: dict[str, Any], setup: TrainingSetup, iterations: int,
@@ -606,6 +754,15 @@ def format_measurement(result: MeasureResult) -> str:
         est = result.estimate.estimate.phases[name].tensor_bytes
         lines.append(f"{name.replace('_', ' '):<16}{format_bytes(r.peak_bytes):>14}{format_bytes(est):>14}"
                      f"{err.get(name, math.nan):>+8.1f}%")
+    if len(result.ranks) > 1:
+        lines += ["", "Every rank, measured and (estimate − measured) / measured:",
+                  f"{'rank':<28}" + "".join(f"{p.replace('_', ' '):>21}" for p in PHASES[1:])]
+        for rank in result.ranks:
+            errors = rank.error_pct
+            cells = "".join(f"{format_bytes(rank.phases[p].peak_bytes):>12}{errors.get(p, math.nan):>+8.1f}%"
+                            for p in PHASES[1:] if p in rank.phases)
+            shown = "  ← above" if rank.rank == result.shown_rank else ""
+            lines.append(f"{rank.label:<28}{cells}{shown}")
     if result.context_bytes is not None:
         lines.append(f"CUDA context {format_bytes(result.context_bytes)}; peak reserved "
                      f"{format_bytes(result.peak_reserved_bytes or 0)}")

@@ -1,0 +1,186 @@
+"""What a measurement of a multi-GPU setup runs: the layout's ranks as real processes of PyTorch's distributed runtime.
+
+A setup spread over GPUs is measured rank by rank (:mod:`.distributed`): each rank a process on PyTorch's gloo
+backend, running the same parallelization the per-rank trace runs, on real tensors, every tensor it holds counted.
+This module decides, without torch, which processes that takes and what each runs:
+
+* **DDP** (``--strategy ddp``): ``DistributedDataParallel`` over the data-parallel ranks.
+* **FSDP2** (``--strategy fsdp2``, with ``--tp``, ``--cp``, ``--loss-parallel``): one rank of the
+  ``dp_shard × cp × tp`` mesh as :func:`memcalc_gui.trace.ranks.run_rank` builds it (transformers' tensor-parallel
+  plan with ``parallelize_module``, PyTorch's ring attention, ``fully_shard`` over the data- and context-parallel
+  ranks).
+* **Tensor or context parallelism without data parallelism** (``--strategy ddp`` over one replica): the same mesh
+  without FSDP2.
+* **Pipeline parallelism** (``--pp``, any schedule; FSDP2 over each stage's data-parallel ranks): one stage per
+  process under PyTorch's schedule, activations and gradients really sent. A tensor-parallel rank inside a stage is
+  the model with a tp-th of the heads and MLP features (equal to the parallelized rank to the byte,
+  ``tests/test_layout.py``), so a stage costs one process, not tp.
+
+Not run (refused, naming ``strategy``): ZeRO and FSDP1, which are DeepSpeed's and FSDP1's engines, not installed here;
+Megatron-LM; offload; expert parallelism (the families with experts have no block model to measure against).
+
+A layout of more ranks than this machine runs (``MAX_CPU_RANKS`` processes) is scaled down: the data-parallel
+dimension first, then context, tensor and pipeline parallelism, each kept at 2 while another can give way, and the
+comparison is with the estimate of exactly the layout measured, as a scaled-down single-GPU measurement is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from ..core.distributed import Parallelism
+from ..core.errors import InputError
+from ..core.setup import TrainingSetup
+
+#: CPU processes a measurement runs at most (the issue's 2–4 ranks of a scaled-down model; each holds torch).
+MAX_CPU_RANKS = 4
+#: What a rank process costs beside its tensors (Python, torch, transformers and gloo: ~0.45 GB measured here).
+PROCESS_BYTES = 512 * 2**20
+#: Starting a rank process (importing torch and transformers under ``spawn``), on a 2-core machine.
+SPAWN_S = 6.0
+#: The order in which a layout gives way: (dimension, the smallest it may become at that pass).
+_SHRINK = (("dp", 2), ("cp", 2), ("tp", 2), ("pp", 2), ("dp", 1), ("cp", 1), ("pp", 1), ("tp", 1))
+
+
+@dataclass(frozen=True)
+class RankJob:
+    """The processes of one measurement: ``world`` of them, each running ``strategy`` (``ddp``, ``fsdp2``, ``ranks``
+    or ``pipeline:<schedule>``; see :func:`memcalc_gui.measure.distributed.measure_sharded_step`) with ``layout``
+    (a :class:`~memcalc_gui.trace.ranks.RankLayout` or :class:`~memcalc_gui.trace.pipeline.PipeRank`) on ``config``;
+    ``stage_of[r]`` is rank r's pipeline stage (all 0 without one)."""
+
+    strategy: str
+    world: int
+    layout: Any
+    config: dict[str, Any]
+    stage_of: tuple[int, ...]
+    notes: tuple[str, ...] = ()
+
+
+def measured_world(par: Parallelism) -> int:
+    """The processes a layout's measurement runs (a stage's tensor-parallel ranks are one narrower model)."""
+    if par.pp > 1:
+        return par.pp * (par.dp if par.strategy == "fsdp2" else 1)
+    return par.gpus
+
+
+def refusal(setup: TrainingSetup) -> str:
+    """Why this layout cannot be measured for real ("" when it can)."""
+    par = setup.parallel
+    if par.strategy not in ("ddp", "fsdp2"):
+        return (f"a real multi-rank step runs PyTorch's own DDP and FSDP2; --strategy {par.strategy} is another "
+                "engine's (DeepSpeed, FSDP1 or Megatron-LM), which memcalc does not run: measure the layout with ddp "
+                "or fsdp2, or estimate it")
+    if par.offload != "none":
+        return "offload is not run in a real multi-rank step; estimate it, or measure without --offload"
+    if par.ep > 1:
+        return "expert parallelism is not measured for real; --method trace runs transformers' expert layout per rank"
+    if setup.tuning.method != "full" and (par.pp > 1 or par.tp > 1 or par.cp > 1 or par.strategy == "fsdp2"):
+        return ("fine-tuning beside FSDP2 or model parallelism is not run in a real multi-rank step; DDP measures it, "
+                "the others estimate it")
+    if par.pp > 1 and par.cp > 1:
+        return "context beside pipeline parallelism is not run in a real multi-rank step"
+    return ""
+
+
+def _world(par: Parallelism) -> int:
+    return measured_world(par)
+
+
+def _shrink(value: int, floor: int) -> int:
+    """The next smaller size of a dimension: half when even, else ``floor``."""
+    return max(floor, value // 2 if value % 2 == 0 else floor)
+
+
+def scale_layout(setup: TrainingSetup, max_ranks: int = MAX_CPU_RANKS) -> tuple[TrainingSetup, list[str]]:
+    """``setup`` with a layout this machine runs, at most ``max_ranks`` processes, and what changed (empty when
+    nothing did).
+
+    What is not run for real goes first: DDP replicas of a model-parallel group (a DDP run without model parallelism
+    measures its buckets) and sequence parallelism. Then each dimension keeps 2 while another can give way (data
+    parallel first, then context, tensor, pipeline), so the measured layout exercises every kind of split the user's
+    does; FSDP2 keeps at least two ranks to shard over."""
+    par = setup.parallel
+    changes: list[str] = []
+    if par.strategy == "ddp" and par.dp > 1 and (par.pp > 1 or par.tp > 1 or par.cp > 1):
+        changes.append(f"one data-parallel replica instead of {par.dp} (DDP beside model parallelism is not run for "
+                       "real: PyTorch's DDP does not wrap a stage or a DTensor model)")
+        par = _with(par, dp=1)
+    if par.sp:
+        changes.append("no sequence parallelism (transformers' attention cannot take a sequence-split input; the "
+                       "trace cannot run it either)")
+        par = dataclasses.replace(par, sp=False)
+    sizes = {"dp": par.dp, "cp": par.cp, "tp": par.tp, "pp": par.pp}
+    original = dict(sizes)
+
+    def sharded_over(s: dict[str, int]) -> int:
+        return s["dp"] * (s["cp"] if s["pp"] == 1 else 1)
+
+    def ok(s: dict[str, int]) -> bool:  # FSDP2 with nothing to shard over is not FSDP2
+        return not (par.strategy == "fsdp2" and sharded_over(s) < 2 <= sharded_over(original))
+
+    def world(s: dict[str, int]) -> int:
+        return _world(_with(par, **s))
+
+    for dim, floor in _SHRINK:
+        while world(sizes) > max_ranks and sizes[dim] > floor:
+            trial = dict(sizes, **{dim: _shrink(sizes[dim], floor)})
+            if not ok(trial):
+                break
+            sizes = trial
+    if world(sizes) > max_ranks:
+        raise InputError("gpus", f"this layout needs at least {world(sizes)} processes to measure, and this machine "
+                                 f"runs {max_ranks}")
+    names = {"dp": "data parallel", "cp": "context parallel", "tp": "tensor parallel", "pp": "pipeline stages"}
+    for dim in ("tp", "pp", "cp", "dp"):
+        if sizes[dim] != original[dim]:
+            changes.append(f"{names[dim]} {sizes[dim]} instead of {original[dim]}")
+    scaled = _with(par, **sizes)
+    if scaled != setup.parallel:
+        setup = setup.with_changes(parallel=scaled)
+    return setup, changes
+
+
+def _with(par: Parallelism, **sizes: int) -> Parallelism:
+    dp = sizes.pop("dp", par.dp)
+    merged = {"tp": par.tp, "cp": par.cp, "pp": par.pp} | sizes
+    if merged["tp"] == 1:
+        sizes.update(sp=False, loss_parallel=False)
+    if merged["pp"] == 1:
+        sizes.update(schedule="1f1b", virtual_stages=1)
+    return dataclasses.replace(par, gpus=dp * merged["tp"] * merged["cp"] * merged["pp"], **sizes)
+
+
+def rank_job(setup: TrainingSetup) -> RankJob:
+    """The processes that measure ``setup``'s layout (already scaled to what this machine runs)."""
+    from ..trace.pipeline import PipeRank
+    from ..trace.ranks import RankLayout, tensor_parallel_config
+
+    refused = refusal(setup)
+    if refused:
+        raise InputError("strategy", refused)
+    assert setup.model is not None
+    par = setup.parallel
+    config = dict(setup.model.raw)
+    notes: list[str] = []
+    if par.pp > 1:
+        dp = par.dp if par.strategy == "fsdp2" else 1
+        if par.tp > 1:
+            config = tensor_parallel_config(config, par.tp, par.loss_parallel)
+            notes.append(f"each stage's tensor-parallel rank runs as the model with a {par.tp}th of the heads and MLP "
+                         "features (the parallelized rank's step to the byte)")
+        pipe = PipeRank(par.pp, 0, par.schedule, par.virtual_stages, setup.grad_accum, dp_shard=dp)
+        world = par.pp * dp
+        return RankJob(f"pipeline:{par.schedule}", world, pipe, config, tuple(r // dp for r in range(world)),
+                       tuple(notes))
+    world = par.gpus
+    if par.strategy == "ddp" and par.tp == 1 and par.cp == 1:
+        return RankJob("ddp", world, None, config, (0,) * world, tuple(notes))
+    if par.strategy == "fsdp2" and par.tp == 1 and par.cp == 1:
+        return RankJob("fsdp2", world, None, config, (0,) * world, tuple(notes))
+    fsdp2 = par.strategy == "fsdp2"
+    layout = RankLayout(dp_shard=par.dp if fsdp2 else 1, tp=par.tp, cp=par.cp, loss_parallel=par.loss_parallel,
+                        reshard_after_forward=par.reshard_after_forward, replicate_context=not fsdp2 and par.cp > 1)
+    return RankJob("ranks", world, layout, config, (0,) * world, tuple(notes))
