@@ -2,4 +2,5 @@
 
 from memcalc_gui.app import main
 
-raise SystemExit(main())
+if __name__ == "__main__":  # a measurement's rank processes (spawn) import this module again: not a second window
+    raise SystemExit(main())

@@ -30,7 +30,7 @@ from memcalc_gui.core.result import Result, evaluate
 from memcalc_gui.core.setup import TrainingSetup, find_gpu
 from memcalc_gui.core.units import format_bytes
 from memcalc_gui.core.vocab import OBJECT_LABELS, PHASES
-from memcalc_gui.measure.engine import DeviceInfo, MeasureResult, PhaseReading
+from memcalc_gui.measure.engine import DeviceInfo, MeasureResult, PhaseReading, RankReading
 from memcalc_gui.report import ReportWriteError, default_page, export_report, write_report
 from memcalc_gui.report import export as export_module
 from memcalc_gui.report.content import SOURCES, build_content, sources_for
@@ -270,6 +270,16 @@ def test_measurement_and_trace_sections(fits, tmp_path):
     html = _png_ledger_html(fits, 15, content.measured_peaks)
     backward = content.measured_peaks["backward"]
     assert "◇ Measured" in html and f"{backward / 2**30:,.2f}" in html and html.count("+4.2 %") == 4
+
+
+def test_a_multi_rank_measurement_lists_every_rank(fits):
+    measurement = fake_measurement(fits)
+    est = {p: fits.estimate.phases[p].tensor_bytes for p in PHASES}
+    measurement.ranks = [RankReading(r, 2, None, 1, measurement.phases, est, [1, 1]) for r in range(2)]
+    measurement.shown_rank = 1
+    extra = dict(build_content(fits, measurement=measurement).measurement.extra)
+    assert extra["Rank 2 of 2 — shown above"].startswith("forward ")
+    assert extra["Rank 1 of 2"].count("+4.2 %") == 3  # forward, backward, optimizer step
 
 
 # ---- multi-GPU and trace --------------------------------------------------------------------------

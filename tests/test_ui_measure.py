@@ -459,3 +459,28 @@ def test_hovering_a_measured_marker_names_its_value_and_the_error(window, qtbot,
     assert "Measured" in text and "Backward" in text
     assert f"{measured / 2**30:.2f} GiB" in text and "+4.2 %" in text
     assert chart.measured_tooltip_at(vb.mapViewToScene(QPointF(x + 0.3, y))) == ""  # away from the marker
+
+
+def test_a_multi_gpu_setup_is_measured_rank_by_rank(window, qtbot):
+    """Two tensor-parallel ranks, each a real gloo process: the table is the rank the estimate describes, the ranks
+    table lists both with their errors, the legend names the rank."""
+    w = window
+    w.inputs.set_state(w.inputs.state().replace(gpus="2", tp="2"))
+    assert w.refresh()
+    panel = w.measure_panel
+    seen: list[str] = []
+    panel.progress.connect(seen.append)
+    with qtbot.waitSignal(panel.finished, timeout=180000) as blocker:
+        click(qtbot, panel.button)
+    r: engine.MeasureResult = blocker.args[0]
+    assert any("starting 2 rank processes" in s for s in seen) and any("rank 1: iteration" in s for s in seen)
+    assert len(r.ranks) == 2 and r.oom is None
+    view = panel.view
+    assert view.ranks_table.isVisibleTo(view) and view.ranks_table.rowCount() == 2
+    for row, rank in enumerate(r.ranks):
+        for phase in PHASES[1:]:
+            assert abs(rank.error_pct[phase]) < 1, (rank.label, phase, rank.error_pct)
+            assert view.rank_cell(row, phase).startswith(measure_panel.format_bytes(rank.phases[phase].peak_bytes))
+    assert f"Measured (CPU, rank {r.shown_rank + 1} of 2)" in [label.text for _, label in w.chart.legend.items]
+    assert "Every rank" in view.text() and "gloo" in view.text()
+    assert r.headline().startswith("Measured 2 ranks on this CPU")

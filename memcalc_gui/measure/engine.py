@@ -202,7 +202,7 @@ class MeasureResult:
             if worst_rank is not None:
                 r, ph = worst_rank
                 value = r.error_pct[ph] if abs(r.error_pct[ph]) >= 0.05 else 0.0
-                where = f"; largest phase error {value:+.1f} % in {ph.replace('_', ' ')} ({r.label})"
+                where = f"; largest phase error {value:+.1f} % in {ph.replace('_', ' ')} on {r.label}"
             return (f"Measured {len(self.ranks)} ranks {self.device.label} (one gloo process each, {kind}{scaled})"
                     f"{where}.")
         return f"Measured {self.device.label} ({kind}{scaled}){where}."

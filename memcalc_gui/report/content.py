@@ -481,6 +481,12 @@ def _measurement_section(m: MeasureResult) -> MeasurementSection:
     table = Table(("Phase", "Estimated (tensors)", "Measured peak", "Estimate − measured"), tuple(rows),
                   align={1: "right", 2: "right", 3: "right"}, widths=(28, 24, 24, 24))
     extra: list[tuple[str, str]] = [("Measured setup", m.setup.summary())]
+    for r in m.ranks if len(m.ranks) > 1 else ():  # every rank of a multi-GPU setup, beside its own estimate
+        errors = r.error_pct
+        readings = "; ".join(f"{PHASE_LABELS[p].lower()} {format_bytes(r.phases[p].peak_bytes)} "
+                             f"({_pct(errors.get(p))})" for p in PHASES[1:] if p in r.phases)
+        extra.append((r.label[0].upper() + r.label[1:] + (" — shown above" if r.rank == m.shown_rank else ""),
+                      readings))
     if m.context_bytes is not None:
         extra.append(("CUDA context measured", format_bytes(m.context_bytes)))
     if m.peak_reserved_bytes:

@@ -95,7 +95,8 @@ def device_short(device: engine.DeviceInfo) -> str:
 def overlay_label(result: engine.MeasureResult) -> str:
     """The legend entry of the measured markers: ``Measured (NVIDIA H100 80GB HBM3)``."""
     scaled = ", scaled-down setup" if result.scaled else ""
-    return f"Measured ({device_short(result.device)}{scaled})"
+    rank = f", rank {result.shown_rank + 1} of {len(result.ranks)}" if result.ranks else ""
+    return f"Measured ({device_short(result.device)}{rank}{scaled})"
 
 
 def tensor_key(setup: TrainingSetup) -> dict[str, Any]:
@@ -196,6 +197,7 @@ class MeasuredView(QScrollArea):
 
     use_overheads_requested = Signal()
     COLUMNS = ("Measured peak", "Estimate", "Error")
+    RANK_COLUMNS = tuple(PHASE_LABELS[p] for p in PHASES[1:])
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -262,6 +264,28 @@ class MeasuredView(QScrollArea):
         self.table.setVisible(False)
         lay.addWidget(self.table)
 
+        # a multi-GPU setup: every rank measured in its own process, each beside its own estimate
+        self.ranks_label = QLabel("")
+        self.ranks_label.setObjectName("measuredRanksLabel")
+        self.ranks_label.setWordWrap(True)
+        self.ranks_label.setVisible(False)
+        lay.addWidget(self.ranks_label)
+        self.ranks_table = QTableWidget(0, len(self.RANK_COLUMNS))
+        self.ranks_table.setObjectName("measuredRanks")
+        self.ranks_table.setAccessibleName("Every rank's measured peak per phase and the estimate's error")
+        self.ranks_table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
+        self.ranks_table.setAlternatingRowColors(True)
+        self.ranks_table.setTabKeyNavigation(False)
+        self.ranks_table.setWordWrap(False)
+        self.ranks_table.setHorizontalHeaderLabels(list(self.RANK_COLUMNS))
+        self.ranks_table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.Stretch)
+        self.ranks_table.verticalHeader().setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
+        self.ranks_table.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.ranks_table.setVerticalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.ranks_table.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
+        self.ranks_table.setVisible(False)
+        lay.addWidget(self.ranks_table)
+
         row = QHBoxLayout()
         self.use_overheads = QPushButton("Use measured overheads")
         self.use_overheads.setObjectName("useMeasuredOverheads")
@@ -295,6 +319,8 @@ class MeasuredView(QScrollArea):
         self.scale_note.setVisible(False)
         self.stale_note.setVisible(False)
         self.table.setVisible(False)
+        self.ranks_label.setVisible(False)
+        self.ranks_table.setVisible(False)
         self.details.setVisible(False)
         self.use_overheads.setEnabled(False)
         self.use_overheads.setVisible(False)
@@ -338,6 +364,8 @@ class MeasuredView(QScrollArea):
             self.scale_note.setVisible(True)
         if result.phases and not result.oom:
             self._fill_table(result)
+            if len(result.ranks) > 1:
+                self._fill_ranks(result)
         self.details.setText(details_html(result))
         self.details.setVisible(True)
         changes = overhead_changes(result)
@@ -391,6 +419,40 @@ class MeasuredView(QScrollArea):
         self.table.setFixedHeight(height + 2 * self.table.frameWidth() + 2)
         self.table.setVisible(True)
 
+    def _fill_ranks(self, result: engine.MeasureResult) -> None:
+        shown = result.ranks[result.shown_rank]
+        self.ranks_label.setText(f"<b>Every rank</b> ran in its own process (PyTorch's gloo backend), each beside its "
+                                 f"own estimate. The table above is {html.escape(shown.label)}, the rank the estimate "
+                                 "describes; here each phase's measured peak and the estimate's error.")
+        self.ranks_label.setVisible(True)
+        table = self.ranks_table
+        table.setRowCount(len(result.ranks))
+        table.setVerticalHeaderLabels([f"Rank {r.rank + 1}" + (f", stage {r.stage + 1}" if r.stage is not None else "")
+                                       for r in result.ranks])
+        warn = QColor(OVER_COLOR)
+        for row, r in enumerate(result.ranks):
+            errors = r.error_pct
+            for col, phase in enumerate(PHASES[1:]):
+                reading = r.phases.get(phase)
+                if reading is None:
+                    table.setItem(row, col, _item("–"))
+                    continue
+                e = errors.get(phase)
+                text = format_bytes(reading.peak_bytes) + ("" if e is None else f"\n{signed_pct(e)}")
+                est = r.estimate_bytes.get(phase, 0)
+                cell = _item(text, f"measured {reading.peak_bytes:,} bytes; this rank's estimate {est:,} bytes")
+                if e is not None and abs(e) > ERROR_WARN_PCT:
+                    cell.setForeground(warn)
+                table.setItem(row, col, cell)
+        table.resizeRowsToContents()
+        rows = sum(table.rowHeight(r) for r in range(table.rowCount()))
+        table.setFixedHeight(table.horizontalHeader().sizeHint().height() + rows + 2 * table.frameWidth() + 2)
+        table.setVisible(True)
+
+    def rank_cell(self, row: int, phase: str) -> str:
+        item = self.ranks_table.item(row, PHASES[1:].index(phase))
+        return item.text() if item is not None else ""
+
     # ---- queries (tests) -------------------------------------------------------------------------
     def cell(self, phase: str, column: int) -> str:
         item = self.table.item(PHASES.index(phase), column)
@@ -399,7 +461,7 @@ class MeasuredView(QScrollArea):
     def text(self) -> str:
         """Everything the tab says, as plain text."""
         parts = [self.headline.text()]
-        for label in (self.message, self.scale_note, self.stale_note, self.details):
+        for label in (self.message, self.scale_note, self.stale_note, self.ranks_label, self.details):
             if label.isVisibleTo(self) and label.text():
                 parts.append(re.sub(r"<[^>]+>", " ", label.text()))
         return "\n".join(parts)
@@ -522,7 +584,9 @@ class MeasurePanel(QObject):
         else:
             self.button.setToolTip("Run one real training step of this setup (three iterations) and compare "
                                    "each phase's measured peak with the estimate. A setup too large for this "
-                                   "device is scaled down, and compared with the estimate of what was measured.")
+                                   "device is scaled down, and compared with the estimate of what was measured. "
+                                   "A multi-GPU setup runs every rank as its own process (PyTorch's gloo "
+                                   "backend, up to 4), each compared with its own estimate.")
             window.installEventFilter(self)
 
     # ---- device ---------------------------------------------------------------------------------
