@@ -7,7 +7,7 @@ import time
 
 
 def print_summary(worst: dict[str, list[float]], start: float, *, title: str = "layout", width: int = 14,
-                  limits: tuple[float, ...] = (1, 2, 3), unit: str = "cases") -> None:
+                  limits: tuple[float, ...] = (1, 2, 3), unit: str = "cases", noun: str = "traced ranks") -> None:
     """Print the table for ``worst`` (kind → each case's largest |difference| in %), then the count and the time since
     ``start`` (``time.perf_counter()``)."""
     print()
@@ -15,4 +15,4 @@ def print_summary(worst: dict[str, list[float]], start: float, *, title: str = "
     for kind, errs in worst.items():
         print(f"{kind:<{width}}{len(errs):>7}" + "".join(f"{sum(e <= lim for e in errs):>9}" for lim in limits)
               + f"{max(errs):>8.2f}%")
-    print(f"\n{sum(len(v) for v in worst.values())} traced ranks in {time.perf_counter() - start:.0f} s")
+    print(f"\n{sum(len(v) for v in worst.values())} {noun} in {time.perf_counter() - start:.0f} s")

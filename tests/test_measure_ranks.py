@@ -43,7 +43,9 @@ def test_the_done_when_layout_is_scaled_to_four_processes_keeping_every_kind_of_
     # a stage's tensor-parallel rank is one narrower model: the processes are pp × FSDP2's data-parallel ranks
     assert (par.tp, par.pp, par.dp, par.strategy, par.sp) == (8, 2, 2, "fsdp2", False)
     assert measured_world(par) == 4
-    assert any("sequence parallelism" in c for c in changes) and "data parallel 2 instead of 4" in changes
+    assert any("no sequence parallelism" in c for c in changes) and "data parallel 2 instead of 4" in changes
+    kept, _ = scale_layout(_setup(gpus=64, tp=8, sp=True, strategy="fsdp2"))
+    assert kept.parallel.sp and rank_job(kept).layout.sp  # without pipeline stages it is run
 
 
 def test_a_tensor_parallel_layout_keeps_two_of_each_dimension() -> None:
@@ -141,6 +143,7 @@ def _measure(config: Path | dict, capsys: pytest.CaptureFixture[str], *flags: st
 
 @pytest.mark.parametrize("flags, ranks", [
     (("--gpus", "4", "--tp", "2", "--strategy", "fsdp2"), 4),  # DTensor's TP and fully_shard, really sent
+    (("--gpus", "2", "--tp", "2", "--sp"), 2),  # torchtitan's sequence-parallel plan on transformers' modules
     (("--gpus", "2", "--cp", "2", "--strategy", "fsdp2"), 2),  # PyTorch's ring attention over gloo
     (("--gpus", "2", "--strategy", "ddp"), 2),  # DDP's buckets from the moment it wraps the model
 ])
@@ -243,3 +246,58 @@ def test_the_copy_free_reduce_scatter_reduces_as_gloos_own() -> None:
         p.join(30)
     assert got[0][0] == got[0][1] == [0.0, 3.0, 6.0, 9.0]
     assert got[1][0] == got[1][1] == [12.0, 15.0, 18.0, 21.0]
+
+
+def _sequence_parallel_rank(rank: int, port: int, vocab: bool, out: object) -> None:
+    import torch.distributed as dist
+
+    from memcalc_gui.trace.ranks import RankLayout, device_mesh, parallelizer
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        layout = RankLayout(tp=2, sp=True, loss_parallel=vocab)
+        out.put((rank, *_loss_and_grad(parallelizer(TINY, layout, "fp32", device_mesh(layout)), vocab)))  # type: ignore
+    finally:
+        dist.destroy_process_group()
+
+
+def _loss_and_grad(parallelize: object, vocab: bool) -> tuple[float, float]:
+    """The loss and the first layer's down-projection gradient (summed) of one step of TINY, seeded."""
+    from memcalc_gui.measure.cpu_step import build_model
+    from memcalc_gui.trace.fake import unpacked_sequences
+    from memcalc_gui.trace.ranks import _loss_parallel
+
+    torch.manual_seed(0)
+    model = build_model(TINY, precision="fp32")
+    if callable(parallelize):
+        parallelize(model)
+    torch.manual_seed(1)
+    ids = torch.randint(0, TINY["vocab_size"], (2, 64))
+    with unpacked_sequences(), _loss_parallel(vocab):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+    grad = model.model.layers[0].mlp.down_proj.weight.grad
+    grad = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+    loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+    return float(loss), float(grad.abs().sum())
+
+
+@pytest.mark.parametrize("vocab", [False, True], ids=["head-whole", "loss-parallel"])
+def test_the_sequence_parallel_plan_computes_the_single_gpu_step(vocab: bool) -> None:
+    """torchtitan's sequence-parallel plan on transformers' own modules, two real gloo ranks: the loss and a gradient
+    are the single-process model's (so the trace and the measurement run a correct step, not only its shapes)."""
+    from memcalc_gui.measure.distributed import _free_port
+
+    single = _loss_and_grad(None, False)
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_sequence_parallel_rank, args=(r, port, vocab, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = [out.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(30)
+    for _, loss, grad in got:
+        assert loss == pytest.approx(single[0], rel=1e-5) and grad == pytest.approx(single[1], rel=1e-5)

@@ -106,16 +106,23 @@ def test_the_first_stage_keeps_pp_micro_batches_of_its_layers() -> None:
     assert first.phases["load"].objects["parameters"] < one.phases["load"].objects["parameters"] / 3
 
 
-def test_sequence_parallelism_splits_the_norms_and_the_stream() -> None:
+@pytest.mark.parametrize("strategy", ["megatron-distopt", "fsdp2"])
+def test_sequence_parallelism_splits_the_norms_and_the_stream(strategy: str) -> None:
+    """Megatron-LM's column-parallel linears keep their input sequence-split (Korthikanti et al. 2022); PyTorch's
+    (torchtitan's plan) keep the input they gathered, whole: only the norms' own tensors and the stream split."""
+    from memcalc_gui.core.activations import norm_outputs
+
     spec = preset_spec("llama-3.1-8b")
-    base = dict(model=spec, seq=4096, parallel=Parallelism(gpus=8, tp=8))
+    base = dict(model=spec, seq=4096, precision="mixed", parallel=Parallelism(gpus=8, tp=8, strategy=strategy))
     tp = estimate(TrainingSetup(**base))  # type: ignore[arg-type]
-    sp = estimate(TrainingSetup(**dict(base, parallel=Parallelism(gpus=8, tp=8, sp=True))))  # type: ignore[arg-type]
-    per_layer_tp = sum(tp.details["activations_per_layer"].values())
-    per_layer_sp = sum(sp.details["activations_per_layer"].values())
-    norms = sum(v for k, v in tp.details["activations_per_layer"].items() if k.startswith("norm") or k == "residual")
-    assert per_layer_sp == per_layer_tp - norms + sum(
-        -(-v // 8) for k, v in tp.details["activations_per_layer"].items() if k.startswith("norm") or k == "residual")
+    sp = estimate(TrainingSetup(**dict(base, parallel=Parallelism(gpus=8, tp=8, sp=True,  # type: ignore[arg-type]
+                                                                  strategy=strategy))))
+    before = tp.details["activations_per_layer"]
+    whole = {} if strategy.startswith("megatron") else norm_outputs(spec, tp.setup)
+    assert set(whole) == ({"norm1", "norm2"} if whole else set())
+    split = {k: v for k, v in before.items() if k.startswith("norm") or k == "residual"}
+    assert sum(sp.details["activations_per_layer"].values()) == sum(before.values()) - sum(split.values()) + sum(
+        -(-(v - whole.get(k, 0)) // 8) + whole.get(k, 0) for k, v in split.items())
     assert sp.phases["forward"].objects["activations"] < tp.phases["forward"].objects["activations"]
     assert sp.phases["forward"].objects["parameters"] == tp.phases["forward"].objects["parameters"]
 

@@ -257,6 +257,15 @@ def linear_casts(spec: ModelSpec) -> tuple[int, int]:
     return attn, mlp
 
 
+def norm_outputs(spec: ModelSpec, setup: TrainingSetup) -> dict[str, int]:
+    """Of each norm's entry in :func:`layer_saved`, the output its linears save (their input, or autocast's copies
+    of it)."""
+    d = Dtypes.of(setup)
+    casts = linear_casts(spec)[: spec.norms_per_layer]
+    return {f"norm{i + 1}": norm_saved(spec, d, setup.tokens, spec.hidden_size, c, d.residual)["output"]
+            for i, c in enumerate(casts)}
+
+
 def layer_saved(spec: ModelSpec, setup: TrainingSetup) -> dict[str, int]:
     """Everything one decoder layer keeps for backward, by tensor group (bytes)."""
     d = Dtypes.of(setup)

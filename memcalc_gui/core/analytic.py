@@ -25,6 +25,7 @@ from .activations import (
     first_layer_gradless_weights,
     layer_saved,
     mlp_saved,
+    norm_outputs,
     norm_saved,
     packed_mask_bytes,
     residual_saved,
@@ -128,9 +129,13 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
     per_layer = layer_saved(spec, setup) if not tuned or tp.layers_trained else tuned_layer_saved(spec, setup)
     sp = setup.parallel.tp if setup.parallel.sp else 1
     if sp > 1:
-        # sequence parallelism (Korthikanti et al. 2022, as Megatron-LM runs it): the norms and the residual stream
-        # are split along the sequence over the tensor-parallel ranks
-        per_layer = {k: (-(-val // sp) if k.startswith("norm") or k == "residual" else val)
+        # sequence parallelism (Korthikanti et al. 2022): the norms and the residual stream are split along the
+        # sequence over the tensor-parallel ranks. Megatron-LM's column-parallel linears save their input split too
+        # and gather it again in backward; PyTorch's (torchtitan's plan: PrepareModuleInput gathers before attention
+        # and the MLP) save the gathered input, whole (traced, and real gloo steps give the single-GPU loss)
+        whole = {} if setup.parallel.strategy.startswith("megatron") else norm_outputs(spec, setup)
+        per_layer = {k: (-(-(val - whole.get(k, 0)) // sp) + whole.get(k, 0)
+                         if k.startswith("norm") or k == "residual" else val)
                      for k, val in per_layer.items()}
     s_layer = sum(per_layer.values())
     stream = -(-t * h * d.residual // sp)

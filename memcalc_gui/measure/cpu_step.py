@@ -166,6 +166,7 @@ def measure_training_step(
     galore_gap: int = 200,
     premade: Any = None,
     pipeline: Callable[[Any], Any] | None = None,
+    settle: Callable[[], None] | None = None,
 ) -> StepMeasurement:
     """Build the model from ``config`` and measure ``iterations`` training steps on CPU.
 
@@ -192,6 +193,9 @@ def measure_training_step(
     ``pipeline(model)`` makes the driver of a pipeline rank (:mod:`memcalc_gui.trace.pipeline`; ``parallelize`` has
     cut the model to the rank's stages): each step is then its schedule over ``grad_accum`` micro-batches of ``batch``
     rows, each forward, loss and backward of a micro-batch a window of its phase.
+    ``settle()`` runs after each iteration's backward, outside every phase: a real rank's barrier, after which the
+    collectives' worker threads have let go of the buffers of finished collectives (otherwise freed a moment later,
+    now and then inside the step).
     ``documents=n`` packs n documents into each row (``batch`` must be 1; padding-free packing as transformers'
     ``DataCollatorWithFlattening`` does it): ``position_ids`` restart at every document, from which transformers
     limits attention to each document. ``attention="flash"`` runs FlashAttention-2's variable-length attention as
@@ -215,7 +219,7 @@ def measure_training_step(
                 loss_chunk=loss_chunk, optimizer_in_backward=optimizer_in_backward,
                 activation_offload=activation_offload, parallelize=parallelize, autocast=autocast,
                 documents=documents, galore_rank=galore_rank, galore_gap=galore_gap, premade=premade,
-                pipeline=pipeline,
+                pipeline=pipeline, settle=settle,
             )
 
     def announce(phase: str, it: int, micro: int = 0) -> None:
@@ -342,6 +346,8 @@ def measure_training_step(
                         for p in params:
                             if p.grad is not None:
                                 tracker.track(p.grad, "gradients")
+                if settle is not None:  # between the backward and the step (a real rank's collectives let go)
+                    settle()
                 announce("optimizer_step", it)
                 with tracker.phase("optimizer_step", it):
                     if opt is not None:  # else each parameter was stepped in backward

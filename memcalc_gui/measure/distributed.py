@@ -50,9 +50,15 @@ def ddp_parallelize() -> Any:
     ``DistributedDataParallel`` with its defaults (25 MiB buckets, ``gradient_as_bucket_view=False``)."""
 
     def apply(model: Any) -> Any:
+        import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel
 
-        return DistributedDataParallel(model)
+        wrapped = DistributedDataParallel(model)
+        # DDP broadcasts rank 0's weights through a flat buffer, which gloo's worker thread lets go of a moment after
+        # the call returns: now and then a rank's load still held it (3 × the weights instead of 2). A barrier, the
+        # next collective on the same workers, waits for that.
+        dist.barrier()
+        return wrapped
 
     return apply
 
@@ -66,6 +72,9 @@ def _step(rank: int, world: int, kwargs: dict[str, Any], strategy: str, reshard_
     """This process's rank of the step: DDP or FSDP2 wrapped here, a parallel layout's rank (``ranks``: the same
     :func:`~memcalc_gui.trace.ranks.run_rank` the per-rank trace runs, on real tensors over this process group), or
     one pipeline stage (``pipeline:<schedule>``) under PyTorch's schedule."""
+    import torch.distributed as dist
+
+    kwargs = dict(kwargs, settle=dist.barrier)  # gloo's workers let go of finished collectives' buffers
     if strategy == "fsdp2":
         return measure_training_step(**kwargs, parallelize=fsdp2_parallelize(kwargs["precision"],
                                                                              reshard_after_forward),

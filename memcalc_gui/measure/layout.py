@@ -5,16 +5,16 @@ backend, running the same parallelization the per-rank trace runs, on real tenso
 This module decides, without torch, which processes that takes and what each runs:
 
 * **DDP** (``--strategy ddp``): ``DistributedDataParallel`` over the data-parallel ranks.
-* **FSDP2** (``--strategy fsdp2``, with ``--tp``, ``--cp``, ``--loss-parallel``): one rank of the
+* **FSDP2** (``--strategy fsdp2``, with ``--tp``, ``--sp``, ``--cp``, ``--loss-parallel``): one rank of the
   ``dp_shard × cp × tp`` mesh as :func:`memcalc_gui.trace.ranks.run_rank` builds it (transformers' tensor-parallel
-  plan with ``parallelize_module``, PyTorch's ring attention, ``fully_shard`` over the data- and context-parallel
-  ranks).
+  plan with ``parallelize_module``, torchtitan's sequence-parallel plan, PyTorch's ring attention, ``fully_shard``
+  over the data- and context-parallel ranks).
 * **Tensor or context parallelism without data parallelism** (``--strategy ddp`` over one replica): the same mesh
   without FSDP2.
 * **Pipeline parallelism** (``--pp``, any schedule; FSDP2 over each stage's data-parallel ranks): one stage per
   process under PyTorch's schedule, activations and gradients really sent. A tensor-parallel rank inside a stage is
   the model with a tp-th of the heads and MLP features (equal to the parallelized rank to the byte,
-  ``tests/test_layout.py``), so a stage costs one process, not tp.
+  ``tests/test_layout.py``), so a stage costs one process, not tp; sequence parallelism is not run there.
 
 Not run (refused, naming ``strategy``): ZeRO and FSDP1, which are DeepSpeed's and FSDP1's engines, not installed here;
 Megatron-LM; offload; expert parallelism (the families with experts have no block model to measure against).
@@ -108,9 +108,9 @@ def scale_layout(setup: TrainingSetup, max_ranks: int = MAX_CPU_RANKS) -> tuple[
         changes.append(f"one data-parallel replica instead of {par.dp} (DDP beside model parallelism is not run for "
                        "real: PyTorch's DDP does not wrap a stage or a DTensor model)")
         par = _with(par, dp=1)
-    if par.sp:
-        changes.append("no sequence parallelism (transformers' attention cannot take a sequence-split input; the "
-                       "trace cannot run it either)")
+    if par.sp and par.pp > 1:
+        changes.append("no sequence parallelism (a pipeline stage's tensor-parallel rank runs as the narrower model, "
+                       "which has no sequence to split)")
         par = dataclasses.replace(par, sp=False)
     sizes = {"dp": par.dp, "cp": par.cp, "tp": par.tp, "pp": par.pp}
     original = dict(sizes)
@@ -182,5 +182,6 @@ def rank_job(setup: TrainingSetup) -> RankJob:
         return RankJob("fsdp2", world, None, config, (0,) * world, tuple(notes))
     fsdp2 = par.strategy == "fsdp2"
     layout = RankLayout(dp_shard=par.dp if fsdp2 else 1, tp=par.tp, cp=par.cp, loss_parallel=par.loss_parallel,
-                        reshard_after_forward=par.reshard_after_forward, replicate_context=not fsdp2 and par.cp > 1)
+                        sp=par.sp, reshard_after_forward=par.reshard_after_forward,
+                        replicate_context=not fsdp2 and par.cp > 1)
     return RankJob("ranks", world, layout, config, (0,) * world, tuple(notes))

@@ -222,7 +222,7 @@ def trace_estimate(
 
             compute = setup.precision  # its MixedPrecisionPolicy in the trace itself
             step = functools.partial(trace_rank, layout=RankLayout(
-                dp_shard=par.dp, tp=par.tp, cp=par.cp, loss_parallel=par.loss_parallel,
+                dp_shard=par.dp, tp=par.tp, cp=par.cp, loss_parallel=par.loss_parallel, sp=par.sp,
                 reshard_after_forward=par.reshard_after_forward))
         elif par.tp > 1 or par.cp > 1:
             # one rank of the tensor-parallel group and of the context-parallel ring (its seq/cp tokens, attention as
@@ -230,7 +230,7 @@ def trace_estimate(
             from .ranks import RankLayout, trace_rank
 
             step = functools.partial(trace_rank, layout=RankLayout(
-                1, par.tp, loss_parallel=par.loss_parallel, cp=par.cp, replicate_context=True))
+                1, par.tp, loss_parallel=par.loss_parallel, cp=par.cp, replicate_context=True, sp=par.sp))
         with exclusive_torch_job(should_stop, TraceCancelled), sequences:
             m = step(
                 cfg, batch=setup.rows, seq=setup.row_len, documents=setup.batch if setup.packing else None,

@@ -71,6 +71,10 @@ class RankLayout:
     #: The context-parallel ranks hold the model whole (no FSDP2 over them): one replica's step, the strategy's model
     #: states then taken by rule (``trace.fake``).
     replicate_context: bool = False
+    #: Sequence parallelism beside tensor parallelism, PyTorch's way (torchtitan's plan): the norms run on the rank's
+    #: ``seq/tp`` tokens (``SequenceParallel``), attention and the MLP gather them (``PrepareModuleInput``), the
+    #: row-wise projections reduce-scatter back (``RowwiseParallel(output_layouts=Shard(1))``).
+    sp: bool = False
 
     def __post_init__(self) -> None:
         for name in ("dp_shard", "tp", "ep", "dp_replicate", "cp"):
@@ -82,6 +86,11 @@ class RankLayout:
                                    "either")
         if self.cp > 1 and self.ep > 1:
             raise InputError("cp", "context beside expert parallelism is not traced")
+        if not isinstance(self.sp, bool) or (self.sp and self.tp == 1):
+            raise InputError("sp", "sequence parallelism splits what tensor parallelism leaves whole: it needs tp 2 or "
+                                   "more")
+        if self.sp and self.ep > 1:
+            raise InputError("sp", "sequence beside expert parallelism is not traced")
         if not isinstance(self.replicate_context, bool):
             raise InputError("cp", f"replicate_context must be true or false, got {self.replicate_context!r}")
         if self.replicate_context and self.dp_shard > 1:
@@ -246,10 +255,16 @@ def parallelizer(config: dict[str, Any], layout: RankLayout, precision: str, mes
         layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
         if plan:
             for layer in layers:
-                _split_layer(layer, tp_mesh, plan)
+                _split_layer(layer, tp_mesh, plan, sequence=layout.sp)
             if layout.loss_parallel:
-                _split_vocabulary(model, tp_mesh)
+                _split_vocabulary(model, tp_mesh, sequence=layout.sp)
+            elif layout.sp:
+                _sequence_split_ends(model, tp_mesh)
             _replicate_the_rest(model, tp_mesh)
+            if layout.sp and not layout.loss_parallel:
+                _split_embedding_output(model, tp_mesh)
+            if layout.sp:
+                _whole_sequence_positions(model)
         experts: list[Any] = []
         if layout.ep > 1:
             experts = _split_experts(model, experts_mesh["ep"], tp_mesh)
@@ -273,40 +288,121 @@ STEP_DEFAULTS: dict[str, Any] = {"batch": 1, "seq": 128, "precision": "fp32", "o
                                  "iterations": 2}
 
 
-def _split_vocabulary(model: Any, mesh: Any) -> None:
+def _split_vocabulary(model: Any, mesh: Any, sequence: bool = False) -> None:
     """torchtitan's loss-parallel plan on a transformers model: the embedding's rows and the head's columns split, the
-    logits left sharded for the loss (a tied head is tied again to the split embedding: both shard dim 0)."""
+    logits left sharded for the loss (a tied head is tied again to the split embedding: both shard dim 0). With
+    sequence parallelism the embedding reduce-scatters its output over the sequence and the head gathers its input,
+    as torchtitan's plan does."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor import parallel as tp_api
 
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = head is not None and head.weight is embed.weight
-    tp_api.parallelize_module(embed, mesh, tp_api.RowwiseParallel(input_layouts=Replicate()))
+    stream = Shard(1) if sequence else Replicate()
+    tp_api.parallelize_module(embed, mesh, tp_api.RowwiseParallel(input_layouts=Replicate(), output_layouts=stream))
+    if sequence:
+        _final_norm_on_the_split(model, mesh)
     if head is None:
         return
     if tied:
         head.weight = embed.weight
         tp_api.parallelize_module(head, mesh, tp_api.PrepareModuleInputOutput(
-            input_layouts=Replicate(), desired_input_layouts=Replicate(), output_layouts=Shard(-1),
+            input_layouts=stream, desired_input_layouts=Replicate(), output_layouts=Shard(-1),
             desired_output_layouts=Shard(-1), use_local_output=False))
         return
-    tp_api.parallelize_module(head, mesh, tp_api.ColwiseParallel(output_layouts=Shard(-1), use_local_output=False))
+    tp_api.parallelize_module(head, mesh, tp_api.ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1),
+                                                                 use_local_output=False))
 
 
-def _split_layer(layer: Any, mesh: Any, plan: dict[str, str]) -> None:
+def _final_norm_on_the_split(model: Any, mesh: Any) -> None:
+    from torch.distributed.tensor import parallel as tp_api
+
+    norm = getattr(model.base_model, "norm", None)
+    if norm is None:
+        raise InputError("sp", f"the sequence-parallel trace needs a final norm named norm; "
+                               f"{type(model.base_model).__name__} has none")
+    tp_api.parallelize_module(norm, mesh, tp_api.SequenceParallel())
+
+
+def _sequence_split_ends(model: Any, mesh: Any) -> None:
+    """Sequence parallelism with the vocabulary whole (transformers' plans keep the embedding and head on every
+    rank): the final norm on the rank's tokens, the head gathering them first."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import parallel as tp_api
+
+    _final_norm_on_the_split(model, mesh)
+    head = model.get_output_embeddings()
+    if head is not None:
+        tp_api.parallelize_module(head, mesh, tp_api.PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True))
+
+
+def _whole_sequence_positions(model: Any) -> None:
+    """The one adaptation sequence parallelism needs in transformers' models: they number the positions from the
+    embedding's output, which is the rank's share of the sequence; the base model is given the positions of the
+    whole sequence (``position_ids``, ``cache_position``: what it computes without sequence parallelism), so the
+    rotary tables, the mask and the attention see every token, as torchtitan's model computes them."""
+    import torch
+
+    def positions(_module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is not None and kwargs.get("position_ids") is None:
+            kwargs["cache_position"] = torch.arange(ids.shape[1], device=ids.device)
+            kwargs["position_ids"] = kwargs["cache_position"].unsqueeze(0)
+        return args, kwargs
+
+    model.base_model.register_forward_pre_hook(positions, with_kwargs=True)
+
+
+def _split_embedding_output(model: Any, mesh: Any) -> None:
+    """The whole embedding's output cut to the rank's share of the sequence (a local slice: every rank has it all),
+    PyTorch's ``PrepareModuleOutput`` from replicated to sequence-sharded."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import parallel as tp_api
+
+    tp_api.parallelize_module(model.get_input_embeddings(), mesh, tp_api.PrepareModuleOutput(
+        output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True))
+
+
+#: A decoder layer's modules under sequence parallelism: its two norms run on the rank's tokens, attention and the MLP
+#: gather them (the names of transformers' llama-like layers).
+SP_NORMS = ("input_layernorm", "post_attention_layernorm")
+SP_BLOCKS = ("self_attn", "mlp")
+
+
+def _split_layer(layer: Any, mesh: Any, plan: dict[str, str], sequence: bool = False) -> None:
     """One decoder layer split by its family's plan: its linear layers with PyTorch's ``ColwiseParallel`` and
     ``RowwiseParallel``, its experts (fused weights, which are parameters, not modules) with transformers' own
-    styles; a plan entry the layer lacks (a dense MLP's, in an MoE layer) is skipped."""
+    styles; a plan entry the layer lacks (a dense MLP's, in an MoE layer) is skipped. ``sequence``: torchtitan's
+    sequence-parallel plan on top (:class:`RankLayout`'s ``sp``)."""
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor import parallel as tp_api
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
     modules, params = dict(layer.named_modules()), dict(layer.named_parameters())
     theirs = {k: v for k, v in plan.items() if k in params or v in EXPERT_STYLES}
+    if sequence and theirs:
+        raise InputError("sp", "sequence parallelism is traced on dense layers; this layer's experts are split by "
+                               "transformers' own styles")
+    if sequence and not all(name in modules for name in SP_NORMS + SP_BLOCKS):
+        raise InputError("sp", f"the sequence-parallel trace needs a llama-like decoder layer "
+                               f"({', '.join(SP_NORMS + SP_BLOCKS)}); {type(layer).__name__} differs")
     for key, style in plan.items():
         if key not in theirs and key in modules:
-            tp_api.parallelize_module(modules[key], mesh, getattr(tp_api, STYLES[style])())
+            split = tp_api.RowwiseParallel(output_layouts=Shard(1)) if sequence and style == "rowwise" \
+                else getattr(tp_api, STYLES[style])()
+            tp_api.parallelize_module(modules[key], mesh, split)
     if theirs:
         apply_tensor_parallelism(layer, mesh, {k: v for k, v in theirs.items() if k in params or k in modules})
+    if sequence:
+        for name in SP_NORMS:
+            tp_api.parallelize_module(modules[name], mesh, tp_api.SequenceParallel())
+        # attention takes its input by keyword in transformers' layers, the MLP by position
+        tp_api.parallelize_module(modules["self_attn"], mesh, tp_api.PrepareModuleInput(
+            input_kwarg_layouts={"hidden_states": Shard(1)}, desired_input_kwarg_layouts={"hidden_states": Replicate()},
+            use_local_output=True))
+        tp_api.parallelize_module(modules["mlp"], mesh, tp_api.PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True))
 
 
 #: The name this trace's balanced all-to-all is registered under in transformers' ``EPImplementationInterface``.
