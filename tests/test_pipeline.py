@@ -301,6 +301,33 @@ def test_a_loss_parallel_rank_matches_the_rank_traced_with_the_vocabulary_split(
         assert ledger.phases[ph].total_bytes == pytest.approx(traced.phases[ph].peak_bytes, rel=tolerance), ph
 
 
+@pytest.mark.parametrize("precision", ["fp32", "mixed", "bf16"])
+@pytest.mark.parametrize("layout", [{}, {"loss_parallel": True}, {"dp_shard": 2}], ids=["tp", "loss-parallel", "fsdp2"])
+def test_a_sequence_parallel_rank_matches_the_rank_traced_with_torchtitans_plan(precision: str, layout: dict) -> None:
+    """Sequence parallelism traced as torchtitan runs it (SequenceParallel norms, PrepareModuleInput gathering before
+    attention and the MLP, row-wise projections reduce-scattering over the sequence) on transformers' own llama
+    layers: the ledger, which keeps the gathered input the column-parallel linears save whole, within 1 % (2 % beside
+    FSDP2)."""
+    from memcalc_gui.trace.ranks import RankLayout, trace_rank
+
+    cfg = FAMILIES["llama"]
+    rank = RankLayout(tp=2, sp=True, **layout)
+    traced = trace_rank(cfg, rank, precision=precision, optimizer_impl="foreach", **STEP)
+    par = Parallelism(gpus=rank.world, tp=2, sp=True, loss_parallel=rank.loss_parallel,
+                      strategy="fsdp2" if rank.dp_shard > 1 else "ddp")
+    setup = TrainingSetup(model=spec_from_config(cfg), precision=precision, target_device="cpu",  # type: ignore
+                          cuda_context_bytes=0, allocator_reserve=0.0, optimizer_impl="foreach", parallel=par, **STEP)
+    ledger = estimate(setup)
+    without = estimate(setup.with_changes(parallel=dataclasses.replace(par, sp=False)))
+    # (FSDP2 × TP on this three-layer model is 1.3 % off without sequence parallelism: its buffers' order)
+    tolerance = 0.02 if rank.dp_shard > 1 else 0.01
+    for ph in ("forward", "backward"):
+        assert ledger.phases[ph].total_bytes == pytest.approx(traced.phases[ph].peak_bytes, rel=tolerance), ph
+        assert ledger.phases[ph].total_bytes < without.phases[ph].total_bytes
+    assert ledger.phases["optimizer_step"].total_bytes == pytest.approx(traced.phases["optimizer_step"].peak_bytes,
+                                                                        rel=0.04)
+
+
 # ---- Megatron-LM's theoretical memory ------------------------------------------------------------------------------
 @pytest.mark.parametrize(("tp", "pp", "dp", "dist"), [(8, 4, 2, False), (8, 4, 2, True), (1, 1, 8, True),
                                                       (4, 8, 4, True)])
