@@ -131,9 +131,10 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
     if sp > 1:
         # sequence parallelism (Korthikanti et al. 2022): the norms and the residual stream are split along the
         # sequence over the tensor-parallel ranks. Megatron-LM's column-parallel linears save their input split too
-        # and gather it again in backward; PyTorch's (torchtitan's plan: PrepareModuleInput gathers before attention
-        # and the MLP) save the gathered input, whole (traced, and real gloo steps give the single-GPU loss)
-        whole = {} if setup.parallel.strategy.startswith("megatron") else norm_outputs(spec, setup)
+        # and gather it again in backward (the way beside DDP, ZeRO and Megatron's own optimizers); PyTorch's plan,
+        # torchtitan's with FSDP2 (PrepareModuleInput gathers before attention and the MLP), saves the gathered input,
+        # whole (traced, and real gloo ranks give the single-GPU loss)
+        whole = norm_outputs(spec, setup) if setup.parallel.strategy == "fsdp2" else {}
         per_layer = {k: (-(-(val - whole.get(k, 0)) // sp) + whole.get(k, 0)
                          if k.startswith("norm") or k == "residual" else val)
                      for k, val in per_layer.items()}

@@ -155,7 +155,8 @@ def _rank_estimate(setup: TrainingSetup, spec: ModelSpec, rank: int, m: int,
     # what one micro-batch keeps from its forward to its backward: its saved activations and the stage's output (kept
     # by the schedule; on the last stage the logits, and the loss's log-softmax); a later stage's first layer keeps its
     # input, which is the receive buffer it came in (counted among the buffers)
-    stream = t * h * residual
+    # under sequence parallelism a stage sends, receives and starts from its tensor-parallel rank's share of the tokens
+    stream = (t // par.tp if par.sp else t) * h * residual
     vocab = tensor_parallel_spec(spec, par.tp, par.loss_parallel).vocab_size  # the logits' width on this rank
     # (interleaved: each of the rank's v chunks keeps its output, and receives its input but the very first); autocast
     # makes each micro-batch's 16-bit weight copies anew, and its matmuls save them
@@ -168,7 +169,7 @@ def _rank_estimate(setup: TrainingSetup, spec: ModelSpec, rank: int, m: int,
     def extra(chunks: int) -> int:  # the other micro-batches (chunks) in flight beside the one at work
         return max(0, (chunks - v) * per_micro // v)
     receives = (0 if stage.stage_first else 1) + (0 if stage.stage_last else 1)
-    buffers = receives * m * v * t * h * residual
+    buffers = receives * m * v * stream
     inputs = m * t * 8 if (stage.stage_first or stage.stage_last) else 0  # the step's token ids (and labels)
     gathered, unsynced = fsdp2_unsynced(setup, rank)
     stage_unit = tensor_parallel_spec(stage, par.tp, par.loss_parallel).layer_params

@@ -108,9 +108,11 @@ def scale_layout(setup: TrainingSetup, max_ranks: int = MAX_CPU_RANKS) -> tuple[
         changes.append(f"one data-parallel replica instead of {par.dp} (DDP beside model parallelism is not run for "
                        "real: PyTorch's DDP does not wrap a stage or a DTensor model)")
         par = _with(par, dp=1)
-    if par.sp and par.pp > 1:
-        changes.append("no sequence parallelism (a pipeline stage's tensor-parallel rank runs as the narrower model, "
-                       "which has no sequence to split)")
+    if par.sp and (par.pp > 1 or par.strategy != "fsdp2"):
+        changes.append("no sequence parallelism (" + (
+            "a pipeline stage's tensor-parallel rank runs as the narrower model, which has no sequence to split"
+            if par.pp > 1 else "beside DDP it is Megatron-LM's way, which is not run here; PyTorch's runs with FSDP2")
+            + ")")
         par = dataclasses.replace(par, sp=False)
     sizes = {"dp": par.dp, "cp": par.cp, "tp": par.tp, "pp": par.pp}
     original = dict(sizes)

@@ -129,6 +129,13 @@ def refusal(setup: TrainingSetup) -> str:
     """Why the trace does not run ``setup`` ("" when it does): what fake tensors on a CPU cannot run, said once for
     the CLI's error and the window's "not traced" note."""
     par = setup.parallel
+    if par.sp and par.strategy != "fsdp2":
+        return ("sequence parallelism is traced as PyTorch runs it, torchtitan's plan beside FSDP2 (--strategy fsdp2); "
+                "beside DDP, ZeRO or Megatron-LM's optimizers it is Megatron-LM's, whose split linear inputs the "
+                "formulas follow")
+    if par.sp and par.pp > 1 and par.loss_parallel:
+        return ("sequence beside loss parallelism is traced without pipeline stages (the vocabulary split runs on a "
+                "whole model); here the formulas hold")
     if par.cp > 1 and (par.pp > 1 or par.ep > 1 or setup.model is None):
         return ("context parallelism is traced without pipeline or expert parallelism, on a family with a block "
                 "model; here the formulas hold")
@@ -202,8 +209,10 @@ def trace_estimate(
                 compute = setup.precision
             step = functools.partial(trace_pipeline_rank, layout=PipeRank(
                 par.pp, pipe_rank, par.schedule, par.virtual_stages, setup.grad_accum,
-                dp_shard=par.dp if fsdp2_pipeline else 1))
-            if par.tp > 1:  # one tensor-parallel rank runs the narrower model (core.layout; tests/test_layout.py)
+                dp_shard=par.dp if fsdp2_pipeline else 1, tp=par.tp if par.sp else 1, sp=par.sp))
+            if par.tp > 1 and not par.sp:
+                # one tensor-parallel rank runs the narrower model (core.layout; tests/test_layout.py); with sequence
+                # parallelism the stage's layers are split for real, torchtitan's plan on top
                 from .ranks import tensor_parallel_config
 
                 cfg = tensor_parallel_config(cfg, par.tp, par.loss_parallel)
@@ -316,7 +325,9 @@ def trace_estimate(
            "the fake process group"] if setup.parallel.tp > 1 and setup.model is None else []),
         *([f"Traced pipeline rank {pipe_rank + 1} of {setup.parallel.pp} (the analytic ledger's most loaded) under "
            f"PyTorch's {setup.parallel.schedule} schedule over {setup.grad_accum} micro-batch(es), on the fake process "
-           "group" + (f"; its tensor-parallel rank as the model with a {setup.parallel.tp}th of the heads and MLP"
+           "group" + (f"; its layers split over {setup.parallel.tp} tensor-parallel ranks with torchtitan's "
+                      "sequence-parallel plan" if setup.parallel.sp else
+                      f"; its tensor-parallel rank as the model with a {setup.parallel.tp}th of the heads and MLP"
                       if setup.parallel.tp > 1 else "")] if setup.parallel.pp > 1 else []),
         *([f"Traced one rank of FSDP2 itself: fully_shard over {setup.parallel.dp * setup.parallel.cp} data-"
            f"{'and context-' if setup.parallel.cp > 1 else ''}parallel ranks of the fake process group"

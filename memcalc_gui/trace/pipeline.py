@@ -38,11 +38,16 @@ class PipeRank:
     schedule: str = "1f1b"
     virtual: int = 1
     microbatches: int = 1
-    #: FSDP2 (``fully_shard``) over this many data-parallel ranks of each stage (mesh ``pp × dp_shard``).
+    #: FSDP2 (``fully_shard``) over this many data-parallel ranks of each stage (mesh ``pp × dp_shard × tp``).
     dp_shard: int = 1
+    #: Tensor parallelism inside each stage: its layers split by transformers' plan with ``parallelize_module``
+    #: (:mod:`.ranks`), with torchtitan's sequence-parallel plan on top when ``sp``; the stages then send the rank's
+    #: ``seq/tp`` tokens.
+    tp: int = 1
+    sp: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("pp", "virtual", "microbatches", "dp_shard"):
+        for name in ("pp", "virtual", "microbatches", "dp_shard", "tp"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 4096:
                 raise InputError(name, f"must be an integer from 1 to 4096, got {value!r}")
@@ -53,6 +58,9 @@ class PipeRank:
         if (self.virtual > 1) != (self.schedule == "interleaved-1f1b"):
             raise InputError("virtual_stages", "more than one stage per rank is the interleaved schedule's, and it "
                                                "needs more than one")
+        if not isinstance(self.sp, bool) or (self.sp and self.tp == 1):
+            raise InputError("sp", "sequence parallelism splits what tensor parallelism leaves whole: it needs tp 2 or "
+                                   "more")
 
     @property
     def stages(self) -> tuple[int, ...]:
@@ -65,12 +73,12 @@ class PipeRank:
 
     @property
     def world(self) -> int:
-        return self.pp * self.dp_shard
+        return self.pp * self.dp_shard * self.tp
 
     @property
     def global_rank(self) -> int:
-        """This rank in the ``pp × dp_shard`` mesh (the first of its stage's data-parallel ranks)."""
-        return self.rank * self.dp_shard
+        """This rank in the ``pp × dp_shard × tp`` mesh (the first of its stage's data- and tensor-parallel ranks)."""
+        return self.rank * self.dp_shard * self.tp
 
 
 def stage_layers(num_layers: int, num_stages: int, stage: int) -> range:
@@ -89,21 +97,24 @@ def _base(model: Any) -> Any:
     return inner
 
 
-def _meshes(layout: PipeRank) -> tuple[Any, Any]:
-    """The pipeline's process group and the data-parallel mesh (built now, outside any fake mode)."""
+def _meshes(layout: PipeRank) -> tuple[Any, Any, Any]:
+    """The pipeline's process group, the data-parallel and the tensor-parallel mesh (built now, outside any fake
+    mode)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (layout.pp, layout.dp_shard), mesh_dim_names=("pp", "dp_shard"))
-    for name in ("pp", "dp_shard"):
+    mesh = init_device_mesh("cpu", (layout.pp, layout.dp_shard, layout.tp), mesh_dim_names=("pp", "dp_shard", "tp"))
+    for name in ("pp", "dp_shard", "tp"):
         mesh[name].get_coordinate()
-    return mesh["pp"].get_group(), mesh["dp_shard"]
+    return mesh["pp"].get_group(), mesh["dp_shard"], mesh["tp"]
 
 
-def cutter(layout: PipeRank, dp_mesh: Any = None, precision: str = "fp32") -> Callable[[Any], None]:
+def cutter(layout: PipeRank, dp_mesh: Any = None, precision: str = "fp32", tp_mesh: Any = None,
+           config: dict[str, Any] | None = None, seq: int = 0) -> Callable[[Any], None]:
     """The ``parallelize(model)`` callback: keep only what ``layout``'s rank holds (in place, before the model is
     made real): its layers, the embedding on stage 0, the final norm and the head on the last stage; with a
-    data-parallel mesh, each layer, the embedding and the norm with the head sharded by ``fully_shard`` (torchtitan's
-    units; mixed precision: bf16 gathers, fp32 reduction)."""
+    tensor-parallel mesh, its layers split as :mod:`.ranks` splits them (``config``'s plan; sequence parallelism over
+    ``seq`` tokens when the layout says so); with a data-parallel mesh, each layer, the embedding and the norm with
+    the head sharded by ``fully_shard`` (torchtitan's units; mixed precision: bf16 gathers, fp32 reduction)."""
     import torch
 
     def cut(model: Any) -> None:
@@ -120,6 +131,12 @@ def cutter(layout: PipeRank, dp_mesh: Any = None, precision: str = "fp32") -> Ca
         if layout.num_stages - 1 not in layout.stages:
             inner.norm = torch.nn.Identity()
             model.lm_head = torch.nn.Identity()
+        if tp_mesh is not None:  # the stage's layers split as one rank of its tensor-parallel group
+            from .ranks import split_tensor_parallel, tp_plan
+
+            assert config is not None
+            split_tensor_parallel(model, tp_plan(config), tp_mesh, sequence=layout.sp, first=0 in layout.stages,
+                                  last=layout.num_stages - 1 in layout.stages, seq=seq)
         if dp_mesh is not None:
             from torch.distributed.fsdp import fully_shard
 
@@ -202,7 +219,8 @@ def driver(layout: PipeRank, *, batch: int, seq: int, precision: str, group: Any
                 from torch.distributed.fsdp import fully_shard
 
                 fully_shard(module, mesh=dp_mesh, mp_policy=_policy(precision))
-            hidden = torch.empty(batch, seq, h, dtype=dtype, device="meta")
+            # the hidden states a stage sends: the rank's share of the sequence under sequence parallelism
+            hidden = torch.empty(batch, seq // layout.tp if layout.sp else seq, h, dtype=dtype, device="meta")
             out = torch.empty(batch, seq, v, dtype=torch.bfloat16 if half or bf16_compute else dtype, device="meta") \
                 if last \
                 else hidden
@@ -295,9 +313,11 @@ def trace_pipeline_rank(config: dict[str, Any], layout: PipeRank, *, fake: bool 
 
     kw = STEP_DEFAULTS | step | {"grad_accum": layout.microbatches}
     with exclusive_torch_job(), process_group(group, layout.world, layout.global_rank), unpacked_sequences():
-        group, dp_mesh = _meshes(layout)
+        group, dp_mesh, tp_mesh = _meshes(layout)
         dp_mesh = dp_mesh if layout.dp_shard > 1 else None
+        tp_mesh = tp_mesh if layout.tp > 1 else None
         make = driver(layout, batch=kw["batch"], seq=kw["seq"], precision=kw["precision"], group=group,
                       dp_mesh=dp_mesh)
-        return measure_training_step(config, fake=fake, parallelize=cutter(layout, dp_mesh, kw["precision"]),
-                                     pipeline=make, autocast=dp_mesh is None, **kw)
+        cut = cutter(layout, dp_mesh, kw["precision"], tp_mesh, config, int(kw["seq"]))
+        return measure_training_step(config, fake=fake, parallelize=cut, pipeline=make, autocast=dp_mesh is None,
+                                     **kw)

@@ -214,12 +214,32 @@ def fake_process_group(world: int, rank: int = 0) -> Iterator[None]:
     if dist.is_initialized():
         raise RuntimeError("a process group is already initialized in this process")
     hook = sys.excepthook  # init_process_group wraps it with a "[rank0]" prefix, and every later one wraps again
+    _forget_sharding_plans()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         yield
     finally:
         dist.destroy_process_group()
         sys.excepthook = hook
+        _forget_sharding_plans()
+
+
+def _forget_sharding_plans() -> None:
+    """Empty DTensor's caches of sharding and redistribution plans (the Python and the fast-path one, as
+    ``torch.distributed.tensor.debug._clear_sharding_prop_cache`` does, and the redistribution planner's). They are
+    keyed by device meshes, which compare by their shape: a later trace's mesh of the same shape on another rank found
+    the plans of an earlier one, which name that trace's destroyed process groups ("Could not resolve the process group
+    registered under the name 8")."""
+    import contextlib
+
+    with contextlib.suppress(ImportError, AttributeError):
+        from torch.distributed.tensor import debug
+
+        debug._clear_sharding_prop_cache()
+    with contextlib.suppress(ImportError, AttributeError):
+        from torch.distributed.tensor import _redistribute
+
+        _redistribute._gen_transform_infos.cache_clear()
 
 
 def device_mesh(layout: RankLayout) -> Any:
@@ -254,17 +274,7 @@ def parallelizer(config: dict[str, Any], layout: RankLayout, precision: str, mes
     def apply(model: Any) -> None:
         layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
         if plan:
-            for layer in layers:
-                _split_layer(layer, tp_mesh, plan, sequence=layout.sp)
-            if layout.loss_parallel:
-                _split_vocabulary(model, tp_mesh, sequence=layout.sp)
-            elif layout.sp:
-                _sequence_split_ends(model, tp_mesh)
-            _replicate_the_rest(model, tp_mesh)
-            if layout.sp and not layout.loss_parallel:
-                _split_embedding_output(model, tp_mesh)
-            if layout.sp:
-                _whole_sequence_positions(model)
+            split_tensor_parallel(model, plan, tp_mesh, sequence=layout.sp, vocab=layout.loss_parallel)
         experts: list[Any] = []
         if layout.ep > 1:
             experts = _split_experts(model, experts_mesh["ep"], tp_mesh)
@@ -314,6 +324,30 @@ def _split_vocabulary(model: Any, mesh: Any, sequence: bool = False) -> None:
                                                                  use_local_output=False))
 
 
+def split_tensor_parallel(model: Any, plan: dict[str, str], mesh: Any, *, sequence: bool = False, vocab: bool = False,
+                          first: bool = True, last: bool = True, seq: int | None = None) -> None:
+    """Tensor parallelism over ``mesh`` on a transformers model (or one pipeline stage of it: ``first`` holds the
+    embedding, ``last`` the final norm and the head): every decoder layer split by ``plan`` (:func:`tp_plan`), the
+    vocabulary too when ``vocab`` (torchtitan's loss parallel), torchtitan's sequence-parallel plan on top when
+    ``sequence`` (the sequence ``seq`` tokens long, or as long as the input ids), everything else a replicated
+    DTensor."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    for layer in [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]:
+        _split_layer(layer, mesh, plan, sequence=sequence)
+    if vocab:
+        if not (first and last):
+            raise InputError("loss_parallel", "the vocabulary split is traced on a whole model, not a pipeline stage")
+        _split_vocabulary(model, mesh, sequence=sequence)
+    elif sequence and last:
+        _sequence_split_ends(model, mesh)
+    _replicate_the_rest(model, mesh)
+    if sequence and first and not vocab:
+        _split_embedding_output(model, mesh)
+    if sequence:
+        _whole_sequence_positions(model, seq)
+
+
 def _final_norm_on_the_split(model: Any, mesh: Any) -> None:
     from torch.distributed.tensor import parallel as tp_api
 
@@ -337,7 +371,7 @@ def _sequence_split_ends(model: Any, mesh: Any) -> None:
             input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True))
 
 
-def _whole_sequence_positions(model: Any) -> None:
+def _whole_sequence_positions(model: Any, seq: int | None = None) -> None:
     """The one adaptation sequence parallelism needs in transformers' models: they number the positions from the
     embedding's output, which is the rank's share of the sequence; the base model is given the positions of the
     whole sequence (``position_ids``, ``cache_position``: what it computes without sequence parallelism), so the
@@ -346,8 +380,11 @@ def _whole_sequence_positions(model: Any) -> None:
 
     def positions(_module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         ids = kwargs.get("input_ids", args[0] if args else None)
-        if ids is not None and kwargs.get("position_ids") is None:
-            kwargs["cache_position"] = torch.arange(ids.shape[1], device=ids.device)
+        # a later pipeline stage gets the hidden states of the rank's tokens: the length is the layout's
+        length = seq if seq is not None else ids.shape[1] if ids is not None else None
+        source = ids if ids is not None else kwargs.get("inputs_embeds")
+        if length is not None and source is not None and kwargs.get("position_ids") is None:
+            kwargs["cache_position"] = torch.arange(length, device=source.device)
             kwargs["position_ids"] = kwargs["cache_position"].unsqueeze(0)
         return args, kwargs
 
