@@ -235,7 +235,7 @@ def _forget_sharding_plans() -> None:
     with contextlib.suppress(ImportError, AttributeError):
         from torch.distributed.tensor import debug
 
-        debug._clear_sharding_prop_cache()
+        debug._clear_sharding_prop_cache()  # type: ignore[no-untyped-call]
     with contextlib.suppress(ImportError, AttributeError):
         from torch.distributed.tensor import _redistribute
 
