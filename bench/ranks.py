@@ -44,6 +44,7 @@ LAYOUTS: list[tuple[str, dict[str, Any], int]] = [
     ("tp", dict(gpus=2, tp=2), 1),
     ("tp", dict(gpus=4, tp=4), 1),
     ("fsdp2×tp", dict(gpus=4, tp=2, strategy="fsdp2"), 1),
+    ("fsdp2×tp+sp", dict(gpus=4, tp=2, sp=True, strategy="fsdp2"), 1),
     ("cp", dict(gpus=2, cp=2, strategy="fsdp2"), 1),
     ("pp", dict(gpus=2, pp=2), 4),
     ("pp", dict(gpus=4, pp=4, schedule="gpipe"), 4),

@@ -224,8 +224,9 @@ TOOLTIPS: dict[str, str] = {
     "sp": (
         "Sequence parallelism (with tensor parallelism): what the tensor-parallel regions leave whole on every GPU "
         "— the norms and the residual stream — is split along the sequence over the tensor-parallel GPUs "
-        "(Korthikanti et al. 2022, \"Reducing Activation Recomputation in Large Transformer Models\", as "
-        "Megatron-LM runs it)."
+        "(Korthikanti et al. 2022, \"Reducing Activation Recomputation in Large Transformer Models\"). With FSDP2 "
+        "as PyTorch runs it (torchtitan's plan: attention and the MLP gather the sequence first and keep that "
+        "gathered input); with DDP, ZeRO or Megatron-LM as Megatron-LM runs it (the gathered input is not kept)."
     ),
     "loss_parallel": (
         "With tensor parallelism: the embedding's rows and the LM head's columns are split over the tensor-parallel "
