@@ -132,3 +132,8 @@ def test_full_traces_and_measures(app: Path, tmp_path: Path) -> None:
                                 "--json"], tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
+    # a multi-GPU setup's ranks are spawned processes of the frozen executable itself (freeze_support)
+    proc = run(app, "memcalc", ["measure", "--preset", "qwen2.5-0.5b", "--gpus", "2", "--tp", "2", "--seq", "64",
+                                "--iterations", "2", "--json"], tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert len(json.loads(proc.stdout)["ranks"]) == 2
