@@ -191,6 +191,25 @@ def _item(text: str, tooltip: str = "", *, align_right: bool = True) -> QTableWi
     return item
 
 
+def _fixed_table(rows: int, columns: tuple[str, ...], name: str, accessible: str) -> QTableWidget:
+    """A read-only table as tall as its rows (no scroll bars), its columns sharing the width; hidden until filled."""
+    table = QTableWidget(rows, len(columns))
+    table.setObjectName(name)
+    table.setAccessibleName(accessible)
+    table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
+    table.setAlternatingRowColors(True)
+    table.setTabKeyNavigation(False)
+    table.setWordWrap(False)
+    table.setHorizontalHeaderLabels(list(columns))
+    table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.Stretch)
+    table.verticalHeader().setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
+    table.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+    table.setVerticalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+    table.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
+    table.setVisible(False)
+    return table
+
+
 # ---- the "Measured" tab ---------------------------------------------------------------------------
 class MeasuredView(QScrollArea):
     """Measured vs estimated per phase, then signals, the leak check, allocator and context readings."""
@@ -244,24 +263,11 @@ class MeasuredView(QScrollArea):
         self.stale_note.setVisible(False)
         lay.addWidget(self.stale_note)
 
-        self.table = QTableWidget(len(PHASES), len(self.COLUMNS))
-        self.table.setObjectName("measuredTable")
-        self.table.setAccessibleName("Measured versus estimated peak per phase")
-        self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
-        self.table.setAlternatingRowColors(True)
-        self.table.setTabKeyNavigation(False)
-        self.table.setWordWrap(False)
+        self.table = _fixed_table(len(PHASES), self.COLUMNS, "measuredTable",
+                                  "Measured versus estimated peak per phase")
         self.table.setVerticalHeaderLabels([PHASE_LABELS[p] for p in PHASES])
-        self.table.setHorizontalHeaderLabels(list(self.COLUMNS))
         self.table.horizontalHeaderItem(2).setToolTip(
             "(estimate − measured) / measured: positive means the estimate is higher")
-        header = self.table.horizontalHeader()
-        header.setSectionResizeMode(QHeaderView.ResizeMode.Stretch)
-        self.table.verticalHeader().setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
-        self.table.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
-        self.table.setVerticalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
-        self.table.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
-        self.table.setVisible(False)
         lay.addWidget(self.table)
 
         # a multi-GPU setup: every rank measured in its own process, each beside its own estimate
@@ -270,20 +276,8 @@ class MeasuredView(QScrollArea):
         self.ranks_label.setWordWrap(True)
         self.ranks_label.setVisible(False)
         lay.addWidget(self.ranks_label)
-        self.ranks_table = QTableWidget(0, len(self.RANK_COLUMNS))
-        self.ranks_table.setObjectName("measuredRanks")
-        self.ranks_table.setAccessibleName("Every rank's measured peak per phase and the estimate's error")
-        self.ranks_table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
-        self.ranks_table.setAlternatingRowColors(True)
-        self.ranks_table.setTabKeyNavigation(False)
-        self.ranks_table.setWordWrap(False)
-        self.ranks_table.setHorizontalHeaderLabels(list(self.RANK_COLUMNS))
-        self.ranks_table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.Stretch)
-        self.ranks_table.verticalHeader().setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
-        self.ranks_table.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
-        self.ranks_table.setVerticalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
-        self.ranks_table.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
-        self.ranks_table.setVisible(False)
+        self.ranks_table = _fixed_table(0, self.RANK_COLUMNS, "measuredRanks",
+                                        "Every rank's measured peak per phase and the estimate's error")
         lay.addWidget(self.ranks_table)
 
         row = QHBoxLayout()
