@@ -85,10 +85,6 @@ def refusal(setup: TrainingSetup) -> str:
     return ""
 
 
-def _world(par: Parallelism) -> int:
-    return measured_world(par)
-
-
 def _shrink(value: int, floor: int) -> int:
     """The next smaller size of a dimension: half when even, else ``floor``."""
     return max(floor, value // 2 if value % 2 == 0 else floor)
@@ -124,7 +120,7 @@ def scale_layout(setup: TrainingSetup, max_ranks: int = MAX_CPU_RANKS) -> tuple[
         return not (par.strategy == "fsdp2" and sharded_over(s) < 2 <= sharded_over(original))
 
     def world(s: dict[str, int]) -> int:
-        return _world(_with(par, **s))
+        return measured_world(_with(par, **s))
 
     for dim, floor in _SHRINK:
         while world(sizes) > max_ranks and sizes[dim] > floor:
