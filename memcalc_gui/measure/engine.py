@@ -50,6 +50,11 @@ BUILD_S_PER_BILLION = 4.0
 #: Per layer and micro-batch, the fixed cost of a forward and backward on the CPU under the tracker.
 LAYER_OVERHEAD_S = 0.04
 LEAK_TOLERANCE_BYTES = 64 * 1024
+#: A layout's ranks: their step against the single-process CPU step (DTensor's and the collectives' dispatch, the
+#: trackers of several processes), and what gloo moves per second between processes on one machine (measured here:
+#: Qwen2.5-0.5B's rank steps took about twice the single-process time).
+RANK_STEP_FACTOR = 1.5
+GLOO_BYTES_PER_S = 1e9
 #: Iterations a measurement runs at most: the second is already the steady state; a few more show a leak.
 MAX_ITERATIONS = 20
 
@@ -336,10 +341,17 @@ def plan(setup: TrainingSetup, device: DeviceInfo, time_budget_s: float) -> tupl
 
     def seconds(s: TrainingSetup) -> float:
         """Importing torch (first time only; in every rank process), building the model, three iterations (the
-        ranks share the cores)."""
-        start = SPAWN_S * max(1, processes / cores) if ranked else 0.0 if "torch" in sys.modules else TORCH_IMPORT_S
+        ranks share the cores and send their weights' and gradients' bytes through gloo)."""
+        if not ranked:
+            start = 0.0 if "torch" in sys.modules else TORCH_IMPORT_S
+            return start + BUILD_S_PER_BILLION * s.num_params / 1e9 + 3 * _step_seconds(s, flops)
         share = max(1.0, processes / cores)
-        return start + BUILD_S_PER_BILLION * s.num_params / 1e9 + 3 * _step_seconds(s, flops) * share
+        # every rank builds its whole model before it is split (a pipeline stage's is the tensor-parallel rank's
+        # narrower model); gathers and reductions move about three times its share of the fp32 weights an iteration
+        par = s.parallel
+        build = BUILD_S_PER_BILLION * s.num_params / (par.tp if par.pp > 1 else 1) / 1e9 * share
+        sent = 3 * 4 * s.num_params / (par.tp * par.pp) / GLOO_BYTES_PER_S
+        return SPAWN_S * share + build + 3 * (_step_seconds(s, flops) * RANK_STEP_FACTOR * share + sent)
 
     def ok(s: TrainingSetup) -> bool:
         # memory is a hard limit; time a soft one
@@ -367,7 +379,9 @@ def plan(setup: TrainingSetup, device: DeviceInfo, time_budget_s: float) -> tupl
     if current.seq != setup.seq:
         changes.append(f"sequence {current.seq} instead of {setup.seq}")
     vocab = setup.model.vocab_size
-    while vocab > 4096 and not fits_memory(current):
+    # the vocabulary shrinks for memory; for a layout's ranks also for time (their embedding and head are most of a
+    # scaled-down rank's work and of what gloo sends)
+    while vocab > 4096 and not (fits_memory(current) and (not ranked or ok(current))):
         vocab = max(4096, vocab // 4)
         current = _with_config(current, vocab_size=vocab)
     if vocab != setup.model.vocab_size:
