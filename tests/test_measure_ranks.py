@@ -142,8 +142,8 @@ def _measure(config: Path | dict, capsys: pytest.CaptureFixture[str], *flags: st
 
 
 @pytest.mark.parametrize("flags, ranks", [
-    (("--gpus", "4", "--tp", "2", "--strategy", "fsdp2"), 4),  # DTensor's TP and fully_shard, really sent
-    (("--gpus", "4", "--tp", "2", "--sp", "--strategy", "fsdp2"), 4),  # torchtitan's sequence-parallel plan
+    # DTensor's tensor parallelism, torchtitan's sequence-parallel plan and fully_shard, really sent
+    (("--gpus", "4", "--tp", "2", "--sp", "--strategy", "fsdp2"), 4),
     (("--gpus", "2", "--cp", "2", "--strategy", "fsdp2"), 2),  # PyTorch's ring attention over gloo
     (("--gpus", "2", "--strategy", "ddp"), 2),  # DDP's buckets from the moment it wraps the model
 ])
