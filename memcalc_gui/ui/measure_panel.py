@@ -26,16 +26,13 @@ from typing import TYPE_CHECKING, Any
 from PySide6.QtCore import QEvent, QObject, Qt, QTimer, Signal, Slot
 from PySide6.QtGui import QColor, QPainter, QPaintEvent, QPalette
 from PySide6.QtWidgets import (
-    QAbstractItemView,
     QFrame,
     QHBoxLayout,
-    QHeaderView,
     QLabel,
     QProgressBar,
     QPushButton,
     QScrollArea,
     QSizePolicy,
-    QTableWidget,
     QTableWidgetItem,
     QVBoxLayout,
     QWidget,
@@ -48,6 +45,7 @@ from ..core.units import format_bytes
 from ..core.vocab import PHASE_LABELS, PHASES
 from ..measure import engine
 from ..view.theme import OVER_COLOR, error_color, tinted
+from .tables import fit_height, fixed_table
 from .workers import STOP_TIMEOUT_MS, Job, TaskRunner
 
 if TYPE_CHECKING:
@@ -191,25 +189,6 @@ def _item(text: str, tooltip: str = "", *, align_right: bool = True) -> QTableWi
     return item
 
 
-def _fixed_table(rows: int, columns: tuple[str, ...], name: str, accessible: str) -> QTableWidget:
-    """A read-only table as tall as its rows (no scroll bars), its columns sharing the width; hidden until filled."""
-    table = QTableWidget(rows, len(columns))
-    table.setObjectName(name)
-    table.setAccessibleName(accessible)
-    table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
-    table.setAlternatingRowColors(True)
-    table.setTabKeyNavigation(False)
-    table.setWordWrap(False)
-    table.setHorizontalHeaderLabels(list(columns))
-    table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.Stretch)
-    table.verticalHeader().setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
-    table.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
-    table.setVerticalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
-    table.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
-    table.setVisible(False)
-    return table
-
-
 # ---- the "Measured" tab ---------------------------------------------------------------------------
 class MeasuredView(QScrollArea):
     """Measured vs estimated per phase, then signals, the leak check, allocator and context readings."""
@@ -263,7 +242,7 @@ class MeasuredView(QScrollArea):
         self.stale_note.setVisible(False)
         lay.addWidget(self.stale_note)
 
-        self.table = _fixed_table(len(PHASES), self.COLUMNS, "measuredTable",
+        self.table = fixed_table(len(PHASES), self.COLUMNS, "measuredTable",
                                   "Measured versus estimated peak per phase")
         self.table.setVerticalHeaderLabels([PHASE_LABELS[p] for p in PHASES])
         self.table.horizontalHeaderItem(2).setToolTip(
@@ -276,7 +255,7 @@ class MeasuredView(QScrollArea):
         self.ranks_label.setWordWrap(True)
         self.ranks_label.setVisible(False)
         lay.addWidget(self.ranks_label)
-        self.ranks_table = _fixed_table(0, self.RANK_COLUMNS, "measuredRanks",
+        self.ranks_table = fixed_table(0, self.RANK_COLUMNS, "measuredRanks",
                                         "Every rank's measured peak per phase and the estimate's error")
         lay.addWidget(self.ranks_table)
 
@@ -407,10 +386,7 @@ class MeasuredView(QScrollArea):
                 f.setBold(True)
                 cell.setFont(f)
             self.table.setItem(r, 2, cell)
-        self.table.resizeRowsToContents()
-        rows = sum(self.table.rowHeight(r) for r in range(len(PHASES)))
-        height = self.table.horizontalHeader().sizeHint().height() + rows
-        self.table.setFixedHeight(height + 2 * self.table.frameWidth() + 2)
+        fit_height(self.table)
         self.table.setVisible(True)
 
     def _fill_ranks(self, result: engine.MeasureResult) -> None:
@@ -438,9 +414,7 @@ class MeasuredView(QScrollArea):
                 if e is not None and abs(e) > ERROR_WARN_PCT:
                     cell.setForeground(warn)
                 table.setItem(row, col, cell)
-        table.resizeRowsToContents()
-        rows = sum(table.rowHeight(r) for r in range(table.rowCount()))
-        table.setFixedHeight(table.horizontalHeader().sizeHint().height() + rows + 2 * table.frameWidth() + 2)
+        fit_height(table)
         table.setVisible(True)
 
     def rank_cell(self, row: int, phase: str) -> str:

@@ -27,15 +27,12 @@ from typing import TYPE_CHECKING, Any
 from PySide6.QtCore import QObject, Qt, QTimer, Signal, Slot
 from PySide6.QtGui import QPalette
 from PySide6.QtWidgets import (
-    QAbstractItemView,
     QFrame,
     QHeaderView,
     QLabel,
     QProgressBar,
     QPushButton,
     QScrollArea,
-    QSizePolicy,
-    QTableWidget,
     QTableWidgetItem,
     QVBoxLayout,
     QWidget,
@@ -50,6 +47,7 @@ from ..trace import fake
 from ..trace.fake import TraceCancelled, TraceResult
 from ..view.theme import error_color
 from .measure_panel import ElidedLabel, progress_fraction, signed_pct
+from .tables import fit_height, fixed_table
 from .workers import STOP_TIMEOUT_MS, Job, TaskRunner
 
 if TYPE_CHECKING:
@@ -146,29 +144,6 @@ def _item(text: str, tooltip: str = "", *, align_right: bool = True) -> QTableWi
     return item
 
 
-def _fixed_table(rows: int, header: list[str], name: str) -> QTableWidget:
-    table = QTableWidget(rows, len(header))
-    table.setObjectName(name)
-    table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
-    table.setAlternatingRowColors(True)
-    table.setTabKeyNavigation(False)
-    table.setWordWrap(False)
-    table.setHorizontalHeaderLabels(header)
-    table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.Stretch)
-    table.verticalHeader().setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
-    table.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
-    table.setVerticalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
-    table.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
-    table.setVisible(False)
-    return table
-
-
-def _fit_height(table: QTableWidget) -> None:
-    table.resizeRowsToContents()
-    rows = sum(table.rowHeight(r) for r in range(table.rowCount()))
-    table.setFixedHeight(table.horizontalHeader().sizeHint().height() + rows + 2 * table.frameWidth() + 2)
-
-
 # ---- the "Trace" tab ------------------------------------------------------------------------------
 class TraceView(QScrollArea):
     """Analytic vs trace per phase, the per-module breakdown and the rules applied on top."""
@@ -204,7 +179,7 @@ class TraceView(QScrollArea):
         self.message.setVisible(False)
         lay.addWidget(self.message)
 
-        self.phase_table = _fixed_table(len(PHASES), list(self.PHASE_COLUMNS), "tracePhaseTable")
+        self.phase_table = fixed_table(len(PHASES), list(self.PHASE_COLUMNS), "tracePhaseTable")
         self.phase_table.setAccessibleName("Analytic versus traced tensor bytes per phase")
         self.phase_table.setVerticalHeaderLabels([PHASE_LABELS[p] for p in PHASES])
         self.phase_table.horizontalHeaderItem(2).setToolTip(
@@ -217,7 +192,7 @@ class TraceView(QScrollArea):
         self.modules_title.setWordWrap(True)
         self.modules_title.setVisible(False)
         lay.addWidget(self.modules_title)
-        self.module_table = _fixed_table(0, list(self.MODULE_COLUMNS), "traceModuleTable")
+        self.module_table = fixed_table(0, list(self.MODULE_COLUMNS), "traceModuleTable")
         self.module_table.setAccessibleName("Modules holding the most activations at the forward peak")
         header = self.module_table.horizontalHeader()
         header.setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
@@ -299,7 +274,7 @@ class TraceView(QScrollArea):
                 font.setBold(True)
                 cell.setFont(font)
             self.phase_table.setItem(r, 2, cell)
-        _fit_height(self.phase_table)
+        fit_height(self.phase_table)
         self.phase_table.setVisible(True)
 
     def _fill_modules(self, modules: list[tuple[str, int]]) -> None:
@@ -311,7 +286,7 @@ class TraceView(QScrollArea):
             self.module_table.setItem(r, 0, _item(name, name, align_right=False))
             self.module_table.setItem(r, 1, _item(format_bytes(n), f"{n:,} bytes"))
             self.module_table.setItem(r, 2, _item(f"{n / total * 100:.1f} %" if total else "–"))
-        _fit_height(self.module_table)
+        fit_height(self.module_table)
         self.modules_title.setVisible(True)
         self.module_table.setVisible(True)
 
