@@ -1,6 +1,6 @@
 """Every rank of a real multi-process step against its estimate and its fake-process-group trace (issue 17).
 
-    python bench/ranks.py [--quick]
+    python bench/ranks.py [--quick] [--only KIND]   (KIND: a layout kind of the summary, e.g. fsdp2×pp)
 
 Each case is ``memcalc measure`` of a multi-GPU setup: every rank a CPU process on PyTorch's gloo backend, running
 the layout as the per-rank trace runs it (DDP, FSDP2's ``fully_shard``, ``parallelize_module`` with transformers'
@@ -76,6 +76,7 @@ def main() -> None:
 
     warnings.filterwarnings("ignore")
     quick = "--quick" in sys.argv
+    only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv[:-1] else None
     precisions = ("mixed",) if quick else ("fp32", "mixed", "bf16")
     ckpts = ("none",) if quick else ("none", "full")
     worst: dict[str, list[float]] = {}
@@ -84,6 +85,8 @@ def main() -> None:
           + "   trace − measured (max |%|)")
     for (name, cfg), (kind, fields, m), precision, ckpt in itertools.product(MODELS.items(), LAYOUTS, precisions,
                                                                              ckpts):
+        if only is not None and kind != only:
+            continue
         if name == "qwen2-tied" and kind not in ("ddp", "fsdp2", "fsdp2×tp"):
             continue  # the tied large vocabulary matters where FSDP2 reduces the embedding
         setup = TrainingSetup(model=spec_from_config(cfg), batch=2, seq=64, grad_accum=m, precision=precision,

@@ -263,8 +263,10 @@ def test_the_trace_method_traces_the_most_loaded_rank() -> None:
 @pytest.mark.parametrize(("precision", "ckpt", "pp", "m"), [("fp32", "none", 2, 4), ("mixed", "full", 4, 8)])
 def test_fsdp2_stages_match_the_rank_traced_with_fully_shard(precision: str, ckpt: str, pp: int, m: int) -> None:
     """Each stage fully_shard-ed over 2 data-parallel ranks (mesh pp × dp_shard), run by PyTorch's schedule, which
-    syncs gradients only after the step's last backward: the ledger is within 20 % and never under by more than 3 %
-    (it keeps every unit FSDP2 might hold gathered; bench/pipeline.py prints the table)."""
+    syncs gradients only after the step's last backward: the ledger is within 10 % and never under by more than 2 %
+    (it keeps every unit a backward gathered beside the micro-batches in flight; bench/pipeline.py prints the table).
+    Without checkpointing a steady-state forward holds only the layer at work gathered (the ledger held them all: 17 %
+    over), and the head is resharded before the loss."""
     from memcalc_gui.core.analytic import estimate_analytic
     from memcalc_gui.core.pipeline import _rank_estimate
     from memcalc_gui.trace.pipeline import PipeRank, trace_pipeline_rank
@@ -277,7 +279,32 @@ def test_fsdp2_stages_match_the_rank_traced_with_fully_shard(precision: str, ckp
         ledger = _rank_estimate(setup, setup.model, rank, m, estimate_analytic)
         for ph in ("load", "forward", "backward", "optimizer_step"):
             ratio = ledger.phases[ph].total_bytes / traced.phases[ph].peak_bytes
-            assert 0.97 <= ratio <= 1.20, (rank, ph, ratio)
+            assert 0.98 <= ratio <= 1.10, (rank, ph, ratio)
+
+
+def test_fsdp2_stages_without_resharding_after_forward_keep_their_units_and_the_ledger_follows() -> None:
+    """reshard_after_forward off (torchtitan's default under PP) reaches the stage's every unit in the trace, the
+    embedding and the head too: the forward holds more than with it on, and the ledger stays a bound within 8 %."""
+    from memcalc_gui.core.analytic import estimate_analytic
+    from memcalc_gui.core.pipeline import _rank_estimate
+    from memcalc_gui.trace.pipeline import PipeRank, trace_pipeline_rank
+
+    peaks = {}
+    for reshard in (True, False):
+        setup = _setup(LLAMA8, 2, 4, "mixed", gpus=4, strategy="fsdp2", reshard_after_forward=reshard)
+        assert setup.model is not None
+        for rank in (0, 1):
+            traced = trace_pipeline_rank(LLAMA8, PipeRank(2, rank, microbatches=4, dp_shard=2,
+                                                          reshard_after_forward=reshard),
+                                         precision="mixed", optimizer_impl="foreach", **STEP)
+            peaks[reshard, rank] = traced.phases["forward"].peak_bytes
+            ledger = _rank_estimate(setup, setup.model, rank, 4, estimate_analytic)
+            for ph in ("forward", "backward", "optimizer_step"):
+                ratio = ledger.phases[ph].total_bytes / traced.phases[ph].peak_bytes
+                assert 0.99 <= ratio <= 1.08, (reshard, rank, ph, ratio)
+    assert all(peaks[False, rank] > peaks[True, rank] for rank in (0, 1))
+    with pytest.raises(InputError, match="reshard_after_forward"):
+        PipeRank(2, reshard_after_forward="no")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -496,21 +523,23 @@ def test_long_sequences_get_context_parallelism_suggested_and_the_trace_says_whe
     assert refusal(dataclasses.replace(beside_stages, parallel=Parallelism(gpus=4, cp=2, strategy="fsdp2"))) == ""
 
 
-def test_the_done_when_layout_traced_agrees_with_its_ledger() -> None:
+@pytest.mark.parametrize("seq", [2048, 8192])
+def test_the_done_when_layout_traced_agrees_with_its_ledger(seq: int) -> None:
     """Issue 17's layout, Llama-3.1-70B on 64 GPUs (tp 8 with sequence parallelism × pp 2 × FSDP2 over 4), traced
     whole on fake tensors: the most loaded stage under PyTorch's schedule on a 2 × 4 × 8 fake mesh, its layers split by
-    transformers' plan with torchtitan's sequence-parallel plan on top, fully_shard over its data-parallel ranks. The
-    sequence is 2,048 tokens to keep the trace to seconds: every phase within 3 %."""
+    transformers' plan with torchtitan's sequence-parallel plan on top, fully_shard over its data-parallel ranks (the
+    final norm with the head one unit, torchtitan's). Every phase within 2 %: at 8,192 tokens the peak is the loss,
+    which the schedule computes after the stage has resharded the head (the ledger kept it gathered there: +4.7 %)."""
     from memcalc_gui.trace.fake import trace_estimate
 
-    setup = TrainingSetup(model=preset_spec("llama-3.1-70b"), seq=2048, gpu="h100-80gb",
+    setup = TrainingSetup(model=preset_spec("llama-3.1-70b"), seq=seq, gpu="h100-80gb",
                           parallel=Parallelism(gpus=64, tp=8, pp=2, sp=True, strategy="fsdp2"))
     result = trace_estimate(setup)
     assert result.analytic is not None and result.analytic.details["pipeline_rank"] == 1
     assert any("sequence-parallel plan" in rule for rule in result.rules)
     for ph in ("load", "forward", "backward", "optimizer_step"):
         assert result.estimate.phases[ph].total_bytes == pytest.approx(result.analytic.phases[ph].total_bytes,
-                                                                       rel=0.03), ph
+                                                                       rel=0.02), ph
 
 
 def test_traces_of_one_mesh_shape_on_other_ranks_follow_each_other() -> None:

@@ -528,7 +528,7 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
         step = _objects(parameters=params, optimizer_state=state, inputs=inputs)
     load = {"parameters": params}
     notes: tuple[str, ...] = ()
-    forward_moments: list[dict[str, int]] = []  # FSDP2 fills it
+    forward_moments: list[tuple[str, dict[str, int]]] = []  # FSDP2 fills it
     host_bytes = offload_host
     par = setup.parallel
     if par.is_distributed and par.strategy == "ddp" and tuned and par.ep == 1:
@@ -630,7 +630,7 @@ def per_gpu_ledger(
 def fsdp2_ledger(
     spec: ModelSpec, setup: TrainingSetup, states: ModelStates, fwd_candidates: list[tuple[str, dict[str, int]]],
     moments: list[dict[str, int]], where: list[tuple[str, int]], step: dict[str, int], p: int,
-    collect: list[dict[str, int]] | None = None,
+    collect: list[tuple[str, dict[str, int]]] | None = None,
 ) -> tuple[dict[str, int], dict[str, int], list[dict[str, int]], dict[str, int]]:
     """The per-GPU ledger under FSDP2, moment by moment (checked against real 2- and 4-process gloo steps,
     ``tests/test_fsdp2.py``).
@@ -649,7 +649,17 @@ def fsdp2_ledger(
     w = 4 if setup.precision == "fp32" else 2  # gathered weights and unsharded gradients
     shard = 2 if setup.precision in ("bf16", "bf16-autocast") else 4  # sharded weights and gradients
     rs = 4 if setup.precision == "mixed" else w  # reduce-scatter buffers: reduce_dtype fp32 under mixed precision
-    base = states.parameters["optimizer_step"] + spec.root_unit_params * w + big * w
+    # A pipeline stage's embedding and its final norm with the head are units of their own (torchtitan's), which
+    # reshard after forward like the layers: each is gathered at its own forward and backward only. The stage is the
+    # root, so its forward's end frees the last all-gather output (``FSDPState._post_forward``), and the schedule
+    # computes the loss after that, with nothing gathered. A whole model's root unit holds them and is never
+    # resharded after forward.
+    # A pipeline stage runs its backwards without resharding or reduce-scattering (core.pipeline): a unit gathered by
+    # the backward stays gathered, and no reduce-scatter input is held.
+    pipelined = not (spec.stage_first and spec.stage_last)
+    own_root = par.reshard_after_forward and pipelined
+    root_w = spec.root_unit_params * w
+    base = states.parameters["optimizer_step"] + (0 if own_root else root_w) + big * w
     accumulating = setup.grad_accum > 1
     all_shards = states.gradients["optimizer_step"]
 
@@ -673,11 +683,15 @@ def fsdp2_ledger(
         out = objects(m, gathered_in_forward(at), all_shards if accumulating else 0)
         if at == "gather-first":  # the kept all-gather output is the root unit's, not a layer's
             out["parameters"] += (spec.root_unit_params - big) * w
+        if own_root and at == "head":  # the head gathered, its all-gather output the one kept
+            out["parameters"] += 2 * root_w - big * w
+        if own_root and at == "loss":
+            out["parameters"] -= big * w
         return out
 
     every = [in_forward(at, m) for at, m in fwd_candidates]
-    if collect is not None:  # each forward moment (a pipeline stage re-weighs them: core.pipeline)
-        collect.extend(every)
+    if collect is not None:  # each forward moment, named (a pipeline stage re-weighs them: core.pipeline)
+        collect.extend(zip((at for at, _ in fwd_candidates), every, strict=True))
     forward = max(every, key=lambda m: sum(m.values()))
     out = []
     for m, (at, k) in zip(moments, where, strict=True):
@@ -690,21 +704,23 @@ def fsdp2_ledger(
             unsharded = 0 if accumulating else (single - done * big * p) * w // p
             sharded = all_shards if accumulating else -(-done * big * shard // n)
             gathered = 1 if at == "gather" else (k if keep_all else 1) + (1 if recompute and k == nl else 0)
+            if pipelined:  # this layer, the ones above it, and the next one's prefetch (the kept slot in ``base``)
+                gathered = (nl if keep_all else min(nl - k + 1, nl - 1)) + (1 if recompute and k == nl else 0)
         elif at == "embedding":
             unsharded = spec.root_unit_params * w
             sharded = all_shards if accumulating else -(-nl * big * shard // n)
-            gathered = 0
+            gathered = nl - (0 if keep_all else 1) if pipelined else 0
         else:  # the loss and the head: no layer finished yet
             unsharded = 0 if accumulating else single * w // p
             sharded = all_shards if accumulating else 0
             gathered = keep_all
         moment = objects(m, gathered, unsharded + sharded)
-        if at == "embedding":
+        if at == "embedding" and not pipelined:
             # the bottom layer's reduce-scatter input is kept now, not the last all-gather's output (traced: the
             # two weigh the same but under mixed precision, where the input is fp32; a tied model peaks here)
             moment["temporaries"] += big * rs
             moment["parameters"] -= 0 if keep_all else big * w
-        if (at == "gather" and k < nl) or (at in ("mlp", "attn") and 1 < k < nl):
+        if not pipelined and ((at == "gather" and k < nl) or (at in ("mlp", "attn") and 1 < k < nl)):
             # a layer above was reduce-scattered: FSDP2 keeps the last reduce-scatter's input (in the reduce dtype,
             # fp32 under mixed precision) as the next layer's all-gather is copied out, and through the backward of
             # the layers between the top and the bottom one (measured on fake-process-group traces, which equal real
@@ -712,6 +728,11 @@ def fsdp2_ledger(
             moment["temporaries"] += big * rs
         if keep_all:  # no all-gather in backward: the forward's last output is gone
             moment["parameters"] -= big * w
+        if own_root:
+            # nothing gathered yet at the loss's backward; the head gathered from its backward on (a pipeline stage
+            # runs its backwards without resharding: core.pipeline), the embedding at its own
+            moment["parameters"] += -big * w if at == "loss" else root_w if spec.stage_last or at == "embedding" \
+                else 0
         out.append(moment)
     # the root unit's reduce-scatter ends the backward: the layers' gradient shards, the root's input in the reduce
     # dtype and its output shard; the root's weights are resharded by then (measured on fake-process-group traces)

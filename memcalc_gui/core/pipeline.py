@@ -177,12 +177,21 @@ def _rank_estimate(setup: TrainingSetup, spec: ModelSpec, rank: int, m: int,
         """The phase's objects from ``src``'s ledger of one micro-batch, ``more`` bytes of other micro-batches in
         flight, and whether a backward of this step has run (FSDP2's gradients are then accumulated unsharded)."""
         bases = [dict(src.phases[ph].objects)]
-        if gathered and after_backward and ph in ("forward", "backward") and setup.precision != "mixed":
-            # once a backward has run and the weights are not cast for compute, no unit is resharded until the
-            # step's end (traced: the steady state's forwards find every unit still gathered), so every FSDP2 moment
-            # holds all of them (under the mixed-precision policy the bf16 copies are freed and gathered as usual)
-            moments = src.details.get(f"{ph}_moments") or bases
-            bases = [dict(m, parameters=acc.phases["load"].objects["parameters"] + gathered) for m in moments]
+        if not gathered or setup.checkpointing == "none" or ph not in ("forward", "backward"):
+            return adjust(ph, bases[0], more, after_backward)
+        # Checkpointed layers (traced; without checkpointing FSDP2 gathers and frees as on one GPU): every unit is
+        # gathered at the stage's last layer, and the stage's end frees them before the schedule's loss; without a
+        # compute cast, on a stage before the last (whose backward starts from its loss, with nothing gathered) the
+        # units a backward's recomputations gathered stay gathered through the step (in fp32 the loss too); every
+        # FSDP2 moment then holds all of them
+        every = acc.phases["load"].objects["parameters"] + gathered
+        if ph == "backward":
+            if after_backward and setup.precision != "mixed" and not stage.stage_last:
+                bases = [dict(m, parameters=every) for m in src.details.get("backward_moments", ())] or bases
+        else:
+            keep_loss = after_backward and setup.precision == "fp32"
+            bases = [dict(m, parameters=every) if at != "loss" or keep_loss else m
+                     for at, m in src.details.get("forward_moments", ())] or bases
         return max((adjust(ph, b, more, after_backward) for b in bases), key=lambda o: sum(o.values()))
 
     def adjust(ph: str, objects: dict[str, int], more: int, after_backward: bool) -> dict[str, int]:

@@ -169,7 +169,8 @@ def rank_job(setup: TrainingSetup) -> RankJob:
             config = tensor_parallel_config(config, par.tp, par.loss_parallel)
             notes.append(f"each stage's tensor-parallel rank runs as the model with a {par.tp}th of the heads and MLP "
                          "features (the parallelized rank's step to the byte)")
-        pipe = PipeRank(par.pp, 0, par.schedule, par.virtual_stages, setup.grad_accum, dp_shard=dp)
+        pipe = PipeRank(par.pp, 0, par.schedule, par.virtual_stages, setup.grad_accum, dp_shard=dp,
+                        reshard_after_forward=par.reshard_after_forward)
         world = par.pp * dp
         return RankJob(f"pipeline:{par.schedule}", world, pipe, config, tuple(r // dp for r in range(world)),
                        tuple(notes))

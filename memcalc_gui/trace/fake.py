@@ -209,7 +209,8 @@ def trace_estimate(
                 compute = setup.precision
             step = functools.partial(trace_pipeline_rank, layout=PipeRank(
                 par.pp, pipe_rank, par.schedule, par.virtual_stages, setup.grad_accum,
-                dp_shard=par.dp if fsdp2_pipeline else 1, tp=par.tp if par.sp else 1, sp=par.sp))
+                dp_shard=par.dp if fsdp2_pipeline else 1, tp=par.tp if par.sp else 1, sp=par.sp,
+                reshard_after_forward=par.reshard_after_forward))
             if par.tp > 1 and not par.sp:
                 # one tensor-parallel rank runs the narrower model (core.layout; tests/test_layout.py); with sequence
                 # parallelism the stage's layers are split for real, torchtitan's plan on top

@@ -45,6 +45,8 @@ class PipeRank:
     #: ``seq/tp`` tokens.
     tp: int = 1
     sp: bool = False
+    #: FSDP2's ``reshard_after_forward`` for every unit of the stage (torchtitan's "always" when on, "never" off).
+    reshard_after_forward: bool = True
 
     def __post_init__(self) -> None:
         for name in ("pp", "virtual", "microbatches", "dp_shard", "tp"):
@@ -58,6 +60,8 @@ class PipeRank:
         if (self.virtual > 1) != (self.schedule == "interleaved-1f1b"):
             raise InputError("virtual_stages", "more than one stage per rank is the interleaved schedule's, and it "
                                                "needs more than one")
+        if not isinstance(self.reshard_after_forward, bool):
+            raise InputError("reshard_after_forward", f"must be true or false, got {self.reshard_after_forward!r}")
         if not isinstance(self.sp, bool) or (self.sp and self.tp == 1):
             raise InputError("sp", "sequence parallelism splits what tensor parallelism leaves whole: it needs tp 2 or "
                                    "more")
@@ -144,7 +148,8 @@ def cutter(layout: PipeRank, dp_mesh: Any = None, precision: str = "fp32", tp_me
             for unit in [inner.embed_tokens, *inner.layers, [inner.norm, model.lm_head]]:
                 if unit is not None and any(True for m in (unit if isinstance(unit, list) else [unit])
                                             for _ in m.parameters()):
-                    fully_shard(unit, mesh=dp_mesh, mp_policy=policy)
+                    fully_shard(unit, mesh=dp_mesh, mp_policy=policy,
+                                reshard_after_forward=layout.reshard_after_forward)
 
     return cut
 
