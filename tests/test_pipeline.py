@@ -263,10 +263,11 @@ def test_the_trace_method_traces_the_most_loaded_rank() -> None:
 @pytest.mark.parametrize(("precision", "ckpt", "pp", "m"), [("fp32", "none", 2, 4), ("mixed", "full", 4, 8)])
 def test_fsdp2_stages_match_the_rank_traced_with_fully_shard(precision: str, ckpt: str, pp: int, m: int) -> None:
     """Each stage fully_shard-ed over 2 data-parallel ranks (mesh pp × dp_shard), run by PyTorch's schedule, which
-    syncs gradients only after the step's last backward: the ledger is within 10 % and never under by more than 2 %
-    (it keeps every unit a backward gathered beside the micro-batches in flight; bench/pipeline.py prints the table).
-    Without checkpointing a steady-state forward holds only the layer at work gathered (the ledger held them all: 17 %
-    over), and the head is resharded before the loss."""
+    syncs gradients only after the step's last backward: the ledger is within 2 % (bench/pipeline.py prints the
+    table). FSDP2's rules per moment: the cool-down's backwards hold every unit, a forward after a backward gathers
+    nothing and reshards unit after unit (the ledger once held them all: 17 % over), the running backward's bf16
+    gradients are its own beside the fp32 accumulators (the ledger once added a whole unit's and accumulation's
+    temporaries: 14 % over on small stages), and the head is resharded before the loss."""
     from memcalc_gui.core.analytic import estimate_analytic
     from memcalc_gui.core.pipeline import _rank_estimate
     from memcalc_gui.trace.pipeline import PipeRank, trace_pipeline_rank
@@ -279,12 +280,12 @@ def test_fsdp2_stages_match_the_rank_traced_with_fully_shard(precision: str, ckp
         ledger = _rank_estimate(setup, setup.model, rank, m, estimate_analytic)
         for ph in ("load", "forward", "backward", "optimizer_step"):
             ratio = ledger.phases[ph].total_bytes / traced.phases[ph].peak_bytes
-            assert 0.98 <= ratio <= 1.10, (rank, ph, ratio)
+            assert 0.98 <= ratio <= 1.02, (rank, ph, ratio)
 
 
 def test_fsdp2_stages_without_resharding_after_forward_keep_their_units_and_the_ledger_follows() -> None:
     """reshard_after_forward off (torchtitan's default under PP) reaches the stage's every unit in the trace, the
-    embedding and the head too: the forward holds more than with it on, and the ledger stays a bound within 8 %."""
+    embedding and the head too: the forward holds more than with it on, and the ledger follows within −1 / +3 %."""
     from memcalc_gui.core.analytic import estimate_analytic
     from memcalc_gui.core.pipeline import _rank_estimate
     from memcalc_gui.trace.pipeline import PipeRank, trace_pipeline_rank
@@ -301,7 +302,7 @@ def test_fsdp2_stages_without_resharding_after_forward_keep_their_units_and_the_
             ledger = _rank_estimate(setup, setup.model, rank, 4, estimate_analytic)
             for ph in ("forward", "backward", "optimizer_step"):
                 ratio = ledger.phases[ph].total_bytes / traced.phases[ph].peak_bytes
-                assert 0.99 <= ratio <= 1.08, (reshard, rank, ph, ratio)
+                assert 0.99 <= ratio <= 1.03, (reshard, rank, ph, ratio)
     assert all(peaks[False, rank] > peaks[True, rank] for rank in (0, 1))
     with pytest.raises(InputError, match="reshard_after_forward"):
         PipeRank(2, reshard_after_forward="no")  # type: ignore[arg-type]
@@ -523,19 +524,21 @@ def test_long_sequences_get_context_parallelism_suggested_and_the_trace_says_whe
     assert refusal(dataclasses.replace(beside_stages, parallel=Parallelism(gpus=4, cp=2, strategy="fsdp2"))) == ""
 
 
-@pytest.mark.parametrize("seq", [2048, 8192])
-def test_the_done_when_layout_traced_agrees_with_its_ledger(seq: int) -> None:
+@pytest.mark.parametrize(("seq", "busiest"), [(2048, 0), (8192, 1)])
+def test_the_done_when_layout_traced_agrees_with_its_ledger(seq: int, busiest: int) -> None:
     """Issue 17's layout, Llama-3.1-70B on 64 GPUs (tp 8 with sequence parallelism × pp 2 × FSDP2 over 4), traced
     whole on fake tensors: the most loaded stage under PyTorch's schedule on a 2 × 4 × 8 fake mesh, its layers split by
     transformers' plan with torchtitan's sequence-parallel plan on top, fully_shard over its data-parallel ranks (the
     final norm with the head one unit, torchtitan's). Every phase within 2 %: at 8,192 tokens the peak is the loss,
-    which the schedule computes after the stage has resharded the head (the ledger kept it gathered there: +4.7 %)."""
+    which the schedule computes after the stage has resharded the head (the ledger kept it gathered there: +4.7 %).
+    The most loaded stage is the first at 2,048 tokens (traced: 51.80 GiB against the last stage's 50.24 GiB; its
+    backward right after another holds every unit FSDP2 gathered) and the last at 8,192 (58.43 against 51.83)."""
     from memcalc_gui.trace.fake import trace_estimate
 
     setup = TrainingSetup(model=preset_spec("llama-3.1-70b"), seq=seq, gpu="h100-80gb",
                           parallel=Parallelism(gpus=64, tp=8, pp=2, sp=True, strategy="fsdp2"))
     result = trace_estimate(setup)
-    assert result.analytic is not None and result.analytic.details["pipeline_rank"] == 1
+    assert result.analytic is not None and result.analytic.details["pipeline_rank"] == busiest
     assert any("sequence-parallel plan" in rule for rule in result.rules)
     for ph in ("load", "forward", "backward", "optimizer_step"):
         assert result.estimate.phases[ph].total_bytes == pytest.approx(result.analytic.phases[ph].total_bytes,

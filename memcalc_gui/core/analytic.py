@@ -337,6 +337,13 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
                                                   + rope_tables)))
         # ... and the first layer's, while the root unit's all-gather output is the one kept: the embedding's output
         fwd_candidates.append(("gather-first", _objects(**base_fwd, activations=stream + rope_tables)))
+        if not (spec.stage_first and spec.stage_last):
+            # a pipeline stage's first layer at work, what it keeps so far (its forward after a backward holds every
+            # unit that backward gathered: core.pipeline)
+            first_kept = stream + sac_early if ckpt else first_layer + (stream if keep_stream else 0)
+            fwd_candidates.append(("layer-first", _objects(
+                **base_fwd, activations=first_kept + rope_tables,
+                temporaries=in_layer["temporaries"] if ckpt and offload == "none" else 0)))
 
     # ---- backward moments -------------------------------------------------------------------
     moments: list[dict[str, int]] = []
@@ -677,7 +684,9 @@ def fsdp2_ledger(
             return max(keep_all - 1, 0) + 2
         if at == "gather-first":
             return 2
-        return max(keep_all, 1 if at in ("layer", "attention") else 0)
+        # (a stage before the last ends in its last layer, still gathered beside its all-gather output)
+        at_work = ("layer", "attention", "layer-first") + (("loss",) if pipelined and not spec.stage_last else ())
+        return max(keep_all, 1 if at in at_work else 0)
 
     def in_forward(at: str, m: dict[str, int]) -> dict[str, int]:
         out = objects(m, gathered_in_forward(at), all_shards if accumulating else 0)
@@ -685,7 +694,7 @@ def fsdp2_ledger(
             out["parameters"] += (spec.root_unit_params - big) * w
         if own_root and at == "head":  # the head gathered, its all-gather output the one kept
             out["parameters"] += 2 * root_w - big * w
-        if own_root and at == "loss":
+        if own_root and at == "loss" and spec.stage_last:
             out["parameters"] -= big * w
         return out
 
@@ -701,14 +710,16 @@ def fsdp2_ledger(
         if at in ("mlp", "attn", "gather"):
             done = nl - k
             # the single-GPU moment's gradients: the head's and the finished layers' (p bytes) and this layer's
-            unsharded = 0 if accumulating else (single - done * big * p) * w // p
-            sharded = all_shards if accumulating else -(-done * big * shard // n)
+            # (in a pipeline stage the head's gradients went into its own accumulator, counted by core.pipeline)
+            head = spec.root_unit_params * p if pipelined and spec.stage_last else 0
+            unsharded = 0 if accumulating else max(0, single - done * big * p - head) * w // p
+            sharded = all_shards if accumulating else 0 if pipelined else -(-done * big * shard // n)
             gathered = 1 if at == "gather" else (k if keep_all else 1) + (1 if recompute and k == nl else 0)
             if pipelined:  # this layer, the ones above it, and the next one's prefetch (the kept slot in ``base``)
                 gathered = (nl if keep_all else min(nl - k + 1, nl - 1)) + (1 if recompute and k == nl else 0)
         elif at == "embedding":
             unsharded = spec.root_unit_params * w
-            sharded = all_shards if accumulating else -(-nl * big * shard // n)
+            sharded = all_shards if accumulating else 0 if pipelined else -(-nl * big * shard // n)
             gathered = nl - (0 if keep_all else 1) if pipelined else 0
         else:  # the loss and the head: no layer finished yet
             unsharded = 0 if accumulating else single * w // p
@@ -735,14 +746,16 @@ def fsdp2_ledger(
                 else 0
         out.append(moment)
     # the root unit's reduce-scatter ends the backward: the layers' gradient shards, the root's input in the reduce
-    # dtype and its output shard; the root's weights are resharded by then (measured on fake-process-group traces)
+    # dtype and its output shard; the root's weights are resharded by then (measured on fake-process-group traces).
+    # A pipeline stage reduce-scatters after its last backward instead, every unit at once (core.pipeline)
     root = spec.root_unit_params
     layer_shards = all_shards if accumulating else -(-nl * big * shard // n)
     # (under mixed precision the embedding's bf16 gradient, the last one made, is still alive beside its fp32 copy)
     last_grad = spec.vocab_size * spec.hidden_size * w if setup.precision == "mixed" else 0
-    out.append(_objects(parameters=states.parameters["optimizer_step"], optimizer_state=states.optimizer_state,
-                        inputs=step.get("inputs", 0), gradients=layer_shards + -(-root * rs // n),
-                        temporaries=root * rs + last_grad))
+    if not pipelined:
+        out.append(_objects(parameters=states.parameters["optimizer_step"], optimizer_state=states.optimizer_state,
+                            inputs=step.get("inputs", 0), gradients=layer_shards + -(-root * rs // n),
+                            temporaries=root * rs + last_grad))
     step = _objects(**dict(step, parameters=states.parameters["optimizer_step"], gradients=all_shards,
                            optimizer_state=states.optimizer_state,
                            optimizer_temporaries=states.optimizer_temporaries))

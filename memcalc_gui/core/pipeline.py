@@ -28,7 +28,11 @@ or the head only where they live) for one micro-batch, plus what the schedule ad
   and of the gradients an earlier one receives, made at the first step and kept;
 - FSDP2 (``fully_shard``) under a pipeline schedule: PyTorch's stage runs every backward but the last without
   gradient sync and without resharding (``PipelineStage.backward_maybe_with_nosync``), so the stage's gathered
-  weights stay and its unsharded gradients (fp32 under the mixed-precision policy) accumulate through the step.
+  weights stay and its unsharded gradients (fp32 under the mixed-precision policy) accumulate through the step. What
+  that means per moment follows FSDP2's own rules: a backward right after another (the cool-down) holds every unit;
+  a forward after a backward finds every unit gathered, runs no all-gather and reshards each unit after its own
+  forward (so its first layer holds them all, its last layer only itself and the head still to come); the
+  reduce-scatter runs once, after the last backward.
 
 The trace of a rank (``memcalc_gui.trace.pipeline``) runs PyTorch's own schedules on the fake process group and
 checks these rules (``tests/test_pipeline.py``).
@@ -172,27 +176,46 @@ def _rank_estimate(setup: TrainingSetup, spec: ModelSpec, rank: int, m: int,
     buffers = receives * m * v * stream
     inputs = m * t * 8 if (stage.stage_first or stage.stage_last) else 0  # the step's token ids (and labels)
     gathered, unsynced = fsdp2_unsynced(setup, rank)
-    stage_unit = tensor_parallel_spec(stage, par.tp, par.loss_parallel).layer_params
-    def build(ph: str, src: Estimate, more: int, after_backward: bool) -> dict[str, int]:
+    stage_tp = tensor_parallel_spec(stage, par.tp, par.loss_parallel)
+    unit_w = 2 if setup.precision in ("mixed", "bf16", "bf16-autocast") else 4  # FSDP2's gathered dtype
+    root_w, layer_w = stage_tp.root_unit_params * unit_w, stage_tp.layer_params * unit_w
+    def build(ph: str, src: Estimate, more: int, after_backward: bool, cool_down: bool = False) -> dict[str, int]:
         """The phase's objects from ``src``'s ledger of one micro-batch, ``more`` bytes of other micro-batches in
-        flight, and whether a backward of this step has run (FSDP2's gradients are then accumulated unsharded)."""
+        flight, whether a backward of this step has run (FSDP2's gradients are then accumulated unsharded) and whether
+        this backward follows another one directly (the schedule's cool-down)."""
         bases = [dict(src.phases[ph].objects)]
-        if not gathered or setup.checkpointing == "none" or ph not in ("forward", "backward"):
-            return adjust(ph, bases[0], more, after_backward)
-        # Checkpointed layers (traced; without checkpointing FSDP2 gathers and frees as on one GPU): every unit is
-        # gathered at the stage's last layer, and the stage's end frees them before the schedule's loss; without a
-        # compute cast, on a stage before the last (whose backward starts from its loss, with nothing gathered) the
-        # units a backward's recomputations gathered stay gathered through the step (in fp32 the loss too); every
-        # FSDP2 moment then holds all of them
-        every = acc.phases["load"].objects["parameters"] + gathered
-        if ph == "backward":
-            if after_backward and setup.precision != "mixed" and not stage.stage_last:
-                bases = [dict(m, parameters=every) for m in src.details.get("backward_moments", ())] or bases
-        else:
-            keep_loss = after_backward and setup.precision == "fp32"
-            bases = [dict(m, parameters=every) if at != "loss" or keep_loss else m
-                     for at, m in src.details.get("forward_moments", ())] or bases
+        if gathered and after_backward and ph in ("forward", "backward"):
+            # FSDP2: a stage's backward reshards nothing (``backward_maybe_with_nosync``), so what it gathered is
+            # gathered still when the next forward or backward starts. A backward right after another holds every
+            # unit throughout; a forward after a backward finds every unit gathered and reshards each after its own
+            # forward (``after_backward_forward``)
+            if ph == "backward":  # each moment re-weighed (its gradients are the accumulators' and its own)
+                every = acc.phases["load"].objects["parameters"] + gathered
+                bases = [dict(m, parameters=every) if cool_down else dict(m)
+                         for m in src.details.get("backward_moments", ())] or bases
+            elif ph == "forward":
+                # on the last stage the previous micro-batch's logits live until this forward returns (the
+                # schedule's loop still holds that output; traced)
+                before = int(one.details["logits_bytes"]) if stage.stage_last else 0
+                bases = [dict(m, parameters=after_backward_forward(at, m),
+                              activations=m.get("activations", 0) + (before if at != "loss" else 0))
+                         for at, m in src.details.get("forward_moments", ())] or bases
         return max((adjust(ph, b, more, after_backward) for b in bases), key=lambda o: sum(o.values()))
+
+    def after_backward_forward(at: str, moment: dict[str, int]) -> int:
+        """The parameters of forward moment ``at`` after a backward under FSDP2: a unit is gathered still until its
+        own forward has run and resharded it, so no forward all-gather runs (traced)."""
+        every = acc.phases["load"].objects["parameters"] + gathered
+        if not par.reshard_after_forward:
+            return every
+        if at in ("gather-first", "layer-first"):  # every unit but the embedding, which ran before
+            return every - (root_w if stage.stage_first else 0)
+        if at in ("gather", "layer", "attention") or (at == "loss" and not stage.stage_last):
+            # the last layer (a stage before the last ends in it), and the head, whose forward is still to come
+            return every - gathered + layer_w + (root_w if stage.stage_last else 0)
+        if at == "head":
+            return every - gathered + root_w
+        return int(moment.get("parameters", 0))
 
     def adjust(ph: str, objects: dict[str, int], more: int, after_backward: bool) -> dict[str, int]:
         for k in ("cuda_context", "allocator_reserve"):
@@ -207,18 +230,22 @@ def _rank_estimate(setup: TrainingSetup, spec: ModelSpec, rank: int, m: int,
         if ph in ("forward", "backward") and not stage.stage_first:  # the one at work's input: a receive buffer
             objects["activations"] = max(0, objects["activations"] - stream)
         if ph == "backward" and stage.stage_last:
-            # the schedule holds the stage's output, the logits, until the loss's backward has run
+            # the schedule holds the stage's output, the logits, through the stage's backward (traced)
             objects["activations"] += one.details["logits_bytes"]
         if ph != "load":  # the token ids; the receive buffers hold activations (or their gradients)
             objects["inputs"] = inputs
             objects["activations"] = objects.get("activations", 0) + buffers
         if gathered and ((after_backward and ph == "forward") or ph == "backward"):
-            # FSDP2: the unsharded gradients accumulate (in backward also a unit's 16-bit gradient on its way into
-            # the accumulator), none reduce-scattered before the step's last backward has ended; the first backward
-            # gathers unit after unit and keeps them: a moment as FSDP2 gathers, or one with every unit gathered and
-            # every gradient made beside the micro-batches in flight (its end)
-            grads = unsynced + (stage_unit * 2 if ph == "backward" and setup.precision == "mixed" else 0)
-            everything = {"parameters": acc.phases["load"].objects["parameters"] + gathered, "gradients": unsynced,
+            # FSDP2: the unsharded gradients accumulate, none reduce-scattered before the step's last backward has
+            # ended (under the mixed-precision policy in fp32 accumulators, beside the bf16 gradients the running
+            # backward makes: the moment's own); the first backward gathers unit after unit and keeps them: a moment
+            # as FSDP2 gathers, or one with every unit gathered and every gradient made beside the micro-batches in
+            # flight (its end, the bottom unit's bf16 gradients still alive as they are copied into accumulators)
+            mixed = ph == "backward" and setup.precision == "mixed"
+            grads = unsynced + (objects.get("gradients", 0) if mixed else 0)
+            last_unit = (root_w if stage.stage_first else layer_w) if mixed else 0
+            everything = {"parameters": acc.phases["load"].objects["parameters"] + gathered,
+                          "gradients": unsynced + last_unit,
                           "optimizer_state": objects.get("optimizer_state", 0),
                           "inputs": objects.get("inputs", 0), "activations": more + buffers}
             working = dict(objects, gradients=grads) if after_backward else objects
@@ -236,7 +263,12 @@ def _rank_estimate(setup: TrainingSetup, spec: ModelSpec, rank: int, m: int,
             if m > 1 and ph == "forward" and flights < m * v:
                 candidates.append(build(ph, acc, extra(flights), True))
             if m > 1 and ph == "backward":
-                candidates.append(build(ph, acc, extra(min(flights, (m - 1) * v)), True))
+                # under FSDP2's policy the stage's bf16 gradients are made anew by each backward (the fp32
+                # accumulators hold the step's sum): one micro-batch's moment, without accumulation's temporaries
+                later = one if gathered and setup.precision == "mixed" else acc
+                candidates.append(build(ph, later, extra(min(flights, (m - 1) * v)), True))
+                if flights > 1:  # the cool-down: a backward right after the previous one, one micro-batch fewer
+                    candidates.append(build(ph, later, extra(flights - 1), True, cool_down=True))
         objects = max(candidates, key=lambda o: sum(o.values()))
         phases[ph] = with_overheads({k: val for k, val in objects.items() if val}, ph, setup)
     notes: tuple[str, ...] = (
