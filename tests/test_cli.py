@@ -142,9 +142,7 @@ def test_bad_models(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert code == 2 and len(err.strip().splitlines()) == 1
 
 
-def test_unknown_family_gets_the_meta_count_and_the_fit(capsys: pytest.CaptureFixture[str], tmp_path: Path,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("MEMCALC_CACHE_DIR", str(tmp_path / "fits"))
+def test_unknown_family_gets_the_meta_count_and_the_fit(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     cfg = {"model_type": "olmo", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
            "num_hidden_layers": 2, "num_attention_heads": 4, "pad_token_id": 1, "eos_token_id": 2,

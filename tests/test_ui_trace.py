@@ -155,11 +155,10 @@ def test_real_trace_replaces_the_drawn_result_and_shows_the_difference(window, q
 
 
 @pytest.mark.skipif(not fake.trace_available(), reason="torch and transformers are not installed")
-def test_a_family_without_a_block_model_is_traced_from_its_config(qtbot, tmp_path, monkeypatch):
+def test_a_family_without_a_block_model_is_traced_from_its_config(qtbot, tmp_path):
     """An OPT config (fitted method): the trace runs the real model from the config, is compared with the fitted
     estimate, and keeps the fitted what-ifs; a layout the trace cannot run is skipped with the reason."""
     pytest.importorskip("transformers")
-    monkeypatch.setenv("MEMCALC_CACHE_DIR", str(tmp_path / "fits"))
     cfg = {"model_type": "opt", "hidden_size": 64, "ffn_dim": 128, "num_attention_heads": 4, "num_hidden_layers": 3,
            "vocab_size": 512, "max_position_embeddings": 512, "word_embed_proj_dim": 64, "pad_token_id": 1}
     path = tmp_path / "config.json"

@@ -24,13 +24,11 @@ def opt_config(tmp_path: Path) -> str:
     return str(path)
 
 
-def test_an_unknown_family_is_fitted_by_default(opt_config: str, capsys: pytest.CaptureFixture[str],
-                                                tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_unknown_family_is_fitted_by_default(opt_config: str, capsys: pytest.CaptureFixture[str]) -> None:
     from memcalc_gui.measure.cpu_step import measure_training_step
 
     args = ["estimate", "--config", opt_config, "--batch", "2", "--seq", "64", "--optimizer-impl", "single-tensor",
             "--cuda-context", "0", "--allocator-reserve", "0", "--json"]
-    monkeypatch.setenv("MEMCALC_CACHE_DIR", str(tmp_path / "fits"))
     assert cli_main(args) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["method"] == "fitted" and any("fake-tensor traces" in a for a in data["assumptions"])
@@ -51,12 +49,10 @@ def test_analytic_on_an_unknown_family_names_the_alternatives(opt_config: str,
     assert "--method fitted" in err and len(err.splitlines()) == 1
 
 
-def test_an_unknown_family_across_gpus_is_fitted_per_gpu(opt_config: str, capsys: pytest.CaptureFixture[str],
-                                                         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_unknown_family_across_gpus_is_fitted_per_gpu(opt_config: str, capsys: pytest.CaptureFixture[str]) -> None:
     """The fitted replica made per-GPU (tests/test_fitted.py checks it against the analytic ledger); the full trace
     runs the rank of a replicated or fully_shard-ed layout and refuses the others, saying so; expert parallelism
     needs experts; --router-logits needs a router."""
-    monkeypatch.setenv("MEMCALC_CACHE_DIR", str(tmp_path / "fits"))
     base = ["estimate", "--config", opt_config, "--gpus", "4", "--json"]
     assert cli_main([*base, "--strategy", "zero2"]) == 0
     data = json.loads(capsys.readouterr().out)
@@ -79,11 +75,10 @@ def test_an_unknown_family_across_gpus_is_fitted_per_gpu(opt_config: str, capsys
 
 
 def test_the_trace_of_an_unknown_family_takes_its_what_ifs_from_the_fit(
-        opt_config: str, capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        opt_config: str, capsys: pytest.CaptureFixture[str]) -> None:
     """The traced verdict with the fitted method's largest micro-batch and suggestions: without a block model the
     analytic what-ifs are the quick heuristic's, which put the largest micro-batch of this step at a fraction of
     the fitted one."""
-    monkeypatch.setenv("MEMCALC_CACHE_DIR", str(tmp_path / "fits"))
     base = ["estimate", "--config", opt_config, "--batch", "2", "--seq", "64", "--cuda-context", "0",
             "--allocator-reserve", "0", "--json"]
     assert cli_main(base) == 0

@@ -19,6 +19,7 @@ import json
 import math
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -336,7 +337,9 @@ def _calibrate(cfg: dict[str, Any], setup: TrainingSetup, num_params: int, model
                    time.perf_counter() - t0, notes, structure_on_meta(cfg))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
+        # a name of this process and thread: two writers of one fit (two windows, two CLI runs) never share the
+        # file being written, and the last rename wins with a whole file
+        tmp = path.with_name(f"{path.stem}.{os.getpid()}.{threading.get_ident()}.tmp")
         tmp.write_text(json.dumps(fit.to_json()))
         tmp.replace(path)
     except OSError:
