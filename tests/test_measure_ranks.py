@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -301,3 +303,40 @@ def test_the_sequence_parallel_plan_computes_the_single_gpu_step(vocab: bool) ->
         p.join(30)
     for _, loss, grad in got:
         assert loss == pytest.approx(single[0], rel=1e-5) and grad == pytest.approx(single[1], rel=1e-5)
+
+
+ORPHANED_RANK = """
+import multiprocessing, os, sys, time
+from memcalc_gui.measure.distributed import _die_with_parent
+
+def rank():
+    _die_with_parent()
+    time.sleep(600)  # as a rank waiting in a collective whose peers are gone
+
+if __name__ == "__main__":
+    child = multiprocessing.get_context("spawn").Process(target=rank)
+    child.start()
+    print(child.pid, flush=True)
+    time.sleep(3)  # the rank is running (its prctl done)
+    os._exit(1)  # as a window killed or a test stopped for its time: no clean-up runs
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_rank_ends_with_the_process_that_started_it(tmp_path: Path) -> None:
+    """The kernel ends a rank whose parent ended without a clean-up, instead of leaving it behind (which held the
+    parent's output pipes open, and waited in its collective for gloo's timeout)."""
+    script = tmp_path / "parent.py"
+    script.write_text(ORPHANED_RANK)
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=str(root)))
+    pid = int(proc.stdout.split()[0])
+    deadline = time.monotonic() + 20
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        status = Path(f"/proc/{pid}/status").read_text() if Path(f"/proc/{pid}/status").exists() else ""
+        if "State:\tZ" in status:  # ended, waiting for init to reap it
+            break
+        time.sleep(0.1)
+    status = Path(f"/proc/{pid}/status").read_text() if Path(f"/proc/{pid}/status").exists() else ""
+    assert not status or "State:\tZ" in status, status

@@ -18,6 +18,7 @@ import functools
 import os
 import queue
 import socket
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -26,6 +27,8 @@ from .cpu_step import StepMeasurement, measure_training_step
 
 #: Seconds a rank may take before the run is abandoned (a hung collective must not hang the caller).
 RANK_TIMEOUT_S = 300
+#: prctl(2)'s option that names the signal a process gets when its parent ends.
+PR_SET_PDEATHSIG = 1
 
 
 def fsdp2_parallelize(precision: str, reshard_after_forward: bool) -> Any:
@@ -129,8 +132,22 @@ def nccl_like_reduce_scatter() -> Iterator[None]:
         dist.reduce_scatter_single = original
 
 
+def _die_with_parent() -> None:
+    """On Linux the kernel ends this rank when the thread that started it ends (a window killed, a test stopped
+    for its time): a rank left behind would wait in a collective for gloo's half-hour timeout (prctl(2),
+    ``PR_SET_PDEATHSIG``). Elsewhere the parent's own deadline and kill remain."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
+
+
 def _rank(rank: int, world: int, port: int, kwargs: dict[str, Any], strategy: str, reshard_after_forward: bool,
           out: Any, layout: Any = None, report: bool = False) -> None:
+    _die_with_parent()
     import torch.distributed as dist
 
     os.environ["MASTER_ADDR"] = "127.0.0.1"
