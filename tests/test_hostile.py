@@ -425,7 +425,10 @@ def test_ctrl_c_is_one_line(argv):
                             env=dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1])))
     time.sleep(4)  # inside torch's import, the model build or the step
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+    try:
+        _, err = proc.communicate(timeout=60)
+    finally:  # a command that did not stop is not left running after the test
+        proc.kill()
     assert proc.returncode == 130, err[-2000:]
     assert "Traceback" not in err
     assert [line for line in err.splitlines() if line.startswith("memcalc")] == ["memcalc: interrupted"]

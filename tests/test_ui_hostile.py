@@ -113,11 +113,14 @@ def _gui(*args: str, timeout: float, **env: str) -> subprocess.Popen:
 
 def test_ctrl_c_closes_the_real_window(tmp_path):
     proc = _gui(timeout=60, MEMCALC_SETTINGS_DIR=str(tmp_path / "settings"), MEMCALC_LOG_DIR=str(tmp_path / "logs"))
-    time.sleep(4)  # the window is up
-    assert proc.poll() is None
-    t0 = time.perf_counter()
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=30)
+    try:
+        time.sleep(4)  # the window is up
+        assert proc.poll() is None
+        t0 = time.perf_counter()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:  # a window that did not close is not left running after the test
+        proc.kill()
     assert proc.returncode == 0, err
     assert time.perf_counter() - t0 < 5
     assert "Traceback" not in err
