@@ -332,11 +332,18 @@ def test_a_rank_ends_with_the_process_that_started_it(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, PYTHONPATH=str(root)))
     pid = int(proc.stdout.split()[0])
+
+    def status() -> str:  # "" once the process is gone and reaped
+        try:
+            return Path(f"/proc/{pid}/status").read_text()
+        except (FileNotFoundError, ProcessLookupError):
+            return ""
+
+    def ended() -> bool:  # gone, or a zombie waiting for init to reap it
+        text = status()
+        return not text or "State:\tZ" in text
+
     deadline = time.monotonic() + 20
-    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
-        status = Path(f"/proc/{pid}/status").read_text() if Path(f"/proc/{pid}/status").exists() else ""
-        if "State:\tZ" in status:  # ended, waiting for init to reap it
-            break
+    while not ended() and time.monotonic() < deadline:
         time.sleep(0.1)
-    status = Path(f"/proc/{pid}/status").read_text() if Path(f"/proc/{pid}/status").exists() else ""
-    assert not status or "State:\tZ" in status, status
+    assert ended(), status()
