@@ -15,6 +15,11 @@ if "MEMCALC_CACHE_DIR" not in os.environ:  # fitted-method calibrations of the r
 
     os.environ["MEMCALC_CACHE_DIR"] = tempfile.mkdtemp(prefix="memcalc-test-fits-")
 
+if "MEMCALC_TEST_WATCHDOG_DIR" not in os.environ:  # each process's log of its tests and a stuck one's stacks
+    import tempfile
+
+    os.environ["MEMCALC_TEST_WATCHDOG_DIR"] = tempfile.mkdtemp(prefix="memcalc-test-watchdog-")
+
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -53,3 +58,91 @@ def no_job_outlives_its_test():
         thread.wait(max(1, int((deadline - time.monotonic()) * 1000)))
     left = workers.running_orphans()
     assert not left, f"{len(left)} worker thread(s) still running {ORPHAN_WAIT_S} s after the test"
+
+
+
+# ---- a stuck run ends, and says where ------------------------------------------------------------------------
+#: Past pytest-timeout's 300 s a test is stuck where Python's own timer thread cannot run (a C call holding the
+#: interpreter lock): faulthandler's C watchdog then writes every thread's stack to this process's log and ends the
+#: process; xdist names the test and starts another worker, and the controller prints the log's tail.
+STUCK_TEST_S = 420
+#: The controller ends the run when no test has reported for this long (a worker stuck outside any test, in its
+#: start or its exit): it prints what each process ran last and exits with 3, well inside CI's time.
+STALLED_RUN_S = 1200
+
+_LOG = pytest.StashKey[object]()
+_LAST_REPORT = [0.0]
+
+
+def _logs() -> list[Path]:
+    return sorted(Path(os.environ["MEMCALC_TEST_WATCHDOG_DIR"]).glob("*.log"))
+
+
+def _tail(path: Path, lines: int) -> str:
+    try:
+        return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
+    except OSError as exc:
+        return f"({exc})"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """Log the test's start and end, and arm the C watchdog for it (setup, call and teardown)."""
+    import faulthandler
+    import time
+
+    log = item.config.stash.get(_LOG, None)
+    if log is None:
+        worker = getattr(item.config, "workerinput", {}).get("workerid", "main")
+        path = Path(os.environ["MEMCALC_TEST_WATCHDOG_DIR"]) / f"{worker}-{os.getpid()}.log"
+        log = item.config.stash[_LOG] = path.open("a", buffering=1, encoding="utf-8")
+    log.write(f"{time.strftime('%H:%M:%S')} start {item.nodeid}\n")
+    faulthandler.dump_traceback_later(STUCK_TEST_S, exit=True, file=log)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        log.write(f"{time.strftime('%H:%M:%S')} end\n")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    """The controller, under xdist: a worker ended abnormally; print the end of its log (the stacks, if stuck)."""
+    if not error:
+        return
+    reporter = node.config.pluginmanager.get_plugin("terminalreporter")
+    for path in _logs():
+        if path.name.startswith(f"{node.gateway.id}-") and reporter is not None:
+            reporter.write_line(f"---- {node.gateway.id}: the end of its log {path} ----")
+            reporter.write_line(_tail(path, 80))
+            reporter.flush()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    import time
+
+    _LAST_REPORT[0] = time.monotonic()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The controller under xdist watches for a run in which no test reports any more."""
+    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
+        return  # a worker, or a run without xdist: pytest-timeout and the C watchdog cover it
+    import threading
+    import time
+
+    _LAST_REPORT[0] = time.monotonic()
+
+    def watch() -> None:
+        while time.monotonic() - _LAST_REPORT[0] < STALLED_RUN_S:
+            time.sleep(10)
+        lines = [f"no test reported for {STALLED_RUN_S} s: the run ends here. What each process ran last:"]
+        for path in _logs():
+            lines += [f"---- {path} ----", _tail(path, 12)]
+        reporter = config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line("\n".join(lines))
+            reporter.flush()
+        os._exit(3)
+
+    threading.Thread(target=watch, name="stalled-run-watchdog", daemon=True).start()
