@@ -172,6 +172,37 @@ def test_the_collector_never_runs_on_a_worker_thread(qtbot):
     assert gc.isenabled()
 
 
+
+def test_a_jobs_own_collections_run_on_the_gui_thread(qtbot):
+    """A measured step collects explicitly (memcalc_gui.measure.collect_garbage). Run on the worker, a collection
+    that freed a closed window's widgets deadlocked the two threads for good (the suite's CI runs stopped in
+    test_a_family_without_a_block_model_is_fitted_in_the_window: the worker in ``QObject::~QObject`` waiting for the
+    interpreter lock, the GUI thread deleting a QMenu on Qt's object mutex while holding it). A runner's worker hands
+    the collection to the GUI thread and waits for it."""
+    from memcalc_gui import measure
+
+    freed_on: list[str] = []
+
+    class Cycle:
+        def __init__(self) -> None:
+            self.me = self  # only a collection frees it
+
+        def __del__(self) -> None:
+            freed_on.append(threading.current_thread().name)
+
+    runner = TaskRunner("gc-collects")
+
+    def job(progress, stop):
+        Cycle()
+        measure.collect_garbage()
+        return list(freed_on)
+
+    with qtbot.waitSignal(runner.finished, timeout=10000) as blocker:
+        runner.start(job)
+    assert blocker.args == [[threading.main_thread().name]]
+    measure.collect_garbage()  # the GUI thread itself collects at once
+
+
 # ---- device label ------------------------------------------------------------------------------------
 def test_button_names_the_device_found_lazily(window, qtbot):
     panel = window.measure_panel

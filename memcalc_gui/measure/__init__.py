@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import threading
 from collections.abc import Callable, Iterator
 
@@ -25,3 +26,27 @@ def exclusive_torch_job(should_stop: Callable[[], bool] | None = None,
         yield
     finally:
         _TORCH_JOB.release()
+
+
+#: Where a measurement's explicit collections run when it is not on the main thread (a window's worker): set by
+#: the window (``memcalc_gui.ui.workers``) to run them on the GUI thread. ``None``: collect where called.
+_collector: Callable[[], None] | None = None
+
+
+def set_collector(collector: Callable[[], None] | None) -> None:
+    """Install the function :func:`collect_garbage` calls off the main thread (``None``: ``gc.collect`` there)."""
+    global _collector
+    _collector = collector
+
+
+def collect_garbage() -> None:
+    """``gc.collect()`` where it is safe. A collection frees whatever sits in a reference cycle, Qt objects of a closed
+    window included; run on a worker thread, PySide6 hands such a widget's deletion to the GUI thread, and the two
+    threads then wait for each other (the worker on the interpreter lock inside ``QObject::~QObject``, the GUI thread
+    on Qt's object mutex while holding that lock): a window whose worker collected froze for good. With a window
+    open the collection therefore runs on its GUI thread, the worker waiting for it."""
+    collector = _collector
+    if collector is None or threading.current_thread() is threading.main_thread():
+        gc.collect()
+    else:
+        collector()

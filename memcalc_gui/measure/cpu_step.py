@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 from memcalc_gui.core.finetune import FineTuning
 from memcalc_gui.core.timeline import Timeline
 from memcalc_gui.core.vocab import PHASES, TENSOR_OBJECTS
+from memcalc_gui.measure import collect_garbage
 from memcalc_gui.measure.tracker import LiveStorageTracker, StorageRecord
 
 if TYPE_CHECKING:
@@ -320,7 +321,7 @@ def measure_training_step(
 
             def packed() -> contextlib.AbstractContextManager[None]:
                 return varlen_attention.documents(lengths) if documents is not None else contextlib.nullcontext()
-            gc.collect()
+            collect_garbage()
             # what exists now (imports, the model, the optimizer) lives through the step: the per-iteration
             # collections then scan only what the step makes (a tenth of the time on a transformers model)
             gc.freeze()
@@ -356,7 +357,7 @@ def measure_training_step(
                             for value in optimizer_state_tensors(state):
                                 tracker.track(value, "optimizer_state")
                         opt.zero_grad(set_to_none=True)
-                gc.collect()
+                collect_garbage()
                 live_end.append(tracker.live_bytes)
         summary = _summarize(tracker, iterations, windows, n_params, live_end, round_to)
         summary = dataclasses.replace(summary, host_bytes=tracker.host_peak_bytes)
@@ -542,7 +543,7 @@ def quantize_model(model: Any, tuning: FineTuning, checkpointing: bool, device: 
     try:
         model.save_pretrained(folder)
         del model
-        gc.collect()
+        collect_garbage()
         loaded = AutoModelForCausalLM.from_pretrained(folder, quantization_config=quant, trust_remote_code=False,
                                                       device_map="cpu" if device == "cpu" else {"": 0})
     finally:

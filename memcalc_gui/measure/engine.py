@@ -14,7 +14,6 @@ torch is imported inside functions only.
 from __future__ import annotations
 
 import contextlib
-import gc
 import importlib.util
 import itertools
 import math
@@ -35,7 +34,7 @@ from ..core.setup import TrainingSetup, checkpoint_every
 from ..core.timeline import Timeline, read_timeline
 from ..core.units import format_bytes
 from ..core.vocab import PHASES
-from . import exclusive_torch_job
+from . import collect_garbage, exclusive_torch_job
 from .layout import PROCESS_BYTES, SPAWN_S, measured_world, rank_job, refusal, scale_layout
 
 #: Fraction of the device's free memory a full-size measurement may plan to use.
@@ -473,7 +472,7 @@ def measure(
     except Exception as exc:  # a config transformers cannot build, an op that fails: one line, not a traceback
         raise MeasureError(f"the measurement failed ({type(exc).__name__}: {one_line(exc, 240)})") from None
     finally:
-        gc.collect()
+        collect_garbage()
     result.seconds = time.perf_counter() - t0
     return result
 
@@ -737,7 +736,7 @@ def _measure_cuda(result: MeasureResult, config: dict[str, Any], setup: Training
                 torch.cuda.memory._record_memory_history(enabled=None)
         params.clear()  # the last references to the weights: let the cache be emptied below
         del model, opt, input_ids, loss
-        gc.collect()
+        collect_garbage()
         torch.cuda.empty_cache()
 
 

@@ -11,7 +11,9 @@ Garbage collection: while any job runs, Python's automatic collector is off, and
 before a job starts and after the last one ends. Qt objects (a chart's plot items, a closed window) often sit
 in reference cycles; collected on a worker thread they would be destroyed off the GUI thread, which hangs or
 crashes Qt (pyqtgraph's ``GarbageCollector`` exists for the same reason). Measured steps then free memory by
-reference counts and their own explicit collections, as the distributed ranks do.
+reference counts and their own explicit collections (``memcalc_gui.measure.collect_garbage``), which a runner
+hands to the GUI thread and waits for: run on the worker, one froze the window for good (PySide6 passed a closed
+window's menu to the GUI thread for deletion, and each thread then waited for a lock the other held).
 
 Shutdown: ``stop()`` asks the job to stop and waits for its thread. Owners call it from
 ``closeEvent``; every runner also stops itself on ``QCoreApplication.aboutToQuit``, so a thread is
@@ -30,6 +32,7 @@ from typing import Any
 
 from PySide6.QtCore import QCoreApplication, QObject, QThread, Signal, Slot
 
+from .. import measure
 from ..core.errors import MemcalcError, one_line
 
 ProgressFn = Callable[[str], None]
@@ -44,6 +47,51 @@ STOP_TIMEOUT_MS = 1_000
 
 #: Threads that did not stop in time: referenced here so Python never destroys a running QThread.
 _ORPHANS: list[QThread] = []
+
+
+#: How long a worker's collection waits for the GUI thread; past it (the GUI thread waiting for that very worker
+#: to stop, say) the step goes on without it.
+GC_WAIT_S = 10.0
+
+
+class _GuiCollector(QObject):
+    """Runs the workers' explicit collections on the GUI thread, where it lives (:func:`_collect_on_gui_thread`)."""
+
+    requested = Signal(object)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.requested.connect(self._collect)  # queued: emitted from a worker
+
+    @Slot(object)
+    def _collect(self, done: threading.Event) -> None:
+        try:
+            gc.collect()
+        finally:
+            done.set()
+
+
+_COLLECTOR: _GuiCollector | None = None
+
+
+def _collect_on_gui_thread() -> None:
+    """``memcalc_gui.measure.collect_garbage`` on a worker thread: the GUI thread collects, the worker waits."""
+    done = threading.Event()
+    try:
+        if _COLLECTOR is None:
+            return
+        _COLLECTOR.requested.emit(done)
+    except RuntimeError:  # the application is gone: nothing collects any more
+        return
+    done.wait(GC_WAIT_S)
+
+
+def _install_collector() -> None:
+    """GUI thread, as the first runner is made: the workers' collections run here from now on."""
+    global _COLLECTOR
+    if _COLLECTOR is None:
+        _COLLECTOR = _GuiCollector()
+        measure.set_collector(_collect_on_gui_thread)
 
 
 _gc_holds = 0
@@ -190,6 +238,7 @@ class TaskRunner(QObject):
         app = QCoreApplication.instance()
         if app is not None:
             app.aboutToQuit.connect(self._about_to_quit)
+        _install_collector()
 
     # ---- control ------------------------------------------------------------------------------
     def start(self, fn: Job) -> None:
