@@ -875,7 +875,8 @@ def test_source_switch_keeps_each_model_row_level_with_its_label(window):
     for kind in ("config", "preset", "params", "hub", "preset", "config"):
         inputs.model_kind.setCurrentIndex(inputs.model_kind.findData(kind))
         field = fields[kind]
-        for _ in range(100):  # the layout settles over a few posted LayoutRequest events (more under a loaded machine)
+        settled = time.monotonic() + 10  # the layout settles over a few posted LayoutRequest events (the suite's
+        while time.monotonic() < settled:  # 100 rounds of 5 ms were not enough on a loaded 2-core machine)
             QApplication.processEvents()
             if inputs.model_stack.height() <= inputs.model_stack.currentWidget().sizeHint().height() + 2 and \
                     abs(centre_y(field) - centre_y(inputs.model_label)) <= 3:
