@@ -634,8 +634,12 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
 def _fitted_result(setup: TrainingSetup, config: dict[str, Any]) -> tuple[Result | None, str]:
     """The fitted method's result (calibrated once per config and setup, then cached), or ``None`` and why not
-    (the caller traces the full model). What-ifs that change more than the shape need calibrations of their own
-    and are left out of the suggestions."""
+    (the caller traces the full model).
+
+    A what-if that changes more than the shape needs a calibration of its own. As in the window, one is run only
+    where it is worth its seconds (:func:`~memcalc_gui.core.fitted.worth_calibrating`): a precision what-if (the
+    step of a strategy that computes in bf16), and a checkpointing one once the setup does not fit its GPU. The
+    others come from fits already in the cache, or are named in the verdict as not weighed yet."""
     from .core.fitted import FitModel, evaluate_fitted, signature, worth_calibrating
     from .trace.fake import TraceError, trace_available
     from .trace.fit import FitError, calibrate
@@ -651,16 +655,21 @@ def _fitted_result(setup: TrainingSetup, config: dict[str, Any]) -> tuple[Result
         return None, f"the fitted method does not apply here ({exc}); traced the full model instead"
     base = signature(setup)
 
-    def more(changed: TrainingSetup) -> FitModel | None:
-        """A what-if's own calibration: traced when only checkpointing changes (the lever that matters most when
-        activations do not fit) or only the traced precision (a strategy that computes in bf16), a few seconds
-        once; else only a fit already in the cache."""
-        try:
-            return calibrate(config, changed, changed.num_params, cached_only=not worth_calibrating(base, changed))
-        except (FitError, TraceError):
-            return None
+    def evaluate_with(levers: bool) -> Result:
+        def more(changed: TrainingSetup) -> FitModel | None:
+            precision = signature(changed)["precision"] != base["precision"]
+            worth = worth_calibrating(base, changed) and (levers or precision)
+            try:
+                return calibrate(config, changed, changed.num_params, cached_only=not worth)
+            except (FitError, TraceError):
+                return None
 
-    return evaluate_fitted(setup, fit, more), ""
+        return evaluate_fitted(setup, fit, more)
+
+    result = evaluate_with(levers=False)
+    if result.verdict.fits is False and result.verdict.uncalibrated:
+        result = evaluate_with(levers=True)  # over the GPU: checkpointing, the lever that matters most, is weighed
+    return result, ""
 
 
 def cmd_reconcile(args: argparse.Namespace) -> int:

@@ -39,6 +39,36 @@ def test_an_unknown_family_is_fitted_by_default(opt_config: str, capsys: pytest.
     assert json.loads(capsys.readouterr().out)["method"] == "quick"
 
 
+def test_a_lever_is_calibrated_only_when_the_setup_does_not_fit(opt_config: str, monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """A checkpointing what-if needs a calibration of its own (seconds each, three of them took most of a cold
+    estimate): without a GPU the verdict names it as not weighed yet; over a GPU's capacity it is calibrated and
+    weighed. The window follows the same rule."""
+    from memcalc_gui.trace import fit
+
+    calibrated: list[str] = []
+    real = fit.calibrate
+
+    def counting(config, setup, num_params, **kw):  # type: ignore[no-untyped-def]
+        if not kw.get("cached_only") and setup.checkpointing != "none":
+            calibrated.append(setup.checkpointing)
+        return real(config, setup, num_params, **kw)
+
+    monkeypatch.setattr(fit, "calibrate", counting)
+    base = ["estimate", "--config", opt_config, "--batch", "2", "--seq", "64", "--cuda-context", "0",
+            "--allocator-reserve", "0", "--json"]
+    assert cli_main(base) == 0
+    free = json.loads(capsys.readouterr().out)
+    assert calibrated == []
+    assert any("checkpointing" in t.lower() for t in free["uncalibrated_changes"]), free["uncalibrated_changes"]
+    assert not any(s["key"].startswith("checkpointing") for s in free["suggestions"])
+    assert cli_main([*base, "--capacity", str(free["peak_bytes"] * 9 // 10)]) == 0
+    tight = json.loads(capsys.readouterr().out)
+    assert tight["fits"] is False and calibrated
+    weighed = set(free["uncalibrated_changes"]) - set(tight["uncalibrated_changes"])
+    assert any("checkpointing" in t.lower() for t in weighed), (free["uncalibrated_changes"], tight)
+
+
 def test_analytic_on_an_unknown_family_names_the_alternatives(opt_config: str,
                                                               capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_:
