@@ -309,27 +309,29 @@ ORPHANED_RANK = """
 import multiprocessing, os, sys, time
 from memcalc_gui.measure.distributed import _die_with_parent
 
-def rank():
-    _die_with_parent()
+def rank(parent):
+    _die_with_parent(parent)
     time.sleep(600)  # as a rank waiting in a collective whose peers are gone
 
 if __name__ == "__main__":
-    child = multiprocessing.get_context("spawn").Process(target=rank)
+    child = multiprocessing.get_context("spawn").Process(target=rank, args=(os.getpid(),))
     child.start()
     print(child.pid, flush=True)
-    time.sleep(3)  # the rank is running (its prctl done)
+    time.sleep(float(sys.argv[1]))  # 3: the rank is running (its prctl done); 0: it has not even started Python
     os._exit(1)  # as a window killed or a test stopped for its time: no clean-up runs
 """
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
-def test_a_rank_ends_with_the_process_that_started_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("lives_s", [3, 0], ids=["after-its-start", "before-its-start"])
+def test_a_rank_ends_with_the_process_that_started_it(tmp_path: Path, lives_s: int) -> None:
     """The kernel ends a rank whose parent ended without a clean-up, instead of leaving it behind (which held the
-    parent's output pipes open, and waited in its collective for gloo's timeout)."""
+    parent's output pipes open, and waited in its collective for gloo's timeout); a parent gone before the rank
+    could ask the kernel is seen by the rank itself."""
     script = tmp_path / "parent.py"
     script.write_text(ORPHANED_RANK)
     root = Path(__file__).resolve().parent.parent
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+    proc = subprocess.run([sys.executable, str(script), str(lives_s)], capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, PYTHONPATH=str(root)))
     pid = int(proc.stdout.split()[0])
 

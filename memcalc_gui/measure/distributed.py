@@ -132,10 +132,11 @@ def nccl_like_reduce_scatter() -> Iterator[None]:
         dist.reduce_scatter_single = original
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(parent: int | None = None) -> None:
     """On Linux the kernel ends this rank when the thread that started it ends (a window killed, a test stopped
     for its time): a rank left behind would wait in a collective for gloo's half-hour timeout (prctl(2),
-    ``PR_SET_PDEATHSIG``). Elsewhere the parent's own deadline and kill remain."""
+    ``PR_SET_PDEATHSIG``). A parent (``parent``: its pid) that ended before the request was made is seen at once:
+    the rank was handed to another process, and ends. Elsewhere the parent's own deadline and kill remain."""
     if not sys.platform.startswith("linux"):
         return
     import ctypes
@@ -143,11 +144,13 @@ def _die_with_parent() -> None:
 
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
+    if parent is not None and os.getppid() != parent:
+        os._exit(1)
 
 
 def _rank(rank: int, world: int, port: int, kwargs: dict[str, Any], strategy: str, reshard_after_forward: bool,
-          out: Any, layout: Any = None, report: bool = False) -> None:
-    _die_with_parent()
+          out: Any, layout: Any = None, report: bool = False, parent: int | None = None) -> None:
+    _die_with_parent(parent)
     import torch.distributed as dist
 
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -213,7 +216,7 @@ def _run(config: dict[str, Any], world: int, strategy: str, reshard_after_forwar
     args = dict(kwargs, config=config)
     port = _free_port()
     procs = [ctx.Process(target=_rank, args=(r, world, port, args, strategy, reshard_after_forward, out, layout,
-                                             on_phase is not None), daemon=True)
+                                             on_phase is not None, os.getpid()), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
