@@ -206,3 +206,21 @@ def test_every_family_measures(family: str) -> None:
     assert m.params == n
     assert m.phases["optimizer_step"].objects["gradients"] == 4 * n
     assert m.iterations[0].live_bytes_end == m.iterations[1].live_bytes_end
+
+
+def test_a_frozen_heap_outlives_the_steps_and_blocks_inside_it() -> None:
+    """A calibration freezes the heap once for its traces (memcalc_gui.measure.frozen_heap): neither a step's own
+    freeze nor a block inside ends it early (gc.unfreeze undoes every freeze at once), and its end unfreezes."""
+    import gc
+
+    from memcalc_gui.measure import frozen_heap
+
+    assert gc.get_freeze_count() == 0
+    with frozen_heap():
+        frozen = gc.get_freeze_count()
+        assert frozen > 0
+        with frozen_heap():
+            pass
+        measure_training_step(tiny_config("llama"), batch=1, seq=8, precision="fp32", iterations=2)
+        assert gc.get_freeze_count() > frozen // 2  # frozen objects that died leave it; an unfreeze empties it
+    assert gc.get_freeze_count() == 0

@@ -50,3 +50,20 @@ def collect_garbage() -> None:
         gc.collect()
     else:
         collector()
+
+
+@contextlib.contextmanager
+def frozen_heap() -> Iterator[None]:
+    """Collect once, then keep what exists now (imports, caches) out of the collections that follow until the block
+    ends (``gc.freeze``): each step's collections then scan only what the steps make. Before each of a calibration's
+    traces a collection of torch's and transformers' whole heap took 250 ms, a fifth of the calibration. A block
+    inside another (or inside a step's own freeze) keeps the outer one: ``gc.unfreeze`` undoes every freeze."""
+    if gc.get_freeze_count():
+        yield
+        return
+    collect_garbage()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()

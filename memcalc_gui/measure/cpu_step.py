@@ -323,9 +323,11 @@ def measure_training_step(
                 return varlen_attention.documents(lengths) if documents is not None else contextlib.nullcontext()
             collect_garbage()
             # what exists now (imports, the model, the optimizer) lives through the step: the per-iteration
-            # collections then scan only what the step makes (a tenth of the time on a transformers model)
-            gc.freeze()
-            frozen = True
+            # collections then scan only what the step makes (a tenth of the time on a transformers model). Inside
+            # a caller's freeze (measure.frozen_heap, a calibration's traces) that one stays.
+            if not gc.get_freeze_count():
+                gc.freeze()
+                frozen = True
 
             live_end: list[int] = []
             windows = grad_accum

@@ -276,9 +276,11 @@ def calibrate(config: dict[str, Any], setup: TrainingSetup, num_params: int,
             pass  # a stale or broken cache file: calibrate again
     if cached_only:
         raise FitError("not calibrated yet")
-    from ..measure import exclusive_torch_job
+    from ..measure import exclusive_torch_job, frozen_heap
 
-    with exclusive_torch_job():  # one torch job at a time: a trace or a measurement in another thread waits
+    # one torch job at a time: a trace or a measurement in another thread waits; the heap as it is now stays out
+    # of the collections of the traces
+    with exclusive_torch_job(), frozen_heap():
         return _calibrate(cfg, setup, num_params, model_type, layers, (pair, check_layers), path, progress)
 
 
