@@ -640,7 +640,7 @@ def _fitted_result(setup: TrainingSetup, config: dict[str, Any]) -> tuple[Result
     where it is worth its seconds (:func:`~memcalc_gui.core.fitted.worth_calibrating`): a precision what-if (the
     step of a strategy that computes in bf16), and a checkpointing one once the setup does not fit its GPU. The
     others come from fits already in the cache, or are named in the verdict as not weighed yet."""
-    from .core.fitted import FitModel, evaluate_fitted, signature, worth_calibrating
+    from .core.fitted import FitModel, estimate_fitted, evaluate_fitted, signature, worth_calibrating
     from .trace.fake import TraceError, trace_available
     from .trace.fit import FitError, calibrate
 
@@ -654,22 +654,18 @@ def _fitted_result(setup: TrainingSetup, config: dict[str, Any]) -> tuple[Result
                                        "rank of a DDP or FSDP2 layout") from None
         return None, f"the fitted method does not apply here ({exc}); traced the full model instead"
     base = signature(setup)
+    cap = setup.capacity_bytes
+    over = cap is not None and estimate_fitted(setup, fit).peak_bytes > cap  # then checkpointing is weighed
 
-    def evaluate_with(levers: bool) -> Result:
-        def more(changed: TrainingSetup) -> FitModel | None:
-            precision = signature(changed)["precision"] != base["precision"]
-            worth = worth_calibrating(base, changed) and (levers or precision)
-            try:
-                return calibrate(config, changed, changed.num_params, cached_only=not worth)
-            except (FitError, TraceError):
-                return None
+    def more(changed: TrainingSetup) -> FitModel | None:
+        precision = signature(changed)["precision"] != base["precision"]
+        worth = worth_calibrating(base, changed) and (over or precision)
+        try:
+            return calibrate(config, changed, changed.num_params, cached_only=not worth)
+        except (FitError, TraceError):
+            return None
 
-        return evaluate_fitted(setup, fit, more)
-
-    result = evaluate_with(levers=False)
-    if result.verdict.fits is False and result.verdict.uncalibrated:
-        result = evaluate_with(levers=True)  # over the GPU: checkpointing, the lever that matters most, is weighed
-    return result, ""
+    return evaluate_fitted(setup, fit, more), ""
 
 
 def cmd_reconcile(args: argparse.Namespace) -> int:

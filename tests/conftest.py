@@ -9,16 +9,15 @@ from pathlib import Path
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-if "MEMCALC_CACHE_DIR" not in os.environ:  # fitted-method calibrations of the run, never the user's cache; the
-    # xdist workers inherit it, so a fit two tests share is calibrated once a run (tests of a cold fit set their own)
-    import tempfile
+# The xdist workers inherit these folders of the run: MEMCALC_CACHE_DIR holds its fitted-method calibrations, never
+# the user's cache (a fit two tests share is calibrated once a run; tests of a cold fit set their own), and
+# MEMCALC_TEST_WATCHDOG_DIR each process's log of its tests and a stuck one's stacks (below).
+for _name, _prefix in (("MEMCALC_CACHE_DIR", "memcalc-test-fits-"),
+                       ("MEMCALC_TEST_WATCHDOG_DIR", "memcalc-test-watchdog-")):
+    if _name not in os.environ:
+        import tempfile
 
-    os.environ["MEMCALC_CACHE_DIR"] = tempfile.mkdtemp(prefix="memcalc-test-fits-")
-
-if "MEMCALC_TEST_WATCHDOG_DIR" not in os.environ:  # each process's log of its tests and a stuck one's stacks
-    import tempfile
-
-    os.environ["MEMCALC_TEST_WATCHDOG_DIR"] = tempfile.mkdtemp(prefix="memcalc-test-watchdog-")
+        os.environ[_name] = tempfile.mkdtemp(prefix=_prefix)
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -61,7 +60,6 @@ def no_job_outlives_its_test():
         time.sleep(0.02)
     left = workers.running_orphans()
     assert not left, f"{len(left)} worker thread(s) still running {ORPHAN_WAIT_S} s after the test"
-
 
 
 # ---- a stuck run ends, and says where ------------------------------------------------------------------------

@@ -200,7 +200,9 @@ def test_a_jobs_own_collections_run_on_the_gui_thread(qtbot):
     with qtbot.waitSignal(runner.finished, timeout=10000) as blocker:
         runner.start(job)
     assert blocker.args == [[threading.main_thread().name]]
+    Cycle()
     measure.collect_garbage()  # the GUI thread itself collects at once
+    assert freed_on == [threading.main_thread().name] * 2
 
 
 # ---- device label ------------------------------------------------------------------------------------

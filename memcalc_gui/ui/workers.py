@@ -76,11 +76,11 @@ _COLLECTOR: _GuiCollector | None = None
 
 def _collect_on_gui_thread() -> None:
     """``memcalc_gui.measure.collect_garbage`` on a worker thread: the GUI thread collects, the worker waits."""
-    done = threading.Event()
+    collector, done = _COLLECTOR, threading.Event()
+    if collector is None:  # installed with the first runner, before any job
+        return
     try:
-        if _COLLECTOR is None:
-            return
-        _COLLECTOR.requested.emit(done)
+        collector.requested.emit(done)
     except RuntimeError:  # the application is gone: nothing collects any more
         return
     done.wait(GC_WAIT_S)
