@@ -18,7 +18,7 @@ from memcalc_gui.core.errors import InputError
 from memcalc_gui.core.estimate import estimate
 from memcalc_gui.core.finetune import FineTuning
 from memcalc_gui.core.model import preset_spec, spec_from_config
-from memcalc_gui.core.pipeline import in_flight, stage_spec
+from memcalc_gui.core.pipeline import in_flight, rank_schedule, stage_spec
 from memcalc_gui.core.setup import TrainingSetup
 
 #: Eight layers, so that 2 and 4 stages (and 2 × 2 interleaved) split them; a tied variant for the head's copy.
@@ -47,6 +47,79 @@ def test_in_flight_micro_batches_follow_the_schedules() -> None:
     # its memory factor over 1F1B is Megatron's 1 + (pp − 1)/(pp·v)
     pp, v = 8, 4
     assert in_flight("interleaved-1f1b", pp, 0, 64, v) / v == pytest.approx(pp * (1 + (pp - 1) / (pp * v)), abs=1 / v)
+
+
+def _pytorch_interleaved_order(pp: int, rank: int, m: int, v: int) -> list[tuple[str, int]]:
+    """``ScheduleInterleaved1F1B``'s own order of rank ``rank``'s actions (its per-rank planner, without stages)."""
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
+
+    plan = object.__new__(ScheduleInterleaved1F1B)
+    plan.n_local_stages, plan.pp_group_size, plan._n_microbatches = v, pp, m
+    plan.number_of_rounds = max(1, m // pp)
+    plan.microbatches_per_round = m // plan.number_of_rounds
+    return [("F" if a.computation_type == _ComputationType.FORWARD else "B", a.stage_index // pp)
+            for a in plan._calculate_single_rank_operations(rank) if a is not None]
+
+
+def test_the_interleaved_order_is_pytorchs() -> None:
+    """Every rank's forwards and backwards, chunk by chunk, as ScheduleInterleaved1F1B plans them (micro-batch counts
+    below, at and above the stage count, multiples of its rounds or not a multiple of pp)."""
+    for pp, v in ((2, 2), (3, 2), (4, 2), (4, 3), (8, 4)):
+        for m in (1, 2, 3, 4, 6, 8, 12, 16):
+            if m % max(1, m // pp):
+                continue
+            for r in range(pp):
+                assert rank_schedule("interleaved-1f1b", pp, r, m, v) == _pytorch_interleaved_order(pp, r, m, v), \
+                    (pp, v, m, r)
+
+
+@settings(max_examples=200, deadline=None)
+@given(pp=st.integers(2, 8), v=st.integers(2, 4), m=st.integers(1, 64), data=st.data())
+def test_the_in_flight_count_and_the_windowed_order_follow_the_whole_schedule(pp: int, v: int, m: int,
+                                                                              data: st.DataObject) -> None:
+    """``in_flight`` is the most forwards awaiting their backward in the whole order, and the windowed order (the
+    steady state's repeats left out) passes through the same states: chunk, counts in flight, chunks reached."""
+    if m % max(1, m // pp):
+        with pytest.raises(InputError, match="multiple"):
+            rank_schedule("interleaved-1f1b", pp, 0, m, v)
+        return
+    rank = data.draw(st.integers(0, pp - 1))
+
+    def states(ops: list[tuple[str, int]]) -> set[tuple[str, int, tuple[int, ...], frozenset[int]]]:
+        held, reached, out = [0] * v, set(), set()
+        for kind, c in ops:
+            held[c] += 1 if kind == "F" else -1
+            assert held[c] >= 0
+            out.add((kind, c, tuple(held), frozenset(reached)))
+            if kind == "B":
+                reached.add(c)
+        return out
+
+    whole = rank_schedule("interleaved-1f1b", pp, rank, m, v)
+    assert sorted(whole) == sorted([("F", c) for c in range(v)] * m + [("B", c) for c in range(v)] * m)
+    most = held = 0
+    for kind, _ in whole:
+        held += 1 if kind == "F" else -1
+        most = max(most, held)
+    assert most == in_flight("interleaved-1f1b", pp, rank, m, v)
+    window = rank_schedule("interleaved-1f1b", pp, rank, m, v, window=True)
+    assert states(window) == states(whole) and len(window) <= 8 * pp * v * v + 2 * m
+
+
+def test_the_interleaved_schedule_refuses_micro_batches_its_rounds_cannot_split(
+        capsys: pytest.CaptureFixture) -> None:
+    """PyTorch's ScheduleInterleaved1F1B raises for 9 micro-batches over 4 stages (2 rounds); the setup names the
+    field, and the command line exits 2 naming --grad-accum."""
+    with pytest.raises(InputError, match="multiple of 2") as err:
+        _setup(LLAMA8, 4, 9, schedule="interleaved-1f1b", v=2)
+    assert err.value.field == "grad_accum"
+    assert _setup(LLAMA8, 4, 6, schedule="interleaved-1f1b", v=2).grad_accum == 6  # one round of 6: PyTorch runs it
+    with pytest.raises(SystemExit) as done:
+        cli_main(["estimate", "--preset", "llama-3.1-70b", "--gpus", "8", "--pp", "4", "--schedule",
+                  "interleaved-1f1b", "--virtual-stages", "2", "--grad-accum", "9"])
+    assert done.value.code == 2
+    err_lines = capsys.readouterr().err.strip().splitlines()
+    assert len(err_lines) == 1 and "--grad-accum" in err_lines[0]
 
 
 def test_the_stages_hold_the_model_once_and_a_tied_head_twice() -> None:
@@ -140,6 +213,8 @@ def test_every_pipeline_layout_gives_a_ledger_with_the_most_loaded_rank(pp: int,
     if pp == 1:
         schedule = "1f1b"
     v = 2 if schedule == "interleaved-1f1b" else 1
+    if schedule == "interleaved-1f1b" and m % max(1, m // pp):
+        m = m // max(1, m // pp) * max(1, m // pp)  # PyTorch's interleaved schedule needs whole rounds
     setup = TrainingSetup(model=preset_spec("llama-3.2-1b"), grad_accum=m, precision=precision,  # type: ignore
                           checkpointing=ckpt, seq=1024,  # type: ignore[arg-type]
                           parallel=Parallelism(gpus=pp * dp * tp * cp, pp=pp, schedule=schedule,  # type: ignore
@@ -207,6 +282,8 @@ CASES = [  # (config, pp, m, precision, checkpointing, schedule, virtual stages)
     ("llama8", 2, 4, "fp32", "none", "gpipe", 1),
     ("llama8", 2, 4, "mixed", "none", "interleaved-1f1b", 2),
     ("qwen-tied", 2, 4, "mixed", "none", "1f1b", 1),
+    # the head's chunk on the last rank keeps the logits, the other chunks do not (9 % over when averaged)
+    ("qwen-tied", 2, 4, "bf16", "none", "interleaved-1f1b", 2),
 ]
 
 
@@ -246,6 +323,19 @@ def test_more_micro_batches_add_receive_buffers_not_activations() -> None:
     assert b.phases["optimizer_step"].peak_bytes - a.phases["optimizer_step"].peak_bytes == 2 * 4 * buffer + ids
     la, lb = (_rank_ledger(LLAMA8, 4, 1, m) for m in (4, 8))
     assert lb.phases["optimizer_step"].total_bytes - la.phases["optimizer_step"].total_bytes == 2 * 4 * buffer
+
+
+def test_each_interleaved_chunk_gets_its_own_receive_buffers() -> None:
+    """Under the interleaved schedule every stage-chunk of a rank receives its input (but the very first) and its
+    output's gradient (but the very last's), one buffer per micro-batch: the first of two ranks with two chunks holds
+    three sets, not two (the optimizer step, where nothing else moves, within 0.1 % of the trace)."""
+    buffer = STEP["batch"] * STEP["seq"] * QWEN_TIED["hidden_size"] * 2
+    for rank in (0, 1):
+        traced = _traced(QWEN_TIED, 2, rank, 4, "bf16", schedule="interleaved-1f1b", v=2)
+        ledger = _rank_ledger(QWEN_TIED, 2, rank, 4, precision="bf16", schedule="interleaved-1f1b", v=2)
+        assert ledger.details["pipeline_buffers_bytes"] == 3 * 4 * buffer
+        assert ledger.phases["optimizer_step"].total_bytes == pytest.approx(
+            traced.phases["optimizer_step"].peak_bytes, rel=1e-3)
 
 
 def test_the_trace_method_traces_the_most_loaded_rank() -> None:

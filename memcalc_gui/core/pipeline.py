@@ -41,6 +41,7 @@ checks these rules (``tests/test_pipeline.py``).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -53,14 +54,66 @@ if TYPE_CHECKING:
     from .setup import TrainingSetup
 
 
+def _interleaved_warmup(pp: int, rank: int, microbatches: int, virtual: int) -> tuple[int, int]:
+    """(micro-batches per round, warm-up forwards) of ``ScheduleInterleaved1F1B`` (``_get_warmup_ops``)."""
+    group = microbatches // max(1, microbatches // pp)
+    return group, min((virtual - 1) * group + 2 * (pp - rank - 1), microbatches * virtual)
+
+
+def check_microbatches(schedule: str, pp: int, microbatches: int) -> None:
+    """:class:`InputError` naming ``grad_accum`` where PyTorch's interleaved schedule refuses the micro-batch count:
+    it must be a multiple of its rounds, ``max(1, m // pp)``."""
+    if schedule == "interleaved-1f1b" and microbatches % max(1, microbatches // pp):
+        rounds = max(1, microbatches // pp)
+        raise InputError("grad_accum", f"the interleaved schedule runs micro-batches in {rounds} rounds over {pp} "
+                                       f"pipeline stages, so their number must be a multiple of {rounds}; "
+                                       f"got {microbatches}")
+
+
+def rank_schedule(schedule: str, pp: int, rank: int, microbatches: int, virtual: int = 1,
+                  window: bool = False) -> list[tuple[str, int]]:
+    """Rank ``rank``'s forwards and backwards in the order PyTorch's schedule runs them: ``("F" | "B", chunk)`` with
+    the rank's local stage-chunk (0 to ``virtual − 1``).
+
+    GPipe runs every forward before any backward; 1F1B warms up with ``pp − rank − 1`` forwards, then alternates one
+    forward and one backward, then cools down (``Schedule1F1B``); interleaved 1F1B is ``ScheduleInterleaved1F1B``'s
+    order (``_get_warmup_ops``, ``_calculate_single_rank_operations``): micro-batches go round in groups of
+    ``m / max(1, m // pp)`` (``pp`` when ``m`` is a multiple of it, Megatron-LM's requirement), forwards chunk by
+    chunk upwards, backwards downwards, after ``(v − 1)·group + 2(pp − rank − 1)`` warm-up forwards.
+
+    ``window``: the interleaved steady state repeats every ``group·v`` steps (each chunk's forwards and backwards
+    cancel over it), so all but two of its periods are left out: the same states, in a list of bounded length."""
+    m, v = microbatches, virtual
+    if schedule == "gpipe":
+        return [("F", 0)] * m + [("B", 0)] * m
+    if schedule == "1f1b":
+        warm = min(m, pp - rank - 1)
+        return [("F", 0)] * warm + [op for _ in range(m - warm) for op in (("F", 0), ("B", 0))] + [("B", 0)] * warm
+    if schedule != "interleaved-1f1b":
+        raise InputError("schedule", f"unknown pipeline schedule {schedule!r}")
+    check_microbatches(schedule, pp, m)
+    group, warm = _interleaved_warmup(pp, rank, m, v)
+    period = group * v
+    skip = max(0, (m * v - warm) // period - 2) * period if window else 0
+    ops: list[tuple[str, int]] = []
+    for step in itertools.chain(range(warm + period), range(warm + period + skip, m * v + warm)):
+        if step < m * v:
+            ops.append(("F", (step // group) % v))
+        if step >= warm:
+            ops.append(("B", v - 1 - ((step - warm) // group) % v))
+    return ops
+
+
 def in_flight(schedule: str, pp: int, rank: int, microbatches: int, virtual: int = 1) -> int:
-    """Micro-batch chunks (of ``L/(pp·virtual)`` layers each) whose activations rank ``rank`` keeps at its peak."""
+    """Micro-batch chunks (of ``L/(pp·virtual)`` layers each) whose activations rank ``rank`` keeps at its peak: the
+    most forwards :func:`rank_schedule` has run whose backward has not (its warm-up and the first steady forward)."""
     if schedule == "gpipe":
         return microbatches
     if schedule == "1f1b":
         return min(microbatches, pp - rank)
     if schedule == "interleaved-1f1b":
-        return min(microbatches * virtual, 2 * (pp - rank - 1) + (virtual - 1) * pp + 1)
+        _, warm = _interleaved_warmup(pp, rank, microbatches, virtual)
+        return min(microbatches * virtual, warm + 1)
     raise InputError("schedule", f"unknown pipeline schedule {schedule!r}")
 
 
@@ -172,8 +225,9 @@ def _rank_estimate(setup: TrainingSetup, spec: ModelSpec, rank: int, m: int,
 
     def extra(chunks: int) -> int:  # the other micro-batches (chunks) in flight beside the one at work
         return max(0, (chunks - v) * per_micro // v)
-    receives = (0 if stage.stage_first else 1) + (0 if stage.stage_last else 1)
-    buffers = receives * m * v * stream
+    # one receive buffer per micro-batch for each of the rank's stage-chunks' inputs (all but the very first stage's)
+    # and for the gradients of each chunk's output (all but the very last stage's)
+    buffers = (2 * v - first - last) * m * stream
     inputs = m * t * 8 if (stage.stage_first or stage.stage_last) else 0  # the step's token ids (and labels)
     gathered, unsynced = fsdp2_unsynced(setup, rank)
     stage_tp = tensor_parallel_spec(stage, par.tp, par.loss_parallel)
@@ -252,8 +306,15 @@ def _rank_estimate(setup: TrainingSetup, spec: ModelSpec, rank: int, m: int,
             objects = max(working, everything, key=lambda o: sum(o.values()))
         return objects
 
+    chunked = _chunk_phases(setup, stage, rank, m, analytic, stream, vocab, acc, one) \
+        if v > 1 and not gathered else {}
     phases = {}
     for ph in PHASES:
+        if ph in chunked:
+            objects = dict(chunked[ph], inputs=inputs)
+            objects["activations"] = objects.get("activations", 0) + buffers
+            phases[ph] = with_overheads({k: val for k, val in objects.items() if val}, ph, setup)
+            continue
         # the first forwards and the first backward run before any gradient exists, beside the most micro-batches in
         # flight; a later forward (steady state) or backward runs with gradients, beside fewer in the cool-down
         if ph in ("load", "optimizer_step"):
@@ -286,6 +347,89 @@ def _rank_estimate(setup: TrainingSetup, spec: ModelSpec, rank: int, m: int,
                    pipeline_rank=rank, in_flight=flights, pipeline_buffers_bytes=buffers)
     return dataclasses.replace(acc, phases=phases, details=details,
                                assumptions=acc.assumptions + notes)
+
+
+def _chunk_phases(setup: TrainingSetup, stage: ModelSpec, rank: int, m: int,
+                  analytic: Callable[[TrainingSetup], Estimate], stream: int, vocab: int, acc: Estimate,
+                  one: Estimate) -> dict[str, dict[str, int]]:
+    """The forward and backward peaks of an interleaved rank, op by op of :func:`rank_schedule`, without its receive
+    buffers and token ids.
+
+    A rank's ``v`` stage-chunks differ: only the first rank's first chunk holds the embedding and only the last rank's
+    last chunk the head, whose micro-batches keep their logits. At each forward or backward the rank holds what the
+    micro-batches in flight keep, chunk by chunk, beside the one at work's own moment (its chunk's ledger of one
+    micro-batch), and the gradients of the chunks a backward has reached. Averaging over the chunks instead counted
+    the head's logits for every chunk in flight: 6–10 % over on a last rank with a 32K vocabulary
+    (bench/pipeline.py)."""
+    par = setup.parallel
+    v = par.virtual_stages
+    inner = dataclasses.replace(par, pp=1, gpus=par.gpus // par.pp, schedule="1f1b", virtual_stages=1)
+    t = setup.tokens // par.cp
+    chunk_layers = stage.num_layers // v
+
+    def chunk_spec(c: int) -> ModelSpec:
+        return dataclasses.replace(stage, num_layers=chunk_layers, stage_first=stage.stage_first and c == 0,
+                                   stage_last=stage.stage_last and c == v - 1, tied_embeddings=False)
+    ledgers: dict[tuple[bool, bool], tuple[Estimate, Estimate]] = {}
+    for c in range(v):
+        spec = chunk_spec(c)
+        key = (spec.stage_first, spec.stage_last)
+        if key not in ledgers:
+            c1 = analytic(dataclasses.replace(setup, model=spec, parallel=inner, grad_accum=1))
+            cm = analytic(dataclasses.replace(setup, model=spec, parallel=inner, grad_accum=m)) if m > 1 else c1
+            ledgers[key] = (c1, cm)
+
+    def led(c: int) -> tuple[Estimate, Estimate]:
+        spec = chunk_spec(c)
+        return ledgers[(spec.stage_first, spec.stage_last)]
+
+    def kept(c: int) -> tuple[int, int]:
+        """(activations, autocast copies) a finished forward of chunk ``c`` keeps until its backward: its saved
+        activations, its output (or, on the head's chunk, the logits and the loss's log-softmax) but not its input
+        (a receive buffer), and the 16-bit weight copies its matmuls saved."""
+        c1 = led(c)[0]
+        spec = chunk_spec(c)
+        acts = int(c1.details["saved_activations_bytes"]) - (0 if spec.stage_first else stream) \
+            + (t * vocab * 4 + int(c1.details["logits_bytes"]) if spec.stage_last else stream)
+        return acts, int(c1.details["saved_copy_bytes"])
+
+    def weights(e: Estimate) -> int:
+        return int(e.phases["load"].objects.get("parameters", 0))
+
+    grads = [int(led(c)[1].phases["optimizer_step"].objects.get("gradients", 0)) for c in range(v)]
+    stage_weights = weights(acc)
+    peaks: dict[str, dict[str, int]] = {}
+    held: list[int] = []  # the chunks of the micro-batches in flight, in the order their forwards ran
+    reached: set[int] = set()  # the chunks a backward has run on
+    for kind, c in rank_schedule(par.schedule, par.pp, rank, m, v, window=True):
+        if kind == "B":
+            held.remove(c)
+        others = [kept(o) for o in held]
+        ph = "forward" if kind == "F" else "backward"
+        own = (led(c)[1] if c in reached else led(c)[0]).phases[ph].objects
+        base = (acc if reached else one).phases[ph].objects
+        spec = chunk_spec(c)
+        objects = dict(base)
+        for k in ("cuda_context", "allocator_reserve", "inputs"):
+            objects.pop(k, None)
+        objects["parameters"] = stage_weights + int(own.get("parameters", 0)) - weights(led(c)[0]) \
+            + sum(cp for _, cp in others)
+        activations = int(own.get("activations", 0)) + sum(a for a, _ in others)
+        if not spec.stage_first:  # the one at work's input is a receive buffer
+            activations = max(0, activations - stream)
+        if kind == "B" and spec.stage_last:  # the schedule holds the logits through the head's backward (traced)
+            activations += int(led(c)[0].details["logits_bytes"])
+        objects["activations"] = activations
+        objects["temporaries"] = int(own.get("temporaries", 0))
+        objects["gradients"] = sum(grads[o] for o in reached if o != c) + \
+            (int(own.get("gradients", 0)) if kind == "B" or c in reached else 0)
+        if kind == "F":
+            held.append(c)
+        else:
+            reached.add(c)
+        if ph not in peaks or sum(objects.values()) > sum(peaks[ph].values()):
+            peaks[ph] = objects
+    return peaks
 
 
 def _schedule_label(schedule: str, virtual: int) -> str:

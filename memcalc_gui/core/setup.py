@@ -15,7 +15,7 @@ from .errors import InputError
 from .finetune import FineTuning
 from .layout import check_tensor_parallel
 from .model import ModelSpec
-from .pipeline import check_pipeline
+from .pipeline import check_microbatches, check_pipeline
 from .resources import load_json
 from .units import MAX_COUNT, MAX_SIZE_BYTES, format_bytes
 
@@ -267,6 +267,7 @@ class TrainingSetup:
                 raise InputError("pp" if par.pp > 1 else "sp", "pipeline and sequence parallelism split a model's "
                                  "layers and sequence: they need an architecture (a preset or config.json)")
             check_pipeline(self.model, par.pp, par.virtual_stages)
+            check_microbatches(par.schedule, par.pp, self.grad_accum)
             for on, what in ((self.tuning.method != "full", self.tuning.method),
                              (self.loss == "chunked", "the chunked loss"),
                              (self.activation_offload != "none", "activation offloading"),
