@@ -50,7 +50,7 @@ from .layout import tensor_parallel_spec
 from .model import ModelSpec
 
 if TYPE_CHECKING:
-    from .ledger import Estimate
+    from .ledger import Estimate, PhaseLedger
     from .setup import TrainingSetup
 
 
@@ -308,7 +308,7 @@ def _rank_estimate(setup: TrainingSetup, spec: ModelSpec, rank: int, m: int,
 
     chunked = _chunk_phases(setup, stage, rank, m, analytic, stream, vocab, acc, one) \
         if v > 1 and not gathered else {}
-    phases = {}
+    phases: dict[str, PhaseLedger] = {}
     for ph in PHASES:
         if ph in chunked:
             objects = dict(chunked[ph], inputs=inputs)
