@@ -576,6 +576,7 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
         "activations_per_layer_bytes": s_layer,
         "activations_per_layer": per_layer,
         "saved_activations_bytes": acts_fwd,
+        "stream_kept_bytes": stream if keep_stream else 0,
         "logits_bytes": logits,
         "compute_copy_bytes": copies,
         "lm_head_copy_bytes": lm_copy,

@@ -218,7 +218,13 @@ def _rank_estimate(setup: TrainingSetup, spec: ModelSpec, rank: int, m: int,
     # (interleaved: each of the rank's v chunks keeps its output, and receives its input but the very first); autocast
     # makes each micro-batch's 16-bit weight copies anew, and its matmuls save them
     first, last = int(stage.stage_first), int(stage.stage_last)
+    # where the residual stream is saved (fp32 or autocast's fp32 stream, LayerNorm), the ledger of a stage before the
+    # last counts one stream tensor for the final norm it does not have: the stage's output, which the schedule keeps
+    # (so not counted twice); and a later stage's at-work micro-batch holds a stream tensor beside its receive buffer
+    # (both traced, and the real 2-process gloo pipeline equals the trace on the last stage)
+    own_stream = int(one.details.get("stream_kept_bytes", 0))
     kept = int(one.details["saved_activations_bytes"]) - (v - first) * stream + (v - last) * stream \
+        - (1 - last) * own_stream \
         + last * (int(one.details["logits_bytes"]) + t * vocab * 4)
     kept_copies = int(one.details["saved_copy_bytes"])  # under Parameters, as the ledger counts autocast's copies
     per_micro = kept + kept_copies
@@ -281,11 +287,16 @@ def _rank_estimate(setup: TrainingSetup, spec: ModelSpec, rank: int, m: int,
             # autocast's cache lives through one chunk's forward: the other chunks' unsaved copies are gone
             unsaved = one.details["compute_copy_bytes"] - one.details["saved_copy_bytes"]
             objects["parameters"] = max(0, objects["parameters"] - max(0, unsaved) * (v - 1) // v)
-        if ph in ("forward", "backward") and not stage.stage_first:  # the one at work's input: a receive buffer
+        if ph in ("forward", "backward") and not stage.stage_first and not own_stream:
+            # the one at work's input: a receive buffer
             objects["activations"] = max(0, objects["activations"] - stream)
         if ph == "backward" and stage.stage_last:
             # the schedule holds the stage's output, the logits, through the stage's backward (traced)
             objects["activations"] += one.details["logits_bytes"]
+        if ph == "backward" and not stage.stage_last:
+            # a stage before the last: its top layer's backward starts from the output's gradient, which is the
+            # receive buffer it came in (among the buffers), not a tensor of its own (traced: one stream over)
+            objects["temporaries"] = max(0, objects.get("temporaries", 0) - stream)
         if ph != "load":  # the token ids; the receive buffers hold activations (or their gradients)
             objects["inputs"] = inputs
             objects["activations"] = objects.get("activations", 0) + buffers
@@ -390,7 +401,8 @@ def _chunk_phases(setup: TrainingSetup, stage: ModelSpec, rank: int, m: int,
         c1 = led(c)[0]
         spec = chunk_spec(c)
         acts = int(c1.details["saved_activations_bytes"]) - (0 if spec.stage_first else stream) \
-            + (t * vocab * 4 + int(c1.details["logits_bytes"]) if spec.stage_last else stream)
+            + (t * vocab * 4 + int(c1.details["logits_bytes"]) if spec.stage_last
+               else stream - int(c1.details.get("stream_kept_bytes", 0)))
         return acts, int(c1.details["saved_copy_bytes"])
 
     def weights(e: Estimate) -> int:
@@ -415,7 +427,8 @@ def _chunk_phases(setup: TrainingSetup, stage: ModelSpec, rank: int, m: int,
         objects["parameters"] = stage_weights + int(own.get("parameters", 0)) - weights(led(c)[0]) \
             + sum(cp for _, cp in others)
         activations = int(own.get("activations", 0)) + sum(a for a, _ in others)
-        if not spec.stage_first:  # the one at work's input is a receive buffer
+        if not spec.stage_first and not led(c)[0].details.get("stream_kept_bytes"):
+            # the one at work's input is a receive buffer (see _rank_estimate where the stream is saved)
             activations = max(0, activations - stream)
         if kind == "B" and spec.stage_last:  # the schedule holds the logits through the head's backward (traced)
             activations += int(led(c)[0].details["logits_bytes"])
