@@ -11,8 +11,10 @@ schedule            micro-batches of activations in flight          source
 ==================  ==============================================  ===========================================
 GPipe               ``m`` (every forward before any backward)       Huang et al. 2019
 1F1B                ``min(m, pp − r)``                              Narayanan et al. 2021 (PipeDream-Flush)
-interleaved 1F1B    ``min(m·v, 2(pp − r − 1) + (v − 1)·pp + 1)``     Narayanan et al. 2021; the warm-up count of
-                    stage-chunks of ``L/(pp·v)`` layers             Megatron-LM and ``ScheduleInterleaved1F1B``
+interleaved 1F1B    ``min(m·v, 2(pp − r − 1) + (v − 1)·g + 1)``      Narayanan et al. 2021; the warm-up count of
+                    stage-chunks of ``L/(pp·v)`` layers, ``g`` the  Megatron-LM and ``ScheduleInterleaved1F1B``
+                    micro-batches per round (``pp`` if it divides
+                    ``m``)
 ==================  ==============================================  ===========================================
 
 So stage 0 keeps ``pp`` micro-batches of ``L/pp`` layers under 1F1B: ``L`` layers' worth, what one GPU without
@@ -25,7 +27,9 @@ or the head only where they live) for one micro-batch, plus what the schedule ad
 - the other in-flight micro-batches' saved activations and the stage output the schedule keeps for each;
 - gradients during forward once a backward has run (the steady state, when ``m`` exceeds the micro-batches in flight);
 - ``torch.distributed.pipelining``'s receive buffers: one per micro-batch of the activations a later stage receives
-  and of the gradients an earlier one receives, made at the first step and kept;
+  and of the gradients an earlier one receives, made at the first step and kept (per stage-chunk when interleaved);
+- interleaved: the rank's forwards and backwards in PyTorch's order, each micro-batch in flight keeping what its own
+  chunk keeps (:func:`rank_schedule`, ``_chunk_phases``);
 - FSDP2 (``fully_shard``) under a pipeline schedule: PyTorch's stage runs every backward but the last without
   gradient sync and without resharding (``PipelineStage.backward_maybe_with_nosync``), so the stage's gathered
   weights stay and its unsharded gradients (fp32 under the mixed-precision policy) accumulate through the step. What
