@@ -386,24 +386,23 @@ def _chunk_phases(setup: TrainingSetup, stage: ModelSpec, rank: int, m: int,
         return dataclasses.replace(stage, num_layers=chunk_layers, stage_first=stage.stage_first and c == 0,
                                    stage_last=stage.stage_last and c == v - 1, tied_embeddings=False)
     ledgers: dict[tuple[bool, bool], tuple[Estimate, Estimate]] = {}
-    for c in range(v):
-        spec = chunk_spec(c)
+    for spec in (chunk_spec(c) for c in range(v)):
         key = (spec.stage_first, spec.stage_last)
         if key not in ledgers:
             c1 = analytic(dataclasses.replace(setup, model=spec, parallel=inner, grad_accum=1))
             cm = analytic(dataclasses.replace(setup, model=spec, parallel=inner, grad_accum=m)) if m > 1 else c1
             ledgers[key] = (c1, cm)
 
+    specs = [chunk_spec(c) for c in range(v)]
+
     def led(c: int) -> tuple[Estimate, Estimate]:
-        spec = chunk_spec(c)
-        return ledgers[(spec.stage_first, spec.stage_last)]
+        return ledgers[(specs[c].stage_first, specs[c].stage_last)]
 
     def kept(c: int) -> tuple[int, int]:
         """(activations, autocast copies) a finished forward of chunk ``c`` keeps until its backward: its saved
         activations, its output (or, on the head's chunk, the logits and the loss's log-softmax) but not its input
         (a receive buffer), and the 16-bit weight copies its matmuls saved."""
-        c1 = led(c)[0]
-        spec = chunk_spec(c)
+        c1, spec = led(c)[0], specs[c]
         acts = int(c1.details["saved_activations_bytes"]) - (0 if spec.stage_first else stream) \
             + (t * vocab * 4 + int(c1.details["logits_bytes"]) if spec.stage_last
                else stream - int(c1.details.get("stream_kept_bytes", 0)))
@@ -412,6 +411,7 @@ def _chunk_phases(setup: TrainingSetup, stage: ModelSpec, rank: int, m: int,
     def weights(e: Estimate) -> int:
         return int(e.phases["load"].objects.get("parameters", 0))
 
+    keeps = [kept(c) for c in range(v)]
     grads = [int(led(c)[1].phases["optimizer_step"].objects.get("gradients", 0)) for c in range(v)]
     stage_weights = weights(acc)
     peaks: dict[str, dict[str, int]] = {}
@@ -420,11 +420,11 @@ def _chunk_phases(setup: TrainingSetup, stage: ModelSpec, rank: int, m: int,
     for kind, c in rank_schedule(par.schedule, par.pp, rank, m, v, window=True):
         if kind == "B":
             held.remove(c)
-        others = [kept(o) for o in held]
+        others = [keeps[o] for o in held]
         ph = "forward" if kind == "F" else "backward"
         own = (led(c)[1] if c in reached else led(c)[0]).phases[ph].objects
         base = (acc if reached else one).phases[ph].objects
-        spec = chunk_spec(c)
+        spec = specs[c]
         objects = dict(base)
         for k in ("cuda_context", "allocator_reserve", "inputs"):
             objects.pop(k, None)
