@@ -437,7 +437,10 @@ def _chunk_phases(setup: TrainingSetup, stage: ModelSpec, rank: int, m: int,
         if kind == "B" and spec.stage_last:  # the schedule holds the logits through the head's backward (traced)
             activations += int(led(c)[0].details["logits_bytes"])
         objects["activations"] = activations
-        objects["temporaries"] = int(own.get("temporaries", 0))
+        temporaries = int(own.get("temporaries", 0))
+        if kind == "B" and not spec.stage_last:  # the output's gradient is a receive buffer (as in _rank_estimate)
+            temporaries = max(0, temporaries - stream)
+        objects["temporaries"] = temporaries
         objects["gradients"] = sum(grads[o] for o in reached if o != c) + \
             (int(own.get("gradients", 0)) if kind == "B" or c in reached else 0)
         if kind == "F":
