@@ -479,8 +479,8 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
         # product's backward makes its two I-wide gradients: that moment (act·up still alive, its gradient and the
         # weight gradient) and the next (three I-wide gradients, the weight gradient already added) are apart
         # (traced on pipeline stages, whose backward peaks in their top layer; single-GPU peaks at the head move
-        # by 0.4 % at most)
-        if accumulating:
+        # by 0.4 % at most). FSDP2's unsharded parameters keep the weight gradient beside the three (traced)
+        if accumulating and not fsdp2:
             where.append(("mlp", k))
             moments.append(_objects(
                 parameters=params + copies_before + layer_copy_w, optimizer_state=state, inputs=inputs,
@@ -492,7 +492,7 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
             inputs=inputs,
             gradients=grads_before + (0 if accumulating else g_down),
             activations=earlier + current - mlp_out + rope_tables,
-            temporaries=grad_stream + n_mlp_grads * tI + dequant,
+            temporaries=grad_stream + n_mlp_grads * tI + (acc_tmp_mlp if fsdp2 else 0) + dequant,
         ))
         # attention moment (the MLP of this layer is done)
         where.append(("attn", k))
