@@ -15,7 +15,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from PySide6.QtCore import QByteArray, Qt, QTimer, Signal
+from PySide6.QtCore import QByteArray, QSize, Qt, QTimer, Signal
 from PySide6.QtGui import (
     QAction,
     QCloseEvent,
@@ -23,6 +23,7 @@ from PySide6.QtGui import (
     QDropEvent,
     QKeySequence,
     QResizeEvent,
+    QShowEvent,
     QUndoCommand,
     QUndoStack,
 )
@@ -87,6 +88,17 @@ from .workers import STOP_TIMEOUT_MS, TaskRunner
 DEBOUNCE_MS = 15
 #: Window width (logical px) below which "What to change" is a tab beside the ledger rather than a column.
 NARROW_WIDTH = 1240
+#: The input column's and the results' narrowest widths (logical px): on a screen narrower than both (with the
+#: window's frame) they give way, so the window never needs more than the screen has.
+INPUT_MIN_WIDTH = 340
+RESULT_MIN_WIDTH = 360
+#: Below this much room for the window (logical px high), the panels that share the chart's and the ledger's place
+#: need less height (the timeline, the suggestions: the results scroll less on a 1280×720 screen at 150 %).
+COMPACT_HEIGHT = 600
+COMPACT_TIMELINE_HEIGHT = 80
+COMPACT_LIST_HEIGHT = 36
+#: Room left around the window for its frame (title bar and borders) before it is shown and its frame is known.
+FRAME_ALLOWANCE = (16, 40)
 #: Typing in one field within this many seconds merges into one undo step.
 MERGE_WINDOW_S = 2.0
 TEXT_FIELDS = frozenset({"preset", "config_path", "hub_id", "params", "batch", "seq", "grad_accum", "capacity",
@@ -169,6 +181,16 @@ def _menu_text(text: str) -> str:
     return text if len(text) <= MENU_TEXT_CHARS else text[: MENU_TEXT_CHARS - 1].rstrip() + "…"
 
 
+class _ChartLedgerSplit(QSplitter):
+    """The chart above the ledger. In the results' scroll area its preferred height is its minimum: the area then
+    makes the results as tall as the window (as a splitter would), and scrolls only when they cannot be shorter
+    (with word-wrapped labels above, it would otherwise make them as tall as the charts' size hints ask)."""
+
+    def sizeHint(self) -> QSize:
+        hint = super().sizeHint()
+        return QSize(hint.width(), self.minimumSizeHint().height())
+
+
 class MainWindow(QMainWindow):
     """The memcalc window. ``result_changed`` fires after every successful estimate."""
 
@@ -202,7 +224,10 @@ class MainWindow(QMainWindow):
 
         self._build_ui()
         self._build_actions()
-        self._restore_layout()
+        self._restore_layout()  # a saved geometry too large for this screen is shrunk into it by Qt
+        self._normal_heights: dict[QWidget, int] = {}
+        self._fit_minimum_to_screen()
+        self._watching_screen = False
 
         message = ""
         state = initial_state
@@ -250,7 +275,8 @@ class MainWindow(QMainWindow):
         left.setFrameShape(QFrame.Shape.NoFrame)
         left.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         left.setWidget(self.inputs)
-        left.setMinimumWidth(340)
+        left.setMinimumWidth(INPUT_MIN_WIDTH)
+        self.input_scroll = left
 
         right = QWidget()
         rl = QVBoxLayout(right)
@@ -316,7 +342,7 @@ class MainWindow(QMainWindow):
         self.bottom_split.setStretchFactor(0, 3)
         self.bottom_split.setStretchFactor(1, 2)
         self.bottom_split.setChildrenCollapsible(False)
-        self.right_split = QSplitter(Qt.Orientation.Vertical)
+        self.right_split = _ChartLedgerSplit(Qt.Orientation.Vertical)
         self.right_split.setObjectName("rightSplit")
         self.right_split.addWidget(self.chart_stack)
         self.right_split.addWidget(self.bottom_split)
@@ -325,10 +351,19 @@ class MainWindow(QMainWindow):
         self.right_split.setChildrenCollapsible(False)
         rl.addWidget(self.right_split, 1)
 
+        # the results scroll only when the window is smaller than their minimum (a 1280×720 screen at 150 %: 853×480
+        # logical px); at usual sizes the area is the panel itself, no frame, no bars
+        self.result_scroll = QScrollArea()
+        self.result_scroll.setObjectName("resultScroll")
+        self.result_scroll.setWidgetResizable(True)
+        self.result_scroll.setFrameShape(QFrame.Shape.NoFrame)
+        self.result_scroll.setWidget(right)
+        self.result_scroll.setMinimumWidth(RESULT_MIN_WIDTH)
+
         self.main_split = QSplitter(Qt.Orientation.Horizontal)
         self.main_split.setObjectName("mainSplit")
         self.main_split.addWidget(left)
-        self.main_split.addWidget(right)
+        self.main_split.addWidget(self.result_scroll)
         self.main_split.setStretchFactor(0, 0)
         self.main_split.setStretchFactor(1, 1)
         self.main_split.setChildrenCollapsible(False)
@@ -372,6 +407,13 @@ class MainWindow(QMainWindow):
         self.jobs_box.addLayout(row)
         return row
 
+    def showEvent(self, event: QShowEvent) -> None:
+        super().showEvent(event)
+        handle = self.windowHandle()
+        if not self._watching_screen and handle is not None:
+            self._watching_screen = True
+            handle.screenChanged.connect(lambda _screen: self.fit_to_screen())
+
     def resizeEvent(self, event: QResizeEvent) -> None:
         super().resizeEvent(event)
         self._adapt_layout()
@@ -405,14 +447,86 @@ class MainWindow(QMainWindow):
         if total > 0 and need <= total - self.chart.minimumHeight() and self.right_split.sizes()[1] != need:
             self.right_split.setSizes([total - need, need])
 
+    def _frame_allowance(self) -> tuple[int, int]:
+        """The frame's width and height beyond the window's own geometry (the title bar, the borders): measured once
+        the window has one, else :data:`FRAME_ALLOWANCE`."""
+        frame, inner = self.frameGeometry(), self.geometry()
+        if self.isVisible() and frame.size() != inner.size():
+            return frame.width() - inner.width(), frame.height() - inner.height()
+        return FRAME_ALLOWANCE
+
+    def _available(self) -> tuple[int, int] | None:
+        """The largest window (without its frame) the screen's available geometry holds, or None without a screen."""
+        screen = self.screen() or QApplication.primaryScreen()
+        if screen is None:
+            return None
+        avail = screen.availableGeometry()
+        fw, fh = self._frame_allowance()
+        return max(1, avail.width() - fw), max(1, avail.height() - fh)
+
     def _default_size(self) -> tuple[int, int]:
+        """1360×880, or 94 % × 92 % of a smaller screen (at least 900×600), never more than the screen holds."""
         width, height = 1360, 880
         screen = self.screen() or QApplication.primaryScreen()
-        if screen is not None:
+        room = self._available()
+        if screen is not None and room is not None:
             avail = screen.availableGeometry()
-            width = min(width, max(900, int(avail.width() * 0.94)))
-            height = min(height, max(600, int(avail.height() * 0.92)))
+            width = min(width, max(900, int(avail.width() * 0.94)), room[0])
+            height = min(height, max(600, int(avail.height() * 0.92)), room[1])
         return width, height
+
+    def _fit_minimum_to_screen(self) -> None:
+        """Keep the window's minimum size within the screen: on a screen narrower than the two columns' minimum
+        widths, they give way (each keeps its share; the results then scroll sideways)."""
+        room = self._available()
+        if room is None:
+            return
+        need = INPUT_MIN_WIDTH + RESULT_MIN_WIDTH + self.main_split.handleWidth()
+        scale = min(1.0, room[0] / need)
+        self.input_scroll.setMinimumWidth(int(INPUT_MIN_WIDTH * scale))
+        self.result_scroll.setMinimumWidth(int(RESULT_MIN_WIDTH * scale))
+        compact = room[1] < COMPACT_HEIGHT
+        if not self._normal_heights:
+            self._normal_heights = {widget: widget.minimumHeight() for widget, _ in self._compact_heights()}
+        for widget, short in self._compact_heights():
+            normal = self._normal_heights[widget]  # 0: the widget's own minimum size hint
+            widget.setMinimumHeight(min(normal or widget.minimumSizeHint().height(), short) if compact else normal)
+            parent = widget.parentWidget()
+            while parent is not None and parent is not self:  # pages of hidden tabs too: none keeps a stale minimum
+                parent.updateGeometry()
+                parent = parent.parentWidget()
+
+    def _compact_heights(self) -> list[tuple[QWidget, int]]:
+        """The widgets whose minimum height a short screen lowers, and to what (logical px): the timeline's chart, so
+        that its hidden page needs no more height than the phase chart (which keeps its own minimum: its legend needs
+        it), and the list of suggestions, so that their tab needs no more than the ledger's."""
+        pairs: list[tuple[QWidget, int]] = []
+        timeline = self.timeline_panel.chart
+        normal = self._normal_heights.get(timeline, timeline.minimumHeight())
+        header = self.timeline_panel.minimumSizeHint().height() - timeline.minimumHeight()  # buttons, texts
+        pairs.append((timeline, max(COMPACT_TIMELINE_HEIGHT, min(normal, self.chart.minimumHeight() - header))))
+        suggestions = self.advice.findChild(QScrollArea)
+        if suggestions is not None:
+            pairs.append((suggestions, COMPACT_LIST_HEIGHT))
+        return pairs
+
+    def fit_to_screen(self) -> None:
+        """Shrink (and move) the window into its screen's available geometry when it runs past it, on a move to
+        another screen (the first size and a restored geometry are fitted when the window is made)."""
+        self._fit_minimum_to_screen()
+        screen = self.screen() or QApplication.primaryScreen()
+        room = self._available()
+        if screen is None or room is None or self.isMaximized() or self.isFullScreen():
+            return
+        width, height = min(self.width(), room[0]), min(self.height(), room[1])
+        if (width, height) != (self.width(), self.height()):
+            self.resize(width, height)
+        if self.isVisible():
+            avail, frame = screen.availableGeometry(), self.frameGeometry()
+            x = min(max(frame.x(), avail.x()), avail.x() + avail.width() - frame.width())
+            y = min(max(frame.y(), avail.y()), avail.y() + avail.height() - frame.height())
+            if (x, y) != (frame.x(), frame.y()):
+                self.move(max(x, avail.x()), max(y, avail.y()))
 
     def _build_actions(self) -> None:
         menu = self.menuBar()
