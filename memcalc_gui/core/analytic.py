@@ -330,6 +330,8 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
         forward = max([forward, in_layer] + [m for _, m in fwd_candidates[1:]], key=lambda m: sum(m.values()))
 
     fsdp2 = setup.parallel.strategy == "fsdp2" and setup.parallel.ep == 1
+    # FSDP2 over a whole model, not a pipeline stage: it reduce-scatters each micro-batch's gradients
+    fsdp2_whole = fsdp2 and spec.stage_first and spec.stage_last
     if fsdp2:
         # FSDP2 copies the last layer's all-gather output into its unsharded parameters as that layer's forward
         # starts: what the layers below saved, no temporaries (fsdp2_ledger adds the gathered layers)
@@ -366,8 +368,10 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
         ce_grads = 1 if setup.parallel.loss_parallel else 2
         moments.append(_objects(**base_bwd, activations=kept_fwd + lsm, temporaries=ce_grads * t * v * 4))
     # (B) LM-head backward: logits gradient, hidden-state gradient, the weight gradient appears.
+    # (the 16-bit weight gradient beside the fp32 one autocast makes of it; FSDP2's policy makes only the 16-bit one,
+    # which fsdp2_ledger counts as the unit's unsharded gradient when not accumulating: traced)
     lm_tmp = t * v * d.matmul + (0 if head_only else t * h * d.matmul) + \
-        (v * h * d.matmul if d.matmul != p and head_trains else 0)
+        (v * h * d.matmul if d.matmul != p and head_trains and not (fsdp2 and not accumulating) else 0)
     # (the chunked loss made the head's gradients in forward: no head backward)
     if not chunked and lm_copy and d.matmul != p and head_trains:
         # Under autocast the head's matmul backward (16-bit weight copy alive, no fp32 gradient yet) and the cast
@@ -479,8 +483,10 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
         # product's backward makes its two I-wide gradients: that moment (act·up still alive, its gradient and the
         # weight gradient) and the next (three I-wide gradients, the weight gradient already added) are apart
         # (traced on pipeline stages, whose backward peaks in their top layer; single-GPU peaks at the head move
-        # by 0.4 % at most). FSDP2's unsharded parameters keep the weight gradient beside the three (traced)
-        if accumulating and not fsdp2:
+        # by 0.4 % at most). FSDP2 over a whole model reduce-scatters each micro-batch's gradients, so its unsharded
+        # parameters keep the weight gradient beside the three; a pipeline stage's backward adds it into the unsharded
+        # accumulator, as a single GPU does (``backward_maybe_with_nosync``; both traced)
+        if accumulating and not fsdp2_whole:
             where.append(("mlp", k))
             moments.append(_objects(
                 parameters=params + copies_before + layer_copy_w, optimizer_state=state, inputs=inputs,
@@ -492,7 +498,7 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
             inputs=inputs,
             gradients=grads_before + (0 if accumulating else g_down),
             activations=earlier + current - mlp_out + rope_tables,
-            temporaries=grad_stream + n_mlp_grads * tI + (acc_tmp_mlp if fsdp2 else 0) + dequant,
+            temporaries=grad_stream + n_mlp_grads * tI + (acc_tmp_mlp if fsdp2_whole else 0) + dequant,
         ))
         # attention moment (the MLP of this layer is done)
         where.append(("attn", k))
@@ -505,6 +511,9 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
     # (D) embedding backward: every gradient exists. Tied embeddings: the LM head's weight gradient waits in
     # autograd's input buffer while the embedding's dense gradient is made, then the two are summed; without
     # accumulation that sum becomes .grad, with accumulation it is a third temporary added into .grad.
+    # (FSDP2 over a whole model reduce-scatters every micro-batch: the sum becomes the root's unsharded gradient, as
+    # without accumulation, not a temporary added into it; fsdp2_ledger counts that gradient: traced)
+    added = accumulating and not fsdp2_whole
     if not spec.stage_first:
         emb_tmp = grad_stream  # a later pipeline stage: the gradient of its input, to be sent to the stage before
     elif tuned and not tp.embeddings_trainable:
@@ -512,9 +521,9 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
     elif spec.tied_embeddings:
         # (autograd's gradients have the weights' dtype as the step computes: bf16 under FSDP2's mixed-precision
         # policy and Megatron-LM's bf16 model, whose fp32 gradients are the strategy's)
-        emb_tmp = grad_stream + (3 if accumulating else 2) * v * h * d.param
+        emb_tmp = grad_stream + (3 if added else 2) * v * h * d.param
     else:
-        emb_tmp = grad_stream + (v * h * d.param if accumulating else 0)
+        emb_tmp = grad_stream + (v * h * d.param if added else 0)
     where.append(("embedding", n_layers))
     moments.append(_objects(parameters=params, optimizer_state=state, inputs=inputs, gradients=grads_all,
                             temporaries=emb_tmp))
@@ -559,7 +568,7 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
         states = states_for(spec, setup, state + paged, opt.step_temporary_bytes, copies)
         if par.strategy == "fsdp2" and par.ep == 1:
             load, forward, moments, step = fsdp2_ledger(spec, setup, states, fwd_candidates, moments, where, step, p,
-                                                        collect=forward_moments)
+                                                        collect=forward_moments, fresh=(head_grads, g_mlp))
         else:
             load, forward, moments, step = per_gpu_ledger(states, par, load, forward, moments, step)
         notes, host_bytes = states.notes, states.host_bytes + offload_host
@@ -648,7 +657,7 @@ def per_gpu_ledger(
 def fsdp2_ledger(
     spec: ModelSpec, setup: TrainingSetup, states: ModelStates, fwd_candidates: list[tuple[str, dict[str, int]]],
     moments: list[dict[str, int]], where: list[tuple[str, int]], step: dict[str, int], p: int,
-    collect: list[tuple[str, dict[str, int]]] | None = None,
+    collect: list[tuple[str, dict[str, int]]] | None = None, fresh: tuple[int, int] = (0, 0),
 ) -> tuple[dict[str, int], dict[str, int], list[dict[str, int]], dict[str, int]]:
     """The per-GPU ledger under FSDP2, moment by moment (checked against real 2- and 4-process gloo steps,
     ``tests/test_fsdp2.py``).
@@ -659,7 +668,8 @@ def fsdp2_ledger(
     to its backward without ``reshard_after_forward``). Gradients: a finished layer's are reduce-scattered into its
     shard; the root unit's stay unsharded until the end of backward; the running layer's are unsharded, in the
     gathered dtype. Without resharding the backward gathers nothing, and the last forward all-gather's output is gone
-    by then. ``p`` is the single-GPU ledger's gradient element size.
+    by then. ``p`` is the single-GPU ledger's gradient element size; ``fresh`` the head's and a layer's MLP gradients
+    in it (what an accumulating step holds unsharded beside its sharded accumulators).
     """
     par = setup.parallel
     n, nl = par.shards, spec.num_layers
@@ -710,6 +720,21 @@ def fsdp2_ledger(
         return out
 
     every = [in_forward(at, m) for at, m in fwd_candidates]
+    # the backward prefetches the next unit down (FSDP2's default): layer k's copy-out is followed by the all-gather
+    # of layer k − 1, or on the first stage of the embedding's unit, bigger than a layer; that all-gather frees the
+    # last output (layer k's) and, under the mixed-precision policy, first casts the unit's shard into a bf16 input
+    # buffer that lives until the output is allocated (``foreach_all_gather``; traced)
+    cast_w = 2 if setup.precision == "mixed" else 0
+
+    def prefetched(at: str, k: int) -> int:
+        below = big if k > 1 else spec.root_unit_params if own_root and spec.stage_first else 0
+        if not below:
+            return 0
+        if at == "gather":  # the larger of the copy-out (layer k's output kept) and the prefetch
+            return max(0, below * w - big * w + -(-below // n) * cast_w)
+        # while a layer computes, the output held is the prefetched one: layer k − 1's (the slot in ``base``) or the
+        # embedding's, beside the bottom layer, whose own output is freed after its copy-out (traced)
+        return below * w if k == 1 else 0
     if collect is not None:  # each forward moment, named (a pipeline stage re-weighs them: core.pipeline)
         collect.extend(zip((at for at, _ in fwd_candidates), every, strict=True))
     forward = max(every, key=lambda m: sum(m.values()))
@@ -723,11 +748,18 @@ def fsdp2_ledger(
             # the single-GPU moment's gradients: the head's and the finished layers' (p bytes) and this layer's
             # (in a pipeline stage the head's gradients went into its own accumulator, counted by core.pipeline)
             head = spec.root_unit_params * p if pipelined and spec.stage_last else 0
-            unsharded = 0 if accumulating else max(0, single - done * big * p - head) * w // p
+            if accumulating and not pipelined:
+                # each micro-batch's backward reduce-scatters (torchtitan's accumulation): the root unit's gradients
+                # (the head's, made first) stay unsharded until the root's reduce-scatter ends the backward, a
+                # layer's until its own, and the weight gradient at work is among the temporaries (traced)
+                unsharded = (fresh[0] + (fresh[1] if at == "attn" else 0)) * w // p
+            else:
+                unsharded = 0 if accumulating else max(0, single - done * big * p - head) * w // p
             sharded = all_shards if accumulating else 0 if pipelined else -(-done * big * shard // n)
             gathered = 1 if at == "gather" else (k if keep_all else 1) + (1 if recompute and k == nl else 0)
             if pipelined:  # this layer, the ones above it, and the next one's prefetch (the kept slot in ``base``)
-                gathered = (nl if keep_all else min(nl - k + 1, nl - 1)) + (1 if recompute and k == nl else 0)
+                gathered = (nl if keep_all else nl - k + 1 if at == "gather" else min(nl - k + 1, nl - 1)) \
+                    + (1 if recompute and k == nl else 0)
         elif at == "embedding":
             unsharded = spec.root_unit_params * w
             sharded = all_shards if accumulating else 0 if pipelined else -(-nl * big * shard // n)
@@ -755,6 +787,8 @@ def fsdp2_ledger(
             # runs its backwards without resharding: core.pipeline), the embedding at its own
             moment["parameters"] += -big * w if at == "loss" else root_w if spec.stage_last or at == "embedding" \
                 else 0
+        if pipelined and not keep_all and at in ("mlp", "attn", "gather"):
+            moment["parameters"] += prefetched(at, k)
         out.append(moment)
     # the root unit's reduce-scatter ends the backward: the layers' gradient shards, the root's input in the reduce
     # dtype and its output shard; the root's weights are resharded by then (measured on fake-process-group traces).
