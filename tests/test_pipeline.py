@@ -405,6 +405,27 @@ def test_fsdp2_stage_backwards_hold_what_fully_shard_gathers_and_prefetches(cfg:
     assert 0.99 <= ratio <= 1.01, ratio
 
 
+def test_interleaved_fsdp2_says_it_is_not_followed_stage_by_stage_and_the_trace_runs_every_rank() -> None:
+    """Interleaved 1F1B under FSDP2: the ledger estimates the rank's stages together (bench: 0 of 48 small-model ranks
+    within 2 % of the schedule), and says so; the trace cannot trust its choice of rank, so it traces the ranks the
+    ledger checks and reports the most loaded."""
+    from memcalc_gui.core.pipeline import pipeline_estimate
+    from memcalc_gui.trace.fake import trace_estimate
+    from memcalc_gui.trace.pipeline import PipeRank, trace_pipeline_rank
+
+    setup = _setup(LLAMA8, 2, 4, "mixed", schedule="interleaved-1f1b", v=2, gpus=4, strategy="fsdp2")
+    assert any("not stage by stage" in a for a in pipeline_estimate(setup).assumptions)
+    assert not any("not stage by stage" in a for a in
+                   pipeline_estimate(_setup(LLAMA8, 2, 4, "mixed", gpus=4, strategy="fsdp2")).assumptions)
+    traced = trace_estimate(setup)
+    assert any("the most loaded of ranks 1, 2, each traced" in r for r in traced.rules)
+    peak = max(p.tensor_bytes for p in traced.estimate.phases.values())
+    for rank in (0, 1):
+        one = trace_pipeline_rank(LLAMA8, PipeRank(2, rank, "interleaved-1f1b", 2, 4, dp_shard=2), precision="mixed",
+                                  optimizer_impl="foreach", round_to=512, **STEP)
+        assert peak >= max(p.peak_bytes for p in one.phases.values())
+
+
 def test_fsdp2_stages_without_resharding_after_forward_keep_their_units_and_the_ledger_follows() -> None:
     """reshard_after_forward off (torchtitan's default under PP) reaches the stage's every unit in the trace, the
     embedding and the head too: the forward holds more than with it on, and the ledger follows within −1 / +3 %."""

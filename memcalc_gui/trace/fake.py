@@ -32,7 +32,7 @@ from ..core.estimate import estimate
 from ..core.layout import tensor_parallel_spec
 from ..core.ledger import Estimate, with_overheads
 from ..core.optimizer import optimizer_cost
-from ..core.pipeline import stage_spec
+from ..core.pipeline import ranks_to_check, stage_spec
 from ..core.result import Result
 from ..core.setup import TrainingSetup
 from ..core.solver import Verdict, gpu_plan, solve
@@ -201,16 +201,24 @@ def trace_estimate(
         step: Any = measure_training_step
         par = setup.parallel
         pipe_rank = 0
+        pipe_ranks: tuple[int, ...] = (0,)
         if par.pp > 1:  # the most loaded pipeline rank, run by PyTorch's schedule on the fake process group
             from .pipeline import PipeRank, trace_pipeline_rank
 
             pipe_rank = int(estimate(setup).details.get("pipeline_rank", 0))
             if fsdp2_pipeline:  # each stage fully_shard-ed over its data-parallel ranks, in the trace itself
                 compute = setup.precision
-            step = functools.partial(trace_pipeline_rank, layout=PipeRank(
-                par.pp, pipe_rank, par.schedule, par.virtual_stages, setup.grad_accum,
-                dp_shard=par.dp if fsdp2_pipeline else 1, tp=par.tp if par.sp else 1, sp=par.sp,
-                reshard_after_forward=par.reshard_after_forward))
+            # interleaved under FSDP2 the ledger does not follow each stage's units (core.pipeline), so its most
+            # loaded rank is no guide: the ranks it checks are all traced, and the most loaded one reported
+            unguided = fsdp2_pipeline and par.virtual_stages > 1
+            pipe_ranks = ranks_to_check(par.pp) if unguided else (pipe_rank,)
+
+            def pipe_layout(r: int) -> Any:
+                return PipeRank(par.pp, r, par.schedule, par.virtual_stages, setup.grad_accum,
+                                dp_shard=par.dp if fsdp2_pipeline else 1, tp=par.tp if par.sp else 1, sp=par.sp,
+                                reshard_after_forward=par.reshard_after_forward)
+
+            step = functools.partial(trace_pipeline_rank, layout=pipe_layout(pipe_rank))
             if par.tp > 1 and not par.sp:
                 # one tensor-parallel rank runs the narrower model (core.layout; tests/test_layout.py); with sequence
                 # parallelism the stage's layers are split for real, torchtitan's plan on top
@@ -241,19 +249,28 @@ def trace_estimate(
 
             step = functools.partial(trace_rank, layout=RankLayout(
                 1, par.tp, loss_parallel=par.loss_parallel, cp=par.cp, replicate_context=True, sp=par.sp))
+        kwargs = dict(
+            batch=setup.rows, seq=setup.row_len, documents=setup.batch if setup.packing else None,
+            precision=compute, optimizer=setup.optimizer,
+            optimizer_impl=setup.optimizer_impl, attention=setup.attention, checkpointing=setup.checkpointing,
+            use_cache=setup.use_cache, grad_accum=min(setup.grad_accum, TRACED_MICRO_BATCHES), iterations=2,
+            fake=True, round_to=CUDA_ROUNDING, module_names=True, on_phase=on_phase,
+            tuning=setup.tuning if setup.tuning.method != "full" else None, loss=setup.loss,
+            loss_chunk=setup.loss_chunk, optimizer_in_backward=setup.optimizer_in_backward,
+            activation_offload=setup.activation_offload, galore_rank=setup.galore_rank,
+            galore_gap=1,  # GaLore: the second iteration refreshes the projection, as every 200th step does
+            keep_tracker=True,
+        )
         with exclusive_torch_job(should_stop, TraceCancelled), sequences:
-            m = step(
-                cfg, batch=setup.rows, seq=setup.row_len, documents=setup.batch if setup.packing else None,
-                precision=compute, optimizer=setup.optimizer,
-                optimizer_impl=setup.optimizer_impl, attention=setup.attention, checkpointing=setup.checkpointing,
-                use_cache=setup.use_cache, grad_accum=min(setup.grad_accum, TRACED_MICRO_BATCHES), iterations=2,
-                fake=True, round_to=CUDA_ROUNDING, module_names=True, on_phase=on_phase,
-                tuning=setup.tuning if setup.tuning.method != "full" else None, loss=setup.loss,
-                loss_chunk=setup.loss_chunk, optimizer_in_backward=setup.optimizer_in_backward,
-                activation_offload=setup.activation_offload, galore_rank=setup.galore_rank,
-                galore_gap=1,  # GaLore: the second iteration refreshes the projection, as every 200th step does
-                keep_tracker=True,
-            )
+            if len(pipe_ranks) == 1:
+                m = step(cfg, **kwargs)
+            else:  # each rank in turn (the last one's event log only kept while it is the most loaded)
+                m = None
+                for r in pipe_ranks:
+                    run = trace_pipeline_rank(cfg, layout=pipe_layout(r), **kwargs)
+                    if m is None or max(p.peak_bytes for p in run.phases.values()) > \
+                            max(p.peak_bytes for p in m.phases.values()):
+                        pipe_rank, m = r, run
     except (TraceCancelled, MemcalcError):
         raise
     except NotImplementedError as exc:  # an optimizer torch lacks, or a family without a reference module
@@ -324,7 +341,10 @@ def trace_estimate(
         *([f"Traced one rank of a {setup.parallel.tp}-way tensor-parallel group with transformers' plan for "
            f"{cfg.get('model_type')} (PyTorch's column- and row-wise styles, transformers' own for the experts), on "
            "the fake process group"] if setup.parallel.tp > 1 and setup.model is None else []),
-        *([f"Traced pipeline rank {pipe_rank + 1} of {setup.parallel.pp} (the analytic ledger's most loaded) under "
+        *([f"Traced pipeline rank {pipe_rank + 1} of {setup.parallel.pp} ("
+           + ("the analytic ledger's most loaded" if len(pipe_ranks) == 1 else
+              "the most loaded of ranks " + ", ".join(str(r + 1) for r in pipe_ranks) + ", each traced")
+           + ") under "
            f"PyTorch's {setup.parallel.schedule} schedule over {setup.grad_accum} micro-batch(es), on the fake process "
            "group" + (f"; its layers split over {setup.parallel.tp} tensor-parallel ranks with torchtitan's "
                       "sequence-parallel plan" if setup.parallel.sp else
