@@ -203,17 +203,22 @@ def test_fsdp2_over_tensor_parallel_ranks_matches_the_traced_rank(family: str, p
 @pytest.mark.parametrize(("family", "precision", "ckpt", "dp"), [
     ("llama", "fp32", "none", 2), ("llama", "fp32", "full", 4), ("mistral", "fp32", "none", 2),
     ("qwen2", "fp32", "full", 2), ("llama", "mixed", "full", 2), ("gpt_neox", "bf16", "full", 4),
+    ("qwen2-tied-32k", "mixed", "none", 2),
 ])
 def test_fsdp2_with_gradient_accumulation_matches_the_traced_rank(family: str, precision: str, ckpt: str,
                                                                  dp: int) -> None:
     """FSDP2 reduce-scatters every micro-batch of an accumulating step (torchtitan's way): beside the sharded
     accumulators the root unit's gradients stay unsharded through the backward, and a layer's until its own
-    reduce-scatter; a tied embedding's summed gradient becomes the root's gradient, no temporary added into it. The
-    ledger had neither (2.4–7.7 % under on these) and counted the tied sum twice (6.4 % over on Qwen2)."""
+    reduce-scatter; a tied embedding's summed gradient becomes the root's gradient, no temporary added into it, and
+    under the mixed policy the head's bf16 gradient is that gradient, no fp32 one beside it. The ledger had none of
+    them (2.4–7.7 % under on these; 6.4 % over on the tied Qwen2, 11 % over on the one with a 32K vocabulary)."""
+    from bench.ranks import MODELS
     from memcalc_gui.trace.ranks import RankLayout, trace_rank
 
-    est = estimate(dataclasses.replace(_setup(family, precision, ckpt, dp, 1), grad_accum=3))
-    traced = trace_rank(FAMILIES[family], RankLayout(dp, 1), precision=precision, checkpointing=ckpt,
+    cfg = MODELS["qwen2-tied"] if family == "qwen2-tied-32k" else FAMILIES[family]
+    setup = _setup("llama", precision, ckpt, dp, 1)
+    est = estimate(dataclasses.replace(setup, model=spec_from_config(cfg), grad_accum=3))
+    traced = trace_rank(cfg, RankLayout(dp, 1), precision=precision, checkpointing=ckpt,
                         optimizer_impl="foreach", grad_accum=3, **STEP)
     assert _worst(est, traced) <= 0.01
 

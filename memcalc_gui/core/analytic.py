@@ -390,7 +390,10 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
         moments.append(_objects(
             parameters=params + copies_bwd, optimizer_state=state, inputs=inputs,
             gradients=grads_all if accumulating else lm_grad,
-            activations=kept_fwd, temporaries=lm_tmp + (lm_grad if accumulating else 0),
+            # (accumulating, the fp32 gradient to add into .grad; FSDP2 over a whole model makes only the 16-bit one,
+            # the root's unsharded gradient, where the policy computes in 16 bits: traced)
+            activations=kept_fwd,
+            temporaries=lm_tmp + (lm_grad if accumulating and not (fsdp2_whole and d.matmul != p) else 0),
         ))
     if not spec.stage_last:  # a pipeline stage before the last: its backward starts at its top layer
         moments.clear()
