@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from memcalc_gui.core.estimate import estimate
@@ -51,13 +51,17 @@ def test_totals_never_decrease_with_sequence(setup: TrainingSetup, extra: int) -
 
 @settings(max_examples=150, deadline=None)
 @given(setups())
+@example(TrainingSetup(model=SPECS["phi-3-medium"], batch=43, seq=46, precision="bf16", optimizer="sgd",
+                       attention="flash", target_device="cuda"))  # found by CI on 2026-12-03
 def test_checkpointing_never_raises_the_peak(setup: TrainingSetup) -> None:
-    # Tolerance 0.01 %: when parameters and gradients dominate (bf16 + SGD, short sequences) the first recomputed
-    # layer's moment can exceed the embedding moment by less than one residual-stream tensor (the checkpoint
-    # input is counted beside the recomputed norm's saved input; a known approximation of the ledger).
+    # Tolerance one residual-stream tensor (fp32 at most): when parameters and gradients dominate (bf16 + SGD, short
+    # sequences) the first recomputed layer's moment can exceed the embedding moment by less than that (the checkpoint
+    # input is counted beside the recomputed norm's saved input; a known approximation of the ledger). 0.01 % of the
+    # peak was tighter than this bound: Phi-3-medium, bf16, SGD, 43 × 46 tokens is 0.0107 % over, a third of a stream.
     full = estimate(setup.with_changes(checkpointing="full")).peak_bytes
     none = estimate(setup.with_changes(checkpointing="none")).peak_bytes
-    assert full <= none * 1.0001
+    assert setup.model is not None
+    assert full <= none + setup.tokens * setup.model.hidden_size * 4
 
 
 @settings(max_examples=150, deadline=None)
