@@ -95,6 +95,36 @@ def test_a_fit_is_cached_and_a_broken_cache_is_recalibrated(private_cache: Path,
     assert json.loads(files[0].read_text())["schema"] == fresh.to_json()["schema"]
 
 
+def test_a_refused_fit_is_remembered_and_a_broken_record_of_it_is_not(private_cache: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A refusal costs the traces before it (seconds): the next run of the same config and setup answers with the
+    same reason at once, while another setup, or a damaged record, calibrates as before."""
+    calls: list[str] = []
+
+    def refusing(cfg, setup, *_a, **_k):  # type: ignore[no-untyped-def]
+        calls.append(setup.checkpointing)
+        raise fitmod.FitError("the layers do not repeat alike")
+
+    monkeypatch.setattr(fitmod, "_calibrate", refusing)
+    setup = _setup(OPT, precision="fp32", checkpointing="every:2")
+    for _ in range(2):
+        with pytest.raises(fitmod.FitError, match="do not repeat alike"):
+            fitmod.calibrate(OPT, setup, setup.num_params)
+    assert calls == ["every:2"]
+    with pytest.raises(fitmod.FitError):
+        fitmod.calibrate(OPT, setup.with_changes(checkpointing="full"), setup.num_params)
+    assert calls == ["every:2", "full"]
+    records = sorted(private_cache.glob("*.refused"))
+    assert len(records) == 2
+    for record in records:
+        record.write_text("{not json")
+    with pytest.raises(fitmod.FitError):
+        fitmod.calibrate(OPT, setup, setup.num_params)
+    assert calls == ["every:2", "full", "every:2"]
+    with pytest.raises(fitmod.FitError, match="not calibrated yet"):  # nothing recorded: no trace either
+        fitmod.calibrate(OPT, setup.with_changes(checkpointing="selective"), setup.num_params, cached_only=True)
+
+
 def test_json_round_trip_and_refusals(opt_fit: FitModel) -> None:
     setup = _setup(OPT)
     fit = opt_fit
@@ -260,6 +290,44 @@ def test_layer_patterns_and_dense_prefixes_fit(cfg: dict, layers: tuple[int, int
     for phase in PHASES:
         assert fitted.phases[phase].tensor_bytes == pytest.approx(traced.phases[phase].tensor_bytes, rel=0.005)
 
+
+
+def test_checkpointing_every_nth_layer_is_fitted_over_whole_periods() -> None:
+    """torchtitan's every-N-th-layer checkpointing repeats every N layers: the fit traces counts N apart, with the
+    config's remainder (its last layers unchecked as the config's are), and equals the full trace. Counts one
+    layer apart could not line the layers up, so the fitted method refused every:N (across GPUs an error)."""
+    cfg = dict(OPT, num_hidden_layers=7)
+    setup = _setup(cfg, checkpointing="every:3")  # layers 3 and 6 of 7 checkpointed
+    fit = fitmod.calibrate(cfg, setup, setup.num_params)
+    assert fit.layers == (4, 7)
+    for b, s, accum in ((1, 200, 1), (2, 100, 3)):
+        st = setup.with_changes(batch=b, seq=s, grad_accum=accum)
+        fitted = estimate_fitted(st, fit)
+        traced = trace_estimate(st, config=cfg).estimate
+        for phase in PHASES:
+            assert fitted.phases[phase].tensor_bytes == pytest.approx(traced.phases[phase].tensor_bytes, rel=0.005)
+
+
+@pytest.mark.parametrize(("layers", "skip", "every", "counts"), [
+    (48, 0, None, ((2, 3), 4)), (48, 0, 1, ((2, 3), 4)), (61, 3, None, ((5, 6), 7)),
+    (48, 0, 2, ((2, 4), 6)), (47, 0, 2, ((3, 5), 7)), (7, 0, 3, ((4, 7), 10)),
+    (6, 1, 3, ((6, 9), 12)),  # past a dense layer the shorter trace still holds a whole period
+    (61, 3, 4, ((9, 13), 17)),
+])
+def test_the_layer_counts_a_fit_traces(layers: int, skip: int, every: int | None,
+                                       counts: tuple[tuple[int, int], int]) -> None:
+    assert fitmod.layer_counts(layers, skip, every) == counts
+    (low, high), check = counts
+    period = every or 1
+    assert high - low == period and (layers - low) % period == 0 and low - skip >= period
+    assert check == high + period
+
+
+def test_a_fit_that_would_trace_too_deep_or_past_the_config_is_refused() -> None:
+    with pytest.raises(fitmod.FitError, match="from 7 layers"):
+        fitmod.layer_counts(6, 3, 4)
+    with pytest.raises(fitmod.FitError, match=r"one layer in 10 .* would trace 38 layers"):
+        fitmod.layer_counts(48, 0, 10)
 
 
 def test_the_autocast_fit_stands_in_for_a_bf16_strategy_as_a_bound() -> None:

@@ -6,7 +6,8 @@ order; each allocation's size in the second trace over the first names its monom
 step becomes a polynomial in ``b`` and ``s``. A fifth trace at another layer count and shape checks the fit;
 when it is off by more than :data:`TOLERANCE` (layers that differ, an op sequence that changes with the shape)
 the fit is refused and the caller traces the full model instead. Fits are cached on disk per config, setup
-signature and library versions.
+signature and library versions. Checkpointing every N-th layer repeats every N layers: its two layer counts are N apart
+(:func:`layer_counts`).
 
 torch and transformers are imported inside functions only.
 """
@@ -28,8 +29,8 @@ from typing import Any
 
 from ..core.configfile import dense_prefix_layers, transformers_kwargs, with_layers
 from ..core.errors import MemcalcError
-from ..core.fitted import BASIS, SEPARATE, FitModel, Moment, Poly, signature, traced_precision
-from ..core.setup import TrainingSetup
+from ..core.fitted import BASIS, FIT_SCHEMA, SEPARATE, FitModel, Moment, Poly, signature, traced_precision
+from ..core.setup import TrainingSetup, checkpoint_every
 from ..core.vocab import PHASES
 from .meta import structure_on_meta
 
@@ -39,7 +40,10 @@ SHAPES = ((2, 64), (3, 128))
 CHECK_SHAPE = (5, 96)
 #: Layer counts traced (fit) and the one that checks the extrapolation.
 LAYERS = (2, 3)
-CHECK_LAYERS = 4
+CHECK_LAYERS = 4  # LAYERS[0] + 2: the counts of layer_counts() without a period
+#: The most layers a fit's check traces (checkpointing every N-th layer repeats every N layers; a larger N is traced
+#: in full instead).
+MAX_FIT_LAYERS = 24
 #: The largest relative error per phase the validation trace may show.
 TOLERANCE = 0.005
 _MONOMIALS = ((0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2))  # (power of b, power of s), in BASIS order
@@ -250,6 +254,28 @@ def _phase_candidates(short: dict[tuple[str, int], _Window], long: dict[tuple[st
     return out
 
 
+def layer_counts(layers: int, skip: int, every: int | None) -> tuple[tuple[int, int], int]:
+    """The two layer counts a fit traces and the count its check traces, for a config of ``layers`` layers whose
+    first ``skip`` differ from the rest (DeepSeek's dense layers: the fit traces past them).
+
+    Checkpointing every N-th layer (layers N, 2N, … counted from the first) repeats every N layers, not every
+    layer. The two counts are then N apart, the shorter holds at least one whole period past ``skip``, and both
+    have the config's remainder modulo N: the layers between them are one period, each trace ends the way the
+    config does (its last, partial period unchecked), and :meth:`FitModel.peak` extrapolates by periods. Raises
+    :class:`FitError` where the config is shorter than the fit, or the check would trace more than
+    :data:`MAX_FIT_LAYERS` layers (the caller traces the full model then)."""
+    period = every if every is not None and every > 1 else 1
+    low = skip + max(LAYERS[0], period)
+    if layers < low:
+        raise FitError(f"the fit extrapolates from {low} layers on; this config has {layers}")
+    low += (layers - low) % period
+    check = low + 2 * period
+    if check > MAX_FIT_LAYERS:
+        raise FitError(f"checkpointing one layer in {period} repeats every {period} layers: its fit would trace "
+                       f"{check} layers")
+    return (low, low + period), check
+
+
 def calibrate(config: dict[str, Any], setup: TrainingSetup, num_params: int,
               progress: Callable[[str], None] | None = None, use_cache: bool = True,
               cached_only: bool = False) -> FitModel:
@@ -263,17 +289,18 @@ def calibrate(config: dict[str, Any], setup: TrainingSetup, num_params: int,
         cfg = tensor_parallel_config(cfg, setup.parallel.tp)
     layers = next((int(cfg[k]) for k in ("num_hidden_layers", "n_layer", "num_layers")
                    if isinstance(cfg.get(k), int)), 0)
-    skip = dense_prefix_layers(cfg)  # DeepSeek's leading dense layers: the fit traces past them
-    pair = (LAYERS[0] + skip, LAYERS[1] + skip)
-    check_layers = CHECK_LAYERS + skip
-    if layers < pair[0]:
-        raise FitError(f"the fit extrapolates from {pair[0]} layers on; this config has {layers}")
+    pair, check_layers = layer_counts(layers, dense_prefix_layers(cfg), checkpoint_every(setup.checkpointing))
     path = cache_dir() / f"{_key(cfg, setup)}.json"
+    refused = path.with_name(f"{path.stem}.refused")
     if use_cache and path.is_file():
         try:
             return FitModel.from_json(json.loads(path.read_text()))
         except (ValueError, OSError):
             pass  # a stale or broken cache file: calibrate again
+    if use_cache and refused.is_file():  # a fit these traces refused before: they would refuse it again
+        reason = _refusal(refused)
+        if reason is not None:
+            raise FitError(reason)
     if cached_only:
         raise FitError("not calibrated yet")
     from ..measure import exclusive_torch_job, frozen_heap
@@ -281,7 +308,34 @@ def calibrate(config: dict[str, Any], setup: TrainingSetup, num_params: int,
     # one torch job at a time: a trace or a measurement in another thread waits; the heap as it is now stays out
     # of the collections of the traces
     with exclusive_torch_job(), frozen_heap():
-        return _calibrate(cfg, setup, num_params, model_type, layers, (pair, check_layers), path, progress)
+        try:
+            return _calibrate(cfg, setup, num_params, model_type, layers, (pair, check_layers), path, progress)
+        except FitError as exc:  # the same traces give the same refusal: kept, so the next run answers at once
+            _write(refused, {"schema": FIT_SCHEMA, "refused": str(exc)})
+            raise
+
+
+def _refusal(path: Path) -> str | None:
+    """The reason a cached refusal gives, or ``None`` for a broken or stale file (the caller calibrates)."""
+    try:
+        data = json.loads(path.read_text())
+    except (ValueError, OSError):
+        return None
+    reason = data.get("refused") if isinstance(data, dict) and data.get("schema") == FIT_SCHEMA else None
+    return reason if isinstance(reason, str) and reason else None
+
+
+def _write(path: Path, data: dict[str, Any]) -> None:
+    """Write a cache file whole: a name of this process and thread for the file being written (two windows or
+    two CLI runs never share it), then a rename (the last one wins, with a whole file). A read-only cache costs
+    a calibration next time, nothing else."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.stem}.{os.getpid()}.{threading.get_ident()}.tmp")
+        tmp.write_text(json.dumps(data))
+        tmp.replace(path)
+    except OSError:
+        pass
 
 
 def _calibrate(cfg: dict[str, Any], setup: TrainingSetup, num_params: int, model_type: str, layers: int,
@@ -337,13 +391,5 @@ def _calibrate(cfg: dict[str, Any], setup: TrainingSetup, num_params: int, model
                  f"up to {single:.1%} (--method trace is exact there)",)
     fit = FitModel(model_type, num_params, layers, check.signature, pair, moments, accum, checked,
                    time.perf_counter() - t0, notes, structure_on_meta(cfg))
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # a name of this process and thread: two writers of one fit (two windows, two CLI runs) never share the
-        # file being written, and the last rename wins with a whole file
-        tmp = path.with_name(f"{path.stem}.{os.getpid()}.{threading.get_ident()}.tmp")
-        tmp.write_text(json.dumps(fit.to_json()))
-        tmp.replace(path)
-    except OSError:
-        pass  # a read-only cache costs a calibration next time, nothing else
+    _write(path, fit.to_json())
     return fit
