@@ -405,18 +405,39 @@ def test_fsdp2_stage_backwards_hold_what_fully_shard_gathers_and_prefetches(cfg:
     assert 0.99 <= ratio <= 1.01, ratio
 
 
-def test_interleaved_fsdp2_says_it_is_not_followed_stage_by_stage_and_the_trace_runs_every_rank() -> None:
-    """Interleaved 1F1B under FSDP2: the ledger estimates the rank's stages together (bench: 0 of 48 small-model ranks
-    within 2 % of the schedule), and says so; the trace cannot trust its choice of rank, so it traces the ranks the
-    ledger checks and reports the most loaded."""
-    from memcalc_gui.core.pipeline import pipeline_estimate
+@pytest.mark.parametrize(("cfg", "pp", "m", "precision", "ckpt", "rank", "over"), [
+    (LLAMA8, 2, 4, "mixed", "none", 0, 0.02), (QWEN_TIED, 2, 4, "fp32", "full", 1, 0.02),
+    (LLAMA8, 4, 8, "fp32", "none", 1, 0.02),
+    (LLAMA8, 4, 8, "fp32", "full", 1, 0.06),  # one-layer chunks with checkpointing: a bound, 3.3 % over
+], ids=["first-mixed", "last-tied-checkpointed", "middle-1-layer-chunks", "checkpointed-1-layer-chunks"])
+def test_interleaved_fsdp2_follows_each_stage_through_the_schedule(cfg: dict, pp: int, m: int, precision: str,
+                                                                    ckpt: str, rank: int, over: float) -> None:
+    """Interleaved 1F1B under FSDP2: each of a rank's stages is a fully_shard root of its own, its units gathered
+    from its backward until its next forward reshards them and its unsharded gradients kept from its first
+    backward, while the other stage works. Estimating the stages together was 16 % under to 23 % over (the tied
+    Qwen2's last rank +22.5 %); now within 2 % but for one-layer chunks with checkpointing, which stay above."""
+    from memcalc_gui.core.analytic import estimate_analytic
+    from memcalc_gui.core.pipeline import _rank_estimate
+    from memcalc_gui.trace.pipeline import PipeRank, trace_pipeline_rank
+
+    setup = _setup(cfg, pp, m, precision, ckpt, schedule="interleaved-1f1b", v=2, gpus=2 * pp, strategy="fsdp2")
+    assert setup.model is not None
+    traced = trace_pipeline_rank(cfg, PipeRank(pp, rank, "interleaved-1f1b", 2, m, dp_shard=2), precision=precision,
+                                 checkpointing=ckpt, optimizer_impl="foreach", **STEP)
+    ledger = _rank_estimate(setup, setup.model, rank, m, estimate_analytic)
+    assert any("fully_shard root of its own" in a for a in ledger.assumptions)
+    for ph in ("forward", "backward", "optimizer_step"):
+        ratio = ledger.phases[ph].total_bytes / traced.phases[ph].peak_bytes
+        assert 0.98 <= ratio <= 1 + over, (ph, ratio)
+
+
+def test_the_trace_of_interleaved_fsdp2_runs_every_rank_the_ledger_checks() -> None:
+    """The ledger's rules are a bound in places (one-layer chunks with checkpointing), so the trace does not trust
+    its choice of rank: it traces the ranks the ledger checks and reports the most loaded."""
     from memcalc_gui.trace.fake import trace_estimate
     from memcalc_gui.trace.pipeline import PipeRank, trace_pipeline_rank
 
     setup = _setup(LLAMA8, 2, 4, "mixed", schedule="interleaved-1f1b", v=2, gpus=4, strategy="fsdp2")
-    assert any("not stage by stage" in a for a in pipeline_estimate(setup).assumptions)
-    assert not any("not stage by stage" in a for a in
-                   pipeline_estimate(_setup(LLAMA8, 2, 4, "mixed", gpus=4, strategy="fsdp2")).assumptions)
     traced = trace_estimate(setup)
     assert any("the most loaded of ranks 1, 2, each traced" in r for r in traced.rules)
     peak = max(p.tensor_bytes for p in traced.estimate.phases.values())

@@ -36,7 +36,9 @@ or the head only where they live) for one micro-batch, plus what the schedule ad
   that means per moment follows FSDP2's own rules: a backward right after another (the cool-down) holds every unit;
   a forward after a backward finds every unit gathered, runs no all-gather and reshards each unit after its own
   forward (so its first layer holds them all, its last layer only itself and the head still to come); the
-  reduce-scatter runs once, after the last backward.
+  reduce-scatter runs once, after the last backward. Interleaved, each of a rank's stage-chunks is a ``fully_shard``
+  root of its own, and the walk follows each one's state: while one works, another holds its units gathered if its
+  last op was a backward (its root unit only, after a forward) and its unsharded gradients once a backward reached it.
 
 The trace of a rank (``memcalc_gui.trace.pipeline``) runs PyTorch's own schedules on the fake process group and
 checks these rules (``tests/test_pipeline.py``).
@@ -197,6 +199,24 @@ def stage_estimate(setup: TrainingSetup, rank: int) -> Estimate:
     return _rank_estimate(setup, setup.model, rank, setup.grad_accum, estimate_analytic)
 
 
+@dataclasses.dataclass(frozen=True)
+class _View:
+    """What FSDP2 holds of one stage, or of one stage-chunk of an interleaved rank (each chunk is a ``fully_shard``
+    root of its own): its model, its ledgers of one and of ``m`` micro-batches, its units' gathered weights and
+    unsharded gradients in all, its root unit's and a layer's gathered weights, and the receive buffers and token
+    ids counted with it (a chunk's are the rank's, counted once)."""
+
+    stage: ModelSpec
+    one: Estimate
+    acc: Estimate
+    gathered: int
+    unsynced: int
+    root_w: int
+    layer_w: int
+    buffers: int
+    inputs: int
+
+
 def _rank_estimate(setup: TrainingSetup, spec: ModelSpec, rank: int, m: int,
                    analytic: Callable[[TrainingSetup], Estimate]) -> Estimate:
     from .ledger import with_overheads
@@ -240,13 +260,23 @@ def _rank_estimate(setup: TrainingSetup, spec: ModelSpec, rank: int, m: int,
     buffers = (2 * v - first - last) * m * stream
     inputs = m * t * 8 if (stage.stage_first or stage.stage_last) else 0  # the step's token ids (and labels)
     gathered, unsynced = fsdp2_unsynced(setup, rank)
-    stage_tp = tensor_parallel_spec(stage, par.tp, par.loss_parallel)
     unit_w = 2 if setup.precision in ("mixed", "bf16", "bf16-autocast") else 4  # FSDP2's gathered dtype
-    root_w, layer_w = stage_tp.root_unit_params * unit_w, stage_tp.layer_params * unit_w
-    def build(ph: str, src: Estimate, more: int, after_backward: bool, cool_down: bool = False) -> dict[str, int]:
-        """The phase's objects from ``src``'s ledger of one micro-batch, ``more`` bytes of other micro-batches in
-        flight, whether a backward of this step has run (FSDP2's gradients are then accumulated unsharded) and whether
-        this backward follows another one directly (the schedule's cool-down)."""
+    grad_w = 4 if setup.precision == "mixed" else unit_w  # the policy's reduce dtype
+
+    def view(model: ModelSpec, one_: Estimate, acc_: Estimate, buffers_: int, inputs_: int) -> _View:
+        tp_model = tensor_parallel_spec(model, par.tp, par.loss_parallel)
+        held = tp_model.num_params if gathered else 0
+        return _View(model, one_, acc_, held * unit_w, held * grad_w, tp_model.root_unit_params * unit_w,
+                     tp_model.layer_params * unit_w, buffers_, inputs_)
+
+    def build(vw: _View, ph: str, src: Estimate, more: int, after_backward: bool,
+              cool_down: bool = False, logits_held: bool = True) -> dict[str, int]:
+        """The phase's objects of ``vw``'s stage from ``src``'s ledger of one micro-batch, ``more`` bytes of other
+        micro-batches in flight, whether a backward of this step has run (FSDP2's gradients are then accumulated
+        unsharded, and its units gathered) and whether this backward follows another one directly (the schedule's
+        cool-down); ``logits_held``: whether the rank's last forward was this stage's (whose output the schedule's
+        loop holds)."""
+        stage, one, acc, gathered = vw.stage, vw.one, vw.acc, vw.gathered
         bases = [dict(src.phases[ph].objects)]
         if gathered and after_backward and ph in ("forward", "backward"):
             # FSDP2: a stage's backward reshards nothing (``backward_maybe_with_nosync``), so what it gathered is
@@ -260,16 +290,17 @@ def _rank_estimate(setup: TrainingSetup, spec: ModelSpec, rank: int, m: int,
             elif ph == "forward":
                 # on the last stage the previous micro-batch's logits live until this forward returns (the
                 # schedule's loop still holds that output; traced)
-                before = int(one.details["logits_bytes"]) if stage.stage_last else 0
-                bases = [dict(m, parameters=after_backward_forward(at, m),
+                before = int(one.details["logits_bytes"]) if stage.stage_last and logits_held else 0
+                bases = [dict(m, parameters=after_backward_forward(vw, at, m),
                               activations=m.get("activations", 0) + (before if at != "loss" else 0))
                          for at, m in src.details.get("forward_moments", ())] or bases
-        return max((adjust(ph, b, more, after_backward) for b in bases), key=lambda o: sum(o.values()))
+        return max((adjust(vw, ph, b, more, after_backward) for b in bases), key=lambda o: sum(o.values()))
 
-    def after_backward_forward(at: str, moment: dict[str, int]) -> int:
+    def after_backward_forward(vw: _View, at: str, moment: dict[str, int]) -> int:
         """The parameters of forward moment ``at`` after a backward under FSDP2: a unit is gathered still until its
         own forward has run and resharded it, so no forward all-gather runs (traced)."""
-        every = acc.phases["load"].objects["parameters"] + gathered
+        stage, gathered, root_w, layer_w = vw.stage, vw.gathered, vw.root_w, vw.layer_w
+        every = vw.acc.phases["load"].objects["parameters"] + gathered
         if not par.reshard_after_forward:
             return every
         if at in ("gather-first", "layer-first"):  # every unit but the embedding, which ran before
@@ -281,7 +312,10 @@ def _rank_estimate(setup: TrainingSetup, spec: ModelSpec, rank: int, m: int,
             return every - gathered + root_w
         return int(moment.get("parameters", 0))
 
-    def adjust(ph: str, objects: dict[str, int], more: int, after_backward: bool) -> dict[str, int]:
+    def adjust(vw: _View, ph: str, objects: dict[str, int], more: int, after_backward: bool) -> dict[str, int]:
+        stage, gathered, unsynced, buffers = vw.stage, vw.gathered, vw.unsynced, vw.buffers
+        root_w, layer_w, inputs = vw.root_w, vw.layer_w, vw.inputs
+        own_stream = int(vw.one.details.get("stream_kept_bytes", 0))
         for k in ("cuda_context", "allocator_reserve"):
             objects.pop(k, None)
         copies_more = more * kept_copies // per_micro if per_micro else 0
@@ -296,7 +330,7 @@ def _rank_estimate(setup: TrainingSetup, spec: ModelSpec, rank: int, m: int,
             objects["activations"] = max(0, objects["activations"] - stream)
         if ph == "backward" and stage.stage_last:
             # the schedule holds the stage's output, the logits, through the stage's backward (traced)
-            objects["activations"] += one.details["logits_bytes"]
+            objects["activations"] += vw.one.details["logits_bytes"]
         if ph == "backward" and not stage.stage_last:
             # a stage before the last: its top layer's backward starts from the output's gradient, which is the
             # receive buffer it came in (among the buffers), not a tensor of its own (traced: one stream over)
@@ -313,7 +347,7 @@ def _rank_estimate(setup: TrainingSetup, spec: ModelSpec, rank: int, m: int,
             mixed = ph == "backward" and setup.precision == "mixed"
             grads = unsynced + (objects.get("gradients", 0) if mixed else 0)
             last_unit = (root_w if stage.stage_first else layer_w) if mixed else 0
-            everything = {"parameters": acc.phases["load"].objects["parameters"] + gathered,
+            everything = {"parameters": vw.acc.phases["load"].objects["parameters"] + gathered,
                           "gradients": unsynced + last_unit,
                           "optimizer_state": objects.get("optimizer_state", 0),
                           "inputs": objects.get("inputs", 0), "activations": more + buffers}
@@ -321,8 +355,26 @@ def _rank_estimate(setup: TrainingSetup, spec: ModelSpec, rank: int, m: int,
             objects = max(working, everything, key=lambda o: sum(o.values()))
         return objects
 
-    chunked = _chunk_phases(setup, stage, rank, m, analytic, stream, vocab, acc, one) \
-        if v > 1 and not gathered else {}
+    # (the stage's gathered and unsynced bytes as fsdp2_unsynced counts them)
+    stage_view = dataclasses.replace(view(stage, one, acc, buffers, inputs), gathered=gathered, unsynced=unsynced)
+
+    def chunk_moment(vw: _View, kind: str, reached: bool, last_op: str | None) -> dict[str, int]:
+        """Under FSDP2, the moment of an interleaved rank's chunk ``vw`` at work (a forward ``F`` or backward ``B``)
+        with its own units and gradients: the chunk is a ``fully_shard`` root of its own, its units gathered still
+        after a backward of its own (``last_op``) and resharded by its forward, its gradients accumulating unsharded
+        once one of its backwards has run (``reached``). The interleaved schedule keeps no earlier micro-batch's logits
+        into the head chunk's next forward (traced: counting them was 2–4 % over on the last rank). The other chunks'
+        are added by the walk."""
+        if kind == "F":  # a forward makes no gradients: those it holds are the chunk's unsharded accumulators
+            if reached and last_op != "B":  # its units resharded by its last forward: gathered anew
+                return dict(build(vw, "forward", vw.one, 0, False), gradients=vw.unsynced)
+            return build(vw, "forward", vw.one, 0, reached, logits_held=False)
+        src = vw.one if not reached or setup.precision == "mixed" else vw.acc
+        return build(vw, "backward", src, 0, reached, cool_down=last_op == "B")
+
+    chunked = _chunk_phases(setup, stage, rank, m, analytic, stream, vocab, acc, one,
+                            (lambda spec, c1, cm: view(spec, c1, cm, 0, 0), chunk_moment) if gathered else None) \
+        if v > 1 else {}
     phases: dict[str, PhaseLedger] = {}
     for ph in PHASES:
         if ph in chunked:
@@ -333,18 +385,18 @@ def _rank_estimate(setup: TrainingSetup, spec: ModelSpec, rank: int, m: int,
         # the first forwards and the first backward run before any gradient exists, beside the most micro-batches in
         # flight; a later forward (steady state) or backward runs with gradients, beside fewer in the cool-down
         if ph in ("load", "optimizer_step"):
-            candidates = [build(ph, acc, 0, False)]
+            candidates = [build(stage_view, ph, acc, 0, False)]
         else:
-            candidates = [build(ph, one, extra(flights), False)]
+            candidates = [build(stage_view, ph, one, extra(flights), False)]
             if m > 1 and ph == "forward" and flights < m * v:
-                candidates.append(build(ph, acc, extra(flights), True))
+                candidates.append(build(stage_view, ph, acc, extra(flights), True))
             if m > 1 and ph == "backward":
                 # under FSDP2's policy the stage's bf16 gradients are made anew by each backward (the fp32
                 # accumulators hold the step's sum): one micro-batch's moment, without accumulation's temporaries
                 later = one if gathered and setup.precision == "mixed" else acc
-                candidates.append(build(ph, later, extra(min(flights, (m - 1) * v)), True))
+                candidates.append(build(stage_view, ph, later, extra(min(flights, (m - 1) * v)), True))
                 if flights > 1:  # the cool-down: a backward right after the previous one, one micro-batch fewer
-                    candidates.append(build(ph, later, extra(flights - 1), True, cool_down=True))
+                    candidates.append(build(stage_view, ph, later, extra(flights - 1), True, cool_down=True))
         objects = max(candidates, key=lambda o: sum(o.values()))
         phases[ph] = with_overheads({k: val for k, val in objects.items() if val}, ph, setup)
     notes: tuple[str, ...] = (
@@ -359,11 +411,9 @@ def _rank_estimate(setup: TrainingSetup, spec: ModelSpec, rank: int, m: int,
                   "resharding and reduce-scatters after the last, so from the first backward on the stage's weights "
                   "stay gathered and its unsharded gradients accumulate",)
     if gathered and v > 1:
-        # (bench: 0 of 48 small-model ranks within 2 % of PyTorch's ScheduleInterleaved1F1B traced with fully_shard)
-        notes += ("Interleaved 1F1B under FSDP2 is estimated for the rank's stages together, not stage by stage: "
-                  "which of them FSDP2 holds gathered at a moment is not followed, and against PyTorch's schedule "
-                  "traced on small models a phase came out 16 % under to 23 % over; the trace (--method trace, the "
-                  "window's Precise) runs the schedule itself, rank by rank",)
+        notes += ("Interleaved 1F1B under FSDP2: each of the rank's stages is a fully_shard root of its own, followed "
+                  "through the schedule's order: its units gathered from its backward until its next forward "
+                  "reshards them, its unsharded gradients accumulating from its first backward",)
     details = dict(acc.details, parallel_notes=notes + tuple(acc.details.get("parallel_notes", ())),
                    pipeline_rank=rank, in_flight=flights, pipeline_buffers_bytes=buffers)
     return dataclasses.replace(acc, phases=phases, details=details,
@@ -372,7 +422,10 @@ def _rank_estimate(setup: TrainingSetup, spec: ModelSpec, rank: int, m: int,
 
 def _chunk_phases(setup: TrainingSetup, stage: ModelSpec, rank: int, m: int,
                   analytic: Callable[[TrainingSetup], Estimate], stream: int, vocab: int, acc: Estimate,
-                  one: Estimate) -> dict[str, dict[str, int]]:
+                  one: Estimate,
+                  fsdp2: tuple[Callable[[ModelSpec, Estimate, Estimate], _View],
+                               Callable[[_View, str, bool, str | None], dict[str, int]]] | None = None,
+                  ) -> dict[str, dict[str, int]]:
     """The forward and backward peaks of an interleaved rank, op by op of :func:`rank_schedule`, without its receive
     buffers and token ids.
 
@@ -381,7 +434,11 @@ def _chunk_phases(setup: TrainingSetup, stage: ModelSpec, rank: int, m: int,
     micro-batches in flight keep, chunk by chunk, beside the one at work's own moment (its chunk's ledger of one
     micro-batch), and the gradients of the chunks a backward has reached. Averaging over the chunks instead counted
     the head's logits for every chunk in flight: 6–10 % over on a last rank with a 32K vocabulary
-    (bench/pipeline.py)."""
+    (bench/pipeline.py).
+
+    Under FSDP2 (``fsdp2``: a chunk's view and its moment at work) each chunk is a ``fully_shard`` root of its own:
+    beside the one at work the rank holds each other chunk's units gathered since its last backward (resharded by
+    its forward, all but its root unit) and, once a backward has reached it, its unsharded gradients."""
     par = setup.parallel
     v = par.virtual_stages
     inner = dataclasses.replace(par, pp=1, gpus=par.gpus // par.pp, schedule="1f1b", virtual_stages=1)
@@ -423,11 +480,39 @@ def _chunk_phases(setup: TrainingSetup, stage: ModelSpec, rank: int, m: int,
     peaks: dict[str, dict[str, int]] = {}
     held: list[int] = []  # the chunks of the micro-batches in flight, in the order their forwards ran
     reached: set[int] = set()  # the chunks a backward has run on
+    views = [fsdp2[0](specs[c], *led(c)) for c in range(v)] if fsdp2 is not None else []
+    last: dict[int, str] = {}  # each chunk's last forward or backward so far
+
+    def gathered_now(o: int) -> int:  # another chunk's units gathered at this moment (FSDP2)
+        if o not in last:
+            return 0
+        if last[o] == "B" or not par.reshard_after_forward:
+            return views[o].gathered
+        return views[o].root_w if views[o].stage.stage_first or views[o].stage.stage_last else 0
+
     for kind, c in rank_schedule(par.schedule, par.pp, rank, m, v, window=True):
         if kind == "B":
             held.remove(c)
         others = [keeps[o] for o in held]
         ph = "forward" if kind == "F" else "backward"
+        if fsdp2 is not None:
+            own_moment = fsdp2[1](views[c], kind, c in reached, last.get(c))
+            objects = dict((acc if reached else one).phases[ph].objects)
+            for k in ("cuda_context", "allocator_reserve", "inputs"):
+                objects.pop(k, None)
+            objects["parameters"] = stage_weights - weights(led(c)[0]) + own_moment.get("parameters", 0) \
+                + sum(gathered_now(o) for o in range(v) if o != c)
+            objects["activations"] = own_moment.get("activations", 0) + sum(a for a, _ in others)
+            objects["temporaries"] = own_moment.get("temporaries", 0)
+            objects["gradients"] = own_moment.get("gradients", 0) + sum(views[o].unsynced for o in reached if o != c)
+            last[c] = kind
+            if kind == "F":
+                held.append(c)
+            else:
+                reached.add(c)
+            if ph not in peaks or sum(objects.values()) > sum(peaks[ph].values()):
+                peaks[ph] = objects
+            continue
         own = (led(c)[1] if c in reached else led(c)[0]).phases[ph].objects
         base = (acc if reached else one).phases[ph].objects
         spec = specs[c]

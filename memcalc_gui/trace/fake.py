@@ -208,8 +208,9 @@ def trace_estimate(
             pipe_rank = int(estimate(setup).details.get("pipeline_rank", 0))
             if fsdp2_pipeline:  # each stage fully_shard-ed over its data-parallel ranks, in the trace itself
                 compute = setup.precision
-            # interleaved under FSDP2 the ledger does not follow each stage's units (core.pipeline), so its most
-            # loaded rank is no guide: the ranks it checks are all traced, and the most loaded one reported
+            # interleaved under FSDP2 the ledger's ranks can be a few percent apart where its rules are a bound
+            # (one-layer chunks with checkpointing, core.pipeline): the ranks it checks are all traced, and the most
+            # loaded one reported
             unguided = fsdp2_pipeline and par.virtual_stages > 1
             pipe_ranks = ranks_to_check(par.pp) if unguided else (pipe_rank,)
 
