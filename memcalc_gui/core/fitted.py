@@ -60,6 +60,7 @@ def signature(setup: TrainingSetup) -> dict[str, Any]:
                                     "setup (--method trace) or use the analytic method")
     ft = setup.tuning
     return {
+        **({"pipeline": pipeline_layout(setup)} if setup.parallel.pp > 1 else {}),
         "precision": traced_precision(setup), "optimizer": setup.optimizer, "optimizer_impl": setup.optimizer_impl,
         "attention": setup.attention, "checkpointing": setup.checkpointing, "use_cache": setup.use_cache,
         "loss": setup.loss, "loss_chunk": setup.loss_chunk, "optimizer_in_backward": setup.optimizer_in_backward,
@@ -90,6 +91,48 @@ def traced_precision(setup: TrainingSetup) -> str:
     return "bf16" if bf16_compute(setup) else setup.precision
 
 
+#: The data-parallel strategies a pipeline stage of a fitted family is calibrated under: the schedule's own trace runs
+#: them (each stage replicated, or ``fully_shard``-ed over its data-parallel ranks), as ``--method trace`` does.
+PIPELINE_STRATEGIES = ("ddp", "fsdp2")
+#: The most micro-batches a fitted pipeline rank's traces run: GPipe keeps every one in flight and the interleaved
+#: schedule's rounds depend on their number, so their traces run the step's own count.
+MAX_PIPELINE_MICROBATCHES = 64
+
+
+def pipeline_microbatches(setup: TrainingSetup) -> int:
+    """The micro-batches a fitted pipeline rank's traces run. Under 1F1B a rank's state repeats once its steady
+    state has had a forward after a backward (``pp − r − 1`` warm-up forwards, then forward-backward pairs with the
+    gradients in place): ``pp + 1`` micro-batches hold every moment a longer step holds (``tests/test_fitted.py``
+    checks it against a longer trace). GPipe and the interleaved schedule run the step's own count."""
+    par, m = setup.parallel, setup.grad_accum
+    if par.schedule == "1f1b":
+        return min(m, par.pp + 1)
+    if m > MAX_PIPELINE_MICROBATCHES:
+        raise InputError("grad_accum", f"the fitted method traces every micro-batch of the {par.schedule} schedule, at "
+                                       f"most {MAX_PIPELINE_MICROBATCHES}; got {m:,} (1F1B repeats after pp + 1 and "
+                                       "takes any count)")
+    return m
+
+
+def pipeline_layout(setup: TrainingSetup) -> dict[str, Any]:
+    """What a fitted pipeline rank's calibration depends on besides the model: the schedule, its traced micro-batches
+    and the strategy the stage runs under. Raises :class:`InputError` for a layout the schedule's trace does not
+    run for a family without a block model."""
+    par = setup.parallel
+    if par.strategy not in PIPELINE_STRATEGIES:
+        raise InputError("strategy", "pipeline stages of a family memcalc has no block model of are traced under DDP "
+                                     "or FSDP2 (PyTorch's schedule runs them on the fake process group); choose "
+                                     "--strategy ddp or fsdp2")
+    if par.strategy == "fsdp2" and par.dp == 1:
+        raise InputError("strategy", f"FSDP2 over one data-parallel GPU per stage shards nothing ({par.gpus:,} GPUs "
+                                     f"in {par.pp} stages of {par.tp} tensor-parallel GPU(s)): choose DDP, or more "
+                                     "GPUs")
+    fsdp2 = par.strategy == "fsdp2"
+    return {"pp": par.pp, "schedule": par.schedule, "virtual": par.virtual_stages,
+            "microbatches": pipeline_microbatches(setup), "strategy": par.strategy,
+            "dp_shard": par.dp if fsdp2 else 1, "reshard_after_forward": par.reshard_after_forward if fsdp2 else True}
+
+
 @dataclass(frozen=True)
 class FitModel:
     """The calibrated moments of one config and setup signature.
@@ -115,6 +158,10 @@ class FitModel:
     calibration_s: float = 0.0
     notes: tuple[str, ...] = ()
     structure: dict[str, int] = field(default_factory=dict)
+    #: Under pipeline parallelism, each checked rank's own fit (``core.pipeline.ranks_to_check``), by rank: its
+    #: moments are those of the rank's step under the schedule (all its micro-batches), its layers a stage-chunk's.
+    #: This fit's own moments are then the first rank's.
+    stages: dict[int, FitModel] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if len(self.layers) != 2 or self.layers[0] >= self.layers[1]:
@@ -162,7 +209,8 @@ class FitModel:
         return {"schema": FIT_SCHEMA, "model_type": self.model_type, "num_params": self.num_params,
                 "num_layers": self.num_layers, "signature": self.signature, "layers": list(self.layers),
                 "moments": dump(self.moments), "accum_moments": dump(self.accum_moments), "checked": self.checked,
-                "calibration_s": self.calibration_s, "notes": list(self.notes), "structure": self.structure}
+                "calibration_s": self.calibration_s, "notes": list(self.notes), "structure": self.structure,
+                **({"stages": {str(r): f.to_json() for r, f in self.stages.items()}} if self.stages else {})}
 
     @staticmethod
     def from_json(data: Any) -> FitModel:
@@ -180,7 +228,8 @@ class FitModel:
                             dict(data["signature"]), (la, lb), load(data["moments"]), load(data["accum_moments"]),
                             {str(k): float(v) for k, v in data["checked"].items()},
                             float(data.get("calibration_s", 0.0)), tuple(str(n) for n in data.get("notes", ())),
-                            {str(k): int(v) for k, v in data.get("structure", {}).items()})
+                            {str(k): int(v) for k, v in data.get("structure", {}).items()},
+                            {int(r): FitModel.from_json(f) for r, f in data.get("stages", {}).items()})
         except (KeyError, TypeError, AttributeError, ValueError) as exc:
             raise ValueError(f"malformed fit: {exc}") from None
 
@@ -303,6 +352,8 @@ def estimate_fitted(setup: TrainingSetup, fit: FitModel) -> Estimate:
     if stand_in:
         parallel_notes = ("An upper bound: the autocast step's calibration stands in for the bf16 step this strategy "
                           "runs, until that is calibrated",)
+    if setup.parallel.pp > 1:
+        return _pipeline_fitted(setup, fit)
     host_bytes = 0
     if setup.parallel.is_distributed:
         transform, states = per_gpu_states(setup, fit)
@@ -335,6 +386,90 @@ def estimate_fitted(setup: TrainingSetup, fit: FitModel) -> Estimate:
                              "parallel_notes": parallel_notes})
 
 
+def _pipeline_fitted(setup: TrainingSetup, fit: FitModel) -> Estimate:
+    """The most loaded checked pipeline rank, each from its own fit (:attr:`FitModel.stages`): the rank's step under
+    the schedule as traced (FSDP2's sharding in it), with DDP's buckets (every gradient of the stage once more, from
+    the moment DDP wraps it) where the stage has data-parallel replicas. ``details["pipeline_ranks"]`` as
+    ``core.pipeline.pipeline_estimate`` gives them."""
+    from .pipeline import in_flight
+
+    par = setup.parallel
+    if not fit.stages:
+        raise InputError("method", "this change needs its own calibration (a few seconds of tracing)")
+    rows: list[dict[str, Any]] = []
+    best: tuple[int, int, dict[str, Any]] | None = None
+    traced = pipeline_microbatches(setup)
+    for rank, stage in sorted(fit.stages.items()):
+        buckets = stage.peak("optimizer_step", 1, 1).get("gradients", 0) \
+            if par.strategy == "ddp" and par.dp > 1 else 0
+        untraced = _untraced_microbatches(setup, fit, rank, traced)
+
+        def transform(phase: str, comp: dict[str, float], extra: int = buckets,
+                      more: dict[str, int] = untraced) -> dict[str, float]:
+            out = {**comp, "gradients": comp.get("gradients", 0.0) + extra}
+            if phase != "load":
+                for obj, nbytes in more.items():
+                    out[obj] = out.get(obj, 0.0) + nbytes
+            return out
+
+        phases = {}
+        for phase in PHASES:
+            objects = stage.peak(phase, setup.batch, setup.seq, True, transform)
+            if phase == "load":  # the stage's weights, and DDP's buckets made as it wraps the stage
+                grads = objects.get("gradients", 0)
+                objects = {"parameters": sum(objects.values()) - grads, **({"gradients": grads} if grads else {})}
+            phases[phase] = with_overheads(objects, phase, setup)
+        peak = max(ph.total_bytes for ph in phases.values())
+        rows.append({"rank": rank, "in_flight": in_flight(par.schedule, par.pp, rank, setup.grad_accum,
+                                                          par.virtual_stages),
+                     "peak_bytes": peak, "phases": {p: ph.total_bytes for p, ph in phases.items()}})
+        if best is None or peak > best[1]:
+            best = (rank, peak, {"phases": phases, "checked": stage.checked, "buckets": buckets})
+    assert best is not None
+    rank, _, chosen = best
+    worst = max((v for f in fit.stages.values() for k, v in f.checked.items() if k in PHASES), default=0.0)
+    layers = fit.stages[rank].layers
+    notes = (f"Pipeline rank {rank + 1} of {par.pp} (ranks {', '.join(str(r + 1) for r in sorted(fit.stages))} "
+             f"checked): PyTorch's {par.schedule} schedule over {traced} of the {setup.grad_accum:,} micro-batch(es) "
+             "traced on the fake process group"
+             + (" (1F1B repeats after pp + 1)" if traced < setup.grad_accum else "")
+             + (f", each stage fully_shard-ed over its {par.dp} data-parallel GPUs (FSDP2)" if par.strategy == "fsdp2"
+                else "") + "; the embedding on the first stage, the final norm, the head and the loss on the last",
+             *(("DDP keeps every gradient of the stage once more in its communication buckets "
+                "(gradient_as_bucket_view=False, the default)",) if chosen["buckets"] else ()))
+    assumptions = (
+        f"Fitted from fake-tensor traces of the real {fit.model_type} model (transformers) cut into pipeline stages "
+        f"of {' and '.join(str(k) for k in layers)} layers: every moment's live bytes as {' + '.join(BASIS)} terms "
+        f"per object, the layers extrapolated to {fit.stages[rank].num_layers} a stage"
+        + (" chunk" if par.virtual_stages > 1 else "") + f"; checked on a further trace within {worst:.2%}",
+        *fit.notes, *notes,
+        "CUDA's 512-byte rounding of each allocation is not included (well under 0.1 % at training sizes)",
+        f"CUDA context {setup.cuda_context_bytes / 2**20:.0f} MiB and allocator reserve {setup.allocator_reserve:.0%}",
+    )
+    return Estimate(setup=setup, method="fitted", phases=chosen["phases"], assumptions=assumptions,
+                    details={"host_bytes": 0, "fit_checked": dict(chosen["checked"]), "parallel_notes": notes,
+                             "pipeline_ranks": rows, "pipeline_rank": rank})
+
+
+def _untraced_microbatches(setup: TrainingSetup, fit: FitModel, rank: int, traced: int) -> dict[str, int]:
+    """What the micro-batches a 1F1B rank's traces leave out (:func:`pipeline_microbatches`) add at every moment
+    after load: ``torch.distributed.pipelining`` makes one receive buffer per micro-batch at the first step and
+    keeps it (the activations a later stage receives, the gradients an earlier one receives, one hidden state each),
+    the schedule splits the whole batch's token ids (the first stage's inputs, the last's targets) and keeps each
+    micro-batch's loss on the last stage. Traced: each micro-batch more adds exactly these bytes."""
+    par = setup.parallel
+    extra = setup.grad_accum - traced
+    if extra <= 0:
+        return {}
+    first, last = rank == 0, rank == par.pp - 1
+    half = setup.precision in ("bf16", "bf16-autocast") or (setup.precision == "mixed" and par.strategy == "fsdp2")
+    hidden = setup.batch * setup.seq * fit.structure.get("hidden_size", 0) * (2 if half else 4)
+    out = {"temporaries": extra * hidden * ((not first) + (not last)),
+           "inputs": extra * setup.batch * setup.seq * 8 * (first + last),
+           "activations": extra * 4 * last}
+    return {k: v for k, v in out.items() if v}
+
+
 def evaluate_fitted(setup: TrainingSetup, fit: FitModel,
                     more: Callable[[TrainingSetup], FitModel | None] | None = None) -> Result:
     """Estimate and verdict from ``fit``. What-ifs that change only the shape or the GPU layout use ``fit``; those
@@ -358,8 +493,13 @@ def evaluate_fitted(setup: TrainingSetup, fit: FitModel,
 
 def worth_calibrating(base: dict[str, Any], changed: TrainingSetup) -> bool:
     """Whether a what-if's own calibration is worth its seconds: it changes only checkpointing (the lever that
-    matters most when activations do not fit) or the traced precision (a strategy that computes in bf16)."""
+    matters most when activations do not fit; under pipeline parallelism full checkpointing only) or the traced
+    precision (a strategy that computes in bf16)."""
     other = signature(changed)
+    if "pipeline" in base and other["checkpointing"] not in ("none", "full"):
+        # a pipeline calibration traces each checked rank's schedule (tens of seconds for a large mixture of
+        # experts): of the checkpointing what-ifs only full checkpointing, the one that saves most
+        return False
     return all(other[k] == base.get(k) for k in other if k not in ("checkpointing", "precision")) and \
         sum(other[k] != base.get(k) for k in ("checkpointing", "precision")) == 1
 

@@ -263,10 +263,11 @@ class TrainingSetup:
                 raise InputError("cp", f"{self.tuning.method} beside context parallelism is not modelled yet")
             check_context_parallel(self)
         if par.pp > 1 or par.sp:
-            if self.model is None:
-                raise InputError("pp" if par.pp > 1 else "sp", "pipeline and sequence parallelism split a model's "
-                                 "layers and sequence: they need an architecture (a preset or config.json)")
-            check_pipeline(self.model, par.pp, par.virtual_stages)
+            if self.model is None and par.sp:
+                raise InputError("sp", "sequence parallelism is modelled for the families memcalc has a block model "
+                                       "of (Korthikanti et al. 2022's split of their norms and residual stream)")
+            if self.model is not None:  # without one, the fitted method and the trace check the config's layers
+                check_pipeline(self.model, par.pp, par.virtual_stages)
             check_microbatches(par.schedule, par.pp, self.grad_accum)
             for on, what in ((self.tuning.method != "full", self.tuning.method),
                              (self.loss == "chunked", "the chunked loss"),

@@ -205,13 +205,14 @@ def trace_estimate(
         if par.pp > 1:  # the most loaded pipeline rank, run by PyTorch's schedule on the fake process group
             from .pipeline import PipeRank, trace_pipeline_rank
 
-            pipe_rank = int(estimate(setup).details.get("pipeline_rank", 0))
+            if setup.model is not None:
+                pipe_rank = int(estimate(setup).details.get("pipeline_rank", 0))
             if fsdp2_pipeline:  # each stage fully_shard-ed over its data-parallel ranks, in the trace itself
                 compute = setup.precision
             # interleaved under FSDP2 the ledger's ranks can be a few percent apart where its rules are a bound
             # (one-layer chunks with checkpointing, core.pipeline): the ranks it checks are all traced, and the most
-            # loaded one reported
-            unguided = fsdp2_pipeline and par.virtual_stages > 1
+            # loaded one reported; so are a family's without a block model (no ledger to pick one)
+            unguided = (fsdp2_pipeline and par.virtual_stages > 1) or setup.model is None
             pipe_ranks = ranks_to_check(par.pp) if unguided else (pipe_rank,)
 
             def pipe_layout(r: int) -> Any:
@@ -301,7 +302,17 @@ def trace_estimate(
     notes: tuple[str, ...] = ()
     offloaded = m.host_bytes  # the most offloaded activations the step held in host memory
     host_bytes = offloaded
-    if setup.parallel.ep > 1 or (setup.model is None and setup.parallel.is_distributed) or sharded_rank:
+    if setup.parallel.pp > 1 and setup.model is None:
+        # the traced stage is the rank's own (FSDP2 in the trace); DDP's buckets hold every gradient of the stage once
+        # more, from the moment DDP wraps it
+        buckets = objects["optimizer_step"].get("gradients", 0) \
+            if setup.parallel.strategy == "ddp" and setup.parallel.dp > 1 else 0
+        for name in PHASES:
+            objects[name]["gradients"] = objects[name].get("gradients", 0) + buckets
+        if buckets:
+            notes = ("DDP keeps every gradient of the stage once more in its communication buckets "
+                     "(gradient_as_bucket_view=False, the default)",)
+    elif setup.parallel.ep > 1 or (setup.model is None and setup.parallel.is_distributed) or sharded_rank:
         # the traced rank is the layout's own; DDP's buckets are what it does not run
         notes, buckets = _rank_rules(cfg, setup)
         for name in PHASES:  # (DDP makes its buckets as it wraps the model)

@@ -79,10 +79,27 @@ def _key(cfg: dict[str, Any], setup: TrainingSetup) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-def _trace(cfg: dict[str, Any], layers: int, b: int, s: int, setup: TrainingSetup) -> Any:
+def _trace(cfg: dict[str, Any], layers: int, b: int, s: int, setup: TrainingSetup, rank: int | None = None) -> Any:
+    """One calibration trace at ``layers`` layers and shape ``(b, s)``; under pipeline parallelism, pipeline rank
+    ``rank``'s step under the schedule, ``layers`` a stage-chunk's (the model built with ``pp × virtual`` times as
+    many and cut, as ``--method trace`` runs it)."""
     from ..measure.cpu_step import measure_training_step
     from .fake import TRACED_MICRO_BATCHES, unpacked_sequences
 
+    par = setup.parallel
+    if par.pp > 1:
+        from ..core.fitted import pipeline_layout
+        from .pipeline import PipeRank, trace_pipeline_rank
+
+        lay = pipeline_layout(setup)
+        layout = PipeRank(par.pp, rank or 0, par.schedule, par.virtual_stages, lay["microbatches"],
+                          dp_shard=lay["dp_shard"], reshard_after_forward=lay["reshard_after_forward"])
+        # FSDP2's MixedPrecisionPolicy runs in the trace itself; DDP's stage runs autocast as one GPU does
+        return trace_pipeline_rank(
+            with_layers(cfg, layers * par.pp * par.virtual_stages), layout, batch=b, seq=s,
+            precision=setup.precision, optimizer=setup.optimizer, optimizer_impl=setup.optimizer_impl,
+            attention=setup.attention, checkpointing=setup.checkpointing, use_cache=setup.use_cache, iterations=2,
+            keep_tracker=True, galore_rank=setup.galore_rank, galore_gap=1)
     with unpacked_sequences():
         return measure_training_step(
             with_layers(cfg, layers), batch=b, seq=s, precision=traced_precision(setup),
@@ -237,7 +254,9 @@ def _pareto(moments: list[Moment]) -> list[Moment]:
 
 
 def _phase_candidates(short: dict[tuple[str, int], _Window], long: dict[tuple[str, int], _Window],
-                      micros: set[int]) -> dict[str, list[list[Moment]]]:
+                      micros: set[int] | None) -> dict[str, list[list[Moment]]]:
+    """Each phase's candidate moments from the windows of the micro-batches ``micros`` (``None``: every one, a
+    pipeline rank's whole schedule)."""
     out: dict[str, list[list[Moment]]] = {}
     for phase in PHASES:
         if phase in SEPARATE:  # candidates per layer count (core.fitted.FitModel)
@@ -246,7 +265,7 @@ def _phase_candidates(short: dict[tuple[str, int], _Window], long: dict[tuple[st
             continue
         pairs: list[list[Moment]] = []
         for key in long:
-            if key[0] == phase and (phase in ("load", "optimizer_step") or key[1] in micros):
+            if key[0] == phase and (phase in ("load", "optimizer_step") or micros is None or key[1] in micros):
                 if key not in short:
                     raise FitError(f"no {phase} window to compare")
                 pairs += _pair(short[key], long[key])
@@ -289,7 +308,11 @@ def calibrate(config: dict[str, Any], setup: TrainingSetup, num_params: int,
         cfg = tensor_parallel_config(cfg, setup.parallel.tp)
     layers = next((int(cfg[k]) for k in ("num_hidden_layers", "n_layer", "num_layers")
                    if isinstance(cfg.get(k), int)), 0)
-    pair, check_layers = layer_counts(layers, dense_prefix_layers(cfg), checkpoint_every(setup.checkpointing))
+    skip = dense_prefix_layers(cfg)
+    if setup.parallel.pp > 1:  # a fit per checked rank, its layers a stage-chunk's
+        layers = pipeline_chunk_layers(cfg, layers, setup)
+        skip = 0
+    pair, check_layers = layer_counts(layers, skip, checkpoint_every(setup.checkpointing))
     path = cache_dir() / f"{_key(cfg, setup)}.json"
     refused = path.with_name(f"{path.stem}.refused")
     if use_cache and path.is_file():
@@ -313,6 +336,23 @@ def calibrate(config: dict[str, Any], setup: TrainingSetup, num_params: int,
         except FitError as exc:  # the same traces give the same refusal: kept, so the next run answers at once
             _write(refused, {"schema": FIT_SCHEMA, "refused": str(exc)})
             raise
+
+
+def pipeline_chunk_layers(cfg: dict[str, Any], layers: int, setup: TrainingSetup) -> int:
+    """The decoder layers of one stage-chunk of ``setup``'s pipeline; :class:`InputError` naming ``pp`` where the
+    layers do not split evenly, and :class:`FitError` where the stages would differ in more than their ends (the
+    first layers of DeepSeek's mixture of experts are dense; a repeating pattern of layer types longer than one)."""
+    from ..core.errors import InputError
+
+    par = setup.parallel
+    stages = par.pp * par.virtual_stages
+    if not layers or layers % stages:
+        raise InputError("pp", f"{cfg.get('model_type')!s:.40} has {layers} decoder layers, which {stages} pipeline "
+                               "stages cannot split evenly")
+    if dense_prefix_layers(cfg):
+        raise FitError("the first stage's layers differ from the others' (dense layers before the mixture of "
+                       "experts): its pipeline stages are not fitted yet")
+    return layers // stages
 
 
 def _refusal(path: Path) -> str | None:
@@ -340,35 +380,64 @@ def _write(path: Path, data: dict[str, Any]) -> None:
 
 def _calibrate(cfg: dict[str, Any], setup: TrainingSetup, num_params: int, model_type: str, layers: int,
                counts: tuple[tuple[int, int], int], path: Path, progress: Callable[[str], None] | None) -> FitModel:
-    """The traces and the fit of :func:`calibrate` (``counts``: the two layer counts traced, and the check's)."""
-    pair, check_layers = counts
+    """The traces and the fit of :func:`calibrate` (``counts``: the two layer counts traced, and the check's); under
+    pipeline parallelism one fit per checked rank (``FitModel.stages``)."""
     t0 = time.perf_counter()
-    windows: list[dict[tuple[str, int], _Window]] = []
+
     def say(text: str) -> None:  # before each trace: the window's worker stops here when asked
         if progress is not None:
             progress(text)
 
+    if setup.parallel.pp > 1:
+        from ..core.pipeline import ranks_to_check
+
+        stages = {}
+        for r in ranks_to_check(setup.parallel.pp):
+            def said(text: str, r: int = r) -> None:
+                say(f"pipeline rank {r + 1} of {setup.parallel.pp}: {text}")
+
+            stages[r] = _fit(cfg, setup, num_params, model_type, layers, counts, said, r)
+        first = stages[0]
+        fit = dataclasses.replace(first, checked={k: max(f.checked.get(k, 0.0) for f in stages.values())
+                                                  for k in first.checked},
+                                  notes=tuple(dict.fromkeys(n for f in stages.values() for n in f.notes)),
+                                  calibration_s=time.perf_counter() - t0, structure=structure_on_meta(cfg),
+                                  stages=stages)
+    else:
+        fit = dataclasses.replace(_fit(cfg, setup, num_params, model_type, layers, counts, say),
+                                  calibration_s=time.perf_counter() - t0, structure=structure_on_meta(cfg))
+    _write(path, fit.to_json())
+    return fit
+
+
+def _fit(cfg: dict[str, Any], setup: TrainingSetup, num_params: int, model_type: str, layers: int,
+         counts: tuple[tuple[int, int], int], say: Callable[[str], None], rank: int | None = None) -> FitModel:
+    """One fit: four traces, the check trace and the micro-batch-1 check (of pipeline rank ``rank``'s step under the
+    schedule when given: its windows are all the step's micro-batches, with and without accumulation alike)."""
+    pair, check_layers = counts
+    t0 = time.perf_counter()
+    windows: list[dict[tuple[str, int], _Window]] = []
     for n in pair:
         runs = []
         for b, s in SHAPES:
             say(f"tracing {n} layers at micro-batch {b} × {s}")
-            runs.append(_trace(cfg, n, b, s, setup))
+            runs.append(_trace(cfg, n, b, s, setup, rank))
         windows.append(_windows(runs[0], runs[1]))
-    moments = _phase_candidates(windows[0], windows[1], {0})
-    accum = _phase_candidates(windows[0], windows[1], {0, 1})
+    accum = _phase_candidates(windows[0], windows[1], None if rank is not None else {0, 1})
+    moments = accum if rank is not None else _phase_candidates(windows[0], windows[1], {0})
     say("checking the fit on a further trace")
     check = FitModel(model_type, num_params, check_layers, signature(setup), pair, moments, accum)
     b, s = CHECK_SHAPE
-    real = _trace(cfg, check_layers, b, s, setup)  # two micro-batches: checks the accumulating fit
+    real = _trace(cfg, check_layers, b, s, setup, rank)  # two micro-batches: checks the accumulating fit
     checked: dict[str, float] = {}
-    windows = real.tracker.windows()
+    windows_of = real.tracker.windows()
     for phase in PHASES:
         ph = real.phases[phase]
         want = ph.live_bytes if phase == "load" else ph.peak_bytes
         got = sum(check.peak(phase, b, s, accumulating=True).values())
         errors = [abs(got - want) / want if want else 0.0]
-        if phase in ("forward", "backward"):  # the first micro-batch alone: a step without accumulation
-            start, end = windows[(phase, 2, 0)]
+        if phase in ("forward", "backward") and rank is None:  # the first micro-batch alone: no accumulation
+            start, end = windows_of[(phase, 2, 0)]
             first = real.tracker.peak(start, end).bytes
             errors.append(abs(sum(check.peak(phase, b, s).values()) - first) / first)
         checked[phase] = max(errors)
@@ -379,7 +448,7 @@ def _calibrate(cfg: dict[str, Any], setup: TrainingSetup, num_params: int, model
     # micro-batch 1: some models skip a copy there that a batch of several needs (a view of one sequence is
     # already contiguous); the fit, calibrated on batches of several, then overestimates it a little
     say("checking micro-batch 1")
-    one = _trace(cfg, pair[0], 1, s, setup)  # the fewest layers: the micro-batch, not the depth, is checked
+    one = _trace(cfg, pair[0], 1, s, setup, rank)  # the fewest layers: the micro-batch, not the depth, is checked
     shallow = dataclasses.replace(check, num_layers=pair[0])
     single = max(abs(sum(shallow.peak(p, 1, s, accumulating=True).values())
                      - (one.phases[p].live_bytes if p == "load" else one.phases[p].peak_bytes))
@@ -389,7 +458,5 @@ def _calibrate(cfg: dict[str, Any], setup: TrainingSetup, num_params: int, model
     if single > TOLERANCE:
         notes = (f"At micro-batch 1 this model skips copies a batch of several makes: the fit overestimates it by "
                  f"up to {single:.1%} (--method trace is exact there)",)
-    fit = FitModel(model_type, num_params, layers, check.signature, pair, moments, accum, checked,
-                   time.perf_counter() - t0, notes, structure_on_meta(cfg))
-    _write(path, fit.to_json())
-    return fit
+    return FitModel(model_type, num_params, layers, check.signature, pair, moments, accum, checked,
+                    time.perf_counter() - t0, notes)
