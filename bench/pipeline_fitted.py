@@ -1,7 +1,7 @@
 """Pipeline ranks of families memcalc has no block model of (mixtures of experts included): the fitted method's rank
 against the same rank traced under PyTorch's own schedule with the step's own micro-batch count (issue 17).
 
-    python bench/pipeline_fitted.py [--quick]
+    python bench/pipeline_fitted.py [--quick] [MODEL ...]
 
 The fitted rank (``core.fitted``, ``FitModel.stages``) is calibrated from small traces of that rank's schedule at two
 stage depths and two shapes, 1F1B over at most ``pp + 1`` micro-batches (the receive buffers, token ids and losses of
@@ -64,12 +64,12 @@ def case(name: str, pp: int, m: int, schedule: str, v: int, precision: str, ckpt
     return out
 
 
-def main(quick: bool = False) -> None:
+def main(quick: bool = False, only: tuple[str, ...] = ()) -> None:
     warnings.filterwarnings("ignore")
     os.environ.setdefault("MEMCALC_CACHE_DIR", tempfile.mkdtemp(prefix="memcalc-bench-fits-"))
     layouts = [(2, 6, "1f1b", 1), (4, 8, "1f1b", 1), (2, 4, "gpipe", 1), (2, 4, "interleaved-1f1b", 2)]
-    precisions = ("fp32", "mixed") if quick else ("fp32", "mixed", "bf16")
-    names = ("mixtral-8L",) if quick else tuple(CONFIGS)
+    precisions = ("fp32", "mixed") if quick or only else ("fp32", "mixed", "bf16")
+    names = only or (("mixtral-8L",) if quick else tuple(CONFIGS))
     print(f"{'model':<14}{'pp':>3}{'m':>3} {'schedule':<17}{'dp':>3} {'precision':<9} {'ckpt':<5}{'rank':>5}"
           + "".join(f"{p[:8]:>10}" for p in PHASES) + "   (fitted − traced, % of traced)")
     worst: dict[str, list[float]] = {}
@@ -93,4 +93,4 @@ def main(quick: bool = False) -> None:
 
 
 if __name__ == "__main__":
-    main("--quick" in sys.argv)
+    main("--quick" in sys.argv, tuple(a for a in sys.argv[1:] if a in CONFIGS))

@@ -116,6 +116,32 @@ def test_min_gpus_and_best_strategy() -> None:
     assert r.plan.min_gpus["ddp"] is None  # a replicated 70B model never fits an 80 GB card
 
 
+def test_a_strategy_the_estimator_cannot_answer_is_not_weighed_rather_than_never() -> None:
+    """A what-if the estimator refuses (a fitted model not calibrated for it) is "not weighed yet" in the plan, not
+    "never": only an answer over the capacity at the most GPUs means never."""
+    from memcalc_gui.core.solver import gpu_plan
+    from memcalc_gui.view.plan_text import plan_rows, plan_sentences
+
+    spec = preset_spec("llama-3.1-70b")
+    cap = find_gpu("h100-80gb").capacity_bytes
+    setup = TrainingSetup(model=spec, seq=4096, checkpointing="full", capacity_bytes=cap,
+                          parallel=Parallelism(gpus=32, strategy="zero3"))
+
+    def estimator(s: TrainingSetup):  # noqa: ANN202
+        if s.parallel.strategy == "fsdp2":
+            raise InputError("method", "this change needs its own calibration")
+        return estimate(s)
+
+    plan = gpu_plan(setup, estimator)
+    assert plan is not None and plan.unweighed == ("fsdp2",)
+    assert plan.min_gpus["fsdp2"] is None and plan.min_gpus["ddp"] is None
+    r = evaluate(setup)
+    r = type(r)(r.estimate, r.verdict, plan)
+    first = plan_sentences(r)[0]
+    assert "FSDP2: not weighed yet" in first and ": never)" in first  # DDP never fits a 70B model here
+    assert dict((row[0], row[1]) for row in plan_rows(r))["FSDP2 (fully_shard)"] == "not weighed"
+
+
 def test_cli_json_per_gpu(capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["estimate", "--preset", "llama-3.1-8b", "--gpus", "8", "--strategy", "zero2", "--offload",
                  "optimizer", "--gpu", "a100-80gb", "--json"])

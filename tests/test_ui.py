@@ -1106,6 +1106,38 @@ def test_a_mixture_of_experts_across_gpus_in_the_window(window, qtbot, tmp_path)
     assert any("Expert parallelism over 4" in n for n in w.result.estimate.details["parallel_notes"])
 
 
+def test_pipeline_stages_of_a_mixture_of_experts_in_the_window(window, qtbot, tmp_path):
+    """A Mixtral-shaped config in 2 pipeline stages of 2 GPUs (DDP in each): the worker calibrates each checked
+    rank's schedule, the ledger is the most loaded rank's and the plan names every stage; expert parallelism beside
+    it marks the field and keeps that result."""
+    pytest.importorskip("transformers")
+
+    w = window
+    cfg = {"model_type": "mixtral", "hidden_size": 64, "intermediate_size": 64, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "num_hidden_layers": 4, "vocab_size": 512, "max_position_embeddings": 512,
+           "num_local_experts": 4, "num_experts_per_tok": 2}
+    path = write_config(tmp_path / "mixtral", "config.json", cfg)
+    before = w.result
+    assert not w.open_config(path)
+    qtbot.waitUntil(lambda: w.result is not before and w.result.estimate.method == "fitted", timeout=60000)
+    w.apply_state(w.inputs.state().replace(gpus="4", pp="2", grad_accum="4", strategy="ddp"))
+    w.refresh()
+    qtbot.waitUntil(lambda: w.result.setup.parallel.pp == 2 and w.result.estimate.method == "fitted",
+                    timeout=120000)
+    est = w.result.estimate
+    rows = est.details["pipeline_ranks"]
+    assert [r["rank"] for r in rows] == [0, 1]
+    assert est.peak_bytes == max(r["peak_bytes"] for r in rows)
+    from memcalc_gui.view.plan_text import plan_sentences
+
+    # the strategies no pipeline fit covers yet are not weighed, not "never"
+    assert "not weighed yet" in plan_sentences(w.result)[0]
+    shown = w.result
+    w.apply_state(w.inputs.state().replace(ep="2"))
+    assert not w.refresh()
+    assert w.result is shown
+
+
 def test_without_torch_a_new_family_preset_is_the_heuristic_with_its_reason(window, monkeypatch):
     """The lite build cannot trace: a Mixtral preset shows the heuristic from its stored count and says so."""
     import memcalc_gui.trace.fake as fake

@@ -746,13 +746,16 @@ MAX_GPUS = 4096
 class GpuPlan:
     """The fewest GPUs each strategy needs, and the best strategy at the current count."""
 
-    min_gpus: dict[str, int | None]  # None: does not fit even on MAX_GPUS
+    min_gpus: dict[str, int | None]  # None: does not fit even on MAX_GPUS (or not weighed: ``unweighed``)
     best_strategy: str | None  # at setup.parallel.gpus; None if nothing fits
     best_peak_bytes: int | None
+    #: Strategies the estimator could not answer for (a fitted model not calibrated for them, or a layout its method
+    #: does not cover): their ``None`` means "not weighed", not "never fits".
+    unweighed: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return {"min_gpus": dict(self.min_gpus), "best_strategy": self.best_strategy,
-                "best_peak_bytes": self.best_peak_bytes}
+                "best_peak_bytes": self.best_peak_bytes, "unweighed": list(self.unweighed)}
 
 
 def _with_parallel(setup: TrainingSetup, **changes: Any) -> TrainingSetup | None:
@@ -772,11 +775,14 @@ def gpu_plan(setup: TrainingSetup, estimator: Estimator) -> GpuPlan | None:
     if cap is None or not setup.architecture_known:
         return None
 
+    unanswered: set[tuple[str, int]] = set()
+
     def peak(strategy: str, gpus: int) -> int | None:
         trial = _with_parallel(setup, strategy=strategy, gpus=gpus)
         try:
             return None if trial is None else estimator(trial).peak_bytes
         except InputError:  # a what-if the estimator cannot answer yet (a fitted model not calibrated for it)
+            unanswered.add((strategy, gpus))
             return None
 
     group = setup.parallel.tp * setup.parallel.pp * setup.parallel.cp  # GPU counts come in whole model-parallel groups
@@ -807,4 +813,6 @@ def gpu_plan(setup: TrainingSetup, estimator: Estimator) -> GpuPlan | None:
         if p is not None and p <= cap:
             best, best_peak = strategy, p
             break
-    return GpuPlan(mins, best, best_peak)
+    # not weighed: no answer at the most GPUs, the count that decides "never"
+    unweighed = tuple(s for s in PREFERENCE if mins.get(s) is None and (s, (MAX_GPUS // group) * group) in unanswered)
+    return GpuPlan(mins, best, best_peak, unweighed)

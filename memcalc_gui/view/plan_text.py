@@ -149,10 +149,14 @@ def plan_sentences(result: Result) -> list[str]:
         return []
     kind = f"GPUs ({gpu_name(setup)})" if setup.gpu else "GPUs of this capacity"
     fitting = [f"{STRATEGY_SHORT.get(s, s)} {n:,}" for s, n in min_gpus_items(result) if n is not None]
-    never = [STRATEGY_SHORT.get(s, s) for s, n in min_gpus_items(result) if n is None]
-    first = f"Fewest {kind} per strategy: " + (", ".join(fitting) if fitting else "none fits")
+    never = [STRATEGY_SHORT.get(s, s) for s, n in min_gpus_items(result) if n is None and s not in plan.unweighed]
+    unweighed = [STRATEGY_SHORT.get(s, s) for s, n in min_gpus_items(result) if n is None and s in plan.unweighed]
+    first = f"Fewest {kind} per strategy: " + (", ".join(fitting) if fitting else
+                                               "none fits" if never or not unweighed else "none weighed yet")
     if never:
         first += f" ({', '.join(never)}: never)" if fitting else ""
+    if unweighed and (fitting or never):
+        first += f" ({', '.join(unweighed)}: not weighed yet)"
     gpus = setup.parallel.gpus
     if plan.best_strategy is None:
         second = f"No strategy fits with {gpus:,} GPU{'s' if gpus != 1 else ''}"
@@ -232,5 +236,6 @@ def plan_rows(result: Result) -> list[tuple[str, str, str, str]]:
         label = STRATEGY_LABELS.get(strategy, strategy)
         if strategy == plan.best_strategy:
             label += BEST_MARK
-        rows.append((label, f"{n:,}" if n is not None else "never", peak_text, fit))
+        rows.append((label, f"{n:,}" if n is not None else "not weighed" if strategy in plan.unweighed else "never",
+                     peak_text, fit))
     return rows
