@@ -7,7 +7,9 @@ The fitted rank (``core.fitted``, ``FitModel.stages``) is calibrated from small 
 stage depths and two shapes, 1F1B over at most ``pp + 1`` micro-batches (the receive buffers, token ids and losses of
 the others added by rule); the reference is ``trace.pipeline.trace_pipeline_rank`` at the case's own shape, depth and
 micro-batch count. Prints (fitted − traced) / traced per phase for the first, second and last rank, then a summary.
-CUDA context and allocator reserve are left out of both; stages of DDP run one replica (no buckets), FSDP2 two.
+CUDA context and allocator reserve are left out of both; stages of DDP run one replica (with the experts split, two,
+and DDP's buckets on both sides), FSDP2 two. Configs of 12 layers: 6 a stage at pp 2 (extrapolated from 3 and 4), 3 at
+pp 4 and in the interleaved schedule's chunks (traced at their own depth).
 """
 
 from __future__ import annotations
@@ -30,18 +32,19 @@ from memcalc_gui.core.setup import TrainingSetup
 COMMON = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, vocab_size=1024, hidden_size=128,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
 CONFIGS = {
-    "mixtral-8L": dict(COMMON, model_type="mixtral", intermediate_size=128, num_local_experts=4,
-                       num_experts_per_tok=2, num_hidden_layers=8),
-    "qwen3-moe-8L": dict(COMMON, model_type="qwen3_moe", intermediate_size=256, moe_intermediate_size=64,
-                         num_experts=8, num_experts_per_tok=2, head_dim=32, num_hidden_layers=8),
-    "gemma2-8L": dict(COMMON, model_type="gemma2", intermediate_size=256, head_dim=32, num_hidden_layers=8),
+    "mixtral-12L": dict(COMMON, model_type="mixtral", intermediate_size=128, num_local_experts=4,
+                       num_experts_per_tok=2, num_hidden_layers=12),
+    "qwen3-moe-12L": dict(COMMON, model_type="qwen3_moe", intermediate_size=256, moe_intermediate_size=64,
+                         num_experts=8, num_experts_per_tok=2, head_dim=32, num_hidden_layers=12),
+    "gemma2-12L": dict(COMMON, model_type="gemma2", intermediate_size=256, head_dim=32, num_hidden_layers=12),
 }
 #: The case's own shape (neither a calibration shape nor the check's).
 SHAPE = dict(batch=4, seq=80)
 PHASES = ("forward", "backward", "optimizer_step")
 
 
-def case(name: str, pp: int, m: int, schedule: str, v: int, precision: str, ckpt: str, dp: int) -> dict[int, dict]:
+def case(name: str, pp: int, m: int, schedule: str, v: int, precision: str, ckpt: str, dp: int, strategy: str,
+         ep: int = 1) -> dict[int, dict]:
     """{rank: {phase: fitted − traced, % of the trace}} for the ranks the fitted method checks."""
     from memcalc_gui.trace.fit import calibrate
     from memcalc_gui.trace.pipeline import PipeRank, trace_pipeline_rank
@@ -52,15 +55,18 @@ def case(name: str, pp: int, m: int, schedule: str, v: int, precision: str, ckpt
                           checkpointing=ckpt, optimizer_impl="foreach", target_device="cpu",  # type: ignore
                           cuda_context_bytes=0, allocator_reserve=0.0,
                           parallel=Parallelism(gpus=pp * dp, pp=pp, schedule=schedule,  # type: ignore[arg-type]
-                                               virtual_stages=v, strategy="fsdp2" if dp > 1 else "ddp"), **SHAPE)
+                                               virtual_stages=v, strategy=strategy, ep=ep), **SHAPE)  # type: ignore
     fit = calibrate(cfg, setup, 1)
     est = estimate_fitted(setup, fit)
     rows = {row["rank"]: row["phases"] for row in est.details["pipeline_ranks"]}
     out = {}
     for rank, phases in rows.items():
-        traced = trace_pipeline_rank(cfg, PipeRank(pp, rank, schedule, v, m, dp_shard=dp), precision=precision,
-                                     checkpointing=ckpt, optimizer_impl="foreach", attention=attention, **SHAPE)
-        out[rank] = {ph: 100 * (phases[ph] / traced.phases[ph].peak_bytes - 1) for ph in PHASES}
+        traced = trace_pipeline_rank(cfg, PipeRank(pp, rank, schedule, v, m, dp_shard=dp if strategy == "fsdp2" else 1,
+                                                   ep=ep), precision=precision, checkpointing=ckpt,
+                                     optimizer_impl="foreach", attention=attention, **SHAPE)
+        # DDP's buckets over its replicas: every gradient of the stage once more (the rule both sides share)
+        buckets = traced.phases["optimizer_step"].objects.get("gradients", 0) if strategy == "ddp" and dp > 1 else 0
+        out[rank] = {ph: 100 * (phases[ph] / (traced.phases[ph].peak_bytes + buckets) - 1) for ph in PHASES}
     return out
 
 
@@ -69,26 +75,33 @@ def main(quick: bool = False, only: tuple[str, ...] = ()) -> None:
     os.environ.setdefault("MEMCALC_CACHE_DIR", tempfile.mkdtemp(prefix="memcalc-bench-fits-"))
     layouts = [(2, 6, "1f1b", 1), (4, 8, "1f1b", 1), (2, 4, "gpipe", 1), (2, 4, "interleaved-1f1b", 2)]
     precisions = ("fp32", "mixed") if quick or only else ("fp32", "mixed", "bf16")
-    names = only or (("mixtral-8L",) if quick else tuple(CONFIGS))
-    print(f"{'model':<14}{'pp':>3}{'m':>3} {'schedule':<17}{'dp':>3} {'precision':<9} {'ckpt':<5}{'rank':>5}"
+    names = only or (("mixtral-12L",) if quick else tuple(CONFIGS))
+    print(f"{'model':<14}{'pp':>3}{'m':>3} {'schedule':<17}{'strat':>6}{'dp':>3}{'ep':>3} {'precision':<9} {'ckpt':<5}"
+          f"{'rank':>5}"
           + "".join(f"{p[:8]:>10}" for p in PHASES) + "   (fitted − traced, % of traced)")
     worst: dict[str, list[float]] = {}
     start = time.perf_counter()
+    cases = []
     for name, (pp, m, schedule, v), precision, ckpt, dp in itertools.product(
             names, layouts, precisions, ("none", "full"), (1, 2)):
         if dp > 1 and (schedule == "gpipe" or precision == "bf16"):
             continue  # FSDP2 × PP: 1F1B and interleaved 1F1B, fp32 and mixed (its policy)
+        cases.append((name, pp, m, schedule, v, precision, ckpt, dp, "fsdp2" if dp > 1 else "ddp", 1))
+        if ("moe" in name or "mixtral" in name) and schedule == "1f1b" and pp == 2:
+            # the experts split over the stage's 2 data-parallel GPUs
+            cases.append((name, pp, m, schedule, v, precision, ckpt, 2, "fsdp2" if dp > 1 else "ddp", 2))
+    for name, pp, m, schedule, v, precision, ckpt, dp, strategy, ep in cases:
+        label = f"{name:<14}{pp:>3}{m:>3} {schedule:<17}{strategy:>6}{dp:>3}{ep:>3} {precision:<9} {ckpt:<5}"
         try:
-            result = case(name, pp, m, schedule, v, precision, ckpt, dp)
+            result = case(name, pp, m, schedule, v, precision, ckpt, dp, strategy, ep)
         except Exception as exc:  # a fit the check refuses: said, not counted
-            print(f"{name:<14}{pp:>3}{m:>3} {schedule:<17}{dp:>3} {precision:<9} {ckpt:<5}  refused: {exc}")
+            print(f"{label}  refused: {exc}", flush=True)
             worst.setdefault("refused", []).append(0.0)
             continue
         for rank, diff in result.items():
-            kind = ("fsdp2 × " if dp > 1 else "") + schedule
+            kind = ("fsdp2 × " if strategy == "fsdp2" else "") + schedule + (f" × ep {ep}" if ep > 1 else "")
             worst.setdefault(kind, []).append(max(abs(d) for d in diff.values()))
-            print(f"{name:<14}{pp:>3}{m:>3} {schedule:<17}{dp:>3} {precision:<9} {ckpt:<5}{rank:>5}"
-                  + "".join(f"{diff[p]:>+10.2f}" for p in PHASES), flush=True)
+            print(f"{label}{rank:>5}" + "".join(f"{diff[p]:>+10.2f}" for p in PHASES), flush=True)
     print_summary(worst, start, title="kind", width=24, limits=(0.5, 1, 2), unit="ranks")
 
 

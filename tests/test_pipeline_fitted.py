@@ -1,5 +1,6 @@
-"""Pipeline stages of a family memcalc has no block model of (a mixture of experts): the fitted method fits each
-checked rank's own step under the schedule, and ``--method trace`` traces the ranks (issue 17)."""
+"""Pipeline stages of a family memcalc has no block model of (a mixture of experts, its experts split or not): the
+fitted method fits each checked rank's own step under the schedule, and ``--method trace`` traces the ranks (issue
+17)."""
 
 from __future__ import annotations
 
@@ -41,31 +42,60 @@ def _setup(pp: int, m: int, dp: int, strategy: str, **kw: object) -> TrainingSet
 
 
 def test_each_fitted_rank_equals_its_schedule_traced_with_every_micro_batch() -> None:
-    """Calibrated on 2- and 3-layer stages over pp + 1 micro-batches, evaluated on 4-layer stages (8 layers of the
-    config) at a shape it never traced with all ``m`` micro-batches: the first, a middle and the last rank each equal
-    PyTorch's 1F1B schedule traced on the fake process group. DDP adds its buckets, one gradient of the stage. (FSDP2's
-    stages: the CLI test below.)"""
-    pp, m, dp, strategy, precision = 4, 7, 2, "ddp", "mixed"
-    setup = _setup(pp, m, dp, strategy, precision=precision)
+    """Calibrated on 3- and 4-layer stages over pp + 1 micro-batches, evaluated on 6-layer stages (12 layers of the
+    config) at a shape it never traced with all ``m`` micro-batches: the first and the last rank each equal
+    PyTorch's 1F1B schedule traced on the fake process group. DDP adds its buckets, one gradient of the stage. (FSDP2
+    and experts split over the stage's GPUs: the CLI test below.)"""
+    pp, m, dp = 2, 5, 2
+    cfg = dict(MIXTRAL, num_hidden_layers=12)
+    setup = _setup(pp, m, dp, "ddp", precision="mixed")
     assert pipeline_microbatches(setup) == pp + 1 < m  # the untraced micro-batches are added by rule
-    fit = fitmod.calibrate(MIXTRAL, setup, 1)
-    assert sorted(fit.stages) == sorted({0, 1, pp - 1})
-    assert all(f.num_layers == 8 // pp and max(f.checked[p] for p in PHASES) <= fitmod.TOLERANCE
+    fit = fitmod.calibrate(cfg, setup, 1)
+    assert sorted(fit.stages) == [0, 1]
+    assert all(f.num_layers == 6 and f.layers == (3, 4) and max(f.checked[p] for p in PHASES) <= fitmod.TOLERANCE
                for f in fit.stages.values())
     est = estimate_fitted(setup, fit)
     rows = {row["rank"]: row for row in est.details["pipeline_ranks"]}
     assert est.details["pipeline_rank"] == max(rows, key=lambda r: rows[r]["peak_bytes"])
     for rank, row in rows.items():
-        traced = trace_pipeline_rank(MIXTRAL, PipeRank(pp, rank, "1f1b", 1, m, dp_shard=dp if strategy == "fsdp2"
-                                                       else 1), batch=3, seq=80, precision=precision,
+        traced = trace_pipeline_rank(cfg, PipeRank(pp, rank, "1f1b", 1, m), batch=3, seq=80, precision="mixed",
                                      optimizer_impl="foreach")
-        buckets = traced.phases["optimizer_step"].objects.get("gradients", 0) if strategy == "ddp" else 0
+        buckets = traced.phases["optimizer_step"].objects["gradients"]
         for phase in ("forward", "backward", "optimizer_step"):
             assert row["phases"][phase] == pytest.approx(traced.phases[phase].peak_bytes + buckets, rel=0.002), \
                 (rank, phase)
     # JSON keeps the stages; a cached fit reads back whole
     again = FitModel.from_json(json.loads(json.dumps(fit.to_json())))
     assert again == fit
+
+
+def test_what_more_micro_batches_add_to_a_middle_rank() -> None:
+    """A middle rank (neither first nor last) of 1F1B receives activations and gradients: each micro-batch beyond
+    the traced ones adds one receive buffer of each, and its token ids (the batch every rank loads); what the rule adds
+    equals the trace."""
+    from memcalc_gui.core.fitted import SEPARATE, _untraced_microbatches
+
+    cfg = dict(MIXTRAL, num_hidden_layers=6)
+    setup = _setup(3, 7, 1, "ddp", precision="fp32", batch=2, seq=64)
+    runs = {m: trace_pipeline_rank(cfg, PipeRank(3, 1, "1f1b", 1, m), batch=2, seq=64, precision="fp32",
+                                   optimizer_impl="foreach") for m in (4, 7)}
+    empty = {p: [[], []] if p in SEPARATE else [] for p in PHASES}
+    fit = FitModel("mixtral", 1, 2, {}, (2, 3), empty, empty, structure={"hidden_size": 128})
+    added = _untraced_microbatches(setup, fit, 1, 4)
+    assert added == {"temporaries": 3 * 2 * (2 * 64 * 128 * 4), "inputs": 3 * 2 * 64 * 8}
+    for phase in ("forward", "backward", "optimizer_step"):
+        assert runs[7].phases[phase].peak_bytes - runs[4].phases[phase].peak_bytes == sum(added.values()), phase
+
+
+def test_the_layer_counts_a_pipeline_rank_fit_traces() -> None:
+    """From 3 layers a stage on, extrapolated (a 2-layer stage has no layer between its top and bottom one, which
+    FSDP2 with checkpointing tells apart); a shallower stage is traced at its own depth and checked there."""
+    assert fitmod.pipeline_layer_counts(6) == ((3, 4), 5)
+    assert fitmod.pipeline_layer_counts(3) == ((3, 4), 5)
+    assert fitmod.pipeline_layer_counts(2) == ((2, 3), 2)
+    assert fitmod.pipeline_layer_counts(1) == ((1, 2), 1)
+    with pytest.raises(fitmod.FitError):  # every N-th layer counts from the model's first
+        fitmod.pipeline_chunk_layers(MIXTRAL, 8, _setup(2, 4, 1, "ddp", checkpointing="every:2"))
 
 
 def test_a_fitted_pipeline_says_what_it_cannot_fit() -> None:
@@ -94,28 +124,31 @@ def test_a_fitted_pipeline_says_what_it_cannot_fit() -> None:
     assert err.value.field == "pp"
 
 
-def test_the_cli_fits_and_traces_pipeline_ranks_of_a_mixture_of_experts(
+def test_the_cli_fits_and_traces_pipeline_ranks_with_the_experts_split(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """The fitted default prints each checked stage and the most loaded one's ledger; ``--method trace`` traces each
-    checked rank and reports the most loaded, which the fit equals (FSDP2 over each stage's two data-parallel GPUs,
-    in both)."""
+    """Megatron-LM's layout of a mixture of experts, at toy size: 2 pipeline stages of 4 data-parallel GPUs each,
+    the routed experts split over 2 of them (transformers' expert-parallel plan and all-to-all), FSDP2 sharding the
+    rest over the 4 and the experts over their 2 copies. The fitted default prints each checked stage and the most
+    loaded one's ledger; ``--method trace`` traces each checked rank and reports the most loaded, which the fit
+    equals."""
     config = tmp_path / "config.json"
     config.write_text(json.dumps(MIXTRAL))
-    args = ["estimate", "--config", str(config), "--gpus", "4", "--pp", "2", "--strategy", "fsdp2", "--grad-accum",
-            "4", "--batch", "2", "--seq", "96", "--gpu", "rtx-4090", "--json"]
+    args = ["estimate", "--config", str(config), "--gpus", "8", "--pp", "2", "--ep", "2", "--strategy", "fsdp2",
+            "--grad-accum", "4", "--batch", "2", "--seq", "96", "--gpu", "rtx-4090", "--json"]
     assert main(args) == 0
     fitted = json.loads(capsys.readouterr().out)
     assert fitted["method"] == "fitted"
     assert [r["rank"] for r in fitted["pipeline_ranks"]] == [0, 1]
-    assert any("Pipeline rank" in a and "1f1b" in a for a in fitted["assumptions"])
+    assert any("Pipeline rank" in a and "routed experts split over 2" in a for a in fitted["assumptions"])
+    assert fitted["ep"] == 2 and fitted["pp"] == 2
     assert main([*args, "--method", "trace"]) == 0
     traced = json.loads(capsys.readouterr().out)
     assert any("most loaded of ranks 1, 2" in a for a in traced["assumptions"])
     for phase in PHASES:  # the trace rounds each allocation to 512 B; the fit does not
         want, got = (d["phases"][phase]["total_bytes"] for d in (traced, fitted))
         assert got == pytest.approx(want, rel=0.005), phase
-    # pipeline parallelism beside expert parallelism is still refused, naming --pp
+    # the experts split over a number that does not divide a stage's data-parallel GPUs (12 in 2 stages: 6 each)
     with pytest.raises(SystemExit) as exit_:
-        main([*args[:-1], "--ep", "2"])
+        main([*args[:3], "--gpus", "12", "--pp", "2", "--ep", "4"])
     assert exit_.value.code == 2
-    assert "--pp" in capsys.readouterr().err
+    assert "--ep" in capsys.readouterr().err

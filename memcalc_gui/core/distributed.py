@@ -214,8 +214,10 @@ class Parallelism:
         if self.sp and self.tp == 1:
             raise InputError("sp", "sequence parallelism splits what tensor parallelism leaves whole: it needs --tp 2 "
                                    "or more")
-        if self.pp > 1 and self.ep > 1:
-            raise InputError("pp", "pipeline parallelism beside expert parallelism is not modelled yet")
+        if self.pp > 1 and self.ep > 1 and (self.gpus // (self.tp * self.pp * self.cp)) % self.ep:
+            raise InputError("ep", f"expert parallelism splits the experts over {self.ep} of a pipeline stage's "
+                                   f"{self.gpus // (self.tp * self.pp * self.cp):,} data-parallel GPUs: it must "
+                                   "divide them")
         if self.pp > 1 and self.offload != "none":
             raise InputError("offload", "offload beside pipeline parallelism is not modelled yet")
         if self.tp > 1 and self.ep > 1:

@@ -127,10 +127,15 @@ def pipeline_layout(setup: TrainingSetup) -> dict[str, Any]:
         raise InputError("strategy", f"FSDP2 over one data-parallel GPU per stage shards nothing ({par.gpus:,} GPUs "
                                      f"in {par.pp} stages of {par.tp} tensor-parallel GPU(s)): choose DDP, or more "
                                      "GPUs")
+    if par.ep > 1 and (par.dp % par.ep or par.tp > 1):
+        raise InputError("ep", f"expert parallelism in a pipeline stage splits the experts over {par.ep} of the "
+                               f"stage's {par.dp} data-parallel GPUs (Megatron-LM's and torchtitan's layout), "
+                               "without tensor parallelism: ep must divide them")
     fsdp2 = par.strategy == "fsdp2"
     return {"pp": par.pp, "schedule": par.schedule, "virtual": par.virtual_stages,
             "microbatches": pipeline_microbatches(setup), "strategy": par.strategy,
-            "dp_shard": par.dp if fsdp2 else 1, "reshard_after_forward": par.reshard_after_forward if fsdp2 else True}
+            "dp_shard": par.dp if fsdp2 else 1, "reshard_after_forward": par.reshard_after_forward if fsdp2 else True,
+            **({"ep": par.ep} if par.ep > 1 else {})}
 
 
 @dataclass(frozen=True)
@@ -434,7 +439,10 @@ def _pipeline_fitted(setup: TrainingSetup, fit: FitModel) -> Estimate:
              "traced on the fake process group"
              + (" (1F1B repeats after pp + 1)" if traced < setup.grad_accum else "")
              + (f", each stage fully_shard-ed over its {par.dp} data-parallel GPUs (FSDP2)" if par.strategy == "fsdp2"
-                else "") + "; the embedding on the first stage, the final norm, the head and the loss on the last",
+                else f", each stage over its {par.dp} data-parallel GPUs" if par.ep > 1 else "")
+             + (f", the routed experts split over {par.ep} of them (transformers' expert-parallel plan and all-to-all, "
+                "balanced routing)" if par.ep > 1 else "")
+             + "; the embedding on the first stage, the final norm, the head and the loss on the last",
              *(("DDP keeps every gradient of the stage once more in its communication buckets "
                 "(gradient_as_bucket_view=False, the default)",) if chosen["buckets"] else ()))
     assumptions = (
@@ -455,8 +463,9 @@ def _untraced_microbatches(setup: TrainingSetup, fit: FitModel, rank: int, trace
     """What the micro-batches a 1F1B rank's traces leave out (:func:`pipeline_microbatches`) add at every moment
     after load: ``torch.distributed.pipelining`` makes one receive buffer per micro-batch at the first step and
     keeps it (the activations a later stage receives, the gradients an earlier one receives, one hidden state each),
-    the schedule splits the whole batch's token ids (the first stage's inputs, the last's targets) and keeps each
-    micro-batch's loss on the last stage. Traced: each micro-batch more adds exactly these bytes."""
+    every rank holds the whole batch's token ids (as torchtitan's loop loads the batch on every rank; the first stage
+    reads them as inputs, the last as targets), and the last stage keeps each micro-batch's loss. Traced: each
+    micro-batch more adds exactly these bytes."""
     par = setup.parallel
     extra = setup.grad_accum - traced
     if extra <= 0:
@@ -465,7 +474,7 @@ def _untraced_microbatches(setup: TrainingSetup, fit: FitModel, rank: int, trace
     half = setup.precision in ("bf16", "bf16-autocast") or (setup.precision == "mixed" and par.strategy == "fsdp2")
     hidden = setup.batch * setup.seq * fit.structure.get("hidden_size", 0) * (2 if half else 4)
     out = {"temporaries": extra * hidden * ((not first) + (not last)),
-           "inputs": extra * setup.batch * setup.seq * 8 * (first + last),
+           "inputs": extra * setup.batch * setup.seq * 8,
            "activations": extra * 4 * last}
     return {k: v for k, v in out.items() if v}
 

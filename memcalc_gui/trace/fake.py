@@ -218,7 +218,7 @@ def trace_estimate(
             def pipe_layout(r: int) -> Any:
                 return PipeRank(par.pp, r, par.schedule, par.virtual_stages, setup.grad_accum,
                                 dp_shard=par.dp if fsdp2_pipeline else 1, tp=par.tp if par.sp else 1, sp=par.sp,
-                                reshard_after_forward=par.reshard_after_forward)
+                                reshard_after_forward=par.reshard_after_forward, ep=par.ep)
 
             step = functools.partial(trace_pipeline_rank, layout=pipe_layout(pipe_rank))
             if par.tp > 1 and not par.sp:

@@ -47,9 +47,14 @@ class PipeRank:
     sp: bool = False
     #: FSDP2's ``reshard_after_forward`` for every unit of the stage (torchtitan's "always" when on, "never" off).
     reshard_after_forward: bool = True
+    #: Expert parallelism inside each stage: its MoE layers' routed experts split over ``ep`` of the stage's
+    #: data-parallel ranks by transformers' plan and all-to-all (:mod:`.ranks`), as Megatron-LM and torchtitan carve
+    #: the expert-parallel group out of the data-parallel one; under FSDP2 the experts sharded over the
+    #: ``dp_shard / ep`` ranks that hold the same ones.
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("pp", "virtual", "microbatches", "dp_shard", "tp"):
+        for name in ("pp", "virtual", "microbatches", "dp_shard", "tp", "ep"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 4096:
                 raise InputError(name, f"must be an integer from 1 to 4096, got {value!r}")
@@ -65,6 +70,9 @@ class PipeRank:
         if not isinstance(self.sp, bool) or (self.sp and self.tp == 1):
             raise InputError("sp", "sequence parallelism splits what tensor parallelism leaves whole: it needs tp 2 or "
                                    "more")
+        if self.ep > 1 and (self.tp > 1 or (self.dp_shard > 1 and self.dp_shard % self.ep)):
+            raise InputError("ep", "expert parallelism in a pipeline stage is traced without tensor parallelism, over "
+                                   "a number of the stage's data-parallel ranks that divides them")
 
     @property
     def stages(self) -> tuple[int, ...]:
@@ -76,13 +84,19 @@ class PipeRank:
         return self.pp * self.virtual
 
     @property
+    def data(self) -> int:
+        """The data-parallel ranks of a stage the trace's mesh holds: FSDP2's, else the expert-parallel ones (one
+        replica of DDP's)."""
+        return max(self.dp_shard, self.ep)
+
+    @property
     def world(self) -> int:
-        return self.pp * self.dp_shard * self.tp
+        return self.pp * self.data * self.tp
 
     @property
     def global_rank(self) -> int:
-        """This rank in the ``pp × dp_shard × tp`` mesh (the first of its stage's data- and tensor-parallel ranks)."""
-        return self.rank * self.dp_shard * self.tp
+        """This rank in the ``pp × data × tp`` mesh (the first of its stage's data- and tensor-parallel ranks)."""
+        return self.rank * self.data * self.tp
 
 
 def stage_layers(num_layers: int, num_stages: int, stage: int) -> range:
@@ -101,24 +115,36 @@ def _base(model: Any) -> Any:
     return inner
 
 
-def _meshes(layout: PipeRank) -> tuple[Any, Any, Any]:
-    """The pipeline's process group, the data-parallel and the tensor-parallel mesh (built now, outside any fake
-    mode)."""
+def _meshes(layout: PipeRank) -> tuple[Any, Any, Any, tuple[Any, ...]]:
+    """The pipeline's process group, the data-parallel and the tensor-parallel mesh, and with expert parallelism the
+    experts' view of the stage's data-parallel ranks (``efsdp × ep``, transformers' names) and the tensor-parallel
+    mesh its all-to-all reads (built now, outside any fake mode)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (layout.pp, layout.dp_shard, layout.tp), mesh_dim_names=("pp", "dp_shard", "tp"))
+    mesh = init_device_mesh("cpu", (layout.pp, layout.data, layout.tp), mesh_dim_names=("pp", "dp_shard", "tp"))
     for name in ("pp", "dp_shard", "tp"):
         mesh[name].get_coordinate()
-    return mesh["pp"].get_group(), mesh["dp_shard"], mesh["tp"]
+    experts: tuple[Any, ...] = ()
+    if layout.ep > 1:  # the same ranks, the stage's data-parallel ones seen as (copies of each expert, ep)
+        view = init_device_mesh("cpu", (layout.pp, layout.data // layout.ep, layout.ep, layout.tp),
+                                mesh_dim_names=("pp", "efsdp", "ep", "tp"))
+        experts = (view["efsdp"], view["ep"], mesh["tp"])
+        for m in experts:
+            m.get_coordinate()
+    return mesh["pp"].get_group(), mesh["dp_shard"], mesh["tp"], experts
 
 
 def cutter(layout: PipeRank, dp_mesh: Any = None, precision: str = "fp32", tp_mesh: Any = None,
-           config: dict[str, Any] | None = None, seq: int = 0) -> Callable[[Any], None]:
+           config: dict[str, Any] | None = None, seq: int = 0, experts: tuple[Any, ...] = (),
+           replicas: Any = None) -> Callable[[Any], None]:
     """The ``parallelize(model)`` callback: keep only what ``layout``'s rank holds (in place, before the model is
     made real): its layers, the embedding on stage 0, the final norm and the head on the last stage; with a
     tensor-parallel mesh, its layers split as :mod:`.ranks` splits them (``config``'s plan; sequence parallelism over
     ``seq`` tokens when the layout says so); with a data-parallel mesh, each layer, the embedding and the norm with
-    the head sharded by ``fully_shard`` (torchtitan's units; mixed precision: bf16 gathers, fp32 reduction)."""
+    the head sharded by ``fully_shard`` (torchtitan's units; mixed precision: bf16 gathers, fp32 reduction); with
+    the experts' meshes (:func:`_meshes`), the stage's routed experts split over ``ep`` ranks first (transformers'
+    plan, :func:`.ranks._split_experts`), under FSDP2 sharded over their copies, else the rest made replicated
+    DTensors over ``replicas`` (one kind of parameter for the optimizer, as in :mod:`.ranks`)."""
     import torch
 
     def cut(model: Any) -> None:
@@ -141,10 +167,20 @@ def cutter(layout: PipeRank, dp_mesh: Any = None, precision: str = "fp32", tp_me
             assert config is not None
             split_tensor_parallel(model, tp_plan(config), tp_mesh, sequence=layout.sp, first=0 in layout.stages,
                                   last=layout.num_stages - 1 in layout.stages, seq=seq)
+        split: list[Any] = []
+        if experts:
+            from .ranks import _replicate_the_rest, _split_experts
+
+            efsdp, ep_mesh, ep_tp = experts
+            split = _split_experts(model, ep_mesh, ep_tp)
+            if dp_mesh is None:
+                _replicate_the_rest(model, replicas)
         if dp_mesh is not None:
             from torch.distributed.fsdp import fully_shard
 
             policy = _policy(precision)
+            for module in split:  # transformers' order: the experts over their copies first
+                fully_shard(module, mesh=efsdp, mp_policy=policy, reshard_after_forward=True)
             for unit in [inner.embed_tokens, *inner.layers, [inner.norm, model.lm_head]]:
                 if unit is not None and any(True for m in (unit if isinstance(unit, list) else [unit])
                                             for _ in m.parameters()):
@@ -318,11 +354,11 @@ def trace_pipeline_rank(config: dict[str, Any], layout: PipeRank, *, fake: bool 
 
     kw = STEP_DEFAULTS | step | {"grad_accum": layout.microbatches}
     with exclusive_torch_job(), process_group(group, layout.world, layout.global_rank), unpacked_sequences():
-        group, dp_mesh, tp_mesh = _meshes(layout)
-        dp_mesh = dp_mesh if layout.dp_shard > 1 else None
+        group, data_mesh, tp_mesh, experts = _meshes(layout)
+        dp_mesh = data_mesh if layout.dp_shard > 1 else None
         tp_mesh = tp_mesh if layout.tp > 1 else None
         make = driver(layout, batch=kw["batch"], seq=kw["seq"], precision=kw["precision"], group=group,
                       dp_mesh=dp_mesh)
-        cut = cutter(layout, dp_mesh, kw["precision"], tp_mesh, config, int(kw["seq"]))
+        cut = cutter(layout, dp_mesh, kw["precision"], tp_mesh, config, int(kw["seq"]), experts, data_mesh)
         return measure_training_step(config, fake=fake, parallelize=cut, pipeline=make, autocast=dp_mesh is None,
                                      **kw)
