@@ -726,6 +726,12 @@ def cmd_measure(args: argparse.Namespace) -> int:
     from .measure.engine import Cancelled, format_measurement, measure
 
     setup, _notes = setup_from_args(args)
+    unknown = getattr(args, "unknown_config", None)
+    if unknown is not None:
+        field = "preset" if getattr(args, "preset", None) else "model" if getattr(args, "model", None) else "config"
+        raise InputError(field, f"memcalc has no block model of model_type {str(unknown.get('model_type'))[:40]!r}: "
+                                   "a measurement is compared with the analytic ledger, which it needs; `memcalc "
+                                   "estimate --method trace` runs this model's real step on fake tensors")
     iterations = parse_positive_int(args.iterations, "iterations", MAX_ITERATIONS)
     try:
         budget = float(str(args.time_budget))
