@@ -352,7 +352,8 @@ PIPELINE_LAYERS = 3
 def pipeline_layer_counts(chunk: int) -> tuple[tuple[int, int], int]:
     """The layer counts a pipeline rank's fit traces and checks, for stage-chunks of ``chunk`` layers: from
     :data:`PIPELINE_LAYERS` on, extrapolated as :func:`layer_counts` does; a shallower chunk is traced at its own
-    depth (and one more), and its check traces that depth again at another shape: nothing is extrapolated."""
+    depth only (the second count is nominal: each moment is paired with itself), and its check traces that depth
+    again at another shape: nothing is extrapolated."""
     if chunk >= PIPELINE_LAYERS:
         return (PIPELINE_LAYERS, PIPELINE_LAYERS + 1), PIPELINE_LAYERS + 2
     return (chunk, chunk + 1), chunk
@@ -440,14 +441,18 @@ def _fit(cfg: dict[str, Any], setup: TrainingSetup, num_params: int, model_type:
     pair, check_layers = counts
     t0 = time.perf_counter()
     windows: list[dict[tuple[str, int], _Window]] = []
-    for n in pair:
+    # a shallow pipeline stage is evaluated at the depth it is traced at (pipeline_layer_counts): its moments are
+    # their own pair, nothing extrapolated
+    exact = check_layers == pair[0]
+    for n in pair[:1] if exact else pair:
         runs = []
         for b, s in SHAPES:
             say(f"tracing {n} layers at micro-batch {b} × {s}")
             runs.append(_trace(cfg, n, b, s, setup, rank))
         windows.append(_windows(runs[0], runs[1]))
-    accum = _phase_candidates(windows[0], windows[1], None if rank is not None else {0, 1})
-    moments = accum if rank is not None else _phase_candidates(windows[0], windows[1], {0})
+    short, long = windows[0], windows[-1]
+    accum = _phase_candidates(short, long, None if rank is not None else {0, 1})
+    moments = accum if rank is not None else _phase_candidates(short, long, {0})
     say("checking the fit on a further trace")
     check = FitModel(model_type, num_params, check_layers, signature(setup), pair, moments, accum)
     b, s = CHECK_SHAPE
