@@ -127,7 +127,7 @@ def test_a_strategy_the_estimator_cannot_answer_is_not_weighed_rather_than_never
     setup = TrainingSetup(model=spec, seq=4096, checkpointing="full", capacity_bytes=cap,
                           parallel=Parallelism(gpus=32, strategy="zero3"))
 
-    def estimator(s: TrainingSetup):  # noqa: ANN202
+    def estimator(s: TrainingSetup):
         if s.parallel.strategy == "fsdp2":
             raise InputError("method", "this change needs its own calibration")
         return estimate(s)

@@ -15,6 +15,7 @@ This module is standard-library only: it holds the calibrated coefficients and e
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -91,9 +92,13 @@ def traced_precision(setup: TrainingSetup) -> str:
     return "bf16" if bf16_compute(setup) else setup.precision
 
 
-#: The data-parallel strategies a pipeline stage of a fitted family is calibrated under: the schedule's own trace runs
-#: them (each stage replicated, or ``fully_shard``-ed over its data-parallel ranks), as ``--method trace`` does.
-PIPELINE_STRATEGIES = ("ddp", "fsdp2")
+#: The data-parallel strategies whose pipeline stages of a fitted family the schedule's own trace runs (each stage
+#: replicated, or ``fully_shard``-ed over its data-parallel ranks), as ``--method trace`` does.
+TRACED_PIPELINE_STRATEGIES = ("ddp", "fsdp2")
+#: And those whose stage is traced as one replica of its bf16 step, its model states then laid out by rule as for
+#: one GPU (:func:`per_gpu_states`): Megatron-LM's optimizers. (DeepSpeed's pipeline engine runs ZeRO stage 1 only,
+#: over autocast here, whose weight copies per micro-batch in flight the one-GPU rule does not follow: not offered.)
+PIPELINE_STRATEGIES = (*TRACED_PIPELINE_STRATEGIES, "megatron", "megatron-distopt")
 #: The most micro-batches a fitted pipeline rank's traces run: GPipe keeps every one in flight and the interleaved
 #: schedule's rounds depend on their number, so their traces run the step's own count.
 MAX_PIPELINE_MICROBATCHES = 64
@@ -120,9 +125,9 @@ def pipeline_layout(setup: TrainingSetup) -> dict[str, Any]:
     run for a family without a block model."""
     par = setup.parallel
     if par.strategy not in PIPELINE_STRATEGIES:
-        raise InputError("strategy", "pipeline stages of a family memcalc has no block model of are traced under DDP "
-                                     "or FSDP2 (PyTorch's schedule runs them on the fake process group); choose "
-                                     "--strategy ddp or fsdp2")
+        raise InputError("strategy", "pipeline stages of a family memcalc has no block model of are fitted under DDP "
+                                     "or FSDP2 (PyTorch's schedule runs them) or Megatron-LM's optimizers (their "
+                                     "states by rule); choose --strategy ddp, fsdp2, megatron or megatron-distopt")
     if par.strategy == "fsdp2" and par.dp == 1:
         raise InputError("strategy", f"FSDP2 over one data-parallel GPU per stage shards nothing ({par.gpus:,} GPUs "
                                      f"in {par.pp} stages of {par.tp} tensor-parallel GPU(s)): choose DDP, or more "
@@ -135,7 +140,8 @@ def pipeline_layout(setup: TrainingSetup) -> dict[str, Any]:
     return {"pp": par.pp, "schedule": par.schedule, "virtual": par.virtual_stages,
             "microbatches": pipeline_microbatches(setup), "strategy": par.strategy,
             "dp_shard": par.dp if fsdp2 else 1, "reshard_after_forward": par.reshard_after_forward if fsdp2 else True,
-            **({"ep": par.ep} if par.ep > 1 else {})}
+            # by rule, the experts are split by the states' rule too (expert_parallel_states): one replica traced
+            **({"ep": par.ep} if par.ep > 1 and par.strategy in TRACED_PIPELINE_STRATEGIES else {})}
 
 
 @dataclass(frozen=True)
@@ -317,8 +323,10 @@ def per_gpu_states(setup: TrainingSetup, fit: FitModel) -> tuple[Transform, Mode
                 out["parameters"] = load * keep + max(0.0, out["parameters"] - load)
             out["gradients"] = out.get("gradients", 0.0) + states.gradients["forward"]  # DDP's buckets (from load)
             return out
-        if phase == "load":
-            return {"parameters": float(states.parameters["load"])}
+        if phase == "load":  # the weights, and what the strategy holds of gradients from the start (Megatron-LM's
+            # fp32 main-grad buffer)
+            return {"parameters": float(states.parameters["load"]),
+                    **({"gradients": float(states.gradients["load"])} if states.gradients.get("load") else {})}
         out["parameters"] = float(states.parameters[phase])
         out["gradients"] = float(states.gradients[phase])
         if par.strategy == "fsdp2" and phase in ("forward", "backward") and traced_grads:
@@ -404,14 +412,22 @@ def _pipeline_fitted(setup: TrainingSetup, fit: FitModel) -> Estimate:
     rows: list[dict[str, Any]] = []
     best: tuple[int, int, dict[str, Any]] | None = None
     traced = pipeline_microbatches(setup)
+    by_rule = par.strategy not in TRACED_PIPELINE_STRATEGIES
+    rule_notes: tuple[str, ...] = ()
     for rank, stage in sorted(fit.stages.items()):
         buckets = stage.peak("optimizer_step", 1, 1).get("gradients", 0) \
             if par.strategy == "ddp" and par.dp > 1 else 0
         untraced = _untraced_microbatches(setup, fit, rank, traced)
+        states: Transform | None = None
+        if by_rule:  # the stage's per-GPU model states by the strategy's rule, as for a whole model on one GPU
+            states, laid_out = per_gpu_states(setup, dataclasses.replace(
+                stage, structure=_stage_structure(setup, fit, stage)))
+            rule_notes = laid_out.notes
 
-        def transform(phase: str, comp: dict[str, float], extra: int = buckets,
-                      more: dict[str, int] = untraced) -> dict[str, float]:
-            out = {**comp, "gradients": comp.get("gradients", 0.0) + extra}
+        def transform(phase: str, comp: dict[str, float], extra: int = buckets, more: dict[str, int] = untraced,
+                      rule: Transform | None = states) -> dict[str, float]:
+            out = rule(phase, comp) if rule is not None else \
+                {**comp, "gradients": comp.get("gradients", 0.0) + extra}
             if phase != "load":
                 for obj, nbytes in more.items():
                     out[obj] = out.get(obj, 0.0) + nbytes
@@ -439,12 +455,15 @@ def _pipeline_fitted(setup: TrainingSetup, fit: FitModel) -> Estimate:
              "traced on the fake process group"
              + (" (1F1B repeats after pp + 1)" if traced < setup.grad_accum else "")
              + (f", each stage fully_shard-ed over its {par.dp} data-parallel GPUs (FSDP2)" if par.strategy == "fsdp2"
+                else f", one replica of each stage traced and its model states laid out over its {par.dp} "
+                     "data-parallel GPUs by the strategy's rule" if by_rule
                 else f", each stage over its {par.dp} data-parallel GPUs" if par.ep > 1 else "")
              + (f", the routed experts split over {par.ep} of them (transformers' expert-parallel plan and all-to-all, "
-                "balanced routing)" if par.ep > 1 else "")
+                "balanced routing)" if par.ep > 1 and not by_rule else "")
              + "; the embedding on the first stage, the final norm, the head and the loss on the last",
              *(("DDP keeps every gradient of the stage once more in its communication buckets "
-                "(gradient_as_bucket_view=False, the default)",) if chosen["buckets"] else ()))
+                "(gradient_as_bucket_view=False, the default)",) if chosen["buckets"] else ()),
+             *rule_notes)
     assumptions = (
         f"Fitted from fake-tensor traces of the real {fit.model_type} model (transformers) cut into pipeline stages "
         f"of {' and '.join(str(k) for k in layers)} layers: every moment's live bytes as {' + '.join(BASIS)} terms "
@@ -459,6 +478,20 @@ def _pipeline_fitted(setup: TrainingSetup, fit: FitModel) -> Estimate:
                              "pipeline_ranks": rows, "pipeline_rank": rank})
 
 
+def _stage_structure(setup: TrainingSetup, fit: FitModel, stage: FitModel) -> dict[str, int]:
+    """The counts :func:`per_gpu_states` lays a pipeline rank's model states out by: the whole model's per-layer
+    counts, with the rank's own parameters (its traced weights, at the stage's depth), its layers' routed experts and
+    what it holds besides its layers (the embedding on the first stage, the final norm and the head on the last) as
+    its root unit."""
+    st = dict(fit.structure)
+    width = 2 if stage.signature.get("precision") in ("bf16", "bf16-autocast") else 4
+    params = round(sum(stage.peak("load", 1, 1).values()) / width)
+    layers = stage.num_layers * setup.parallel.virtual_stages
+    st.update(num_params=params, expert_params=layers * st["layer_expert_params"],
+              root_unit=max(0, params - layers * st["layer_params"]))
+    return st
+
+
 def _untraced_microbatches(setup: TrainingSetup, fit: FitModel, rank: int, traced: int) -> dict[str, int]:
     """What the micro-batches a 1F1B rank's traces leave out (:func:`pipeline_microbatches`) add at every moment
     after load: ``torch.distributed.pipelining`` makes one receive buffer per micro-batch at the first step and
@@ -471,7 +504,7 @@ def _untraced_microbatches(setup: TrainingSetup, fit: FitModel, rank: int, trace
     if extra <= 0:
         return {}
     first, last = rank == 0, rank == par.pp - 1
-    half = setup.precision in ("bf16", "bf16-autocast") or (setup.precision == "mixed" and par.strategy == "fsdp2")
+    half = setup.precision in ("bf16", "bf16-autocast") or (setup.precision == "mixed" and par.strategy in BF16_COMPUTE)
     hidden = setup.batch * setup.seq * fit.structure.get("hidden_size", 0) * (2 if half else 4)
     out = {"temporaries": extra * hidden * ((not first) + (not last)),
            "inputs": extra * setup.batch * setup.seq * 8,

@@ -95,10 +95,12 @@ def _trace(cfg: dict[str, Any], layers: int, b: int, s: int, setup: TrainingSetu
         layout = PipeRank(par.pp, rank or 0, par.schedule, par.virtual_stages, lay["microbatches"],
                           dp_shard=lay["dp_shard"], reshard_after_forward=lay["reshard_after_forward"],
                           ep=lay.get("ep", 1))
-        # FSDP2's MixedPrecisionPolicy runs in the trace itself; DDP's stage runs autocast as one GPU does
+        # FSDP2's MixedPrecisionPolicy runs in the trace itself; DDP's and ZeRO-1's stage runs autocast as one GPU
+        # does, Megatron-LM's the bf16 step (its states by rule: core.fitted.per_gpu_states)
         return trace_pipeline_rank(
             with_layers(cfg, layers * par.pp * par.virtual_stages), layout, batch=b, seq=s,
-            precision=setup.precision, optimizer=setup.optimizer, optimizer_impl=setup.optimizer_impl,
+            precision=setup.precision if par.strategy == "fsdp2" else traced_precision(setup),
+            optimizer=setup.optimizer, optimizer_impl=setup.optimizer_impl,
             attention=setup.attention, checkpointing=setup.checkpointing, use_cache=setup.use_cache, iterations=2,
             keep_tracker=True, galore_rank=setup.galore_rank, galore_gap=1)
     with unpacked_sequences():
