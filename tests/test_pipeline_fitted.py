@@ -4,6 +4,7 @@ fitted method fits each checked rank's own step under the schedule, and ``--meth
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -112,6 +113,20 @@ def test_megatron_pipeline_ranks_are_fitted_by_its_rule_as_the_analytic_ledger_l
         for phase in PHASES:
             assert phases[phase] == pytest.approx(want[rank][phase], rel=0.02), (rank, phase)
     assert any("by the strategy's rule" in a for a in fitted.assumptions)
+    # Megatron's own theoretical_memory_usage counts the most loaded shard as block/pp + embedding at 6 + 12/dp bytes
+    # a parameter: the first stage's parameters, gradients and optimizer state equal it (Mixtral-8x7B in 4 stages
+    # over 64 GPUs, experts and router counted: to 1e-7, docs/parallelism.md)
+    from memcalc_gui.core.distributed import megatron_theoretical_memory
+    from memcalc_gui.core.fitted import _stage_structure, per_gpu_states
+
+    fit = fitmod.calibrate(cfg, setup, 1)  # cached
+    first = fit.stages[0]
+    _, states = per_gpu_states(setup, dataclasses.replace(first, structure=_stage_structure(setup, fit, first)))
+    ours = states.parameters["optimizer_step"] + states.gradients["optimizer_step"] + states.optimizer_state
+    weights, _ = megatron_theoretical_memory(cfg["hidden_size"], cfg["intermediate_size"], 8,
+                                             cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["vocab_size"],
+                                             pp=2, dp=4, distributed_optimizer=True)
+    assert ours == pytest.approx(weights, rel=1e-3)  # Megatron splits the final norm over the stages too
 
 
 def test_the_layer_counts_a_pipeline_rank_fit_traces() -> None:
