@@ -283,7 +283,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(rep)
     _add_setup_args(rep)
     rep.add_argument("--method", choices=("quick", "analytic"), default=None,
-                     help="quick (seed heuristic) or analytic (default: analytic for an architecture)")
+                     help="quick (seed heuristic) or analytic (default: analytic for an architecture, the fitted "
+                          "method for a family memcalc has no block model of, as `estimate` does)")
     rep.add_argument("--out", required=True, metavar="FILE",
                      help="report.pdf (A4/Letter, selectable text) or report.png (1600×1000, for a slide or chat)")
     rep.add_argument("--snapshot", metavar="FILE", default=None,
@@ -769,7 +770,21 @@ def cmd_report(args: argparse.Namespace) -> int:
             timeline = read_timeline(Path(args.snapshot).read_bytes())
         except OSError as exc:
             raise InputError("snapshot", f"cannot read {args.snapshot}: {exc.strerror or exc}") from None
-    result = evaluate(setup, args.method)
+    unknown = getattr(args, "unknown_config", None)  # no block model: the fitted method, as `memcalc estimate`
+    result: Result | None = None
+    if unknown is not None and args.method is None:
+        setup.extras["model_type"] = str(unknown.get("model_type"))[:40]
+        setup.extras["model_name"] = args.preset or args.model or f"model_type {setup.extras['model_type']!r}"
+        if getattr(args, "active_params", None) is not None:
+            setup.extras["active_params"] = args.active_params
+        result, note = _fitted_result(setup, unknown)
+        if result is None:  # a fit the checks refuse on one GPU: the full trace
+            from .trace.fake import trace_estimate
+
+            result = trace_estimate(setup, config=unknown).result(None)
+        notes = [*notes, note] if note else notes
+    if result is None:
+        result = evaluate(setup, args.method)
     os.environ["QT_QPA_PLATFORM"] = "offscreen"  # a command never shows a window (nor needs a display)
     try:
         written = write_report(result, args.out, page=args.page, notes=notes, timeline=timeline)

@@ -183,6 +183,11 @@ def test_the_cli_fits_and_traces_pipeline_ranks_with_the_experts_split(
     assert [r["rank"] for r in fitted["pipeline_ranks"]] == [0, 1]
     assert any("Pipeline rank" in a and "routed experts split over 2" in a for a in fitted["assumptions"])
     assert fitted["ep"] == 2 and fitted["pp"] == 2
+    # the report draws the same fitted ledger (it drew the bare-count heuristic for such a family), titled by the config
+    png = tmp_path / "report.png"
+    assert main(["report", *args[1:-1], "--out", str(png)]) == 0
+    said = capsys.readouterr().out
+    assert png.stat().st_size > 10_000 and fitted["verdict"] in said
     assert main([*args, "--method", "trace"]) == 0
     traced = json.loads(capsys.readouterr().out)
     assert any("most loaded of ranks 1, 2" in a for a in traced["assumptions"])

@@ -621,8 +621,11 @@ def build_content(result: Result, *, measurement: MeasureResult | None = None,
     given)."""
     setup, est, v = result.setup, result.estimate, result.verdict
     when = when or datetime.now().astimezone()
+    named = str(setup.extras.get("model_name") or "")  # a family without a block model: the preset's or config's
     model = setup.model.name if setup.model is not None and setup.model.name else (
-        "config.json model" if setup.model is not None else f"{format_count(setup.num_params)} parameters")
+        "config.json model" if setup.model is not None else
+        f"{named} ({format_count(setup.num_params)} parameters)" if named else
+        f"{format_count(setup.num_params)} parameters")
     title = f"GPU memory report: {model}"
     per_gpu = parallel_label(setup) if is_per_gpu(result) else ""
     where = f"on {gpu_label(result)}" if setup.capacity_bytes is not None else "no GPU chosen"
