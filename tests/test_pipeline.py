@@ -141,7 +141,8 @@ def test_the_stages_hold_the_model_once_and_a_tied_head_twice() -> None:
     ({"gpus": 8, "pp": 2, "virtual_stages": 2}, "virtual_stages", "interleaved"),
     ({"gpus": 8, "schedule": "gpipe"}, "schedule", "pipeline stages"),
     ({"gpus": 8, "sp": True}, "sp", "--tp"),
-    ({"gpus": 8, "pp": 2, "ep": 2}, "pp", "expert"),
+    # expert parallelism inside a stage (a mixture of experts, fitted) splits over the stage's data-parallel GPUs
+    ({"gpus": 8, "pp": 2, "ep": 8}, "ep", "must divide"),
 ])
 def test_layouts_that_cannot_run_are_refused_naming_the_field(kw: dict, field: str, words: str) -> None:
     with pytest.raises(InputError, match=words) as exc:
