@@ -1077,20 +1077,24 @@ def test_a_family_without_a_block_model_is_fitted_in_the_window(window, qtbot, t
     qtbot.waitUntil(suggested, timeout=60000)
 
 
-def test_a_mixture_of_experts_across_gpus_in_the_window(window, qtbot, tmp_path):
-    """A Mixtral-shaped config split over 4 GPUs by tensor parallelism 2 and FSDP2: the window calibrates the
-    tensor-parallel rank's bf16 step in its worker, and the ledger is that rank's, below one GPU's; expert
-    parallelism next needs no other calibration of the rank than its own."""
+def open_mixtral(w: MainWindow, qtbot, tmp_path: Path, layers: int) -> None:
+    """Open a small Mixtral-shaped config.json and wait for its fitted (single-GPU) result."""
     pytest.importorskip("transformers")
-
-    w = window
     cfg = {"model_type": "mixtral", "hidden_size": 64, "intermediate_size": 64, "num_attention_heads": 4,
-           "num_key_value_heads": 2, "num_hidden_layers": 3, "vocab_size": 512, "max_position_embeddings": 512,
+           "num_key_value_heads": 2, "num_hidden_layers": layers, "vocab_size": 512, "max_position_embeddings": 512,
            "num_local_experts": 4, "num_experts_per_tok": 2}
     path = write_config(tmp_path / "mixtral", "config.json", cfg)
     before = w.result
     assert not w.open_config(path)
     qtbot.waitUntil(lambda: w.result is not before and w.result.estimate.method == "fitted", timeout=60000)
+
+
+def test_a_mixture_of_experts_across_gpus_in_the_window(window, qtbot, tmp_path):
+    """A Mixtral-shaped config split over 4 GPUs by tensor parallelism 2 and FSDP2: the window calibrates the
+    tensor-parallel rank's bf16 step in its worker, and the ledger is that rank's, below one GPU's; expert
+    parallelism next needs no other calibration of the rank than its own."""
+    w = window
+    open_mixtral(w, qtbot, tmp_path, layers=3)
     single = w.result.estimate
     w.apply_state(w.inputs.state().replace(gpus="4", tp="2", strategy="fsdp2"))
     w.refresh()
@@ -1109,17 +1113,9 @@ def test_a_mixture_of_experts_across_gpus_in_the_window(window, qtbot, tmp_path)
 def test_pipeline_stages_of_a_mixture_of_experts_in_the_window(window, qtbot, tmp_path):
     """A Mixtral-shaped config in 2 pipeline stages of 2 GPUs (DDP in each): the worker calibrates each checked
     rank's schedule, the ledger is the most loaded rank's and the plan names every stage; expert parallelism beside
-    it marks the field and keeps that result."""
-    pytest.importorskip("transformers")
-
+    it over more GPUs than a stage has marks the field and keeps that result."""
     w = window
-    cfg = {"model_type": "mixtral", "hidden_size": 64, "intermediate_size": 64, "num_attention_heads": 4,
-           "num_key_value_heads": 2, "num_hidden_layers": 4, "vocab_size": 512, "max_position_embeddings": 512,
-           "num_local_experts": 4, "num_experts_per_tok": 2}
-    path = write_config(tmp_path / "mixtral", "config.json", cfg)
-    before = w.result
-    assert not w.open_config(path)
-    qtbot.waitUntil(lambda: w.result is not before and w.result.estimate.method == "fitted", timeout=60000)
+    open_mixtral(w, qtbot, tmp_path, layers=4)
     w.apply_state(w.inputs.state().replace(gpus="4", pp="2", grad_accum="4", strategy="ddp"))
     w.refresh()
     qtbot.waitUntil(lambda: w.result.setup.parallel.pp == 2 and w.result.estimate.method == "fitted",
@@ -1133,8 +1129,10 @@ def test_pipeline_stages_of_a_mixture_of_experts_in_the_window(window, qtbot, tm
     # the strategies no pipeline fit covers yet are not weighed, not "never"
     assert "not weighed yet" in plan_sentences(w.result)[0]
     shown = w.result
-    w.apply_state(w.inputs.state().replace(ep="2"))
-    assert not w.refresh()
+    # experts split over more GPUs than a stage has (2 of the 4 in each of 2 stages): ep marked, the result kept
+    w.inputs.ep.setText("4")
+    assert w.refresh() is False
+    assert set(w.inputs.errors()) == {"ep"} and "must divide" in w.inputs.errors()["ep"]
     assert w.result is shown
 
 
