@@ -95,8 +95,8 @@ def _trace(cfg: dict[str, Any], layers: int, b: int, s: int, setup: TrainingSetu
         layout = PipeRank(par.pp, rank or 0, par.schedule, par.virtual_stages, lay["microbatches"],
                           dp_shard=lay["dp_shard"], reshard_after_forward=lay["reshard_after_forward"],
                           ep=lay.get("ep", 1))
-        # FSDP2's MixedPrecisionPolicy runs in the trace itself; DDP's and ZeRO-1's stage runs autocast as one GPU
-        # does, Megatron-LM's the bf16 step (its states by rule: core.fitted.per_gpu_states)
+        # FSDP2's MixedPrecisionPolicy runs in the trace itself; DDP's stage runs autocast as one GPU does,
+        # Megatron-LM's the bf16 step (its states by rule: core.fitted.per_gpu_states)
         return trace_pipeline_rank(
             with_layers(cfg, layers * par.pp * par.virtual_stages), layout, batch=b, seq=s,
             precision=setup.precision if par.strategy == "fsdp2" else traced_precision(setup),
@@ -363,8 +363,9 @@ def pipeline_layer_counts(chunk: int) -> tuple[tuple[int, int], int]:
 
 def pipeline_chunk_layers(cfg: dict[str, Any], layers: int, setup: TrainingSetup) -> int:
     """The decoder layers of one stage-chunk of ``setup``'s pipeline; :class:`InputError` naming ``pp`` where the
-    layers do not split evenly, and :class:`FitError` where the stages would differ in more than their ends (the
-    first layers of DeepSeek's mixture of experts are dense; a repeating pattern of layer types longer than one)."""
+    layers do not split evenly, and :class:`FitError` where a stage's fit at another depth would not stand for it
+    (the first layers of DeepSeek's mixture of experts are dense; checkpointing every N-th layer counts from the
+    model's first)."""
     from ..core.errors import InputError
 
     par = setup.parallel
