@@ -98,7 +98,7 @@ def test_megatron_pipeline_ranks_are_fitted_by_its_rule_as_the_analytic_ledger_l
     from memcalc_gui.core.estimate import estimate
     from memcalc_gui.core.model import spec_from_config
 
-    cfg = dict(CONFIGS["llama"], num_hidden_layers=8)
+    cfg = dict(CONFIGS["llama"], num_hidden_layers=4)
     kw: dict = dict(batch=2, seq=64, grad_accum=4, precision="mixed", optimizer_impl="foreach",
                     cuda_context_bytes=0, allocator_reserve=0.0,
                     parallel=Parallelism(gpus=8, pp=2, strategy="megatron-distopt"))
@@ -123,7 +123,7 @@ def test_megatron_pipeline_ranks_are_fitted_by_its_rule_as_the_analytic_ledger_l
     first = fit.stages[0]
     _, states = per_gpu_states(setup, dataclasses.replace(first, structure=_stage_structure(setup, fit, first)))
     ours = states.parameters["optimizer_step"] + states.gradients["optimizer_step"] + states.optimizer_state
-    weights, _ = megatron_theoretical_memory(cfg["hidden_size"], cfg["intermediate_size"], 8,
+    weights, _ = megatron_theoretical_memory(cfg["hidden_size"], cfg["intermediate_size"], 4,
                                              cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["vocab_size"],
                                              pp=2, dp=4, distributed_optimizer=True)
     assert ours == pytest.approx(weights, rel=1e-3)  # Megatron splits the final norm over the stages too
@@ -174,7 +174,7 @@ def test_the_cli_fits_and_traces_pipeline_ranks_with_the_experts_split(
     loaded one's ledger; ``--method trace`` traces each checked rank and reports the most loaded, which the fit
     equals."""
     config = tmp_path / "config.json"
-    config.write_text(json.dumps(MIXTRAL))
+    config.write_text(json.dumps(dict(MIXTRAL, num_hidden_layers=4)))  # 2-layer stages: traced at their own depth
     args = ["estimate", "--config", str(config), "--gpus", "8", "--pp", "2", "--ep", "2", "--strategy", "fsdp2",
             "--grad-accum", "4", "--batch", "2", "--seq", "96", "--gpu", "rtx-4090", "--json"]
     assert main(args) == 0
