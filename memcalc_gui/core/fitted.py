@@ -107,8 +107,9 @@ MAX_PIPELINE_MICROBATCHES = 64
 def pipeline_microbatches(setup: TrainingSetup) -> int:
     """The micro-batches a fitted pipeline rank's traces run. Under 1F1B a rank's state repeats once its steady
     state has had a forward after a backward (``pp − r − 1`` warm-up forwards, then forward-backward pairs with the
-    gradients in place): ``pp + 1`` micro-batches hold every moment a longer step holds (``tests/test_fitted.py``
-    checks it against a longer trace). GPipe and the interleaved schedule run the step's own count."""
+    gradients in place): ``pp + 1`` micro-batches hold every moment a longer step holds
+    (``tests/test_pipeline_fitted.py`` checks it against the step traced with every micro-batch).
+    GPipe and the interleaved schedule run the step's own count."""
     par, m = setup.parallel, setup.grad_accum
     if par.schedule == "1f1b":
         return min(m, par.pp + 1)
@@ -380,8 +381,7 @@ def estimate_fitted(setup: TrainingSetup, fit: FitModel) -> Estimate:
     for phase in PHASES:
         objects = fit.peak(phase, setup.batch, setup.seq, setup.grad_accum > 1, transform)
         if phase == "load":  # the model, and DDP's buckets made as it wraps the model
-            buckets = objects.get("gradients", 0)
-            objects = {"parameters": sum(objects.values()) - buckets, "gradients": buckets}
+            objects = _resident(objects)
         phases[phase] = with_overheads(objects, phase, setup)
     worst = max((v for k, v in fit.checked.items() if k in PHASES), default=0.0)
     assumptions = (
@@ -397,6 +397,13 @@ def estimate_fitted(setup: TrainingSetup, fit: FitModel) -> Estimate:
     return Estimate(setup=setup, method="fitted", phases=phases, assumptions=assumptions,
                     details={"host_bytes": host_bytes, "fit_checked": dict(fit.checked),
                              "parallel_notes": parallel_notes})
+
+
+def _resident(objects: dict[str, int]) -> dict[str, int]:
+    """The load phase's objects: what stays resident counts as parameters, but for the gradients the strategy
+    holds from the start (DDP's buckets, Megatron-LM's main-grad buffer)."""
+    grads = objects.get("gradients", 0)
+    return {"parameters": sum(objects.values()) - grads, **({"gradients": grads} if grads else {})}
 
 
 def _pipeline_fitted(setup: TrainingSetup, fit: FitModel) -> Estimate:
@@ -437,8 +444,7 @@ def _pipeline_fitted(setup: TrainingSetup, fit: FitModel) -> Estimate:
         for phase in PHASES:
             objects = stage.peak(phase, setup.batch, setup.seq, True, transform)
             if phase == "load":  # the stage's weights, and DDP's buckets made as it wraps the stage
-                grads = objects.get("gradients", 0)
-                objects = {"parameters": sum(objects.values()) - grads, **({"gradients": grads} if grads else {})}
+                objects = _resident(objects)
             phases[phase] = with_overheads(objects, phase, setup)
         peak = max(ph.total_bytes for ph in phases.values())
         rows.append({"rank": rank, "in_flight": in_flight(par.schedule, par.pp, rank, setup.grad_accum,
