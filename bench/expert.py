@@ -2,12 +2,14 @@
 parallelism) against the traced rank of the same layout, on two toy models and on published ones at micro-batch
 1 × 4096 tokens. Prints each case's formula-vs-trace difference per phase and a summary.
 
-    python bench/expert.py [--quick]
+    python bench/expert.py [--quick] [--strategy ddp|fsdp2] [--rule]
 
 The traced rank (``memcalc_gui.trace.ranks``, ``--method trace --ep``) is transformers' own expert parallelism on
 PyTorch's fake process group: the family's ``base_model_ep_plan``, its all-to-all token dispatch with balanced split
 sizes, and under FSDP2 ``fully_shard`` over the experts' copies and over all ranks for the rest. The fitted ledger
-is the single-GPU fit of the model with ``distributed.expert_parallel_states`` for the layout.
+is the single-GPU fit of the model with ``distributed.expert_parallel_states`` for the layout; under FSDP2 without
+tensor parallelism, the fit of the traced rank itself (``core.fitted.rank_layout``), or with ``--rule`` the
+single-GPU fit and the rule (what the what-ifs and the GPU plan's other layouts use).
 """
 
 from __future__ import annotations
@@ -49,8 +51,11 @@ def config(name: str) -> dict[str, object]:
     return json.loads((Path(__file__).resolve().parent.parent / "resources" / "models" / f"{name}.json").read_text())
 
 
-def case(family: str, ep: int, gpus: int, strategy: str, precision: str, ckpt: str, tp: int = 1) -> dict[str, float]:
-    """Fitted − traced, % of the traced rank, per phase (tensor bytes)."""
+def case(family: str, ep: int, gpus: int, strategy: str, precision: str, ckpt: str, tp: int = 1,
+         rule: bool = False) -> dict[str, float]:
+    """Fitted − traced, % of the traced rank, per phase (tensor bytes); ``rule``: without the rank's own fit."""
+    import dataclasses
+
     from memcalc_gui.core.fitted import estimate_fitted
     from memcalc_gui.trace.fake import trace_estimate
     from memcalc_gui.trace.fit import calibrate
@@ -61,13 +66,14 @@ def case(family: str, ep: int, gpus: int, strategy: str, precision: str, ckpt: s
     setup = TrainingSetup(params=count_params_on_meta(cfg), batch=batch, seq=seq, precision=precision,  # type: ignore
                           checkpointing=ckpt, target_device="cpu",  # type: ignore[arg-type]
                           parallel=Parallelism(gpus=gpus, ep=ep, tp=tp, strategy=strategy))  # type: ignore[arg-type]
-    fitted = estimate_fitted(setup, calibrate(cfg, setup, setup.params or 0))
+    fit = calibrate(cfg, setup, setup.params or 0)
+    fitted = estimate_fitted(setup, dataclasses.replace(fit, rank=None) if rule else fit)
     traced = trace_estimate(setup, cfg).estimate
     return {p: 100 * (fitted.phases[p].tensor_bytes - traced.phases[p].tensor_bytes) / traced.phases[p].tensor_bytes
             for p in PHASES if p != "load"}
 
 
-def main(quick: bool = False) -> None:
+def main(quick: bool = False, strategies: tuple[str, ...] = ("ddp", "fsdp2"), rule: bool = False) -> None:
     warnings.filterwarnings("ignore")
     os.environ.setdefault("MEMCALC_CACHE_DIR", tempfile.mkdtemp(prefix="memcalc-fits-"))
     # (ep, tp, gpus)
@@ -80,13 +86,13 @@ def main(quick: bool = False) -> None:
           + "".join(f"{p[:8]:>10}" for p in shown) + "   (fitted − traced, % of traced)")
     worst: dict[str, list[float]] = {}
     start = time.perf_counter()
-    cases = list(itertools.product(MOE, toy, ("ddp", "fsdp2"), ("fp32", "mixed"), ("none", "full")))
-    cases += list(itertools.product(PRESETS[:1] if quick else PRESETS, full, ("ddp", "fsdp2"), ("mixed",),
+    cases = list(itertools.product(MOE, toy, strategies, ("fp32", "mixed"), ("none", "full")))
+    cases += list(itertools.product(PRESETS[:1] if quick else PRESETS, full, strategies, ("mixed",),
                                     ("none", "full")))
     for family, (ep, tp, gpus), strategy, precision, ckpt in cases:
         row = f"{family:<18}{ep:>3}{tp:>3}{gpus:>5} {strategy:<6} {precision:<9} {ckpt:<5}"
         try:
-            diff = case(family, ep, gpus, strategy, precision, ckpt, tp)
+            diff = case(family, ep, gpus, strategy, precision, ckpt, tp, rule)
         except InputError as exc:  # e.g. 60 experts over 8 GPUs, 2 key/value heads over 4
             print(f"{row}  n/a: {exc}")
             continue
@@ -97,4 +103,5 @@ def main(quick: bool = False) -> None:
 
 
 if __name__ == "__main__":
-    main("--quick" in sys.argv)
+    chosen = sys.argv[sys.argv.index("--strategy") + 1] if "--strategy" in sys.argv else None
+    main("--quick" in sys.argv, (chosen,) if chosen else ("ddp", "fsdp2"), "--rule" in sys.argv)

@@ -180,14 +180,15 @@ def test_a_tensor_parallel_degree_the_config_cannot_split_is_refused() -> None:
     assert exc.value.field == "tp" and "key/value heads" in exc.value.reason
 
 
-@pytest.mark.parametrize(("gpus", "strategy", "rel"), [(4, "ddp", 0.01), (4, "fsdp2", 0.05)])
+@pytest.mark.parametrize(("gpus", "strategy", "rel"), [(4, "ddp", 0.01), (4, "fsdp2", 0.005)])
 def test_the_fitted_tensor_parallel_rank_matches_the_traced_one(gpus: int, strategy: str, rel: float,
                                                                 tmp_path: Path,
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
-    """``--tp`` for a mixture of experts: the fitted method calibrates the narrower model and lays the strategy over
-    it; the trace runs transformers' plan and the strategy (fully_shard under FSDP2) on the fake process group. DDP
-    within 1 %; FSDP2 within 5 % on this toy model, whose gathered layers weigh as much as its activations (its
-    gathered units are counted as a bound; bench/expert.py)."""
+    """``--tp`` for a mixture of experts: the fitted method calibrates the narrower model and lays DDP over it; the
+    trace runs transformers' plan and the strategy (fully_shard under FSDP2) on the fake process group. DDP within
+    1 %. Under FSDP2 the fit is of the traced rank itself (transformers' plan on the whole model, fully_shard over
+    the data-parallel GPUs): within 0.5 % (the trace rounds each allocation to 512 B). The rule it replaced was 5 %
+    over on this toy model, whose gathered layers weigh as much as its activations."""
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(MIXTRAL))
     common = ["estimate", "--config", str(cfg), "--batch", "2", "--seq", "64", "--json", "--gpus", str(gpus),
@@ -200,6 +201,46 @@ def test_the_fitted_tensor_parallel_rank_matches_the_traced_one(gpus: int, strat
                                 if k not in ("cuda_context", "allocator_reserve")) for p in PHASES}
     for p in PHASES:
         assert peaks["fitted"][p] == pytest.approx(peaks["trace"][p], rel=rel), p
+
+
+def test_the_fitted_fsdp2_ledger_is_the_traced_ranks_fit_and_the_rule_answers_other_layouts(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """FSDP2 of a mixture of experts, its experts split over 2 of 8 GPUs: beside the one-replica fit the fitted method
+    calibrates one rank of the layout itself (fully_shard on the fake process group, transformers' expert-parallel
+    plan), so the per-GPU ledger equals ``--method trace`` at a shape and accumulation neither traced for the fit
+    (within 0.1 %; here the trace does not round each allocation to CUDA's 512 B, which on this toy's many small
+    shards is 0.8 % of the step and which the fit leaves out, as its assumptions say), where the rule, a bound on
+    FSDP2's gathered units, is more than 2 % over on this toy (bench/expert.py: up to 20 %). Another data-parallel
+    degree (the GPU plan's, a what-if) is still answered, by the rule; a cache holding only the replica answers by
+    it too."""
+    import dataclasses
+
+    from memcalc_gui.core.fitted import estimate_fitted
+    from memcalc_gui.trace import fake
+    from memcalc_gui.trace.fit import calibrate
+
+    monkeypatch.setattr(fake, "CUDA_ROUNDING", 1)
+
+    setup = TrainingSetup(params=count_params_on_meta(MIXTRAL), batch=4, seq=80, grad_accum=3, precision="mixed",
+                          checkpointing="full", target_device="cpu",
+                          parallel=Parallelism(gpus=8, ep=2, strategy="fsdp2"))
+    fit = calibrate(MIXTRAL, setup, setup.params or 0)
+    assert fit.rank is not None
+    assert fit.rank.signature["ranks"] == {"dp_shard": 8, "tp": 1, "ep": 2, "reshard_after_forward": True}
+    fitted = estimate_fitted(setup, fit)
+    assert fitted.details["rank_fit"] and any("fully_shard over 8" in n for n in fitted.details["parallel_notes"])
+    rule = estimate_fitted(setup, dataclasses.replace(fit, rank=None))
+    traced = fake.trace_estimate(setup, MIXTRAL).estimate
+    off = []
+    for p in PHASES:
+        want = traced.phases[p].tensor_bytes
+        assert fitted.phases[p].tensor_bytes == pytest.approx(want, rel=0.001), p
+        off.append(abs(rule.phases[p].tensor_bytes - want) / want)
+    assert max(off) > 0.02
+    other = setup.with_changes(parallel=Parallelism(gpus=4, ep=2, strategy="fsdp2"))
+    by_rule = estimate_fitted(other, fit)
+    assert "rank_fit" not in by_rule.details and by_rule.peak_bytes > 0
+    assert calibrate(MIXTRAL, other, setup.params or 0, cached_only=True).rank is None
 
 
 def test_tensor_parallelism_needs_more_than_a_parameter_count(capsys: pytest.CaptureFixture[str]) -> None:

@@ -104,6 +104,27 @@ PIPELINE_STRATEGIES = (*TRACED_PIPELINE_STRATEGIES, "megatron", "megatron-distop
 MAX_PIPELINE_MICROBATCHES = 64
 
 
+def rank_layout(setup: TrainingSetup) -> dict[str, Any] | None:
+    """The FSDP2 layout whose rank a fit also traces (``FitModel.rank``): ``fully_shard`` over the data-parallel
+    GPUs of one pipeline-free model, its routed experts split over ``ep`` of them, on the fake process group, as
+    ``--method trace`` runs it. The rule of :func:`per_gpu_states` bounds FSDP2's gathered units by the root unit and
+    two layers, up to 20 % over the traced rank where they weigh as much as the activations (bench/expert.py);
+    the traced rank needs no rule. With tensor parallelism the rank runs transformers' plan on the whole model (the
+    one-replica fit calibrates the narrower model that stands for it). ``None`` for a layout the rank fit does not
+    run (context, sequence or loss parallelism, offload, adapters): the rule stands there."""
+    par = setup.parallel
+    if par.strategy != "fsdp2" or par.pp > 1 or par.gpus < 2 or par.cp > 1 or par.sp or par.loss_parallel \
+            or par.offload != "none" or setup.tuning.method != "full":
+        return None
+    return {"dp_shard": par.dp, "tp": par.tp, "ep": par.ep, "reshard_after_forward": par.reshard_after_forward}
+
+
+def rank_signature(setup: TrainingSetup) -> dict[str, Any] | None:
+    """The signature of the rank fit :func:`rank_layout` calls for, ``None`` where none is."""
+    layout = rank_layout(setup)
+    return None if layout is None else {**signature(setup), "ranks": layout}
+
+
 def pipeline_microbatches(setup: TrainingSetup) -> int:
     """The micro-batches a fitted pipeline rank's traces run. Under 1F1B a rank's state repeats once its steady
     state has had a forward after a backward (``pp − r − 1`` warm-up forwards, then forward-backward pairs with the
@@ -174,6 +195,10 @@ class FitModel:
     #: moments are those of the rank's step under the schedule (all its micro-batches), its layers a stage-chunk's.
     #: This fit's own moments are then the first rank's.
     stages: dict[int, FitModel] = field(default_factory=dict)
+    #: The fit of one rank of the setup's FSDP2 layout (:func:`rank_layout`), calibrated beside this one-replica fit:
+    #: its moments hold FSDP2's shards and gathered units as traced. The replica stays for the what-ifs and the GPU
+    #: plan's other layouts (their states by rule).
+    rank: FitModel | None = None
 
     def __post_init__(self) -> None:
         if len(self.layers) != 2 or self.layers[0] >= self.layers[1]:
@@ -368,6 +393,8 @@ def estimate_fitted(setup: TrainingSetup, fit: FitModel) -> Estimate:
                           "runs, until that is calibrated",)
     if setup.parallel.pp > 1:
         return _pipeline_fitted(setup, fit)
+    if fit.rank is not None and fit.rank.signature == rank_signature(setup):
+        return _rank_fitted(setup, fit.rank)
     host_bytes = 0
     if setup.parallel.is_distributed:
         transform, states = per_gpu_states(setup, fit)
@@ -397,6 +424,41 @@ def estimate_fitted(setup: TrainingSetup, fit: FitModel) -> Estimate:
     return Estimate(setup=setup, method="fitted", phases=phases, assumptions=assumptions,
                     details={"host_bytes": host_bytes, "fit_checked": dict(fit.checked),
                              "parallel_notes": parallel_notes})
+
+
+def _rank_fitted(setup: TrainingSetup, fit: FitModel) -> Estimate:
+    """The ledger of one rank of ``setup``'s FSDP2 layout from its own fit (:func:`rank_layout`): the moments as
+    traced, nothing laid out by rule."""
+    par = setup.parallel
+    phases = {}
+    for phase in PHASES:
+        objects = fit.peak(phase, setup.batch, setup.seq, setup.grad_accum > 1)
+        phases[phase] = with_overheads(_resident(objects) if phase == "load" else objects, phase, setup)
+    worst = max((v for k, v in fit.checked.items() if k in PHASES), default=0.0)
+    sharded = par.dp > 1
+    notes = ((f"FSDP2 as PyTorch runs it: fully_shard over {par.dp} data-parallel GPUs (each decoder layer a unit, "
+              "the root the rest; torchtitan's wrapping) on the fake process group"
+              + ("" if par.reshard_after_forward else ", not resharded after forward")
+              if sharded else "One data-parallel GPU: FSDP2 has nothing to shard and is not applied (as torchtitan "
+                              "skips it); one rank traced on the fake process group")
+             + (f", each layer split over {par.tp} tensor-parallel GPUs by transformers' plan" if par.tp > 1 else "")
+             + (f", the routed experts split over {par.ep} of them (transformers' expert-parallel plan and all-to-all, "
+                "balanced routing: every GPU's experts get their share of the tokens)" if par.ep > 1 else "")
+             + ((", mixed precision as its MixedPrecisionPolicy (bf16 compute over fp32 shards)" if sharded
+                 else ", mixed precision as autocast") if setup.precision == "mixed" else "")
+             + ("; gradients reduce-scattered every micro-batch (torchtitan's way)"
+                if setup.grad_accum > 1 and sharded else ""),)
+    assumptions = (
+        f"Fitted from fake-tensor traces of one rank of the real {fit.model_type} model (transformers) at "
+        f"{' and '.join(str(k) for k in fit.layers)} layers: every moment's live bytes as {' + '.join(BASIS)} terms "
+        f"per object, the layers extrapolated to {fit.num_layers}; checked on a further trace within {worst:.2%}",
+        *fit.notes, *notes,
+        "CUDA's 512-byte rounding of each allocation is not included (well under 0.1 % at training sizes)",
+        f"CUDA context {setup.cuda_context_bytes / 2**20:.0f} MiB and allocator reserve {setup.allocator_reserve:.0%}",
+    )
+    return Estimate(setup=setup, method="fitted", phases=phases, assumptions=assumptions,
+                    details={"host_bytes": 0, "fit_checked": dict(fit.checked), "parallel_notes": notes,
+                             "rank_fit": True})
 
 
 def _resident(objects: dict[str, int]) -> dict[str, int]:

@@ -29,7 +29,17 @@ from typing import Any
 
 from ..core.configfile import dense_prefix_layers, transformers_kwargs, with_layers
 from ..core.errors import MemcalcError
-from ..core.fitted import BASIS, FIT_SCHEMA, SEPARATE, FitModel, Moment, Poly, signature, traced_precision
+from ..core.fitted import (
+    BASIS,
+    FIT_SCHEMA,
+    SEPARATE,
+    FitModel,
+    Moment,
+    Poly,
+    rank_signature,
+    signature,
+    traced_precision,
+)
 from ..core.setup import TrainingSetup, checkpoint_every
 from ..core.vocab import PHASES
 from .meta import structure_on_meta
@@ -67,26 +77,39 @@ def cache_dir() -> Path:
     return base / "fits"
 
 
-def _key(cfg: dict[str, Any], setup: TrainingSetup) -> str:
+def _key(cfg: dict[str, Any], setup: TrainingSetup, sig: dict[str, Any] | None = None) -> str:
     import torch
     import transformers
 
     from .. import __version__
 
-    text = json.dumps({"config": cfg, "signature": signature(setup), "memcalc": __version__,
+    text = json.dumps({"config": cfg, "signature": sig or signature(setup), "memcalc": __version__,
                        "torch": torch.__version__, "transformers": transformers.__version__}, sort_keys=True,
                       default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-def _trace(cfg: dict[str, Any], layers: int, b: int, s: int, setup: TrainingSetup, rank: int | None = None) -> Any:
+def _trace(cfg: dict[str, Any], layers: int, b: int, s: int, setup: TrainingSetup, rank: int | None = None,
+           sharded: bool = False) -> Any:
     """One calibration trace at ``layers`` layers and shape ``(b, s)``; under pipeline parallelism, pipeline rank
     ``rank``'s step under the schedule, ``layers`` a stage-chunk's (the model built with ``pp × virtual`` times as
-    many and cut, as ``--method trace`` runs it)."""
+    many and cut, as ``--method trace`` runs it); ``sharded``: one rank of the setup's FSDP2 layout
+    (``core.fitted.rank_layout``), as ``--method trace`` runs it."""
     from ..measure.cpu_step import measure_training_step
     from .fake import TRACED_MICRO_BATCHES, unpacked_sequences
 
     par = setup.parallel
+    if sharded:
+        from .ranks import RankLayout, trace_rank
+
+        return trace_rank(
+            with_layers(cfg, layers), RankLayout(dp_shard=par.dp, tp=par.tp, ep=par.ep,
+                                                 reshard_after_forward=par.reshard_after_forward),
+            batch=b, seq=s, precision=setup.precision,  # FSDP2's MixedPrecisionPolicy in the trace itself
+            optimizer=setup.optimizer, optimizer_impl=setup.optimizer_impl, attention=setup.attention,
+            checkpointing=setup.checkpointing, use_cache=setup.use_cache, grad_accum=TRACED_MICRO_BATCHES,
+            iterations=2, fake=True, keep_tracker=True, loss=setup.loss, loss_chunk=setup.loss_chunk,
+            optimizer_in_backward=setup.optimizer_in_backward, galore_rank=setup.galore_rank, galore_gap=1)
     if par.pp > 1:
         from ..core.fitted import pipeline_layout
         from .pipeline import PipeRank, trace_pipeline_rank
@@ -276,7 +299,7 @@ def _phase_candidates(short: dict[tuple[str, int], _Window], long: dict[tuple[st
     return out
 
 
-def layer_counts(layers: int, skip: int, every: int | None) -> tuple[tuple[int, int], int]:
+def layer_counts(layers: int, skip: int, every: int | None, first: int = LAYERS[0]) -> tuple[tuple[int, int], int]:
     """The two layer counts a fit traces and the count its check traces, for a config of ``layers`` layers whose
     first ``skip`` differ from the rest (DeepSeek's dense layers: the fit traces past them).
 
@@ -285,9 +308,10 @@ def layer_counts(layers: int, skip: int, every: int | None) -> tuple[tuple[int, 
     have the config's remainder modulo N: the layers between them are one period, each trace ends the way the
     config does (its last, partial period unchecked), and :meth:`FitModel.peak` extrapolates by periods. Raises
     :class:`FitError` where the config is shorter than the fit, or the check would trace more than
-    :data:`MAX_FIT_LAYERS` layers (the caller traces the full model then)."""
+    :data:`MAX_FIT_LAYERS` layers (the caller traces the full model then). ``first``: the fewest layers past ``skip``
+    the fit traces."""
     period = every if every is not None and every > 1 else 1
-    low = skip + max(LAYERS[0], period)
+    low = skip + max(first, period)
     if layers < low:
         raise FitError(f"the fit extrapolates from {low} layers on; this config has {layers}")
     low += (layers - low) % period
@@ -304,7 +328,7 @@ def calibrate(config: dict[str, Any], setup: TrainingSetup, num_params: int,
     """The fit of ``config`` for ``setup``'s signature: from the cache, or five small traces (a few seconds);
     ``cached_only`` raises :class:`FitError` rather than tracing."""
     model_type, kwargs = transformers_kwargs(config)
-    cfg = {"model_type": model_type, **kwargs}
+    cfg = whole = {"model_type": model_type, **kwargs}
     if setup.parallel.tp > 1:  # one tensor-parallel rank: the narrower model transformers' plan makes of it
         from .ranks import tensor_parallel_config
 
@@ -321,27 +345,70 @@ def calibrate(config: dict[str, Any], setup: TrainingSetup, num_params: int,
     else:
         pair, check_layers = layer_counts(layers, dense_prefix_layers(cfg), checkpoint_every(setup.checkpointing))
     path = cache_dir() / f"{_key(cfg, setup)}.json"
-    refused = path.with_name(f"{path.stem}.refused")
-    if use_cache and path.is_file():
+    fit = _cached(path, use_cache)
+    if fit is None:
+        if cached_only:
+            raise FitError("not calibrated yet")
+        fit = _calibrated(path, lambda: _calibrate(cfg, setup, num_params, model_type, layers, (pair, check_layers),
+                                                   path, progress))
+    sig = rank_signature(setup)
+    if sig is None:
+        return fit
+    try:
+        counts = rank_layer_counts(layers, dense_prefix_layers(cfg), checkpoint_every(setup.checkpointing))
+    except FitError:  # checkpointing one layer in many: the rule stands
+        return fit
+    # the rank of the FSDP2 layout, beside the replica (which the what-ifs and the GPU plan's other layouts use)
+    path = cache_dir() / f"{_key(whole, setup, sig)}.json"  # the rank runs transformers' tensor-parallel plan
+    try:
+        rank = _cached(path, use_cache)
+    except FitError:  # refused before: the rule stands, as the assumptions say
+        return fit
+    if rank is None:
+        if cached_only:  # the replica answers by rule until the rank is calibrated
+            return fit
+        try:
+            rank = _calibrated(path, lambda: _calibrate(whole, setup, num_params, model_type, layers, counts, path,
+                                                        progress, sharded=True))
+        except FitError:
+            return fit
+        except MemcalcError:  # cancelled (the window closing), or a field the rank's layout refuses
+            raise
+        except Exception as exc:  # an op the sharded rank cannot run here: the rule stands, and says so next time
+            _write(path.with_name(f"{path.stem}.refused"), {"schema": FIT_SCHEMA, "refused": str(exc)})
+            return fit
+    return dataclasses.replace(fit, rank=rank)
+
+
+def _cached(path: Path, use_cache: bool) -> FitModel | None:
+    """The fit kept at ``path``; ``None`` when there is none (or a broken one); :class:`FitError` with the reason
+    these traces refused it before (they would refuse it again)."""
+    if not use_cache:
+        return None
+    if path.is_file():
         try:
             return FitModel.from_json(json.loads(path.read_text()))
         except (ValueError, OSError):
             pass  # a stale or broken cache file: calibrate again
-    if use_cache and refused.is_file():  # a fit these traces refused before: they would refuse it again
+    refused = path.with_name(f"{path.stem}.refused")
+    if refused.is_file():
         reason = _refusal(refused)
         if reason is not None:
             raise FitError(reason)
-    if cached_only:
-        raise FitError("not calibrated yet")
+    return None
+
+
+def _calibrated(path: Path, run: Callable[[], FitModel]) -> FitModel:
+    """``run()``'s fit, one torch job at a time (a trace or a measurement in another thread waits; the heap as it is
+    now stays out of the collections of the traces); a refusal is kept beside ``path``, so the next run answers at
+    once."""
     from ..measure import exclusive_torch_job, frozen_heap
 
-    # one torch job at a time: a trace or a measurement in another thread waits; the heap as it is now stays out
-    # of the collections of the traces
     with exclusive_torch_job(), frozen_heap():
         try:
-            return _calibrate(cfg, setup, num_params, model_type, layers, (pair, check_layers), path, progress)
-        except FitError as exc:  # the same traces give the same refusal: kept, so the next run answers at once
-            _write(refused, {"schema": FIT_SCHEMA, "refused": str(exc)})
+            return run()
+        except FitError as exc:
+            _write(path.with_name(f"{path.stem}.refused"), {"schema": FIT_SCHEMA, "refused": str(exc)})
             raise
 
 
@@ -349,6 +416,18 @@ def calibrate(config: dict[str, Any], setup: TrainingSetup, num_params: int,
 #: bottom with none between, is not a step of the deeper stages with a layer taken out (its check, fitted from 2 and
 #: 3 layers, was 0.6–1 % off at 4; from 3 and 4 exact at 5).
 PIPELINE_LAYERS = 3
+
+
+def rank_layer_counts(layers: int, skip: int, every: int | None) -> tuple[tuple[int, int], int]:
+    """The layer counts the fit of an FSDP2 rank (``FitModel.rank``) traces and checks: as :func:`layer_counts`, from
+    :data:`PIPELINE_LAYERS` past ``skip`` on. Two layers, top and bottom with none between, are not a deeper
+    model's step with layers taken out under FSDP2: a Mixtral-shaped toy fitted from 2 and 3 layers was 10 % over
+    at 4 layers and micro-batch 2 × 64 tokens, where the units FSDP2 gathers set the backward peak (its check, at a
+    shape where the activations set it, passed). A config no deeper than that is traced at its own depth, as
+    :func:`pipeline_layer_counts` does."""
+    if layers <= skip + PIPELINE_LAYERS and every in (None, 1):
+        return (layers, layers + 1), layers
+    return layer_counts(layers, skip, every, first=PIPELINE_LAYERS)
 
 
 def pipeline_layer_counts(chunk: int) -> tuple[tuple[int, int], int]:
@@ -406,9 +485,11 @@ def _write(path: Path, data: dict[str, Any]) -> None:
 
 
 def _calibrate(cfg: dict[str, Any], setup: TrainingSetup, num_params: int, model_type: str, layers: int,
-               counts: tuple[tuple[int, int], int], path: Path, progress: Callable[[str], None] | None) -> FitModel:
+               counts: tuple[tuple[int, int], int], path: Path, progress: Callable[[str], None] | None,
+               sharded: bool = False) -> FitModel:
     """The traces and the fit of :func:`calibrate` (``counts``: the two layer counts traced, and the check's); under
-    pipeline parallelism one fit per checked rank (``FitModel.stages``)."""
+    pipeline parallelism one fit per checked rank (``FitModel.stages``); ``sharded``: the fit of one rank of the FSDP2
+    layout (``FitModel.rank``)."""
     t0 = time.perf_counter()
 
     def say(text: str) -> None:  # before each trace: the window's worker stops here when asked
@@ -430,6 +511,12 @@ def _calibrate(cfg: dict[str, Any], setup: TrainingSetup, num_params: int, model
                                   notes=tuple(dict.fromkeys(n for f in stages.values() for n in f.notes)),
                                   calibration_s=time.perf_counter() - t0, structure=structure_on_meta(cfg),
                                   stages=stages)
+    elif sharded:
+        def on_rank(text: str) -> None:
+            say(f"one rank of FSDP2 over {setup.parallel.dp}: {text}")
+
+        fit = dataclasses.replace(_fit(cfg, setup, num_params, model_type, layers, counts, on_rank, sharded=True),
+                                  calibration_s=time.perf_counter() - t0, structure=structure_on_meta(cfg))
     else:
         fit = dataclasses.replace(_fit(cfg, setup, num_params, model_type, layers, counts, say),
                                   calibration_s=time.perf_counter() - t0, structure=structure_on_meta(cfg))
@@ -438,9 +525,11 @@ def _calibrate(cfg: dict[str, Any], setup: TrainingSetup, num_params: int, model
 
 
 def _fit(cfg: dict[str, Any], setup: TrainingSetup, num_params: int, model_type: str, layers: int,
-         counts: tuple[tuple[int, int], int], say: Callable[[str], None], rank: int | None = None) -> FitModel:
+         counts: tuple[tuple[int, int], int], say: Callable[[str], None], rank: int | None = None,
+         sharded: bool = False) -> FitModel:
     """One fit: four traces, the check trace and the micro-batch-1 check (of pipeline rank ``rank``'s step under the
-    schedule when given: its windows are all the step's micro-batches, with and without accumulation alike)."""
+    schedule when given: its windows are all the step's micro-batches, with and without accumulation alike; of one
+    rank of the FSDP2 layout when ``sharded``)."""
     pair, check_layers = counts
     t0 = time.perf_counter()
     windows: list[dict[tuple[str, int], _Window]] = []
@@ -451,15 +540,16 @@ def _fit(cfg: dict[str, Any], setup: TrainingSetup, num_params: int, model_type:
         runs = []
         for b, s in SHAPES:
             say(f"tracing {n} layers at micro-batch {b} × {s}")
-            runs.append(_trace(cfg, n, b, s, setup, rank))
+            runs.append(_trace(cfg, n, b, s, setup, rank, sharded))
         windows.append(_windows(runs[0], runs[1]))
     short, long = windows[0], windows[-1]
     accum = _phase_candidates(short, long, None if rank is not None else {0, 1})
     moments = accum if rank is not None else _phase_candidates(short, long, {0})
     say("checking the fit on a further trace")
-    check = FitModel(model_type, num_params, check_layers, signature(setup), pair, moments, accum)
+    sig = rank_signature(setup) if sharded else None
+    check = FitModel(model_type, num_params, check_layers, sig or signature(setup), pair, moments, accum)
     b, s = CHECK_SHAPE
-    real = _trace(cfg, check_layers, b, s, setup, rank)  # two micro-batches: checks the accumulating fit
+    real = _trace(cfg, check_layers, b, s, setup, rank, sharded)  # two micro-batches: checks the accumulating fit
     checked: dict[str, float] = {}
     windows_of = real.tracker.windows()
     for phase in PHASES:
@@ -479,7 +569,8 @@ def _fit(cfg: dict[str, Any], setup: TrainingSetup, num_params: int, model_type:
     # micro-batch 1: some models skip a copy there that a batch of several needs (a view of one sequence is
     # already contiguous); the fit, calibrated on batches of several, then overestimates it a little
     say("checking micro-batch 1")
-    one = _trace(cfg, pair[0], 1, s, setup, rank)  # the fewest layers: the micro-batch, not the depth, is checked
+    # the fewest layers: the micro-batch, not the depth, is checked
+    one = _trace(cfg, pair[0], 1, s, setup, rank, sharded)
     shallow = dataclasses.replace(check, num_layers=pair[0])
     single = max(abs(sum(shallow.peak(p, 1, s, accumulating=True).values())
                      - (one.phases[p].live_bytes if p == "load" else one.phases[p].peak_bytes))

@@ -261,6 +261,7 @@ class MainWindow(QMainWindow):
         self.inputs.layouts_requested.connect(self.show_layouts)
         self.fits: dict[str, Any] = {}  # fitted-method calibrations by config and setup (or why one failed)
         self._fit_job: str | None = None
+        self._fit_job_replica = ""
         self.fit_runner = TaskRunner("memcalc-fit", cancel_types=(TraceCancelled,), parent=self)
         self.fit_runner.finished.connect(self._fit_done)
         self.fit_runner.failed.connect(self._fit_failed)
@@ -698,18 +699,30 @@ class MainWindow(QMainWindow):
         return True
 
     # ---- families without a block model: the fitted method ---------------------------------------------------
-    def _fit_key(self, needed: Any, setup: Any) -> str:
-        from ..core.fitted import signature
+    def _fit_key(self, needed: Any, setup: Any, ranks: bool = True) -> str:
+        """A calibration's key: the config and the setup's signature, and the FSDP2 layout whose rank it traces
+        (another layout needs its own rank fit; core.fitted.rank_layout); ``ranks=False``: the one-replica fit's
+        key, which answers any layout by rule."""
+        from ..core.fitted import rank_layout, signature
 
-        return json.dumps({"config": needed.config, "signature": signature(setup)}, sort_keys=True, default=str)
+        return json.dumps({"config": needed.config, "signature": signature(setup),
+                           "ranks": rank_layout(setup) if ranks else None}, sort_keys=True, default=str)
+
+    def _fit_or_replica(self, needed: Any, setup: Any) -> Any:
+        """The fit kept for ``setup`` (or why it failed), else the one-replica fit of its signature (an FSDP2 layout
+        whose rank is not calibrated yet: the rule answers meanwhile), else ``None``."""
+        found = self.fits.get(self._fit_key(needed, setup))
+        if found is None:
+            replica = self.fits.get(self._fit_key(needed, setup, ranks=False))
+            found = replica if replica is not None and not isinstance(replica, str) else None
+        return found
 
     def _fitted(self, needed: Any, setup: Any) -> Result | None:
         """The fitted result when this config and setup are calibrated; else start the calibration (seconds, in a
         worker; the last result stays on screen meanwhile) and return None."""
-        from ..core.fitted import evaluate_fitted, signature, worth_calibrating
+        from ..core.fitted import evaluate_fitted, rank_signature, signature, worth_calibrating
 
-        key = self._fit_key(needed, setup)
-        fit = self.fits.get(key)
+        fit = self._fit_or_replica(needed, setup)
         if isinstance(fit, str):  # the fit failed for this config and setup: say why
             raise InputError("config" if self.inputs.state().model_kind == "config" else "model_id", fit)
         if fit is not None:
@@ -724,7 +737,7 @@ class MainWindow(QMainWindow):
             def more(changed: Any) -> Any:
                 """A what-if's fit from memory; checkpointing's is calibrated next, in the worker (the solver's
                 suggestions gain it on the refresh that follows)."""
-                found = self.fits.get(self._fit_key(needed, changed))
+                found = self._fit_or_replica(needed, changed)
                 if found is None and worth_calibrating(signature(sized), changed):
                     wanted.append(changed)
                 return found if not isinstance(found, str) else None
@@ -734,6 +747,11 @@ class MainWindow(QMainWindow):
             if wanted and (result.verdict.fits is False or signature(wanted[0])["precision"] != signature(sized)[
                     "precision"]) and not self.fit_runner.is_running():
                 self._calibrate(needed, wanted[0], quiet=True)
+            elif self._fit_key(needed, setup) not in self.fits and rank_signature(setup) is not None \
+                    and not self.fit_runner.is_running():
+                # the rule answers this FSDP2 layout until its own rank is calibrated (seconds; the result then
+                # refreshes)
+                self._calibrate(needed, setup, quiet=True, what="one rank of this FSDP2 layout")
             return result
         if not self.fit_runner.is_running():
             self._calibrate(needed, setup)
@@ -743,10 +761,12 @@ class MainWindow(QMainWindow):
         self.statusBar().showMessage(message)
         return None
 
-    def _calibrate(self, needed: Any, setup: Any, quiet: bool = False) -> None:
-        """Calibrate ``needed``'s config for ``setup``'s signature in the worker; ``quiet`` for a what-if's fit
-        (the result on screen stays current meanwhile)."""
+    def _calibrate(self, needed: Any, setup: Any, quiet: bool = False,
+                   what: str = "the gradient-checkpointing what-if for the suggestions") -> None:
+        """Calibrate ``needed``'s config for ``setup``'s signature in the worker; ``quiet`` for a fit that refines
+        what is on screen (a what-if's, or an FSDP2 rank's: ``what`` says which), which stays current meanwhile."""
         self._fit_job = self._fit_key(needed, setup)
+        self._fit_job_replica = self._fit_key(needed, setup, ranks=False)
         config = needed.config
 
         def job(progress: Any, should_stop: Any) -> Any:
@@ -764,11 +784,13 @@ class MainWindow(QMainWindow):
 
         self.fit_runner.start(job)
         if quiet:
-            self.statusBar().showMessage("Calibrating the gradient-checkpointing what-if for the suggestions…", 5000)
+            self.statusBar().showMessage(f"Calibrating {what}…", 5000)
 
     def _fit_done(self, fit: Any) -> None:
         if self._fit_job is not None:
             self.fits[self._fit_job] = fit
+            # the one-replica fit inside answers the signature's other layouts by rule
+            self.fits.setdefault(self._fit_job_replica, fit)
         self._fit_job = None
         self.statusBar().clearMessage()
         if not self._closed:
