@@ -204,8 +204,9 @@ def test_the_per_gpu_fitted_ledger_equals_the_analytic_one(strategy: str) -> Non
 def test_the_fitted_bf16_compute_budget_follows_the_moment_walk(strategy: str) -> None:
     """FSDP2's analytic ledger goes moment by moment (checked against real gloo steps) and computes in bf16 under
     mixed precision, as Megatron-LM's bf16 model does. The fitted method calibrates that bf16 step too
-    (``fitted.traced_precision``) and puts the per-GPU states on it: within 1.5 % of the moment walk (it was a third
-    over when it calibrated the autocast step)."""
+    (``fitted.traced_precision``) and puts the per-GPU states on it by rule: within 1.5 % of the moment walk (it was
+    a third over when it calibrated the autocast step). (FSDP2's own layout is fitted on its traced rank too; the
+    rule answers the what-ifs and the GPU plan's other layouts, and is what this checks: ``rank=False``.)"""
     from memcalc_gui.core.analytic import estimate_analytic
     from memcalc_gui.core.model import spec_from_config
 
@@ -213,8 +214,8 @@ def test_the_fitted_bf16_compute_budget_follows_the_moment_walk(strategy: str) -
     single = TrainingSetup(model=spec, batch=2, seq=128, optimizer_impl="single-tensor", cuda_context_bytes=0,
                            allocator_reserve=0.0)
     setup = single.with_changes(batch=3, seq=200, parallel=Parallelism(gpus=4, strategy=strategy))  # type: ignore
-    fit = fitmod.calibrate(LLAMA, setup, spec.num_params)
-    assert fit.signature["precision"] == "bf16"
+    fit = fitmod.calibrate(LLAMA, setup, spec.num_params, rank=False)
+    assert fit.signature["precision"] == "bf16" and fit.rank is None
     fitted, analytic = estimate_fitted(setup, fit), estimate_analytic(setup)
     for phase in ("forward", "backward", "optimizer_step"):
         want = analytic.phases[phase].total_bytes
@@ -341,10 +342,10 @@ def test_the_autocast_fit_stands_in_for_a_bf16_strategy_as_a_bound() -> None:
     sharded = single.with_changes(parallel=Parallelism(gpus=4, strategy="fsdp2"))
     stand_in = estimate_fitted(sharded, autocast)
     assert any("upper bound" in n for n in stand_in.details["parallel_notes"])
-    own = estimate_fitted(sharded, fitmod.calibrate(LLAMA, sharded, spec.num_params))
+    own = estimate_fitted(sharded, fitmod.calibrate(LLAMA, sharded, spec.num_params, rank=False))  # the rule's
     assert not any("upper bound" in n for n in own.details["parallel_notes"])
     for phase in ("forward", "backward"):
         assert stand_in.phases[phase].tensor_bytes >= own.phases[phase].tensor_bytes
     with pytest.raises(InputError):  # a bf16 fit never stands in for the autocast step (it would be under)
         estimate_fitted(single.with_changes(parallel=Parallelism(gpus=4, strategy="zero2")),
-                        fitmod.calibrate(LLAMA, sharded, spec.num_params))
+                        fitmod.calibrate(LLAMA, sharded, spec.num_params, rank=False))

@@ -324,9 +324,11 @@ def layer_counts(layers: int, skip: int, every: int | None, first: int = LAYERS[
 
 def calibrate(config: dict[str, Any], setup: TrainingSetup, num_params: int,
               progress: Callable[[str], None] | None = None, use_cache: bool = True,
-              cached_only: bool = False) -> FitModel:
+              cached_only: bool = False, rank: bool = True) -> FitModel:
     """The fit of ``config`` for ``setup``'s signature: from the cache, or five small traces (a few seconds);
-    ``cached_only`` raises :class:`FitError` rather than tracing."""
+    ``cached_only`` raises :class:`FitError` rather than tracing. Under an FSDP2 layout the fit of one of its ranks
+    comes with it (``FitModel.rank``; from the cache only when ``cached_only``); ``rank=False`` leaves it out (the
+    one-replica fit and its rule alone)."""
     model_type, kwargs = transformers_kwargs(config)
     cfg = whole = {"model_type": model_type, **kwargs}
     if setup.parallel.tp > 1:  # one tensor-parallel rank: the narrower model transformers' plan makes of it
@@ -351,7 +353,7 @@ def calibrate(config: dict[str, Any], setup: TrainingSetup, num_params: int,
             raise FitError("not calibrated yet")
         fit = _calibrated(path, lambda: _calibrate(cfg, setup, num_params, model_type, layers, (pair, check_layers),
                                                    path, progress))
-    sig = rank_signature(setup)
+    sig = rank_signature(setup) if rank else None
     if sig is None:
         return fit
     try:
@@ -361,14 +363,14 @@ def calibrate(config: dict[str, Any], setup: TrainingSetup, num_params: int,
     # the rank of the FSDP2 layout, beside the replica (which the what-ifs and the GPU plan's other layouts use)
     path = cache_dir() / f"{_key(whole, setup, sig)}.json"  # the rank runs transformers' tensor-parallel plan
     try:
-        rank = _cached(path, use_cache)
+        ranked = _cached(path, use_cache)
     except FitError:  # refused before: the rule stands, as the assumptions say
         return fit
-    if rank is None:
+    if ranked is None:
         if cached_only:  # the replica answers by rule until the rank is calibrated
             return fit
         try:
-            rank = _calibrated(path, lambda: _calibrate(whole, setup, num_params, model_type, layers, counts, path,
+            ranked = _calibrated(path, lambda: _calibrate(whole, setup, num_params, model_type, layers, counts, path,
                                                         progress, sharded=True))
         except FitError:
             return fit
@@ -377,7 +379,7 @@ def calibrate(config: dict[str, Any], setup: TrainingSetup, num_params: int,
         except Exception as exc:  # an op the sharded rank cannot run here: the rule stands, and says so next time
             _write(path.with_name(f"{path.stem}.refused"), {"schema": FIT_SCHEMA, "refused": str(exc)})
             return fit
-    return dataclasses.replace(fit, rank=rank)
+    return dataclasses.replace(fit, rank=ranked)
 
 
 def _cached(path: Path, use_cache: bool) -> FitModel | None:
