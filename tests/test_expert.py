@@ -155,6 +155,32 @@ def test_the_fitted_fsdp2_ledger_is_the_traced_ranks_fit_and_the_rule_answers_ot
     assert "traced as transformers lays it out" in capsys.readouterr().err
 
 
+def test_a_rank_fit_that_cannot_be_traced_leaves_the_rule_and_is_not_traced_again(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Where one rank of the FSDP2 layout cannot be traced (an op the sharded model cannot run), the one-replica fit
+    answers by rule, and the refusal is kept: the next estimate does not trace the rank again."""
+    from memcalc_gui.core.fitted import estimate_fitted
+    from memcalc_gui.trace import fit as fitmod
+
+    monkeypatch.setenv("MEMCALC_CACHE_DIR", str(tmp_path / "fits"))
+    real, tried = fitmod._calibrate, []
+
+    def failing(*args, **kw):  # type: ignore[no-untyped-def]
+        if kw.get("sharded"):
+            tried.append(1)
+            raise RuntimeError("an op the sharded rank cannot run")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(fitmod, "_calibrate", failing)
+    setup = TrainingSetup(params=count_params_on_meta(MIXTRAL), **STEP,
+                          parallel=Parallelism(gpus=4, ep=2, strategy="fsdp2"))
+    for _ in range(2):
+        fit = fitmod.calibrate(MIXTRAL, setup, setup.params or 0)
+        assert fit.rank is None and "rank_fit" not in estimate_fitted(setup, fit).details
+    assert tried == [1]
+    assert list((tmp_path / "fits").glob("*.refused"))
+
+
 MIXTRAL_8X7B = json.loads((Path(__file__).resolve().parent.parent / "resources" / "models" / "mixtral-8x7b.json")
                           .read_text())
 

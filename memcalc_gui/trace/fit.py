@@ -376,7 +376,8 @@ def calibrate(config: dict[str, Any], setup: TrainingSetup, num_params: int,
             return fit
         except MemcalcError:  # cancelled (the window closing), or a field the rank's layout refuses
             raise
-        except Exception as exc:  # an op the sharded rank cannot run here: the rule stands, and says so next time
+        except Exception as exc:  # an op the sharded rank cannot run here: the rule stands (the refusal is kept,
+            # so the next run does not trace it again)
             _write(path.with_name(f"{path.stem}.refused"), {"schema": FIT_SCHEMA, "refused": str(exc)})
             return fit
     return dataclasses.replace(fit, rank=ranked)
