@@ -418,8 +418,7 @@ def estimate_fitted(setup: TrainingSetup, fit: FitModel) -> Estimate:
         f"trace within {worst:.2%}",
         *fit.notes,
         *parallel_notes,
-        "CUDA's 512-byte rounding of each allocation is not included (well under 0.1 % at training sizes)",
-        f"CUDA context {setup.cuda_context_bytes / 2**20:.0f} MiB and allocator reserve {setup.allocator_reserve:.0%}",
+        *_overheads_said(setup),
     )
     return Estimate(setup=setup, method="fitted", phases=phases, assumptions=assumptions,
                     details={"host_bytes": host_bytes, "fit_checked": dict(fit.checked),
@@ -453,12 +452,18 @@ def _rank_fitted(setup: TrainingSetup, fit: FitModel) -> Estimate:
         f"{' and '.join(str(k) for k in fit.layers)} layers: every moment's live bytes as {' + '.join(BASIS)} terms "
         f"per object, the layers extrapolated to {fit.num_layers}; checked on a further trace within {worst:.2%}",
         *fit.notes, *notes,
-        "CUDA's 512-byte rounding of each allocation is not included (well under 0.1 % at training sizes)",
-        f"CUDA context {setup.cuda_context_bytes / 2**20:.0f} MiB and allocator reserve {setup.allocator_reserve:.0%}",
+        *_overheads_said(setup),
     )
     return Estimate(setup=setup, method="fitted", phases=phases, assumptions=assumptions,
                     details={"host_bytes": 0, "fit_checked": dict(fit.checked), "parallel_notes": notes,
                              "rank_fit": True})
+
+
+def _overheads_said(setup: TrainingSetup) -> tuple[str, str]:
+    """What every fitted ledger's assumptions say of what the traces leave out and the overheads added."""
+    return ("CUDA's 512-byte rounding of each allocation is not included (well under 0.1 % at training sizes)",
+            f"CUDA context {setup.cuda_context_bytes / 2**20:.0f} MiB and allocator reserve "
+            f"{setup.allocator_reserve:.0%}")
 
 
 def _resident(objects: dict[str, int]) -> dict[str, int]:
@@ -538,8 +543,7 @@ def _pipeline_fitted(setup: TrainingSetup, fit: FitModel) -> Estimate:
         f"per object, the layers extrapolated to {fit.stages[rank].num_layers} a stage"
         + (" chunk" if par.virtual_stages > 1 else "") + f"; checked on a further trace within {worst:.2%}",
         *fit.notes, *notes,
-        "CUDA's 512-byte rounding of each allocation is not included (well under 0.1 % at training sizes)",
-        f"CUDA context {setup.cuda_context_bytes / 2**20:.0f} MiB and allocator reserve {setup.allocator_reserve:.0%}",
+        *_overheads_said(setup),
     )
     return Estimate(setup=setup, method="fitted", phases=chosen["phases"], assumptions=assumptions,
                     details={"host_bytes": 0, "fit_checked": dict(chosen["checked"]), "parallel_notes": notes,
