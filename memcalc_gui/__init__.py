@@ -1,8 +1,13 @@
 """memcalc: how much GPU memory one training step needs, phase by phase."""
 
+import builtins as _builtins
 import os as _os
 
 __version__ = "0.1.0"
+
+#: The interpreter's ``__import__`` as memcalc_gui found it: the window's entry point imports this package before
+#: PySide6, which wraps ``__import__`` for its ``__feature__`` switch (``memcalc_gui.measure.plain_imports``).
+INTERPRETER_IMPORT = _builtins.__import__
 
 #: Whether the user keeps the Hugging Face Hub offline, read before memcalc sets ``HF_HUB_OFFLINE`` for its own
 #: model building (``memcalc_gui.hub`` fetches a config only when the user's own setting allows it).

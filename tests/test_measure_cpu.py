@@ -224,3 +224,31 @@ def test_a_frozen_heap_outlives_the_steps_and_blocks_inside_it() -> None:
         measure_training_step(tiny_config("llama"), batch=1, seq=8, precision="fp32", iterations=2)
         assert gc.get_freeze_count() > frozen // 2  # frozen objects that died leave it; an unfreeze empties it
     assert gc.get_freeze_count() == 0
+
+
+def test_a_torch_job_runs_with_the_interpreters_import_and_gives_pyside6_its_own_back() -> None:
+    """PySide6 wraps ``__import__`` in a Python function (its ``__feature__`` switch) that every import statement
+    of PyTorch's fake-tensor dispatch then runs through: a torch job takes it out while it runs
+    (memcalc_gui.measure.plain_imports), nested jobs included, and puts it back after, also when the job fails."""
+    import builtins
+
+    import PySide6.QtCore  # noqa: F401  (pytest-qt has loaded it already; the window does too)
+
+    from memcalc_gui.measure import exclusive_torch_job
+
+    qt_import = builtins.__import__
+    assert qt_import.__name__ == "__feature_import__"
+    with exclusive_torch_job():
+        inside = builtins.__import__
+        assert inside is not qt_import and inside.__name__ in ("__import__", "__lazy_import__")
+        from torch.utils._pytree import tree_flatten  # imports work as before
+
+        assert callable(tree_flatten)
+        with exclusive_torch_job():
+            assert builtins.__import__ is inside
+        assert builtins.__import__ is inside
+    assert builtins.__import__ is qt_import
+    with pytest.raises(ZeroDivisionError), exclusive_torch_job():
+        assert builtins.__import__ is not qt_import
+        _ = 1 / 0
+    assert builtins.__import__ is qt_import
