@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -298,6 +299,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(lay, params=False)
     _add_setup_args(lay)
     lay.add_argument("--top", default="15", metavar="N", help="print the best N layouts (default 15; 0: all)")
+    lay.add_argument("--cached-only", action="store_true",
+                     help="a family memcalc has no block model of: search only the layouts whose calibrations are "
+                          "cached (at once), rather than calibrating each tensor-parallel degree and step precision "
+                          "first (seconds to minutes, once)")
     lay.add_argument("--json", action="store_true", help="print one JSON object")
 
     pre = sub.add_parser("presets", help="list model and GPU presets")
@@ -800,20 +805,30 @@ def cmd_layouts(args: argparse.Namespace) -> int:
     from .core.layouts import search
 
     setup, _notes = setup_from_args(args)
-    if getattr(args, "unknown_config", None) is not None or setup.model is None:
+    top = parse_positive_int(args.top, "top", 10_000) if args.top.strip() not in ("0", "") else 0
+    unknown = getattr(args, "unknown_config", None)
+    if unknown is not None:
+        layouts, name = _fitted_layouts(args, setup, unknown, top or 10_000)
+    elif setup.model is None:
         raise InputError("model", "a layout search splits a model's layers and heads: give a preset or a config of a "
                                   "family memcalc models")
-    top = parse_positive_int(args.top, "top", 10_000) if args.top.strip() not in ("0", "") else 0
-    layouts = search(setup, estimate, min_gpus_for=top or 10_000)
+    else:
+        layouts, name = search(setup, estimate, min_gpus_for=top or 10_000), setup.model.name or setup.model.family
     shown = layouts[:top] if top else layouts
+    left_out = [{"reason": reason, "layouts": labels} for reason, labels in layouts.left_out.items()]
     if args.json:
         _out(json.dumps({"schema": 1, "gpus": setup.parallel.gpus, "capacity_bytes": setup.capacity_bytes,
-                         "layouts": [lay.to_json() for lay in shown], "count": len(layouts)}, indent=2))
+                         "method": "fitted" if unknown is not None else "analytic",
+                         "layouts": [lay.to_json() for lay in shown], "count": len(layouts),
+                         "left_out": left_out}, indent=2))
         return 0
     cap = setup.capacity_bytes
-    _out(f"{len(layouts)} layouts of {setup.parallel.gpus} GPUs for {setup.model.name or setup.model.family}"
+    _out(f"{len(layouts)} layouts of {setup.parallel.gpus} GPUs for {name}"
          + (f", {format_bytes(cap)} each" if cap else " (no capacity: --gpu or --capacity for a verdict)")
          + "; best first: fits, then tokens/s by a rough step model (docs/parallelism.md), then headroom")
+    if unknown is not None:
+        _out("Fitted method (no block model): each layout's ledger from traces of the real model, its states by rule "
+             "(docs/fitted.md); tensor parallelism without sequence or loss parallelism, no pipeline stages")
     best = min((lay.seconds_per_token for lay in layouts if lay.fits is not False), default=None)
     width = max((len(lay.label) for lay in shown), default=6)
     _out(f"{'#':>3}  {'layout':<{width}} {'peak/GPU':>11} {'headroom':>11} {'speed':>6} {'bubble':>6} "
@@ -828,7 +843,72 @@ def cmd_layouts(args: argparse.Namespace) -> int:
          "communication of one step; a ranking, not a forecast)")
     if len(shown) < len(layouts):
         _out(f"     … {len(layouts) - len(shown)} more (--top 0 shows all)")
+    for item in left_out:
+        _out(f"Left out ({len(item['layouts'])}): {item['reason']}")
     return 0
+
+
+def _fitted_layouts(args: argparse.Namespace, setup: TrainingSetup, config: dict[str, Any],
+                    min_gpus_for: int) -> tuple[Any, str]:
+    """The layout search of a family without a block model (:func:`memcalc_gui.core.fitted.search_layouts`): each
+    signature the layouts need (a tensor-parallel degree, the bf16 step of FSDP2 and Megatron-LM) calibrated once
+    and cached, or with ``--cached-only`` only what the cache holds; and the model's name."""
+    from .core.fitted import FitModel, rank_signature, search_layouts, signature
+    from .trace.fake import TraceError, trace_available
+    from .trace.fit import FitError, calibrate
+
+    if not trace_available():
+        raise InputError("method", f"the fitted method traces the model: {install_hint()}")
+    family = str(config.get("model_type"))[:40]
+    name = args.preset or args.model or f"model_type {family!r}"
+    setup.extras.update(model_type=family, model_name=name, fitted=True)
+    replicas: dict[str, FitModel | None] = {}
+    ranks: dict[str, FitModel | None] = {}
+
+    def replica(s: TrainingSetup) -> FitModel | None:
+        key = json.dumps(signature(s), sort_keys=True, default=str)
+        if key not in replicas:
+            try:
+                replicas[key] = calibrate(config, s, s.num_params, cached_only=True, rank=False)
+            except (FitError, TraceError) as exc:
+                replicas[key] = None
+                if not args.cached_only and str(exc) == "not calibrated yet":
+                    if not args.json:
+                        _say(f"  … calibrating {_signature_text(s)} (once; then cached)")
+                    with contextlib.suppress(FitError, TraceError):
+                        replicas[key] = calibrate(config, s, s.num_params, rank=False)
+        return replicas[key]
+
+    def fit_for(s: TrainingSetup) -> FitModel | None:
+        """The one-replica fit of ``s``'s signature, with its FSDP2 rank's fit where that is cached."""
+        fit = replica(s)
+        sig = rank_signature(s)
+        if fit is None or sig is None:
+            return fit
+        key = json.dumps(sig, sort_keys=True, default=str)
+        if key not in ranks:
+            try:
+                ranks[key] = calibrate(config, s, s.num_params, cached_only=True)
+            except (FitError, TraceError):
+                ranks[key] = fit
+        return ranks[key]
+
+    base = setup.with_changes(parallel=dataclasses.replace(setup.parallel, tp=1, pp=1, sp=False, loss_parallel=False,
+                                                             schedule="1f1b", virtual_stages=1, strategy="ddp"))
+    fit = fit_for(base)
+    if fit is None:
+        raise InputError("method", "the fitted method does not apply to this setup (its calibration failed or is not "
+                                   "cached): `memcalc estimate` says why")
+    return search_layouts(setup.with_changes(params=fit.num_params), fit, fit_for, name, min_gpus_for), name
+
+
+def _signature_text(setup: TrainingSetup) -> str:
+    """What a calibration is of, for its progress line: ``tensor parallelism over 2 GPUs, the bf16 step``."""
+    from .core.fitted import traced_precision
+
+    par = setup.parallel
+    what = f"tensor parallelism over {par.tp} GPUs" if par.tp > 1 else "one replica"
+    return what + (", the bf16 step" if traced_precision(setup) == "bf16" else "")
 
 
 def cmd_presets(args: argparse.Namespace) -> int:

@@ -285,3 +285,42 @@ def test_fsdp2_shards_fused_experts_expert_by_expert() -> None:
     assert traced.phases["optimizer_step"].objects["optimizer_state"] == pytest.approx(states.optimizer_state,
                                                                                         rel=0.005)
     assert states.optimizer_state == pytest.approx(8 * (dense / 4 + st["expert_params"] * 2 / 6), rel=0.001)
+
+
+def test_the_layout_search_of_a_mixture_of_experts_is_fitted_layout_by_layout(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """``memcalc layouts`` for a family without a block model: each tensor-parallel degree the config splits is
+    calibrated (once, then cached), the one its key/value heads cannot split is left out with the reason, every
+    expert-parallel degree that splits the experts is searched, and each layout's peak is the fitted ledger of that
+    layout (what `memcalc estimate` prints for it). With nothing cached, ``--cached-only`` says so rather than
+    tracing."""
+    from memcalc_gui.core.fitted import estimate_fitted
+    from memcalc_gui.trace.fit import calibrate
+
+    config = dict(MIXTRAL, num_hidden_layers=2)
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(config))
+    common = ["--config", str(cfg), "--batch", "2", "--seq", "64", "--precision", "fp32", "--gpus", "4",
+              "--gpu", "h100-80gb", "--json"]
+    assert cli_main(["layouts", *common, "--top", "0"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["method"] == "fitted" and out["count"] == len(out["layouts"])
+    seen = {(lay["tp"], lay["ep"]) for lay in out["layouts"]}
+    assert seen == {(1, 1), (1, 2), (1, 4), (2, 1)}  # tp 4 would split 2 key/value heads 4 ways; no EP beside TP
+    assert out["left_out"] and all("key/value heads" in item["reason"] for item in out["left_out"])
+    assert all(lay["pp"] == 1 and not lay["sp"] for lay in out["layouts"])
+    assert all(lay["fits"] and lay["min_gpus"] for lay in out["layouts"])
+    n = count_params_on_meta(config)
+    for lay in (next(x for x in out["layouts"] if x["tp"] == 2 and x["strategy"] == "ddp"),
+                next(x for x in out["layouts"] if x["ep"] == 4 and x["strategy"] == "zero2")):
+        setup = TrainingSetup(params=n, batch=2, seq=64, precision="fp32", gpu="h100-80gb",
+                              parallel=Parallelism(gpus=4, tp=lay["tp"], ep=lay["ep"], strategy=lay["strategy"]))
+        setup.extras["fitted"] = True
+        fit = calibrate(config, setup, n, cached_only=True)
+        assert estimate_fitted(setup, fit).peak_bytes == lay["peak_bytes"], lay["label"]
+    assert cli_main(["layouts", *common, "--top", "0", "--cached-only"]) == 0  # all cached now: the same answer
+    assert json.loads(capsys.readouterr().out)["layouts"] == out["layouts"]
+    monkeypatch.setenv("MEMCALC_CACHE_DIR", str(tmp_path / "empty"))
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["layouts", *common, "--cached-only"])
+    assert exc.value.code == 2 and "not cached" in capsys.readouterr().err

@@ -1107,6 +1107,22 @@ def test_a_mixture_of_experts_across_gpus_in_the_window(window, qtbot, tmp_path)
     assert not any("upper bound" in n for n in est.details["parallel_notes"])  # its own bf16 calibration
     assert est.details.get("rank_fit")  # the FSDP2 rank as traced: its fit came with the calibration
     assert any("routed experts split over 4" in n for n in est.details["parallel_notes"])
+    # the layout search over the fits at hand, at once: the 4 GPUs split by data and expert parallelism (tensor
+    # parallelism left out until `memcalc layouts` calibrates it), this layout's peak the ledger's
+    dialog = w.show_layouts()
+    assert dialog is not None and not w.fit_runner.is_running()
+    layouts = dialog.layouts
+    assert {lay.parallel.ep for lay in layouts} == {1, 2, 4} and all(lay.parallel.tp == 1 for lay in layouts)
+    assert "Left out" in dialog.intro.text() and "tensor parallelism over 2" in dialog.intro.text()
+    same = next(lay for lay in layouts if lay.parallel == est.setup.parallel)
+    assert same.peak_bytes == est.peak_bytes
+    row = next(i for i, lay in enumerate(layouts) if lay.parallel.strategy == "ddp" and lay.parallel.ep == 2)
+    dialog.table.selectRow(row)
+    dialog.use_button.click()
+    qtbot.waitUntil(lambda: w.result.setup.parallel.ep == 2, timeout=5000)
+    assert w.result.setup.parallel.strategy == "ddp" and w.result.estimate.peak_bytes == layouts[row].peak_bytes
+    w.undo()
+    assert w.result.setup.parallel == est.setup.parallel
     w.apply_state(w.inputs.state().replace(gpus="8"))
     assert w.refresh()  # at once, by rule: the one-replica fit of the same signature is in memory
     ruled = w.result.estimate

@@ -22,6 +22,7 @@ from typing import Any
 
 from .distributed import BF16_COMPUTE, ModelStates, check_experts, expert_parallel_states, model_states
 from .errors import InputError
+from .layouts import MIN_GPUS_FOR, ModelShape, Search, search
 from .ledger import Estimate, with_overheads
 from .result import Result
 from .setup import TrainingSetup
@@ -620,3 +621,28 @@ def worth_calibrating(base: dict[str, Any], changed: TrainingSetup) -> bool:
 
 def _signature_key(sig: dict[str, Any]) -> str:
     return repr(sorted(sig.items()))
+
+
+def search_layouts(setup: TrainingSetup, fit: FitModel, fit_for: Callable[[TrainingSetup], FitModel | None],
+                   name: str = "", min_gpus_for: int = MIN_GPUS_FOR) -> Search:
+    """The layout search (:func:`memcalc_gui.core.layouts.search`) of a family without a block model: each layout's
+    ledger from the fit ``fit_for`` gives for its signature (the one-replica fit, its states by rule; a cached FSDP2
+    rank fit where it has one), ``fit`` (a one-replica fit of ``setup``'s config) its shape. A layout ``fit_for``
+    has no fit for (``None``: a tensor-parallel degree not calibrated) is left out and counted, never guessed; a
+    strategy that computes in bf16 without its own calibration is bounded by the autocast one, as in the ledger."""
+    st = fit.structure
+    shape = ModelShape(name or fit.model_type, fit.num_params, int(st.get("hidden_size", 0)), fit.num_layers,
+                       int(st.get("num_experts", 0)), block_model=False)
+
+    def estimator(s: TrainingSetup) -> Estimate:
+        found = fit_for(s)
+        if found is None:
+            # the autocast step stands in for the bf16 one, as a bound (estimate_fitted says so)
+            found = fit_for(s.with_changes(parallel=dataclasses.replace(s.parallel, strategy="ddp"))) \
+                if bf16_compute(s) else None
+        if found is None:
+            what = f"tensor parallelism over {s.parallel.tp} GPUs" if s.parallel.tp > 1 else "this layout"
+            raise InputError("method", f"{what} needs a calibration of its own rank (not calibrated yet)")
+        return estimate_fitted(s, found)
+
+    return search(setup, estimator, min_gpus_for=min_gpus_for, shape=shape)

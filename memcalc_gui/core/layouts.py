@@ -21,12 +21,18 @@ a GPU sends, ring collectives moving ``2(n − 1)/n`` of the buffer for an all-r
 
 The constants are an H100-class node's (bf16 at about 40 % of its dense peak, NVLink 4, one 400 Gb/s NIC per GPU);
 they rank layouts against each other, they do not predict a run's speed.
+
+A family without a block model (the fitted method, :mod:`memcalc_gui.core.fitted`) is searched by its
+:class:`ModelShape` and an estimator over its fits: tensor parallelism without sequence or loss parallelism (they
+split what a block model names), no pipeline stages (each is a calibration of its own schedule), and for a mixture of
+experts every expert-parallel degree that splits the experts and the data-parallel GPUs. A layout the estimator has
+no fit for is left out and counted (:attr:`Search.left_out`), never guessed.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -45,6 +51,29 @@ NVLINK_BYTES_PER_S: Final = 450e9
 NETWORK_BYTES_PER_S: Final = 50e9
 #: The fewest-GPUs search runs for this many of the best layouts (each is a bisection of a dozen estimates).
 MIN_GPUS_FOR: Final = 12
+#: Expert-parallel degrees tried for a mixture of experts (each must divide the experts and the data-parallel GPUs).
+EP_DEGREES: Final = (1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the search needs of a model: its size for the step model, its width and depth for the communication,
+    its routed experts for the expert-parallel degrees. From the block model, or from a fit's structure."""
+
+    name: str
+    num_params: int
+    hidden_size: int
+    num_layers: int
+    num_experts: int = 0
+    block_model: bool = True  # sequence/loss parallelism and pipeline stages are searched for a block model only
+
+    @staticmethod
+    def of(setup: TrainingSetup) -> ModelShape:
+        """The block model's shape; :class:`InputError` naming the model without one."""
+        spec = setup.model
+        if spec is None:
+            raise InputError("model", "a layout search splits a model's layers and heads: it needs an architecture")
+        return ModelShape(spec.name or spec.family, spec.num_params, spec.hidden_size, spec.num_layers)
 
 
 @dataclass(frozen=True)
@@ -73,44 +102,59 @@ class Layout:
         """``TP 8 + SP + loss parallel × PP 2 (1F1B) × FSDP2 over 4``."""
         p = self.parallel
         return (p.model_parallel_text + " × " if p.model_parallel_text else "") + \
-            f"{STRATEGY_SHORT.get(p.strategy, p.strategy)} over {p.dp:,}"
+            f"{STRATEGY_SHORT.get(p.strategy, p.strategy)} over {p.dp:,}" + \
+            (f", experts over {p.ep}" if p.ep > 1 else "")
 
     def to_json(self) -> dict[str, Any]:
         p = self.parallel
-        return {"label": self.label, "gpus": p.gpus, "tp": p.tp, "pp": p.pp, "dp": p.dp, "sp": p.sp,
+        return {"label": self.label, "gpus": p.gpus, "tp": p.tp, "pp": p.pp, "dp": p.dp, "ep": p.ep, "sp": p.sp,
                 "loss_parallel": p.loss_parallel, "strategy": p.strategy, "schedule": p.schedule,
                 "peak_bytes": self.peak_bytes, "fits": self.fits, "seconds_per_token": self.seconds_per_token,
                 "headroom_bytes": self.headroom_bytes, "communication_bytes": self.communication_bytes,
                 "bubble": round(self.bubble, 4), "min_gpus": self.min_gpus}
 
 
-def candidates(setup: TrainingSetup, gpus: int | None = None) -> list[Parallelism]:
+def candidates(setup: TrainingSetup, gpus: int | None = None, shape: ModelShape | None = None) -> list[Parallelism]:
     """Every layout of ``gpus`` (default the setup's) the model can be split into (see the module's docstring)."""
     par = setup.parallel
     gpus = gpus or par.gpus
+    shape = shape or ModelShape.of(setup)
     out: list[Parallelism] = []
     for tp in TP_DEGREES:
-        for pp in PP_DEGREES:
+        for pp in PP_DEGREES if shape.block_model else (1,):
             if gpus % (tp * pp * par.cp) or tp > par.node_size:
                 continue
-            for strategy in LAYOUT_STRATEGIES:
-                try:
-                    layout = Parallelism(gpus=gpus, tp=tp, pp=pp, strategy=strategy,
-                                         node_size=par.node_size, sp=tp > 1, loss_parallel=tp > 1,
-                                         schedule=par.schedule if pp > 1 else "1f1b",
-                                         virtual_stages=par.virtual_stages if pp > 1 else 1, cp=par.cp)
-                    setup.with_changes(parallel=layout)  # the model must split this way
-                except InputError:
-                    continue
-                out.append(layout)
+            dp = gpus // (tp * pp * par.cp)
+            for ep in _ep_degrees(shape, dp, tp):
+                for strategy in LAYOUT_STRATEGIES:
+                    try:
+                        split = tp > 1 and shape.block_model  # sequence and loss parallelism need a block model
+                        layout = Parallelism(gpus=gpus, tp=tp, pp=pp, strategy=strategy, ep=ep,
+                                             node_size=par.node_size, sp=split, loss_parallel=split,
+                                             schedule=par.schedule if pp > 1 else "1f1b",
+                                             virtual_stages=par.virtual_stages if pp > 1 else 1, cp=par.cp)
+                        setup.with_changes(parallel=layout)  # the model must split this way
+                    except InputError:
+                        continue
+                    out.append(layout)
     return out
 
 
-def communication(setup: TrainingSetup, par: Parallelism) -> tuple[int, float, float]:
+def _ep_degrees(shape: ModelShape, dp: int, tp: int) -> tuple[int, ...]:
+    """The expert-parallel degrees of a layout: for a mixture of experts (without tensor parallelism, which expert
+    parallelism is not modelled beside), each of :data:`EP_DEGREES` that divides the experts and the data-parallel
+    GPUs; 1 otherwise."""
+    if not shape.num_experts or tp > 1:
+        return (1,)
+    return tuple(ep for ep in EP_DEGREES if ep <= dp and not dp % ep and not shape.num_experts % ep)
+
+
+def communication(setup: TrainingSetup, par: Parallelism,
+                  shape: ModelShape | None = None) -> tuple[int, float, float]:
     """(bytes a GPU sends per step, the pipeline bubble, seconds per token) by the module's heuristic."""
-    spec = setup.model
-    if spec is None:
+    if shape is None and setup.model is None:
         return 0, 0.0, 0.0
+    spec = shape or ModelShape.of(setup)
     m, v = setup.grad_accum, par.virtual_stages
     act = 4 if setup.precision == "fp32" else 2
     grad = 4 if setup.precision in ("fp32", "mixed") else 2
@@ -135,18 +179,37 @@ def communication(setup: TrainingSetup, par: Parallelism) -> tuple[int, float, f
     return int(sent), bubble, (compute_s / (1 - bubble) + comm_s) / tokens
 
 
+class Search(list[Layout]):
+    """The layouts found, best first; :attr:`left_out` says which the estimator could not weigh, and why."""
+
+    left_out: dict[str, list[str]]  # the reason → the labels of the layouts it left out
+
+    def __init__(self, layouts: Iterable[Layout] = (), left_out: dict[str, list[str]] | None = None) -> None:
+        super().__init__(layouts)
+        self.left_out = left_out or {}
+
+    @property
+    def left_out_count(self) -> int:
+        return sum(len(v) for v in self.left_out.values())
+
+
 def search(setup: TrainingSetup, estimator: Callable[[TrainingSetup], Estimate], gpus: int | None = None,
-           min_gpus_for: int = MIN_GPUS_FOR) -> list[Layout]:
+           min_gpus_for: int = MIN_GPUS_FOR, shape: ModelShape | None = None) -> Search:
     """The layouts of ``gpus`` GPUs, best first (the module's ranking), each with its most loaded GPU's peak; the
-    fewest GPUs each of the best ``min_gpus_for`` needs."""
-    if setup.model is None:
-        raise InputError("model", "a layout search splits a model's layers and heads: it needs an architecture")
+    fewest GPUs each of the best ``min_gpus_for`` needs. ``shape``: a model without a block model (the fitted
+    method's); a layout its ``estimator`` refuses (:class:`InputError`, no fit for it) is left out and counted."""
+    shape = shape or ModelShape.of(setup)
     cap = setup.capacity_bytes
-    found: list[Layout] = []
-    for par in candidates(setup, gpus):
+    found = Search()
+    for par in candidates(setup, gpus, shape):
         trial = setup.with_changes(parallel=par)
-        comm, bubble, per_token = communication(trial, par)
-        found.append(Layout(par, estimator(trial).peak_bytes, cap, comm, bubble, per_token))
+        try:
+            peak = estimator(trial).peak_bytes
+        except InputError as exc:
+            found.left_out.setdefault(exc.reason, []).append(Layout(par, 0, None, 0, 0.0, 0.0).label)
+            continue
+        comm, bubble, per_token = communication(trial, par, shape)
+        found.append(Layout(par, peak, cap, comm, bubble, per_token))
     found.sort(key=lambda lay: (lay.fits is False, round(lay.seconds_per_token, 15),
                                 -(lay.headroom_bytes or 0), lay.peak_bytes))
     if cap is not None:

@@ -703,7 +703,10 @@ def _fewest_gpus(setup: TrainingSetup, estimator: Estimator, capacity: int, limi
     model-parallel group without replicas (no gradient buckets), or from two replicas on, where per-GPU memory never
     grows with more."""
     limit = min(limit or MAX_GPUS, MAX_GPUS)
-    group = setup.parallel.tp * setup.parallel.pp * setup.parallel.cp  # GPU counts come in whole model-parallel groups
+    par = setup.parallel
+    # GPU counts come in whole model-parallel groups, and in as many of them as split the experts (expert
+    # parallelism needs a data-parallel count it divides): then more groups never need more memory per GPU
+    group = par.tp * par.pp * par.cp * par.ep
     groups = limit // group
     if groups < 1:
         return None
@@ -785,7 +788,10 @@ def gpu_plan(setup: TrainingSetup, estimator: Estimator) -> GpuPlan | None:
             unanswered.add((strategy, gpus))
             return None
 
-    group = setup.parallel.tp * setup.parallel.pp * setup.parallel.cp  # GPU counts come in whole model-parallel groups
+    par = setup.parallel
+    # GPU counts come in whole model-parallel groups, and in as many of them as split the experts (expert
+    # parallelism needs a data-parallel count it divides): then more groups never need more memory per GPU
+    group = par.tp * par.pp * par.cp * par.ep
     mins: dict[str, int | None] = {}
     for strategy in PREFERENCE:
         top = MAX_GPUS // group

@@ -383,6 +383,15 @@ def calibrate(config: dict[str, Any], setup: TrainingSetup, num_params: int,
     return dataclasses.replace(fit, rank=ranked)
 
 
+def cached_fit(config: dict[str, Any], setup: TrainingSetup) -> FitModel | None:
+    """The fit :func:`calibrate` would return for ``setup`` if it is cached (its FSDP2 rank's with it, if that is
+    cached too), else ``None``: reads files, traces nothing."""
+    try:
+        return calibrate(config, setup, setup.num_params, cached_only=True)
+    except MemcalcError:  # not calibrated, refused before, or a layout the config cannot split
+        return None
+
+
 def _cached(path: Path, use_cache: bool) -> FitModel | None:
     """The fit kept at ``path``; ``None`` when there is none (or a broken one); :class:`FitError` with the reason
     these traces refused it before (they would refuse it again)."""

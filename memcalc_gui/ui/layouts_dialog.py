@@ -1,11 +1,13 @@
 """The layout search in the window: every tensor × pipeline × data-parallel split of the current GPU count
 (:func:`memcalc_gui.core.layouts.search`), best first; choosing one applies it to the form as one undoable step.
 
-The dialog is given the setup and returns the chosen layout as form changes; it knows nothing of the main window.
+The dialog is given the setup (and, for a family without a block model, the fitted method's search) and returns the
+chosen layout as form changes; it knows nothing of the main window.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from PySide6.QtCore import Qt, Signal
@@ -24,7 +26,7 @@ from PySide6.QtWidgets import (
 
 from ..core.errors import InputError
 from ..core.estimate import estimate
-from ..core.layouts import Layout, search
+from ..core.layouts import Layout, Search, search
 from ..core.setup import TrainingSetup
 from ..core.units import format_bytes
 
@@ -36,7 +38,7 @@ COLUMNS = ("Layout", "Peak per GPU", "Headroom", "Speed", "Bubble", "Fewest GPUs
 def layout_changes(layout: Layout) -> dict[str, str]:
     """The form fields that set ``layout`` (the schedule and stages per GPU stay the form's)."""
     p = layout.parallel
-    return {"gpus": str(p.gpus), "tp": str(p.tp), "pp": str(p.pp), "strategy": p.strategy,
+    return {"gpus": str(p.gpus), "tp": str(p.tp), "pp": str(p.pp), "strategy": p.strategy, "ep": str(p.ep),
             "sp": "true" if p.sp else "false", "loss_parallel": "true" if p.loss_parallel else "false"}
 
 
@@ -45,27 +47,36 @@ class LayoutsDialog(QDialog):
 
     chosen = Signal(dict, str)
 
-    def __init__(self, setup: TrainingSetup, parent: QWidget | None = None) -> None:
+    def __init__(self, setup: TrainingSetup, parent: QWidget | None = None,
+                 find: Callable[[TrainingSetup], Search] | None = None, name: str = "") -> None:
+        """``find``: the search of a family without a block model (the fitted method's, over the fits at hand),
+        ``name`` its model's; by default the analytic search of ``setup``'s block model."""
         super().__init__(parent)
         self.setWindowTitle(f"Layouts of {setup.parallel.gpus:,} GPUs")
         self.setObjectName("layoutsDialog")
         self.resize(820, 480)
         lay = QVBoxLayout(self)
         try:
-            self.layouts = search(setup, estimate, min_gpus_for=SHOWN)
+            self.layouts = find(setup) if find is not None else search(setup, estimate, min_gpus_for=SHOWN)
             error = ""
         except InputError as exc:
-            self.layouts, error = [], exc.reason
+            self.layouts, error = Search(), exc.reason
         cap = setup.capacity_bytes
         fitting = [x for x in self.layouts if x.fits is not False]
+        name = name or (setup.model.name if setup.model else "the model")
+        split = ("Tensor parallelism stays within a node, without sequence or loss parallelism, and pipeline stages "
+                 "are not searched: this family has no block model, each layout is fitted from traces of the real "
+                 "model" if find is not None else
+                 "Tensor parallelism stays within a node, with sequence and loss parallelism.")
+        left = "".join(f" Left out ({len(labels)}): {reason}." for reason, labels in self.layouts.left_out.items())
         intro = QLabel(
-            error or f"{len(self.layouts)} ways to split {setup.model.name if setup.model else 'the model'} over "
-            f"{setup.parallel.gpus:,} GPUs"
+            error or f"{len(self.layouts)} ways to split {name} over {setup.parallel.gpus:,} GPUs"
             + (f" of {format_bytes(cap)}" if cap else " (choose a GPU or a capacity for a verdict)")
             + f"; {len(fitting)} fit. Best first: what fits, then speed by a rough model of one step (compute, the "
-              "pipeline bubble, communication; a ranking, not a forecast), then headroom. Tensor parallelism stays "
-              "within a node, with sequence and loss parallelism.")
+              f"pipeline bubble, communication; a ranking, not a forecast), then headroom. {split}{left}")
         intro.setWordWrap(True)
+        intro.setObjectName("layoutsIntro")
+        self.intro = intro
         lay.addWidget(intro)
         self.table = QTableWidget(0, len(COLUMNS))
         self.table.setObjectName("layoutsTable")

@@ -958,14 +958,42 @@ class MainWindow(QMainWindow):
         """The layout search of the current setup in a dialog; the layout chosen there is one undoable step."""
         if self._dirty():
             self.refresh()
-        if self.result is None or self.result.setup.model is None:
+        setup = self.result.setup if self.result is not None else None
+        needed = setup.extras.get("fit") if setup is not None else None
+        if setup is None or (setup.model is None and needed is None):
             self.statusBar().showMessage("A layout search needs an architecture: a preset or a config.json", 8000)
             return None
-        dialog = LayoutsDialog(self.result.setup, self)
+        if needed is not None:  # no block model: the fitted method's search over the fits at hand
+            dialog = LayoutsDialog(setup, self, find=self._fitted_layout_search(needed), name=needed.name)
+        else:
+            dialog = LayoutsDialog(setup, self)
         dialog.chosen.connect(lambda changes, title: self.apply_changes(title, changes))
         dialog.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
         dialog.open()
         return dialog
+
+    def _fitted_layout_search(self, needed: Any) -> Any:
+        """The layout search of a family without a block model, over the fits this window holds and those cached on
+        disk (``memcalc layouts`` calibrates the others): nothing is traced here, so the dialog opens at once."""
+        from ..core.fitted import search_layouts
+        from ..trace.fit import cached_fit
+        from .layouts_dialog import SHOWN
+
+        def fit_for(s: Any) -> Any:
+            found = self._fit_or_replica(needed, s)
+            if found is None:
+                found = cached_fit(needed.config, s)
+                if found is not None:
+                    self.fits[self._fit_key(needed, s)] = found
+            return None if isinstance(found, str) else found
+
+        def find(setup: Any) -> Any:
+            base = fit_for(setup)
+            if base is None:
+                raise InputError("method", "the fitted method has no calibration of this setup yet")
+            return search_layouts(setup, base, fit_for, needed.name, SHOWN)
+
+        return find
 
     def reset_to_defaults(self) -> None:
         self.push_state(default_state(), "Reset to defaults")
