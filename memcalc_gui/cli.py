@@ -802,7 +802,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_layouts(args: argparse.Namespace) -> int:
     from .core.estimate import estimate
-    from .core.layouts import search
+    from .core.layouts import layout_label, search
 
     setup, _notes = setup_from_args(args)
     top = parse_positive_int(args.top, "top", 10_000) if args.top.strip() not in ("0", "") else 0
@@ -815,7 +815,8 @@ def cmd_layouts(args: argparse.Namespace) -> int:
     else:
         layouts, name = search(setup, estimate, min_gpus_for=top or 10_000), setup.model.name or setup.model.family
     shown = layouts[:top] if top else layouts
-    left_out = [{"reason": reason, "layouts": labels} for reason, labels in layouts.left_out.items()]
+    left_out = [{"reason": reason, "layouts": [layout_label(par) for par in pars]}
+                for reason, pars in layouts.left_out.items()]
     if args.json:
         _out(json.dumps({"schema": 1, "gpus": setup.parallel.gpus, "capacity_bytes": setup.capacity_bytes,
                          "method": "fitted" if unknown is not None else "analytic",
@@ -837,12 +838,16 @@ def cmd_layouts(args: argparse.Namespace) -> int:
         head = "—" if lay.headroom_bytes is None else format_bytes(lay.headroom_bytes) if lay.fits else "over"
         speed = f"{best / lay.seconds_per_token:.0%}" if best and lay.seconds_per_token else "—"
         fewest = f"{lay.min_gpus:,}" if lay.min_gpus else "never" if lay.min_gpus_searched and cap else "—"
-        _out(f"{i:>3}  {lay.label:<{width}} {format_bytes(lay.peak_bytes):>11} {head:>11} {speed:>6} "
+        peak = ("≤" if lay.upper_bound else "") + format_bytes(lay.peak_bytes)
+        _out(f"{i:>3}  {lay.label:<{width}} {peak:>11} {head:>11} {speed:>6} "
              f"{lay.bubble:>6.0%} {format_bytes(lay.communication_bytes):>11} {fewest:>11}")
     _out("speed: tokens per second relative to the best layout that fits (compute, pipeline bubble and "
          "communication of one step; a ranking, not a forecast)")
     if len(shown) < len(layouts):
         _out(f"     … {len(layouts) - len(shown)} more (--top 0 shows all)")
+    if any(lay.upper_bound for lay in shown):
+        _out("≤: an upper bound, the autocast step's calibration standing in for the bf16 step (not cached; run "
+             "without --cached-only to calibrate it)")
     for item in left_out:
         _out(f"Left out ({len(item['layouts'])}): {item['reason']}")
     return 0

@@ -349,3 +349,12 @@ def test_the_autocast_fit_stands_in_for_a_bf16_strategy_as_a_bound() -> None:
     with pytest.raises(InputError):  # a bf16 fit never stands in for the autocast step (it would be under)
         estimate_fitted(single.with_changes(parallel=Parallelism(gpus=4, strategy="zero2")),
                         fitmod.calibrate(LLAMA, sharded, spec.num_params, rank=False))
+    # the layout search over the autocast fit alone: the bf16 strategies' peaks are marked as bounds, the tensor-
+    # parallel layouts (no fit) left out as waiting for one
+    from memcalc_gui.core.fitted import NOT_CALIBRATED, search_layouts, signature
+
+    found = search_layouts(sharded, autocast, lambda s: autocast if signature(s) == autocast.signature else None)
+    assert {lay.parallel.strategy for lay in found if lay.upper_bound} == {"fsdp2", "megatron", "megatron-distopt"}
+    assert all(lay.parallel.tp == 1 for lay in found)
+    assert sorted({par.tp for reason, pars in found.left_out.items() if NOT_CALIBRATED in reason
+                   for par in pars}) == [2]  # tp 4 would split 2 key/value heads

@@ -1113,7 +1113,9 @@ def test_a_mixture_of_experts_across_gpus_in_the_window(window, qtbot, tmp_path)
     assert dialog is not None and not w.fit_runner.is_running()
     layouts = dialog.layouts
     assert {lay.parallel.ep for lay in layouts} == {1, 2, 4} and all(lay.parallel.tp == 1 for lay in layouts)
-    assert "Left out" in dialog.intro.text() and "tensor parallelism over 2" in dialog.intro.text()
+    intro = dialog.intro.text()
+    assert "Not calibrated yet, so left out" in intro and "tensor parallelism over 2 GPUs" in intro
+    assert "4 tensor-parallel ranks cannot split" in intro  # 2 key/value heads: never, whatever is calibrated
     same = next(lay for lay in layouts if lay.parallel == est.setup.parallel)
     assert same.peak_bytes == est.peak_bytes
     row = next(i for i, lay in enumerate(layouts) if lay.parallel.strategy == "ddp" and lay.parallel.ep == 2)
@@ -1129,6 +1131,29 @@ def test_a_mixture_of_experts_across_gpus_in_the_window(window, qtbot, tmp_path)
     assert ruled.setup.parallel.gpus == 8 and not ruled.details.get("rank_fit")
     assert any("Expert parallelism over 4" in n for n in ruled.details["parallel_notes"])
     assert w.fit_runner.is_running()  # that layout's rank, in the worker (closing the window stops it)
+
+
+def test_the_layout_search_calibrates_the_tensor_parallel_layouts_it_left_out(window, qtbot, tmp_path):
+    """Find layouts for a family without a block model: the fits at hand answer at once, the tensor-parallel
+    degree without a fit is left out and offered for calibration; the worker calibrates it and the search opens
+    again with its layouts, one of which, applied, is the window's ledger."""
+    w = window
+    w.apply_state(w.inputs.state().replace(precision="fp32", gpus="2"))
+    open_mixtral(w, qtbot, tmp_path, layers=2)
+    first = w.show_layouts()
+    assert first is not None and {lay.parallel.ep for lay in first.layouts} == {1, 2}
+    assert all(lay.parallel.tp == 1 for lay in first.layouts) and first.calibrate_button is not None
+    assert first.calibrate_button.text() == "Calibrate tensor parallelism over 2 GPUs"
+    first.calibrate_button.click()
+    assert not first.isVisible() and w.fit_runner.is_running()
+    qtbot.waitUntil(lambda: w.layouts_dialog is not first and w.layouts_dialog is not None, timeout=60000)
+    again = w.layouts_dialog
+    assert again.calibrate_button is None and "left out" not in again.intro.text().lower()
+    row = next(i for i, lay in enumerate(again.layouts) if lay.parallel.tp == 2 and lay.parallel.strategy == "ddp")
+    again.table.selectRow(row)
+    again.use_button.click()
+    qtbot.waitUntil(lambda: w.result.setup.parallel.tp == 2, timeout=5000)
+    assert w.result.estimate.method == "fitted" and w.result.estimate.peak_bytes == again.layouts[row].peak_bytes
 
 
 def test_pipeline_stages_of_a_mixture_of_experts_in_the_window(window, qtbot, tmp_path):

@@ -422,7 +422,7 @@ def estimate_fitted(setup: TrainingSetup, fit: FitModel) -> Estimate:
         *_overheads_said(setup),
     )
     return Estimate(setup=setup, method="fitted", phases=phases, assumptions=assumptions,
-                    details={"host_bytes": host_bytes, "fit_checked": dict(fit.checked),
+                    details={"host_bytes": host_bytes, "fit_checked": dict(fit.checked), "upper_bound": stand_in,
                              "parallel_notes": parallel_notes})
 
 
@@ -623,6 +623,10 @@ def _signature_key(sig: dict[str, Any]) -> str:
     return repr(sorted(sig.items()))
 
 
+#: What :func:`search_layouts` says of a layout left out for want of a calibration (one would weigh it).
+NOT_CALIBRATED = "needs a calibration of its own rank (not calibrated yet)"
+
+
 def search_layouts(setup: TrainingSetup, fit: FitModel, fit_for: Callable[[TrainingSetup], FitModel | None],
                    name: str = "", min_gpus_for: int = MIN_GPUS_FOR) -> Search:
     """The layout search (:func:`memcalc_gui.core.layouts.search`) of a family without a block model: each layout's
@@ -642,7 +646,7 @@ def search_layouts(setup: TrainingSetup, fit: FitModel, fit_for: Callable[[Train
                 if bf16_compute(s) else None
         if found is None:
             what = f"tensor parallelism over {s.parallel.tp} GPUs" if s.parallel.tp > 1 else "this layout"
-            raise InputError("method", f"{what} needs a calibration of its own rank (not calibrated yet)")
+            raise InputError("method", f"{what} {NOT_CALIBRATED}")
         return estimate_fitted(s, found)
 
     return search(setup, estimator, min_gpus_for=min_gpus_for, shape=shape)

@@ -76,6 +76,12 @@ class ModelShape:
         return ModelShape(spec.name or spec.family, spec.num_params, spec.hidden_size, spec.num_layers)
 
 
+def layout_label(p: Parallelism) -> str:
+    """``TP 8 + SP + loss parallel × PP 2 (1F1B) × FSDP2 over 4[, experts over 2]``."""
+    return (p.model_parallel_text + " × " if p.model_parallel_text else "") + \
+        f"{STRATEGY_SHORT.get(p.strategy, p.strategy)} over {p.dp:,}" + (f", experts over {p.ep}" if p.ep > 1 else "")
+
+
 @dataclass(frozen=True)
 class Layout:
     """One layout: its per-GPU peak, whether it fits, and the ranking's communication estimate."""
@@ -88,6 +94,9 @@ class Layout:
     seconds_per_token: float  # the ranking's step model (module docstring); compare layouts, not runs
     min_gpus: int | None = None  # the fewest GPUs of this tp × pp × strategy that fit (None: never, or not searched)
     min_gpus_searched: bool = False
+    #: The peak is an upper bound (a family without a block model: the autocast step's fit standing in for the bf16
+    #: step of FSDP2 or Megatron-LM until that is calibrated)
+    upper_bound: bool = False
 
     @property
     def fits(self) -> bool | None:
@@ -99,11 +108,7 @@ class Layout:
 
     @property
     def label(self) -> str:
-        """``TP 8 + SP + loss parallel × PP 2 (1F1B) × FSDP2 over 4``."""
-        p = self.parallel
-        return (p.model_parallel_text + " × " if p.model_parallel_text else "") + \
-            f"{STRATEGY_SHORT.get(p.strategy, p.strategy)} over {p.dp:,}" + \
-            (f", experts over {p.ep}" if p.ep > 1 else "")
+        return layout_label(self.parallel)
 
     def to_json(self) -> dict[str, Any]:
         p = self.parallel
@@ -111,7 +116,7 @@ class Layout:
                 "loss_parallel": p.loss_parallel, "strategy": p.strategy, "schedule": p.schedule,
                 "peak_bytes": self.peak_bytes, "fits": self.fits, "seconds_per_token": self.seconds_per_token,
                 "headroom_bytes": self.headroom_bytes, "communication_bytes": self.communication_bytes,
-                "bubble": round(self.bubble, 4), "min_gpus": self.min_gpus}
+                "bubble": round(self.bubble, 4), "min_gpus": self.min_gpus, "upper_bound": self.upper_bound}
 
 
 def candidates(setup: TrainingSetup, gpus: int | None = None, shape: ModelShape | None = None) -> list[Parallelism]:
@@ -182,9 +187,9 @@ def communication(setup: TrainingSetup, par: Parallelism,
 class Search(list[Layout]):
     """The layouts found, best first; :attr:`left_out` says which the estimator could not weigh, and why."""
 
-    left_out: dict[str, list[str]]  # the reason → the labels of the layouts it left out
+    left_out: dict[str, list[Parallelism]]  # the reason → the layouts it left out
 
-    def __init__(self, layouts: Iterable[Layout] = (), left_out: dict[str, list[str]] | None = None) -> None:
+    def __init__(self, layouts: Iterable[Layout] = (), left_out: dict[str, list[Parallelism]] | None = None) -> None:
         super().__init__(layouts)
         self.left_out = left_out or {}
 
@@ -204,12 +209,13 @@ def search(setup: TrainingSetup, estimator: Callable[[TrainingSetup], Estimate],
     for par in candidates(setup, gpus, shape):
         trial = setup.with_changes(parallel=par)
         try:
-            peak = estimator(trial).peak_bytes
+            est = estimator(trial)
         except InputError as exc:
-            found.left_out.setdefault(exc.reason, []).append(Layout(par, 0, None, 0, 0.0, 0.0).label)
+            found.left_out.setdefault(exc.reason, []).append(par)
             continue
         comm, bubble, per_token = communication(trial, par, shape)
-        found.append(Layout(par, peak, cap, comm, bubble, per_token))
+        found.append(Layout(par, est.peak_bytes, cap, comm, bubble, per_token,
+                            upper_bound=bool(est.details.get("upper_bound"))))
     found.sort(key=lambda lay: (lay.fits is False, round(lay.seconds_per_token, 15),
                                 -(lay.headroom_bytes or 0), lay.peak_bytes))
     if cap is not None:

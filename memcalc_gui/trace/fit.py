@@ -385,10 +385,11 @@ def calibrate(config: dict[str, Any], setup: TrainingSetup, num_params: int,
 
 def cached_fit(config: dict[str, Any], setup: TrainingSetup) -> FitModel | None:
     """The fit :func:`calibrate` would return for ``setup`` if it is cached (its FSDP2 rank's with it, if that is
-    cached too), else ``None``: reads files, traces nothing."""
+    cached too), else ``None``: reads files, traces nothing. :class:`InputError` for a layout the config cannot
+    take (a tensor-parallel degree its heads do not split into)."""
     try:
         return calibrate(config, setup, setup.num_params, cached_only=True)
-    except MemcalcError:  # not calibrated, refused before, or a layout the config cannot split
+    except FitError:  # not calibrated, or refused before
         return None
 
 

@@ -24,8 +24,10 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from ..core.distributed import Parallelism
 from ..core.errors import InputError
 from ..core.estimate import estimate
+from ..core.fitted import NOT_CALIBRATED
 from ..core.layouts import Layout, Search, search
 from ..core.setup import TrainingSetup
 from ..core.units import format_bytes
@@ -42,15 +44,36 @@ def layout_changes(layout: Layout) -> dict[str, str]:
             "sp": "true" if p.sp else "false", "loss_parallel": "true" if p.loss_parallel else "false"}
 
 
+def _left_out_text(found: Search) -> str:
+    """What the search left out: the layouts waiting for a calibration in one sentence (by tensor-parallel degree),
+    then each other reason with its count."""
+    waiting = [par for reason, pars in found.left_out.items() if NOT_CALIBRATED in reason for par in pars]
+    text = ""
+    if waiting:
+        tps = sorted({par.tp for par in waiting})
+        what = f"tensor parallelism over {', '.join(map(str, tps))} GPUs" if all(tps) and tps != [1] else "some"
+        text += f" Not calibrated yet, so left out: {len(waiting)} layouts with {what}."
+    for reason, pars in found.left_out.items():
+        if NOT_CALIBRATED not in reason:
+            text += f" Left out ({len(pars)}): {reason}."
+    bounds = sum(x.upper_bound for x in found)
+    if bounds:
+        text += (f" {bounds} peaks marked ≤ are upper bounds (the autocast step stands in for the bf16 step until "
+                 "that is calibrated).")
+    return text
+
+
 class LayoutsDialog(QDialog):
     """A ranked table of the layouts of ``setup``'s GPU count; :attr:`chosen` carries the form changes."""
 
     chosen = Signal(dict, str)
 
     def __init__(self, setup: TrainingSetup, parent: QWidget | None = None,
-                 find: Callable[[TrainingSetup], Search] | None = None, name: str = "") -> None:
+                 find: Callable[[TrainingSetup], Search] | None = None, name: str = "",
+                 calibrate: Callable[[list[Parallelism]], None] | None = None) -> None:
         """``find``: the search of a family without a block model (the fitted method's, over the fits at hand),
-        ``name`` its model's; by default the analytic search of ``setup``'s block model."""
+        ``name`` its model's; by default the analytic search of ``setup``'s block model. ``calibrate``: starts the
+        calibrations the layouts left out for want of one need (the dialog closes; the caller opens it again)."""
         super().__init__(parent)
         self.setWindowTitle(f"Layouts of {setup.parallel.gpus:,} GPUs")
         self.setObjectName("layoutsDialog")
@@ -66,9 +89,9 @@ class LayoutsDialog(QDialog):
         name = name or (setup.model.name if setup.model else "the model")
         split = ("Tensor parallelism stays within a node, without sequence or loss parallelism, and pipeline stages "
                  "are not searched: this family has no block model, each layout is fitted from traces of the real "
-                 "model" if find is not None else
+                 "model." if find is not None else
                  "Tensor parallelism stays within a node, with sequence and loss parallelism.")
-        left = "".join(f" Left out ({len(labels)}): {reason}." for reason, labels in self.layouts.left_out.items())
+        left = _left_out_text(self.layouts)
         intro = QLabel(
             error or f"{len(self.layouts)} ways to split {name} over {setup.parallel.gpus:,} GPUs"
             + (f" of {format_bytes(cap)}" if cap else " (choose a GPU or a capacity for a verdict)")
@@ -97,6 +120,25 @@ class LayoutsDialog(QDialog):
         self.use_button.setEnabled(bool(self.layouts))
         self.use_button.clicked.connect(self._use)
         buttons.rejected.connect(self.reject)
+        waiting = [par for reason, pars in self.layouts.left_out.items() if NOT_CALIBRATED in reason for par in pars]
+        waiting += [x.parallel for x in self.layouts if x.upper_bound]  # their bf16 step's own fit
+        self.calibrate_button = None
+        if calibrate is not None and waiting:
+            tps = sorted({par.tp for par in waiting if par.tp > 1})
+            self.calibrate_button = buttons.addButton(
+                "Calibrate the bf16 step" if not tps else
+                f"Calibrate tensor parallelism over {', '.join(map(str, tps))} GPUs",
+                QDialogButtonBox.ButtonRole.ActionRole)
+            self.calibrate_button.setObjectName("calibrateLayouts")
+            self.calibrate_button.setToolTip("Trace the real model at a few small sizes for each of these layouts, "
+                                             "in the background (seconds each, then cached); the search opens again "
+                                             "when they are done")
+
+            def start() -> None:
+                calibrate(waiting)
+                self.reject()
+
+            self.calibrate_button.clicked.connect(start)
         lay.addWidget(buttons)
         if self.layouts:
             self.table.selectRow(0)
@@ -112,11 +154,15 @@ class LayoutsDialog(QDialog):
             fewest = f"{layout.min_gpus:,}" if layout.min_gpus else "never" if layout.min_gpus_searched and cap \
                 else "—"
             speed = f"{best / layout.seconds_per_token:.0%}" if best and layout.seconds_per_token else "—"
-            cells = (layout.label, format_bytes(layout.peak_bytes), head, speed, f"{layout.bubble:.0%}", fewest)
+            peak = ("≤ " if layout.upper_bound else "") + format_bytes(layout.peak_bytes)
+            cells = (layout.label, peak, head, speed, f"{layout.bubble:.0%}", fewest)
             for c, text in enumerate(cells):
                 item = QTableWidgetItem(text)
                 if c:
                     item.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
+                if layout.upper_bound:
+                    item.setToolTip("An upper bound: the autocast step's calibration stands in for the bf16 step "
+                                    "this strategy runs until that is calibrated")
                 if layout.fits is False:
                     item.setForeground(dim)
                     item.setToolTip("Does not fit: the most loaded GPU needs more than the capacity")

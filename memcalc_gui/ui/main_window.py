@@ -262,6 +262,9 @@ class MainWindow(QMainWindow):
         self.fits: dict[str, Any] = {}  # fitted-method calibrations by config and setup (or why one failed)
         self._fit_job: str | None = None
         self._fit_job_replica = ""
+        self._layout_fits: list[tuple[Any, Any]] = []  # calibrations the layout search asked for, in turn
+        self._layout_fits_total = 0
+        self.layouts_dialog: LayoutsDialog | None = None  # the last one opened
         self.fit_runner = TaskRunner("memcalc-fit", cancel_types=(TraceCancelled,), parent=self)
         self.fit_runner.finished.connect(self._fit_done)
         self.fit_runner.failed.connect(self._fit_failed)
@@ -762,11 +765,12 @@ class MainWindow(QMainWindow):
         return None
 
     def _calibrate(self, needed: Any, setup: Any, quiet: bool = False,
-                   what: str = "the gradient-checkpointing what-if for the suggestions") -> None:
+                   what: str = "the gradient-checkpointing what-if for the suggestions", rank: bool = True) -> None:
         """Calibrate ``needed``'s config for ``setup``'s signature in the worker; ``quiet`` for a fit that refines
-        what is on screen (a what-if's, or an FSDP2 rank's: ``what`` says which), which stays current meanwhile."""
-        self._fit_job = self._fit_key(needed, setup)
+        what is on screen (a what-if's, or an FSDP2 rank's: ``what`` says which), which stays current meanwhile;
+        ``rank=False``: the one-replica fit alone (a layout search's), kept under the replica's key."""
         self._fit_job_replica = self._fit_key(needed, setup, ranks=False)
+        self._fit_job = self._fit_key(needed, setup) if rank else self._fit_job_replica
         config = needed.config
 
         def job(progress: Any, should_stop: Any) -> Any:
@@ -780,7 +784,7 @@ class MainWindow(QMainWindow):
 
             step("counting the parameters on the meta device")
             n = count_params_on_meta(config)
-            return calibrate(config, setup.with_changes(params=n), n, step)
+            return calibrate(config, setup.with_changes(params=n), n, step, rank=rank)
 
         self.fit_runner.start(job)
         if quiet:
@@ -794,6 +798,7 @@ class MainWindow(QMainWindow):
         self._fit_job = None
         self.statusBar().clearMessage()
         if not self._closed:
+            self._next_layout_fit()
             self.refresh()
 
     def _fit_failed(self, message: str) -> None:
@@ -811,6 +816,7 @@ class MainWindow(QMainWindow):
                 f"the fitted method does not hold for this model: {message}"
         self._fit_job = None
         if not self._closed:
+            self._next_layout_fit()
             self.refresh()
 
     def _invalid(self, errors: dict[str, str]) -> bool:
@@ -964,12 +970,14 @@ class MainWindow(QMainWindow):
             self.statusBar().showMessage("A layout search needs an architecture: a preset or a config.json", 8000)
             return None
         if needed is not None:  # no block model: the fitted method's search over the fits at hand
-            dialog = LayoutsDialog(setup, self, find=self._fitted_layout_search(needed), name=needed.name)
+            dialog = LayoutsDialog(setup, self, find=self._fitted_layout_search(needed), name=needed.name,
+                                   calibrate=lambda layouts: self._calibrate_layouts(needed, setup, layouts))
         else:
             dialog = LayoutsDialog(setup, self)
         dialog.chosen.connect(lambda changes, title: self.apply_changes(title, changes))
         dialog.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
         dialog.open()
+        self.layouts_dialog = dialog
         return dialog
 
     def _fitted_layout_search(self, needed: Any) -> Any:
@@ -980,12 +988,15 @@ class MainWindow(QMainWindow):
         from .layouts_dialog import SHOWN
 
         def fit_for(s: Any) -> Any:
+            found = self.fits.get(self._fit_key(needed, s, ranks=False))
+            if isinstance(found, str):  # its calibration failed: the search says why
+                raise InputError("method", found)
             found = self._fit_or_replica(needed, s)
             if found is None:
                 found = cached_fit(needed.config, s)
                 if found is not None:
                     self.fits[self._fit_key(needed, s)] = found
-            return None if isinstance(found, str) else found
+            return found
 
         def find(setup: Any) -> Any:
             base = fit_for(setup)
@@ -994,6 +1005,35 @@ class MainWindow(QMainWindow):
             return search_layouts(setup, base, fit_for, needed.name, SHOWN)
 
         return find
+
+    def _calibrate_layouts(self, needed: Any, setup: Any, layouts: list[Any]) -> None:
+        """Calibrate, one after another in the worker, each signature the layout search left out for want of a fit
+        (a tensor-parallel degree, its bf16 step), then open the search again."""
+        queued: dict[str, Any] = {}
+        for par in layouts:
+            trial = setup.with_changes(parallel=par)
+            key = self._fit_key(needed, trial, ranks=False)
+            if key not in self.fits:
+                queued.setdefault(key, trial)
+        self._layout_fits = [(needed, trial) for trial in queued.values()]
+        self._layout_fits_total = len(self._layout_fits)
+        self._next_layout_fit()
+
+    def _next_layout_fit(self) -> None:
+        """The next calibration the layout search asked for (when the worker is free); the search again after the
+        last."""
+        if self.fit_runner.is_running() or self._closed:
+            return
+        if self._layout_fits:
+            needed, trial = self._layout_fits.pop(0)
+            done = self._layout_fits_total - len(self._layout_fits)
+            par = trial.parallel
+            what = (f"tensor parallelism over {par.tp} GPUs" if par.tp > 1 else "another step precision") + \
+                f" for the layout search ({done} of {self._layout_fits_total})"
+            self._calibrate(needed, trial, quiet=True, what=what, rank=False)
+        elif self._layout_fits_total:
+            self._layout_fits_total = 0
+            QTimer.singleShot(0, self.show_layouts)  # after the refresh this fit's end runs
 
     def reset_to_defaults(self) -> None:
         self.push_state(default_state(), "Reset to defaults")
