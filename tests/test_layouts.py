@@ -112,3 +112,32 @@ def test_one_group_without_replicas_counts_as_the_fewest_gpus() -> None:
     ddp = next(lay for lay in search(setup, estimate, min_gpus_for=200)
                if (lay.parallel.tp, lay.parallel.pp, lay.parallel.strategy) == (8, 8, "ddp"))
     assert ddp.min_gpus == 64
+
+
+def test_expert_parallelism_trades_gradient_traffic_for_the_all_to_all() -> None:
+    """Mixtral-8x7B's shape over 64 GPUs: with its experts split 8 ways, each GPU reduces the dense gradients over
+    all 64 and its eighth of the experts' over the 8 GPUs that share them, and sends every token's top-2 hidden
+    states out and back in each MoE layer's all-to-all, forward and backward; the compute counts the active
+    parameters. The candidates are the degrees that split the experts and the data-parallel GPUs."""
+    from dataclasses import replace
+
+    from memcalc_gui.core.layouts import ModelShape
+
+    n, experts, active, hidden, layers = 46_702_792_704, 45_097_156_608, 12_879_925_248, 4096, 32
+    shape = ModelShape("mixtral-8x7b", n, hidden, layers, num_experts=8, block_model=False, expert_params=experts,
+                       top_k=2, active_params=active)
+    setup = TrainingSetup(params=n, batch=1, seq=4096, grad_accum=8, precision="mixed")
+    zero2 = Parallelism(gpus=64, strategy="zero2")
+    ring64, ring8 = 2 * 63 / 64, 2 * 7 / 8
+    sent, _, per_token = communication(setup, zero2, shape)
+    assert sent == int(ring64 * n * 4)
+    split, _, split_per_token = communication(setup, replace(zero2, ep=8), shape)
+    tokens_hidden = 4096 * hidden * 2  # one micro-batch's bf16 hidden states
+    assert split == pytest.approx(ring64 * (n - experts) * 4 + ring8 * experts // 8 * 4
+                                  + 4 * 7 / 8 * 2 * layers * tokens_hidden * 8, rel=1e-9)
+    assert split < sent / 3
+    compute = 6 * active * 4096 * 8 * 64 / (64 * 400e12) / (4096 * 8 * 64)
+    assert per_token > compute and split_per_token > compute
+    eps = {p.ep for p in candidates(setup.with_changes(parallel=zero2), shape=shape)}
+    assert eps == {1, 2, 4, 8}  # 16 and more do not split 8 experts
+    assert all(p.ep == 1 for p in candidates(setup.with_changes(parallel=zero2), shape=shape) if p.tp > 1)

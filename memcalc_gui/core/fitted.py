@@ -636,7 +636,8 @@ def search_layouts(setup: TrainingSetup, fit: FitModel, fit_for: Callable[[Train
     strategy that computes in bf16 without its own calibration is bounded by the autocast one, as in the ledger."""
     st = fit.structure
     shape = ModelShape(name or fit.model_type, fit.num_params, int(st.get("hidden_size", 0)), fit.num_layers,
-                       int(st.get("num_experts", 0)), block_model=False)
+                       int(st.get("num_experts", 0)), block_model=False, expert_params=int(st.get("expert_params", 0)),
+                       top_k=int(st.get("top_k", 0)), active_params=int(st.get("active_params", 0)))
 
     def estimator(s: TrainingSetup) -> Estimate:
         found = fit_for(s)

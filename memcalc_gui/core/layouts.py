@@ -17,7 +17,11 @@ a GPU sends, ring collectives moving ``2(n − 1)/n`` of the buffer for an all-r
   all-gather of the same volume), and the weights gathered again in forward and backward for ZeRO-3/FSDP (3×);
 - tensor parallelism: four all-reduces (or their sequence-parallel reduce-scatter/all-gather pairs) of the hidden
   states per layer and micro-batch, two in forward and two in backward (Shoeybi et al. 2019);
-- pipeline parallelism: the stage's output and its gradient once per micro-batch.
+- pipeline parallelism: the stage's output and its gradient once per micro-batch;
+- expert parallelism: the routed experts' gradients reduced over the ``dp/ep`` GPUs holding the same experts, and
+  each MoE layer's all-to-all, every token's top-k hidden states out and back, in forward and in backward (Lepikhin
+  et al. 2020's GShard dispatch), ``(ep − 1)/ep`` of them leaving the GPU. A mixture of experts computes
+  ``6 · active parameters · tokens``.
 
 The constants are an H100-class node's (bf16 at about 40 % of its dense peak, NVLink 4, one 400 Gb/s NIC per GPU);
 they rank layouts against each other, they do not predict a run's speed.
@@ -66,6 +70,9 @@ class ModelShape:
     num_layers: int
     num_experts: int = 0
     block_model: bool = True  # sequence/loss parallelism and pipeline stages are searched for a block model only
+    expert_params: int = 0  # the routed experts' parameters (what expert parallelism splits)
+    top_k: int = 0  # experts per token (the all-to-all's copies of each token)
+    active_params: int = 0  # parameters a token runs through (the step's compute); 0: all of them
 
     @staticmethod
     def of(setup: TrainingSetup) -> ModelShape:
@@ -163,7 +170,8 @@ def communication(setup: TrainingSetup, par: Parallelism,
     m, v = setup.grad_accum, par.virtual_stages
     act = 4 if setup.precision == "fp32" else 2
     grad = 4 if setup.precision in ("fp32", "mixed") else 2
-    rank_params = spec.num_params // (par.tp * par.pp)
+    experts = spec.expert_params if par.ep > 1 else 0  # split over ep GPUs, reduced over the dp/ep that share them
+    rank_params = (spec.num_params - experts) // (par.tp * par.pp)
     hidden = setup.tokens * spec.hidden_size * act  # one micro-batch's hidden states
 
     def ring(n: int) -> float:
@@ -175,12 +183,18 @@ def communication(setup: TrainingSetup, par: Parallelism,
     gathers = 3 if par.strategy == "zero3" or par.strategy.startswith("fsdp") else 1
     parts = [(ring(par.dp) * rank_params * grad * gathers, leaves(par.dp, par.tp * par.pp)),
              (ring(par.tp) * 4 * (spec.num_layers // par.pp) * hidden * m, leaves(par.tp, 1)),
-             (2 * hidden * m if par.pp > 1 else 0, leaves(par.pp, par.tp))]
+             (2 * hidden * m if par.pp > 1 else 0, leaves(par.pp, par.tp)),
+             # expert parallelism: the experts' gradients over the replicas holding the same experts, and each MoE
+             # layer's all-to-all, every token's top-k hidden states out and back in forward and again in backward
+             (ring(par.dp // par.ep) * experts // (par.tp * par.pp * par.ep) * grad * gathers,
+              leaves(par.dp // par.ep, par.tp * par.pp * par.ep)),
+             (4 * (par.ep - 1) / par.ep * spec.top_k * (spec.num_layers // par.pp) * hidden * m,
+              leaves(par.ep, par.tp * par.pp))]
     sent = sum(b for b, _ in parts)
     comm_s = sum(b / (NETWORK_BYTES_PER_S if across else NVLINK_BYTES_PER_S) for b, across in parts)
     bubble = (par.pp - 1) / (m * v + par.pp - 1) if par.pp > 1 else 0.0
     tokens = setup.tokens * m * par.dp
-    compute_s = 6 * spec.num_params * tokens / (par.gpus * EFFECTIVE_FLOPS)
+    compute_s = 6 * (spec.active_params or spec.num_params) * tokens / (par.gpus * EFFECTIVE_FLOPS)
     return int(sent), bubble, (compute_s / (1 - bubble) + comm_s) / tokens
 
 
