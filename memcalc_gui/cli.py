@@ -904,7 +904,7 @@ def _fitted_layouts(args: argparse.Namespace, setup: TrainingSetup, config: dict
     if fit is None:
         raise InputError("method", "the fitted method does not apply to this setup (its calibration failed or is not "
                                    "cached): `memcalc estimate` says why")
-    return search_layouts(setup.with_changes(params=fit.num_params), fit, fit_for, name, min_gpus_for), name
+    return search_layouts(setup.with_changes(params=fit.num_params), fit, fit_for, min_gpus_for), name
 
 
 def _signature_text(setup: TrainingSetup) -> str:

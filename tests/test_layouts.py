@@ -124,7 +124,7 @@ def test_expert_parallelism_trades_gradient_traffic_for_the_all_to_all() -> None
     from memcalc_gui.core.layouts import ModelShape
 
     n, experts, active, hidden, layers = 46_702_792_704, 45_097_156_608, 12_879_925_248, 4096, 32
-    shape = ModelShape("mixtral-8x7b", n, hidden, layers, num_experts=8, block_model=False, expert_params=experts,
+    shape = ModelShape(n, hidden, layers, num_experts=8, block_model=False, expert_params=experts,
                        top_k=2, active_params=active)
     setup = TrainingSetup(params=n, batch=1, seq=4096, grad_accum=8, precision="mixed")
     zero2 = Parallelism(gpus=64, strategy="zero2")

@@ -628,14 +628,14 @@ NOT_CALIBRATED = "needs a calibration of its own rank (not calibrated yet)"
 
 
 def search_layouts(setup: TrainingSetup, fit: FitModel, fit_for: Callable[[TrainingSetup], FitModel | None],
-                   name: str = "", min_gpus_for: int = MIN_GPUS_FOR) -> Search:
+                   min_gpus_for: int = MIN_GPUS_FOR) -> Search:
     """The layout search (:func:`memcalc_gui.core.layouts.search`) of a family without a block model: each layout's
     ledger from the fit ``fit_for`` gives for its signature (the one-replica fit, its states by rule; a cached FSDP2
     rank fit where it has one), ``fit`` (a one-replica fit of ``setup``'s config) its shape. A layout ``fit_for``
     has no fit for (``None``: a tensor-parallel degree not calibrated) is left out and counted, never guessed; a
     strategy that computes in bf16 without its own calibration is bounded by the autocast one, as in the ledger."""
     st = fit.structure
-    shape = ModelShape(name or fit.model_type, fit.num_params, int(st.get("hidden_size", 0)), fit.num_layers,
+    shape = ModelShape(fit.num_params, int(st.get("hidden_size", 0)), fit.num_layers,
                        int(st.get("num_experts", 0)), block_model=False, expert_params=int(st.get("expert_params", 0)),
                        top_k=int(st.get("top_k", 0)), active_params=int(st.get("active_params", 0)))
 

@@ -64,7 +64,6 @@ class ModelShape:
     """What the search needs of a model: its size for the step model, its width and depth for the communication,
     its routed experts for the expert-parallel degrees. From the block model, or from a fit's structure."""
 
-    name: str
     num_params: int
     hidden_size: int
     num_layers: int
@@ -80,7 +79,7 @@ class ModelShape:
         spec = setup.model
         if spec is None:
             raise InputError("model", "a layout search splits a model's layers and heads: it needs an architecture")
-        return ModelShape(spec.name or spec.family, spec.num_params, spec.hidden_size, spec.num_layers)
+        return ModelShape(spec.num_params, spec.hidden_size, spec.num_layers)
 
 
 def layout_label(p: Parallelism) -> str:

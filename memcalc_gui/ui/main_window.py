@@ -1002,7 +1002,7 @@ class MainWindow(QMainWindow):
             base = fit_for(setup)
             if base is None:
                 raise InputError("method", "the fitted method has no calibration of this setup yet")
-            return search_layouts(setup, base, fit_for, needed.name, SHOWN)
+            return search_layouts(setup, base, fit_for, SHOWN)
 
         return find
 
