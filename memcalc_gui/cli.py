@@ -860,7 +860,7 @@ def _fitted_layouts(args: argparse.Namespace, setup: TrainingSetup, config: dict
     and cached, or with ``--cached-only`` only what the cache holds; and the model's name."""
     from .core.fitted import FitModel, rank_signature, search_layouts, signature
     from .trace.fake import TraceError, trace_available
-    from .trace.fit import FitError, calibrate
+    from .trace.fit import FitError, NotCalibrated, calibrate
 
     if not trace_available():
         raise InputError("method", f"the fitted method traces the model: {install_hint()}")
@@ -877,7 +877,7 @@ def _fitted_layouts(args: argparse.Namespace, setup: TrainingSetup, config: dict
                 replicas[key] = calibrate(config, s, s.num_params, cached_only=True, rank=False)
             except (FitError, TraceError) as exc:
                 replicas[key] = None
-                if not args.cached_only and str(exc) == "not calibrated yet":
+                if not args.cached_only and isinstance(exc, NotCalibrated):
                     if not args.json:
                         _say(f"  … calibrating {_signature_text(s)} (once; then cached)")
                     with contextlib.suppress(FitError, TraceError):

@@ -63,6 +63,10 @@ class FitError(MemcalcError):
     """The fit cannot be exact for this model (the caller traces the full model)."""
 
 
+class NotCalibrated(FitError):
+    """``calibrate(..., cached_only=True)`` found no fit in the cache (nor a refusal): tracing would make one."""
+
+
 def cache_dir() -> Path:
     """Where fits are kept: ``MEMCALC_CACHE_DIR``, else the platform's user cache folder."""
     override = os.environ.get("MEMCALC_CACHE_DIR")
@@ -350,7 +354,7 @@ def calibrate(config: dict[str, Any], setup: TrainingSetup, num_params: int,
     fit = _cached(path, use_cache)
     if fit is None:
         if cached_only:
-            raise FitError("not calibrated yet")
+            raise NotCalibrated("not calibrated yet")
         fit = _calibrated(path, lambda: _calibrate(cfg, setup, num_params, model_type, layers, (pair, check_layers),
                                                    path, progress))
     sig = rank_signature(setup) if rank else None

@@ -988,9 +988,10 @@ class MainWindow(QMainWindow):
         from .layouts_dialog import SHOWN
 
         def fit_for(s: Any) -> Any:
-            found = self.fits.get(self._fit_key(needed, s, ranks=False))
-            if isinstance(found, str):  # its calibration failed: the search says why
-                raise InputError("method", found)
+            for key in (self._fit_key(needed, s), self._fit_key(needed, s, ranks=False)):
+                failed = self.fits.get(key)
+                if isinstance(failed, str):  # this signature's calibration failed: the search says why
+                    raise InputError("method", failed)
             found = self._fit_or_replica(needed, s)
             if found is None:
                 found = cached_fit(needed.config, s)
