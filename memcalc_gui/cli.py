@@ -898,8 +898,11 @@ def _fitted_layouts(args: argparse.Namespace, setup: TrainingSetup, config: dict
                 ranks[key] = fit
         return ranks[key]
 
+    # the one-replica fit the shape comes from: no split of the model, nothing offloaded (the search's layouts
+    # offload nothing either)
     base = setup.with_changes(parallel=dataclasses.replace(setup.parallel, tp=1, pp=1, sp=False, loss_parallel=False,
-                                                             schedule="1f1b", virtual_stages=1, strategy="ddp"))
+                                                             schedule="1f1b", virtual_stages=1, strategy="ddp",
+                                                             offload="none", reshard_after_forward=True))
     fit = fit_for(base)
     if fit is None:
         raise InputError("method", "the fitted method does not apply to this setup (its calibration failed or is not "

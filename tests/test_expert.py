@@ -320,6 +320,10 @@ def test_the_layout_search_of_a_mixture_of_experts_is_fitted_layout_by_layout(
         assert estimate_fitted(setup, fit).peak_bytes == lay["peak_bytes"], lay["label"]
     assert cli_main(["layouts", *common, "--top", "0", "--cached-only"]) == 0  # all cached now: the same answer
     assert json.loads(capsys.readouterr().out)["layouts"] == out["layouts"]
+    # the form's own strategy and offload do not narrow the search (its layouts offload nothing)
+    assert cli_main(["layouts", *common, "--top", "0", "--cached-only", "--strategy", "zero3",
+                     "--offload", "optimizer"]) == 0
+    assert json.loads(capsys.readouterr().out)["layouts"] == out["layouts"]
     monkeypatch.setenv("MEMCALC_CACHE_DIR", str(tmp_path / "empty"))
     with pytest.raises(SystemExit) as exc:
         cli_main(["layouts", *common, "--cached-only"])
