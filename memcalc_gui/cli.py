@@ -732,12 +732,10 @@ def cmd_measure(args: argparse.Namespace) -> int:
     from .measure.engine import Cancelled, format_measurement, measure
 
     setup, _notes = setup_from_args(args)
-    unknown = getattr(args, "unknown_config", None)
+    unknown = getattr(args, "unknown_config", None)  # no block model: compared with the fitted method's ledger
     if unknown is not None:
-        field = "preset" if getattr(args, "preset", None) else "model" if getattr(args, "model", None) else "config"
-        raise InputError(field, f"memcalc has no block model of model_type {str(unknown.get('model_type'))[:40]!r}: "
-                                   "a measurement is compared with the analytic ledger, which it needs; `memcalc "
-                                   "estimate --method trace` runs this model's real step on fake tensors")
+        setup.extras["model_type"] = str(unknown.get("model_type"))[:40]
+        setup.extras["model_name"] = args.preset or args.model or f"model_type {setup.extras['model_type']!r}"
     iterations = parse_positive_int(args.iterations, "iterations", MAX_ITERATIONS)
     try:
         budget = float(str(args.time_budget))
@@ -752,7 +750,7 @@ def cmd_measure(args: argparse.Namespace) -> int:
 
     try:
         result = measure(setup, device=args.device, iterations=iterations, snapshot=args.snapshot,
-                         progress=progress, time_budget_s=budget, full_size=args.full_size)
+                         progress=progress, time_budget_s=budget, full_size=args.full_size, config=unknown)
     except Cancelled:
         return 130
     if args.json:

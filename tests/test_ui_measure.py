@@ -327,6 +327,46 @@ def test_scaled_down_measurement_compares_with_that_setup(window, qtbot, monkeyp
     assert "Measured (CPU, scaled-down setup)" in labels and "Estimate of the measured setup" in labels
 
 
+def test_a_family_without_a_block_model_is_measured_against_its_fitted_ledger(window, qtbot, tmp_path,
+                                                                              monkeypatch):
+    """A Mixtral-shaped config (no block model: the fitted method) is measured for real, scaled down to fewer
+    layers, and compared with the fitted ledger of exactly what ran; across GPUs the button says why it does not run
+    yet."""
+    pytest.importorskip("transformers")
+    w = window
+    cfg = dict(model_type="mixtral", hidden_size=64, intermediate_size=64, num_attention_heads=4,
+               num_key_value_heads=2, num_hidden_layers=6, vocab_size=512, max_position_embeddings=512,
+               num_local_experts=4, num_experts_per_tok=2)
+    path = tmp_path / "mixtral" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(cfg), encoding="utf-8")
+    before = w.result
+    assert not w.open_config(path)  # the fitted result follows from the worker
+    qtbot.waitUntil(lambda: w.result is not before and w.result.estimate.method == "fitted", timeout=60000)
+    assert w.result.setup.model is None
+
+    monkeypatch.setattr(measure_panel, "TIME_BUDGET_S", 1e-9)  # forces the engine to scale down
+    panel = w.measure_panel
+    with qtbot.waitSignal(panel.finished, timeout=120000) as blocker:
+        click(qtbot, panel.button)
+    r: engine.MeasureResult = blocker.args[0]
+    assert r.oom is None and r.device.kind == "cpu" and r.scaled
+    assert "2 of 6 layers" in r.scale_note and r.setup.extras["measured_layers"] == 2
+    assert r.estimate.estimate.method == "fitted"
+    for p in PHASES:
+        assert abs(r.error_pct[p]) < 0.5, (p, r.error_pct)
+        assert panel.view.cell(p, 1) == measure_panel.format_bytes(r.estimate.estimate.phases[p].tensor_bytes)
+    assert w.chart.measured_ref.isVisible() and not panel.is_stale()
+
+    # the staleness key holds the config (two configs of one parameter count are different setups)
+    assert measure_panel.tensor_key(w.result.setup)["fitted_config"]
+    w.apply_state(w.inputs.state().replace(gpus="2", strategy="ddp"))
+    assert w.refresh()
+    qtbot.waitUntil(lambda: not w.fit_runner.is_running(), timeout=60000)
+    click(qtbot, panel.button)
+    assert not panel.is_running() and "set GPUs to 1" in panel.view.message.text()
+
+
 # ---- cancel, errors, OOM ---------------------------------------------------------------------------
 def test_cancel_stops_the_worker_and_the_window_stays_responsive(window, qtbot, monkeypatch):
     monkeypatch.setattr(engine, "measure", slow_measure)

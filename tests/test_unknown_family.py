@@ -178,3 +178,42 @@ def test_a_family_without_sdpa_defaults_to_eager(tmp_path: Path, capsys: pytest.
     data = json.loads(capsys.readouterr().out)
     assert data["setup"]["attention"] == "eager"
     assert any("no SDPA attention for model_type 'gemma2'" in a for a in data["assumptions"])
+
+
+def test_measuring_an_unknown_family_compares_with_the_fitted_ledger(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """`memcalc measure` of a family without a block model runs the real transformers step and compares it with the
+    fitted ledger of exactly what ran. Too little memory scales it down: fewer layers (the full config's fit
+    evaluated at the measured count) and, here, a quarter of the vocabulary (a config calibrated on its own, its
+    end-of-sequence id dropped since the smaller vocabulary does not hold it)."""
+    from memcalc_gui.measure import engine
+
+    cfg = dict(OPT, num_hidden_layers=4, vocab_size=65536, pad_token_id=1, bos_token_id=2, eos_token_id=50000)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    free = 100 * 2**20  # the full step's 2 × 128 tokens over 65,536 logits do not fit in 60 % of it
+    monkeypatch.setattr(engine, "_cpu_memory", lambda: (2 * free, free))
+    args = ["measure", "--config", str(path), "--batch", "2", "--seq", "128", "--json"]
+    assert cli_main(args) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["scaled"] and data["estimate"]["method"] == "fitted"
+    assert "2 of 4 layers" in data["scale_note"] and "vocabulary 16,384 instead of 65,536" in data["scale_note"]
+    assert data["estimate"]["peak_tensor_bytes"] <= free * engine.MEMORY_MARGIN
+    for phase, err in data["error_pct"].items():
+        assert abs(err) < 0.5, (phase, data["error_pct"])
+    assert set(data["error_pct"]) == {"load", "forward", "backward", "optimizer_step"}
+
+    # the same setup measured on a machine with room: the full config, its fit from the cache
+    monkeypatch.setattr(engine, "_cpu_memory", lambda: (2**34, 2**33))
+    assert cli_main([*args, "--full-size"]) == 0
+    full = json.loads(capsys.readouterr().out)
+    assert not full["scaled"] and full["estimate"]["method"] == "fitted"
+    assert full["phases"]["backward"]["peak_bytes"] > 2 * data["phases"]["backward"]["peak_bytes"]
+    assert max(abs(e) for e in full["error_pct"].values()) < 0.5, full["error_pct"]
+
+    # a layout of such a family is not measured rank by rank yet: one line naming the field
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["measure", "--config", str(path), "--gpus", "2", "--strategy", "ddp"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("memcalc: error: --gpus:") and "one process" in err and len(err.splitlines()) == 1

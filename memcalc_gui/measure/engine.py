@@ -35,6 +35,7 @@ from ..core.timeline import Timeline, read_timeline
 from ..core.units import format_bytes
 from ..core.vocab import PHASES
 from . import collect_garbage, exclusive_torch_job
+from .fitted import CONFIG_KEY, FittedScaling
 from .layout import PROCESS_BYTES, SPAWN_S, measured_world, rank_job, refusal, scale_layout
 
 #: Fraction of the device's free memory a full-size measurement may plan to use.
@@ -313,15 +314,20 @@ def _step_seconds(setup: TrainingSetup, flops: float) -> float:
     the CPU tracker on a 2-core machine)."""
     par = setup.parallel
     t = setup.tokens * setup.grad_accum // par.cp
-    layers = (setup.model.num_layers if setup.model is not None else 1) // par.pp
+    scaled = FittedScaling.scaled(setup)  # a family without a block model: its layers, and the parameters a token uses
+    layers = (setup.model.num_layers if setup.model is not None else scaled[0] if scaled else 1) // par.pp
+    params = setup.extras.get("active_params") if scaled else None
+    params = params if isinstance(params, int) and params > 0 else setup.num_params
     overhead = LAYER_OVERHEAD_S * (layers + 2) * setup.grad_accum * (1 if flops == CPU_FLOPS else 0.1)
-    return max(6 * setup.num_params / (par.tp * par.pp) * t / flops, overhead)
+    return max(6 * params / (par.tp * par.pp) * t / flops, overhead)
 
 
-def plan(setup: TrainingSetup, device: DeviceInfo, time_budget_s: float) -> tuple[TrainingSetup, str]:
+def plan(setup: TrainingSetup, device: DeviceInfo, time_budget_s: float,
+         fitted: FittedScaling | None = None) -> tuple[TrainingSetup, str]:
     """The setup to measure: the full one when it fits the device with margin and the time budget. A multi-GPU
-    layout runs as that many processes (:mod:`.layout`), each holding its rank and sharing the CPU's cores."""
-    if setup.model is None:
+    layout runs as that many processes (:mod:`.layout`), each holding its rank and sharing the CPU's cores.
+    ``fitted``: a family without a block model, scaled and estimated as :mod:`.fitted` says (one process)."""
+    if setup.model is None and fitted is None:
         raise InputError("model", "measuring needs an architecture (a preset or a config.json), not a bare count")
     flops = CUDA_FLOPS if device.kind == "cuda" else CPU_FLOPS
     budget = device.free_bytes * MEMORY_MARGIN
@@ -335,7 +341,8 @@ def plan(setup: TrainingSetup, device: DeviceInfo, time_budget_s: float) -> tupl
     multiple = par.pp * par.virtual_stages  # the stages split the layers evenly
 
     def fits_memory(s: TrainingSetup) -> bool:
-        peak = evaluate(s.with_changes(capacity_bytes=None)).estimate.peak_tensor_bytes
+        peak = fitted.peak_bytes(s) if fitted is not None else \
+            evaluate(s.with_changes(capacity_bytes=None)).estimate.peak_tensor_bytes
         return processes * (peak + (PROCESS_BYTES if ranked else 0)) <= budget
 
     def seconds(s: TrainingSetup) -> float:
@@ -356,16 +363,31 @@ def plan(setup: TrainingSetup, device: DeviceInfo, time_budget_s: float) -> tupl
         # memory is a hard limit; time a soft one
         return fits_memory(s) and seconds(s) <= time_budget_s
 
+    if fitted is not None:
+        full_layers, full_vocab = fitted.layers, fitted.vocab
+        setup = fitted.setup(setup, full_layers, full_vocab)
+    else:
+        assert setup.model is not None
+        full_layers, full_vocab = setup.model.num_layers, setup.model.vocab_size
+
+    def rescale(s: TrainingSetup, layers: int, vocab: int) -> TrainingSetup:
+        if fitted is not None:
+            return fitted.setup(s, layers, vocab)
+        if vocab != full_vocab:
+            return _with_config(s, vocab_size=vocab)
+        return _with_layers(s, layers)
+
     if ok(setup):
         return setup, _scale_note(changes)
-    assert setup.model is not None
     current = setup
-    layers = setup.model.num_layers
-    while layers > multiple and not ok(current):
-        layers = max(multiple, layers // 2 // multiple * multiple)
-        current = _with_layers(setup, layers)
-    if layers != setup.model.num_layers:
-        changes.append(f"{layers} of {setup.model.num_layers} layers")
+    layers = full_layers
+    floor = fitted.min_layers(setup) if fitted is not None else multiple
+    while layers > floor and not ok(current):
+        layers = fitted.fewer_layers(layers, floor) if fitted is not None else \
+            max(multiple, layers // 2 // multiple * multiple)
+        current = rescale(setup, layers, full_vocab)
+    if layers != full_layers:
+        changes.append(f"{layers} of {full_layers} layers")
     while current.batch > 1 and not ok(current):
         current = current.with_changes(batch=max(1, current.batch // 2))
     if current.batch != setup.batch:
@@ -377,14 +399,14 @@ def plan(setup: TrainingSetup, device: DeviceInfo, time_budget_s: float) -> tupl
         current = current.with_changes(seq=max(64, current.seq // 2))
     if current.seq != setup.seq:
         changes.append(f"sequence {current.seq} instead of {setup.seq}")
-    vocab = setup.model.vocab_size
+    vocab = full_vocab
     # the vocabulary shrinks for memory; for a layout's ranks also for time (their embedding and head are most of a
     # scaled-down rank's work and of what gloo sends)
     while vocab > 4096 and not (fits_memory(current) and (not ranked or ok(current))):
         vocab = max(4096, vocab // 4)
-        current = _with_config(current, vocab_size=vocab)
-    if vocab != setup.model.vocab_size:
-        changes.append(f"vocabulary {vocab:,} instead of {setup.model.vocab_size:,}")
+        current = rescale(current, layers, vocab)
+    if vocab != full_vocab:
+        changes.append(f"vocabulary {vocab:,} instead of {full_vocab:,}")
     if not fits_memory(current):
         raise MeasureError("even the smallest scaled-down setup would not fit this device's memory")
     expected = seconds(current)
@@ -409,16 +431,25 @@ def measure(
     should_stop: Callable[[], bool] | None = None,
     time_budget_s: float = 30.0,
     full_size: bool = False,
+    config: dict[str, Any] | None = None,
+    calibrate: Callable[[dict[str, Any], TrainingSetup], Any] | None = None,
 ) -> MeasureResult:
-    """Measure ``setup`` on ``device`` and compare with its estimate. Out-of-memory is a result."""
+    """Measure ``setup`` on ``device`` and compare with its estimate. Out-of-memory is a result.
+
+    ``config``: the config of a family without a block model (``setup.model`` is then ``None``), compared with the
+    fitted method's ledger of what ran (:mod:`.fitted`; ``calibrate`` replaces its calibration, for the window)."""
     if not 2 <= iterations <= MAX_ITERATIONS:
         raise InputError("iterations", f"must be 2 to {MAX_ITERATIONS} (the first iteration creates the optimizer "
                                        f"state; the second is the steady state), got {iterations:,}")
-    if setup.model is None:
+    if setup.model is None and config is None:
         raise InputError("model", "measuring needs an architecture (a preset or a config.json), not a bare count")
     t0 = time.perf_counter()
     info = detect_device(device)
     ranked = setup.parallel.is_distributed
+    if ranked and setup.model is None:
+        raise InputError("gpus", "a family without a block model is measured as one process, not yet rank by rank: "
+                                 "set 1 GPU to measure its step (`memcalc estimate --method trace` traces one rank "
+                                 "of the layout)")
     if ranked:  # the layout's ranks as CPU processes (measure.layout)
         refused = refusal(setup)
         if refused:
@@ -428,33 +459,32 @@ def measure(
                 raise MeasureError("a multi-GPU layout is measured as CPU processes over gloo; NCCL across GPUs is "
                                    "not run yet (measure with --device cpu or auto)")
             info = detect_device("cpu")
-    if ranked and full_size:
-        measured, changes = scale_layout(setup)
-        note = _scale_note(changes)
-    else:
-        measured, note = (setup, "") if full_size else plan(setup, info, time_budget_s)
-    assert measured.model is not None
-    config = dict(measured.model.raw)
-
-    def on_phase(phase: str, it: int, micro: int) -> None:
-        if should_stop is not None and should_stop():
-            raise Cancelled("measurement cancelled")
-        if progress is not None:
-            if phase == "load":
-                progress(f"starting {measured_world(measured.parallel)} rank processes and building the model"
-                         if ranked else f"building the model on {info.name if info.kind == 'cuda' else 'the CPU'}")
-                return
-            extra = f", accumulation step {micro + 1} of {measured.grad_accum}" \
-                if measured.grad_accum > 1 and phase in ("forward", "backward") and measured.parallel.pp == 1 else ""
-            who = "rank 1: " if ranked else ""
-            progress(f"{who}iteration {it} of {iterations}: {phase.replace('_', ' ')}{extra}")
-
     # the estimate the measurement is compared with models the device it runs on (CPU dropout masks differ)
-    estimate_result = evaluate(measured.with_changes(capacity_bytes=setup.capacity_bytes,
-                                                     target_device="cuda" if info.kind == "cuda" else "cpu"))
-    result = MeasureResult(info, measured, setup, bool(note), note, {}, estimate_result, [])
+    target = "cuda" if info.kind == "cuda" else "cpu"
     try:
         with exclusive_torch_job(should_stop, Cancelled):
+            result = _planned(setup, info, target, iterations, time_budget_s, full_size, progress, should_stop,
+                              config, calibrate)
+            measured = result.setup
+            run_config = measured.extras.get(CONFIG_KEY) if config is not None else None
+            config = dict(run_config) if isinstance(run_config, dict) else \
+                dict(measured.model.raw) if measured.model is not None else {}
+
+            def on_phase(phase: str, it: int, micro: int) -> None:
+                if should_stop is not None and should_stop():
+                    raise Cancelled("measurement cancelled")
+                if progress is not None:
+                    if phase == "load":
+                        progress(f"starting {measured_world(measured.parallel)} rank processes and building the "
+                                 "model" if ranked else
+                                 f"building the model on {info.name if info.kind == 'cuda' else 'the CPU'}")
+                        return
+                    extra = f", accumulation step {micro + 1} of {measured.grad_accum}" \
+                        if measured.grad_accum > 1 and phase in ("forward", "backward") and \
+                        measured.parallel.pp == 1 else ""
+                    who = "rank 1: " if ranked else ""
+                    progress(f"{who}iteration {it} of {iterations}: {phase.replace('_', ' ')}{extra}")
+
             if ranked:
                 _measure_ranks(result, measured, iterations, on_phase, should_stop)
             elif info.kind == "cuda":
@@ -475,6 +505,39 @@ def measure(
         collect_garbage()
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def _planned(setup: TrainingSetup, info: DeviceInfo, target: str, iterations: int, time_budget_s: float,
+             full_size: bool, progress: ProgressFn | None, should_stop: Callable[[], bool] | None,
+             config: dict[str, Any] | None, calibrate: Callable[[dict[str, Any], TrainingSetup], Any] | None,
+             ) -> MeasureResult:
+    """What will be measured (scaled down unless ``full_size``), beside the estimate of exactly that: the analytic
+    ledger, or a family without a block model's fitted one (:mod:`.fitted`, calibrated here when it is not cached)."""
+    ranked = setup.parallel.is_distributed
+    on_target = setup.with_changes(target_device=target)
+    notes: list[str] = []
+    if setup.model is None:
+        assert config is not None
+        if should_stop is not None and should_stop():
+            raise Cancelled("measurement cancelled")
+        fitted = FittedScaling(config, on_target, calibrate, progress)
+        if full_size:
+            measured, note = fitted.setup(on_target, fitted.layers, fitted.vocab), ""
+        else:
+            measured, note = plan(on_target, info, time_budget_s, fitted)
+        measured = measured.with_changes(target_device=setup.target_device)
+        estimate = fitted.result(measured.with_changes(capacity_bytes=setup.capacity_bytes, target_device=target))
+        if fitted.traced:
+            notes.append("the fitted method does not apply to this config (too few layers to extrapolate from, or "
+                         "its check refused the fit): the measurement is compared with the trace of the step")
+    else:
+        if ranked and full_size:
+            measured, changes = scale_layout(setup)
+            note = _scale_note(changes)
+        else:
+            measured, note = (setup, "") if full_size else plan(setup, info, time_budget_s)
+        estimate = evaluate(measured.with_changes(capacity_bytes=setup.capacity_bytes, target_device=target))
+    return MeasureResult(info, measured, setup, bool(note), note, {}, estimate, [], notes=notes)
 
 
 def is_out_of_memory(exc: BaseException) -> bool:

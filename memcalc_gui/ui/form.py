@@ -277,6 +277,14 @@ class FitNeeded(Exception):
         self.model_type = str(config.get("model_type"))[:40]
 
 
+def fitted_config(setup: TrainingSetup) -> dict[str, Any] | None:
+    """The config of a family without a block model that the fitted method estimates (``None`` otherwise): what the
+    window's trace and measurement run."""
+    needed = setup.extras.get("fit") if setup.model is None else None
+    config = getattr(needed, "config", None)
+    return config if isinstance(config, dict) else None
+
+
 class HeuristicOnly(Exception):
     """A preset of a family without a block model in a build that cannot trace it: the heuristic from its stored
     parameter count, with the reason shown."""

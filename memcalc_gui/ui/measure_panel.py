@@ -18,6 +18,7 @@ measured, so editing them (or "Use measured overheads") keeps the overlay.
 from __future__ import annotations
 
 import html
+import json
 import re
 import sys
 import time
@@ -45,6 +46,7 @@ from ..core.units import format_bytes
 from ..core.vocab import PHASE_LABELS, PHASES
 from ..measure import engine
 from ..view.theme import OVER_COLOR, error_color, tinted
+from .form import fitted_config
 from .tables import fit_height, fixed_table
 from .workers import STOP_TIMEOUT_MS, Job, TaskRunner
 
@@ -98,10 +100,14 @@ def overlay_label(result: engine.MeasureResult) -> str:
 
 
 def tensor_key(setup: TrainingSetup) -> dict[str, Any]:
-    """What a measurement depends on: the setup without capacity and the overheads it does not measure."""
+    """What a measurement depends on: the setup without capacity and the overheads it does not measure, and a family
+    without a block model's config (setups compare without it)."""
     data = setup.describe()
     for name in _NOT_MEASURED:
         data.pop(name, None)
+    config = fitted_config(setup)
+    if config is not None:
+        data["fitted_config"] = json.dumps(config, sort_keys=True, default=str)
     return data
 
 
@@ -127,8 +133,9 @@ def progress_fraction(text: str) -> float | None:
 
 
 def measure_job(setup: TrainingSetup, *, iterations: int | None = None, time_budget_s: float | None = None,
-                device: str = "auto") -> Job:
-    """The worker job: ``engine.measure`` of ``setup`` (looked up at run time, so tests can replace it)."""
+                device: str = "auto", config: dict[str, Any] | None = None) -> Job:
+    """The worker job: ``engine.measure`` of ``setup`` (looked up at run time, so tests can replace it); ``config``:
+    a family without a block model's, compared with the fitted method's ledger of what ran."""
     iterations = ITERATIONS if iterations is None else iterations
     budget = TIME_BUDGET_S if time_budget_s is None else time_budget_s
 
@@ -136,7 +143,7 @@ def measure_job(setup: TrainingSetup, *, iterations: int | None = None, time_bud
         if "torch" not in sys.modules:
             progress("loading PyTorch…")
         return engine.measure(setup, device=device, iterations=iterations, progress=progress,
-                              should_stop=should_stop, time_budget_s=budget)
+                              should_stop=should_stop, time_budget_s=budget, config=config)
 
     return job
 
@@ -612,14 +619,16 @@ class MeasurePanel(QObject):
             self._show_problem("Cannot measure: an input is invalid.", f"Fix the inputs first ({reason}).")
             return False
         setup = w.result.setup
-        if setup.model is None and "model_type" in setup.extras:
-            self._show_problem(f"Measuring {setup.extras['model_type']} from the window is not available yet.",
-                               "Families without a block model in memcalc are estimated by the fitted method; "
-                               "measuring them in the window comes later.")
-            return False
-        if setup.model is None:
+        config = fitted_config(setup)  # a family without a block model: compared with the fitted ledger
+        if setup.model is None and config is None:
             self._show_problem("Cannot measure a bare parameter count.",
                                "Measuring builds the model: choose a preset or open a config.json.")
+            return False
+        if config is not None and setup.parallel.is_distributed:
+            self._show_problem(f"Measuring {setup.extras.get('model_type', 'this family')} across GPUs is not "
+                               "available yet.",
+                               "A family without a block model is measured as one process: set GPUs to 1 to "
+                               "measure its step. “Precise (trace)” traces one rank of this layout.")
             return False
         self.result = None
         self._measured_key = tensor_key(setup)
@@ -628,7 +637,7 @@ class MeasurePanel(QObject):
         self.view.set_running(f"Measuring {where}…")
         self._reveal()
         self._set_running(True, "Starting…")
-        self.runner.start(measure_job(setup))
+        self.runner.start(measure_job(setup, config=config))
         return True
 
     @Slot()

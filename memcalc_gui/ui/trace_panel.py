@@ -46,6 +46,7 @@ from ..core.vocab import PHASE_LABELS, PHASES
 from ..trace import fake
 from ..trace.fake import TraceCancelled, TraceResult
 from ..view.theme import error_color
+from .form import fitted_config
 from .measure_panel import ElidedLabel, progress_fraction, signed_pct
 from .tables import fit_height, fixed_table
 from .workers import STOP_TIMEOUT_MS, Job, TaskRunner
@@ -72,13 +73,6 @@ NO_ARCHITECTURE = ("A bare parameter count has no architecture to trace: choose 
 DIFF_WARN_PCT = 10.0
 #: Settings key: whether "Precise (trace)" was on when the window closed.
 KEY_ENABLED = "trace/enabled"
-
-
-def fitted_config(setup: TrainingSetup) -> dict[str, Any] | None:
-    """The config of a family without a block model that the fitted method estimates (``None`` otherwise)."""
-    needed = setup.extras.get("fit") if setup.model is None else None
-    config = getattr(needed, "config", None)
-    return config if isinstance(config, dict) else None
 
 
 def trace_key(setup: TrainingSetup) -> tuple[TrainingSetup, str]:
