@@ -330,8 +330,8 @@ def test_scaled_down_measurement_compares_with_that_setup(window, qtbot, monkeyp
 def test_a_family_without_a_block_model_is_measured_against_its_fitted_ledger(window, qtbot, tmp_path,
                                                                               monkeypatch):
     """A Mixtral-shaped config (no block model: the fitted method) is measured for real, scaled down to fewer
-    layers, and compared with the fitted ledger of exactly what ran; across GPUs the button says why it does not run
-    yet."""
+    layers, and compared with the fitted ledger of exactly what ran; a layout the real ranks do not run (experts
+    split) is refused with the reason."""
     pytest.importorskip("transformers")
     w = window
     cfg = dict(model_type="mixtral", hidden_size=64, intermediate_size=64, num_attention_heads=4,
@@ -360,11 +360,13 @@ def test_a_family_without_a_block_model_is_measured_against_its_fitted_ledger(wi
 
     # the staleness key holds the config (two configs of one parameter count are different setups)
     assert measure_panel.tensor_key(w.result.setup)["fitted_config"]
-    w.apply_state(w.inputs.state().replace(gpus="2", strategy="ddp"))
-    assert w.refresh()
-    qtbot.waitUntil(lambda: not w.fit_runner.is_running(), timeout=60000)
-    click(qtbot, panel.button)
-    assert not panel.is_running() and "set GPUs to 1" in panel.view.message.text()
+    # a layout the real ranks do not run says why, naming the field
+    w.apply_state(w.inputs.state().replace(gpus="2", strategy="ddp", ep="2"))
+    w.refresh()
+    qtbot.waitUntil(lambda: w.result.setup.parallel.ep == 2 and not w.fit_runner.is_running(), timeout=120000)
+    with qtbot.waitSignal(panel.failed, timeout=60000):
+        click(qtbot, panel.button)
+    assert "expert parallelism is not measured for real" in panel.view.message.text()
 
 
 # ---- cancel, errors, OOM ---------------------------------------------------------------------------

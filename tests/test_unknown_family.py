@@ -211,9 +211,29 @@ def test_measuring_an_unknown_family_compares_with_the_fitted_ledger(tmp_path: P
     assert full["phases"]["backward"]["peak_bytes"] > 2 * data["phases"]["backward"]["peak_bytes"]
     assert max(abs(e) for e in full["error_pct"].values()) < 0.5, full["error_pct"]
 
-    # a layout of such a family is not measured rank by rank yet: one line naming the field
+
+
+def test_the_ranks_of_a_fitted_family_are_measured_against_its_fitted_ledger(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A Mixtral-shaped config under FSDP2 over 2 GPUs: two real gloo processes, each rank compared with the fitted
+    ledger of one FSDP2 rank (calibrated from traces of that rank); pipeline stages of such a family are refused in
+    one line naming the field."""
+    cfg = {"model_type": "mixtral", "hidden_size": 64, "intermediate_size": 64, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "num_hidden_layers": 4, "vocab_size": 512, "max_position_embeddings": 512,
+           "num_local_experts": 4, "num_experts_per_tok": 2}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    args = ["measure", "--config", str(path), "--batch", "2", "--seq", "64", "--gpus", "2", "--strategy", "fsdp2"]
+    assert cli_main([*args, "--full-size", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["estimate"]["method"] == "fitted" and data["estimate"]["strategy"] == "fsdp2"
+    assert any("fully_shard over 2" in a for a in data["estimate"]["assumptions"])  # the rank's own fit
+    assert len(data["ranks"]) == 2
+    for rank in data["ranks"]:
+        assert set(rank["error_pct"]) == {"load", "forward", "backward", "optimizer_step"}
+        assert max(abs(e) for e in rank["error_pct"].values()) < 2, rank
     with pytest.raises(SystemExit) as exit_:
-        cli_main(["measure", "--config", str(path), "--gpus", "2", "--strategy", "ddp"])
+        cli_main([*args, "--pp", "2"])
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("memcalc: error: --gpus:") and "one process" in err and len(err.splitlines()) == 1
+    assert err.startswith("memcalc: error: --strategy:") and "pipeline stages" in err and len(err.splitlines()) == 1

@@ -446,10 +446,6 @@ def measure(
     t0 = time.perf_counter()
     info = detect_device(device)
     ranked = setup.parallel.is_distributed
-    if ranked and setup.model is None:
-        raise InputError("gpus", "a family without a block model is measured as one process, not yet rank by rank: "
-                                 "set 1 GPU to measure its step (`memcalc estimate --method trace` traces one rank "
-                                 "of the layout)")
     if ranked:  # the layout's ranks as CPU processes (measure.layout)
         refused = refusal(setup)
         if refused:
@@ -522,7 +518,10 @@ def _planned(setup: TrainingSetup, info: DeviceInfo, target: str, iterations: in
             raise Cancelled("measurement cancelled")
         fitted = FittedScaling(config, on_target, calibrate, progress)
         if full_size:
-            measured, note = fitted.setup(on_target, fitted.layers, fitted.vocab), ""
+            changes: list[str] = []
+            if ranked:
+                on_target, changes = scale_layout(on_target)
+            measured, note = fitted.setup(on_target, fitted.layers, fitted.vocab), _scale_note(changes)
         else:
             measured, note = plan(on_target, info, time_budget_s, fitted)
         measured = measured.with_changes(target_device=setup.target_device)
@@ -811,6 +810,11 @@ def measured_overheads_setup(full: TrainingSetup, result: MeasureResult) -> Trai
     return full.with_changes(**overheads)
 
 
+def _pct(value: float) -> str:
+    """``+1.2``, ``-3.4``; a value that rounds to zero is ``0.0`` (never ``-0.0``)."""
+    return "0.0" if abs(value) < 0.05 else f"{value:+.1f}"
+
+
 def format_measurement(result: MeasureResult) -> str:
     """Measured vs estimated as a text table."""
     from ..core.units import format_bytes
@@ -829,13 +833,13 @@ def format_measurement(result: MeasureResult) -> str:
             continue
         est = result.estimate.estimate.phases[name].tensor_bytes
         lines.append(f"{name.replace('_', ' '):<16}{format_bytes(r.peak_bytes):>14}{format_bytes(est):>14}"
-                     f"{err.get(name, math.nan):>+8.1f}%")
+                     f"{_pct(err.get(name, math.nan)):>8}%")
     if len(result.ranks) > 1:
         lines += ["", "Every rank, measured and (estimate − measured) / measured:",
                   f"{'rank':<28}" + "".join(f"{p.replace('_', ' '):>21}" for p in PHASES[1:])]
         for rank in result.ranks:
             errors = rank.error_pct
-            cells = "".join(f"{format_bytes(rank.phases[p].peak_bytes):>12}{errors.get(p, math.nan):>+8.1f}%"
+            cells = "".join(f"{format_bytes(rank.phases[p].peak_bytes):>12}{_pct(errors.get(p, math.nan)):>8}%"
                             for p in PHASES[1:] if p in rank.phases)
             shown = "  ← above" if rank.rank == result.shown_rank else ""
             lines.append(f"{rank.label:<28}{cells}{shown}")

@@ -17,12 +17,13 @@ torch and transformers are imported inside functions only.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 from ..core.configfile import LAYER_KEYS, transformers_kwargs, with_layers
-from ..core.fitted import FitModel, estimate_fitted, evaluate_fitted, signature
+from ..core.fitted import FitModel, estimate_fitted, evaluate_fitted, rank_signature, signature
 from ..core.result import Result
 from ..core.setup import TrainingSetup, checkpoint_every
 
@@ -60,7 +61,7 @@ class FittedScaling:
         self.period = checkpoint_every(setup.checkpointing) or 1
         self._calibrate = calibrate or partial(_calibrate, progress=progress)
         self._fits: dict[tuple[int, str], FitModel] = {}
-        self._counts: dict[tuple[int, int], tuple[int, int]] = {}
+        self._structures: dict[tuple[int, int], dict[str, int]] = {}
         self._min_layers: int | None = None
         self.traced = False  # the fit does not apply (too few layers to extrapolate from): each setup is traced
 
@@ -80,14 +81,20 @@ class FittedScaling:
                     cfg[key] = kept or None
         return cfg
 
+    def structure(self, layers: int, vocab: int) -> dict[str, int]:
+        """The counts of the config at ``layers`` and ``vocab`` (transformers on the meta device): its parameters,
+        those one token uses, and the unit sizes a per-GPU budget needs."""
+        key = (layers, vocab)
+        if key not in self._structures:
+            from ..trace.meta import structure_on_meta
+
+            self._structures[key] = structure_on_meta(self.config_for(layers, vocab))
+        return self._structures[key]
+
     def counts(self, layers: int, vocab: int) -> tuple[int, int]:
         """(parameters, those one token uses) of the config at ``layers`` and ``vocab``."""
-        key = (layers, vocab)
-        if key not in self._counts:
-            from ..trace.meta import count_params_and_active_on_meta
-
-            self._counts[key] = count_params_and_active_on_meta(self.config_for(layers, vocab))
-        return self._counts[key]
+        st = self.structure(layers, vocab)
+        return st["num_params"], st["active_params"]
 
     def setup(self, base: TrainingSetup, layers: int, vocab: int) -> TrainingSetup:
         """``base`` (its shape and choices) for the config at ``layers`` and ``vocab``: its parameter count, and the
@@ -105,10 +112,12 @@ class FittedScaling:
 
     def min_layers(self, setup: TrainingSetup) -> int:
         """The fewest layers a scaled-down step keeps: the fit's first traced count (past DeepSeek's dense layers,
-        a whole checkpointing period), or the config's own count when it has fewer."""
+        a whole checkpointing period; an FSDP2 rank's fit's, deeper), or the config's own count when it has fewer."""
         if self._min_layers is None:
             fit = self._fit_or_none(setup, self.vocab)
-            self._min_layers = self.layers if fit is None else min(self.layers, fit.layers[0])
+            # one FSDP2 rank's fit traces deeper models (trace.fit.rank_layer_counts): below them it would not hold
+            first = 0 if fit is None else max(fit.layers[0], fit.rank.layers[0] if fit.rank is not None else 0)
+            self._min_layers = self.layers if fit is None else min(self.layers, first)
         return self._min_layers
 
     def fewer_layers(self, layers: int, floor: int) -> int:
@@ -120,7 +129,7 @@ class FittedScaling:
     # ---- the fitted estimate ----------------------------------------------------------------------------------
     def fit(self, setup: TrainingSetup, vocab: int) -> FitModel:
         """The fit of the full-depth config at ``vocab`` for ``setup``'s signature (calibrated once per vocabulary)."""
-        key = (vocab, repr(sorted(signature(setup).items(), key=lambda kv: kv[0])))
+        key = (vocab, json.dumps([signature(setup), rank_signature(setup)], sort_keys=True, default=str))
         if key not in self._fits:
             cfg = self.config_for(self.layers, vocab)
             probe = setup.with_changes(params=self.counts(self.layers, vocab)[0])
@@ -142,7 +151,13 @@ class FittedScaling:
         scaled = self.scaled(setup)
         layers, vocab = scaled if scaled is not None else (self.layers, self.vocab)
         fit = self._fit_or_none(setup, vocab)
-        return None if fit is None else dataclasses.replace(fit, num_layers=layers, num_params=setup.num_params)
+        if fit is None:
+            return None
+        # the shorter model: the same moments at its layer count, its own unit sizes for a per-GPU budget (the fit of
+        # one FSDP2 rank, when there is one, likewise)
+        shorter = {"num_layers": layers, "num_params": setup.num_params, "structure": self.structure(layers, vocab)}
+        rank = dataclasses.replace(fit.rank, **shorter) if fit.rank is not None else None
+        return dataclasses.replace(fit, rank=rank, **shorter)
 
     def _traced(self, setup: TrainingSetup) -> Result:
         from ..trace.fake import trace_estimate
@@ -176,4 +191,5 @@ def _calibrate(config: dict[str, Any], setup: TrainingSetup, progress: Callable[
         vocab = config.get("vocab_size")
         progress(f"fitting the estimate of the {device} step at a vocabulary of {vocab:,}" if isinstance(vocab, int)
                  else f"fitting the estimate of the {device} step")
-    return calibrate(config, setup, setup.num_params, progress=progress, rank=False)
+    # one rank of an FSDP2 layout is fitted from traces of that rank (core.fitted.rank_layout), DDP's by rule
+    return calibrate(config, setup, setup.num_params, progress=progress, rank=setup.parallel.is_distributed)

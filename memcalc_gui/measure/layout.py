@@ -17,7 +17,8 @@ This module decides, without torch, which processes that takes and what each run
   ``tests/test_layout.py``), so a stage costs one process, not tp; sequence parallelism is not run there.
 
 Not run (refused, naming ``strategy``): ZeRO and FSDP1, which are DeepSpeed's and FSDP1's engines, not installed here;
-Megatron-LM; offload; expert parallelism (the families with experts have no block model to measure against).
+Megatron-LM; offload; expert parallelism; pipeline stages and context parallelism of a family without a block model
+(such a family is compared with its fitted ledger: :mod:`.fitted`).
 
 A layout of more ranks than this machine runs (``MAX_CPU_RANKS`` processes) is scaled down: the data-parallel
 dimension first, then context, tensor and pipeline parallelism, each kept at 2 while another can give way, and the
@@ -33,6 +34,7 @@ from typing import Any
 from ..core.distributed import Parallelism
 from ..core.errors import InputError
 from ..core.setup import TrainingSetup
+from .fitted import CONFIG_KEY
 
 #: CPU processes a measurement runs at most (the issue's 2–4 ranks of a scaled-down model; each holds torch).
 MAX_CPU_RANKS = 4
@@ -82,6 +84,9 @@ def refusal(setup: TrainingSetup) -> str:
                 "the others estimate it")
     if par.pp > 1 and par.cp > 1:
         return "context beside pipeline parallelism is not run in a real multi-rank step"
+    if setup.model is None and (par.pp > 1 or par.cp > 1):
+        return ("a family without a block model is measured rank by rank under DDP or FSDP2, with tensor parallelism "
+                "or without; its pipeline stages and context parallelism are estimated (--method fitted or trace)")
     return ""
 
 
@@ -159,9 +164,11 @@ def rank_job(setup: TrainingSetup) -> RankJob:
     refused = refusal(setup)
     if refused:
         raise InputError("strategy", refused)
-    assert setup.model is not None
     par = setup.parallel
-    config = dict(setup.model.raw)
+    fitted = setup.extras.get(CONFIG_KEY) if setup.model is None else None  # a family without a block model
+    if setup.model is None and not isinstance(fitted, dict):
+        raise InputError("model", "measuring needs an architecture (a preset or a config.json), not a bare count")
+    config = dict(fitted) if isinstance(fitted, dict) else dict(setup.model.raw) if setup.model is not None else {}
     notes: list[str] = []
     if par.pp > 1:
         dp = par.dp if par.strategy == "fsdp2" else 1

@@ -624,12 +624,6 @@ class MeasurePanel(QObject):
             self._show_problem("Cannot measure a bare parameter count.",
                                "Measuring builds the model: choose a preset or open a config.json.")
             return False
-        if config is not None and setup.parallel.is_distributed:
-            self._show_problem(f"Measuring {setup.extras.get('model_type', 'this family')} across GPUs is not "
-                               "available yet.",
-                               "A family without a block model is measured as one process: set GPUs to 1 to "
-                               "measure its step. “Precise (trace)” traces one rank of this layout.")
-            return False
         self.result = None
         self._measured_key = tensor_key(setup)
         w.chart.set_measured(None)
