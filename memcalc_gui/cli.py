@@ -690,7 +690,10 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
     if not timeline.events:
         raise InputError("snapshot", "the snapshot's trace holds no allocations (record with "
                                      "torch.cuda.memory._record_memory_history() before the step)")
-    result = evaluate(setup, "analytic" if setup.model is not None else "quick")
+    fitted = _unknown_family_result(setup, args)  # no block model: the fitted ledger, as `memcalc estimate`
+    if fitted is not None and fitted[1]:
+        notes = [*notes, fitted[1]]
+    result = fitted[0] if fitted is not None else evaluate(setup, "analytic" if setup.model is not None else "quick")
     rows = compare_phases(timeline, {p: dict(ph.objects) for p, ph in result.estimate.phases.items()})
     _, peak = timeline.peak()
     signals = None
@@ -702,11 +705,11 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
         _out(json.dumps({"snapshot": str(args.snapshot), "events": len(timeline.events), "peak_bytes": peak,
                          "reserved_bytes": timeline.reserved_bytes, "phases": [r.to_json() for r in rows],
                          "reconciliation": signals.to_json() if signals else None,
-                         "setup": setup.describe(), "notes": notes}, indent=2))
+                         "setup": setup.describe(), "method": result.estimate.method, "notes": notes}, indent=2))
         return 0
     _out(f"Snapshot   {args.snapshot}: {len(timeline.events):,} events, peak {format_bytes(peak)}"
          + (f", {format_bytes(timeline.reserved_bytes)} reserved at the end" if timeline.reserved_bytes else ""))
-    _out(f"Estimate   {setup.summary()}")
+    _out(f"Estimate   {setup.summary()} ({result.estimate.method} method)")
     if not rows:
         _out("No phase of the step was found in the snapshot's frames (record the history with stacks: "
              "torch.cuda.memory._record_memory_history(stacks='python')).")
@@ -760,6 +763,24 @@ def cmd_measure(args: argparse.Namespace) -> int:
     return 0
 
 
+def _unknown_family_result(setup: TrainingSetup, args: argparse.Namespace) -> tuple[Result, str] | None:
+    """A family without a block model (``None`` for another): the fitted method's result, as ``memcalc estimate``
+    gives it, or the full trace's where the fit's checks refuse it; and a note saying so."""
+    unknown = getattr(args, "unknown_config", None)
+    if unknown is None:
+        return None
+    setup.extras["model_type"] = str(unknown.get("model_type"))[:40]
+    setup.extras["model_name"] = args.preset or args.model or f"model_type {setup.extras['model_type']!r}"
+    if getattr(args, "active_params", None) is not None:
+        setup.extras["active_params"] = args.active_params
+    result, note = _fitted_result(setup, unknown)
+    if result is None:  # a fit the checks refuse on one GPU: the full trace
+        from .trace.fake import trace_estimate
+
+        result = trace_estimate(setup, config=unknown).result(None)
+    return result, note
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from .report.export import ReportWriteError, report_format, write_report
 
@@ -773,20 +794,11 @@ def cmd_report(args: argparse.Namespace) -> int:
             timeline = read_timeline(Path(args.snapshot).read_bytes())
         except OSError as exc:
             raise InputError("snapshot", f"cannot read {args.snapshot}: {exc.strerror or exc}") from None
-    unknown = getattr(args, "unknown_config", None)  # no block model: the fitted method, as `memcalc estimate`
-    result: Result | None = None
-    if unknown is not None and args.method is None:
-        setup.extras["model_type"] = str(unknown.get("model_type"))[:40]
-        setup.extras["model_name"] = args.preset or args.model or f"model_type {setup.extras['model_type']!r}"
-        if getattr(args, "active_params", None) is not None:
-            setup.extras["active_params"] = args.active_params
-        result, note = _fitted_result(setup, unknown)
-        if result is None:  # a fit the checks refuse on one GPU: the full trace
-            from .trace.fake import trace_estimate
-
-            result = trace_estimate(setup, config=unknown).result(None)
+    result = None if args.method is not None else _unknown_family_result(setup, args)
+    if result is not None:
+        result, note = result
         notes = [*notes, note] if note else notes
-    if result is None:
+    else:
         result = evaluate(setup, args.method)
     os.environ["QT_QPA_PLATFORM"] = "offscreen"  # a command never shows a window (nor needs a display)
     try:
