@@ -1078,12 +1078,15 @@ def test_a_family_without_a_block_model_is_fitted_in_the_window(window, qtbot, t
     qtbot.waitUntil(suggested, timeout=60000)
 
 
+TINY_MIXTRAL = {"model_type": "mixtral", "hidden_size": 64, "intermediate_size": 64, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 512, "max_position_embeddings": 512,
+                "num_local_experts": 4, "num_experts_per_tok": 2}
+
+
 def open_mixtral(w: MainWindow, qtbot, tmp_path: Path, layers: int) -> None:
     """Open a small Mixtral-shaped config.json and wait for its fitted (single-GPU) result."""
     pytest.importorskip("transformers")
-    cfg = {"model_type": "mixtral", "hidden_size": 64, "intermediate_size": 64, "num_attention_heads": 4,
-           "num_key_value_heads": 2, "num_hidden_layers": layers, "vocab_size": 512, "max_position_embeddings": 512,
-           "num_local_experts": 4, "num_experts_per_tok": 2}
+    cfg = dict(TINY_MIXTRAL, num_hidden_layers=layers)
     path = write_config(tmp_path / "mixtral", "config.json", cfg)
     before = w.result
     assert not w.open_config(path)
@@ -1166,6 +1169,32 @@ def test_the_layout_search_calibrates_the_tensor_parallel_layouts_it_left_out(wi
     tp2 = [sum(lay.parallel.tp == 2 for lay in d.layouts) for d in (failed, again)]
     assert tp2[0] == tp2[1] - 1
     assert "Left out (1): the fitted method does not hold: no trace." in failed.intro.text()
+
+
+def test_opening_another_model_drops_the_layout_searchs_queued_calibrations(window, qtbot, tmp_path):
+    """The layout search's calibrations run one after another in the worker; opening another model meanwhile drops
+    those still queued (they were for the model before, and held the new model's own calibration back), and the
+    search does not reopen for the old model."""
+    w = window
+    w.apply_state(w.inputs.state().replace(precision="fp32", gpus="2"))
+    open_mixtral(w, qtbot, tmp_path, layers=2)
+    setup = w.result.setup
+    needed = setup.extras["fit"]
+    first = setup.with_changes(checkpointing="full")
+    second = setup.with_changes(parallel=dataclasses.replace(setup.parallel, tp=2))
+    w._layout_fits = [(needed, first), (needed, second)]
+    w._layout_fits_total = 2
+    w._next_layout_fit()
+    assert w.fit_runner.is_running() and len(w._layout_fits) == 1
+    other = dict(TINY_MIXTRAL, hidden_size=32, num_hidden_layers=3)
+    before = w.result
+    assert not w.open_config(write_config(tmp_path / "other", "config.json", other))
+    qtbot.waitUntil(lambda: w.result is not before and w.result.estimate.method == "fitted"
+                    and w.result.setup.extras["fit"].config["hidden_size"] == 32, timeout=120000)
+    qtbot.waitUntil(lambda: not w.fit_runner.is_running(), timeout=60000)
+    assert w._layout_fits == [] and w._layout_fits_total == 0
+    assert w._fit_key(needed, second, ranks=False) not in w.fits  # never traced
+    assert w.layouts_dialog is None
 
 
 def test_pipeline_stages_of_a_mixture_of_experts_in_the_window(window, qtbot, tmp_path):

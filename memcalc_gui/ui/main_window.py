@@ -1025,6 +1025,11 @@ class MainWindow(QMainWindow):
         last."""
         if self.fit_runner.is_running() or self._closed:
             return
+        if self._layout_fits and self._layout_fits[0][0].config != getattr(self._fit_request(), "config", None):
+            # another model is open now: the search's calibrations were for the one before, and would hold its own
+            # calibration back
+            self._layout_fits.clear()
+            self._layout_fits_total = 0
         if self._layout_fits:
             needed, trial = self._layout_fits.pop(0)
             done = self._layout_fits_total - len(self._layout_fits)
@@ -1035,6 +1040,13 @@ class MainWindow(QMainWindow):
         elif self._layout_fits_total:
             self._layout_fits_total = 0
             QTimer.singleShot(0, self.show_layouts)  # after the refresh this fit's end runs
+
+    def _fit_request(self) -> Any:
+        """The fitted method's request for the model the form names (``None``: a block model, or an invalid form)."""
+        try:
+            return build_setup(self.inputs.state(), self.cache).extras.get("fit")
+        except Exception:  # an invalid form (FormErrors, a core rule): no model to calibrate for
+            return None
 
     def reset_to_defaults(self) -> None:
         self.push_state(default_state(), "Reset to defaults")
