@@ -840,19 +840,18 @@ def cmd_layouts(args: argparse.Namespace) -> int:
     if unknown is not None:
         _out("Fitted method (no block model): each layout's ledger from traces of the real model, its states by rule "
              "(docs/fitted.md); tensor parallelism without sequence or loss parallelism, no pipeline stages")
-    best = min((lay.seconds_per_token for lay in layouts if lay.fits is not False), default=None)
     width = max((len(lay.label) for lay in shown), default=6)
     _out(f"{'#':>3}  {'layout':<{width}} {'peak/GPU':>11} {'headroom':>11} {'speed':>6} {'bubble':>6} "
          f"{'sent/GPU':>11} {'fewest GPUs':>11}")
     for i, lay in enumerate(shown, 1):
         head = "—" if lay.headroom_bytes is None else format_bytes(lay.headroom_bytes) if lay.fits else "over"
-        speed = f"{best / lay.seconds_per_token:.0%}" if best and lay.seconds_per_token else "—"
+        speed = layouts.speed_text(lay)
         fewest = f"{lay.min_gpus:,}" if lay.min_gpus else "never" if lay.min_gpus_searched and cap else "—"
         peak = ("≤" if lay.upper_bound else "") + format_bytes(lay.peak_bytes)
         _out(f"{i:>3}  {lay.label:<{width}} {peak:>11} {head:>11} {speed:>6} "
              f"{lay.bubble:>6.0%} {format_bytes(lay.communication_bytes):>11} {fewest:>11}")
     _out("speed: tokens per second relative to the best layout that fits (compute, pipeline bubble and "
-         "communication of one step; a ranking, not a forecast)")
+         "communication of one step; a ranking, not a forecast); in parentheses for a layout that does not fit")
     if len(shown) < len(layouts):
         _out(f"     … {len(layouts) - len(shown)} more (--top 0 shows all)")
     if any(lay.upper_bound for lay in shown):

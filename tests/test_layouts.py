@@ -43,6 +43,13 @@ def test_layouts_come_ranked_and_their_peaks_are_the_estimators() -> None:
     assert fitting, "a 70B model fits 64 H100s in some layout"
     times = [lay.seconds_per_token for lay in fitting]
     assert times == sorted(times)
+    # speed is relative to the fastest layout that fits; one that does not fit is in parentheses (it does not run)
+    assert layouts.speed_text(fitting[0]) == "100%"
+    assert all(not layouts.speed_text(lay).startswith("(") for lay in fitting)
+    over = [lay for lay in layouts if lay.fits is False]
+    assert over and all(layouts.speed_text(lay).startswith("(") and layouts.speed_text(lay).endswith("%)")
+                        for lay in over)
+    assert any(lay.seconds_per_token < fitting[0].seconds_per_token for lay in over)  # faster, were it to fit
     for lay in layouts[:5]:
         assert lay.peak_bytes == estimate(setup.with_changes(parallel=lay.parallel)).peak_bytes
     for lay in layouts[:3]:  # the fewest GPUs of that shape fit, one group fewer does not

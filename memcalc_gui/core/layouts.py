@@ -210,6 +210,17 @@ class Search(list[Layout]):
     def left_out_count(self) -> int:
         return sum(len(v) for v in self.left_out.values())
 
+    def speed_text(self, layout: Layout) -> str:
+        """``layout``'s tokens per second relative to the fastest layout that fits (``87 %``). A layout that does not
+        fit is in parentheses, as if it did (``(130 %)``: it would be faster, but it does not run); ``—`` without a
+        layout that fits."""
+        best = min((lay.seconds_per_token for lay in self if lay.fits is not False and lay.seconds_per_token),
+                   default=None)
+        if not best or not layout.seconds_per_token:
+            return "—"
+        text = f"{best / layout.seconds_per_token:.0%}"
+        return f"({text})" if layout.fits is False else text
+
 
 def search(setup: TrainingSetup, estimator: Callable[[TrainingSetup], Estimate], gpus: int | None = None,
            min_gpus_for: int = MIN_GPUS_FOR, shape: ModelShape | None = None) -> Search:

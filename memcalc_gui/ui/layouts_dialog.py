@@ -144,8 +144,6 @@ class LayoutsDialog(QDialog):
             self.table.selectRow(0)
 
     def _fill(self, rows: list[Layout], cap: int | None) -> None:
-        best = min((x.seconds_per_token for x in self.layouts if x.fits is not False and x.seconds_per_token),
-                   default=None)
         dim = self.palette().color(QPalette.ColorGroup.Disabled, QPalette.ColorRole.Text)
         self.table.setRowCount(len(rows))
         for r, layout in enumerate(rows):
@@ -153,7 +151,7 @@ class LayoutsDialog(QDialog):
                 format_bytes(layout.headroom_bytes) if layout.fits else "over"
             fewest = f"{layout.min_gpus:,}" if layout.min_gpus else "never" if layout.min_gpus_searched and cap \
                 else "—"
-            speed = f"{best / layout.seconds_per_token:.0%}" if best and layout.seconds_per_token else "—"
+            speed = self.layouts.speed_text(layout)
             peak = ("≤ " if layout.upper_bound else "") + format_bytes(layout.peak_bytes)
             cells = (layout.label, peak, head, speed, f"{layout.bubble:.0%}", fewest)
             for c, text in enumerate(cells):
