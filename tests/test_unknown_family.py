@@ -216,8 +216,8 @@ def test_measuring_an_unknown_family_compares_with_the_fitted_ledger(tmp_path: P
 def test_the_ranks_of_a_fitted_family_are_measured_against_its_fitted_ledger(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A Mixtral-shaped config under FSDP2 over 2 GPUs: two real gloo processes, each rank compared with the fitted
-    ledger of one FSDP2 rank (calibrated from traces of that rank); pipeline stages of such a family are refused in
-    one line naming the field."""
+    ledger of one FSDP2 rank (calibrated from traces of that rank), with its experts whole and split over the two;
+    pipeline stages of such a family are refused in one line naming the field."""
     cfg = {"model_type": "mixtral", "hidden_size": 64, "intermediate_size": 64, "num_attention_heads": 4,
            "num_key_value_heads": 2, "num_hidden_layers": 4, "vocab_size": 512, "max_position_embeddings": 512,
            "num_local_experts": 4, "num_experts_per_tok": 2}
@@ -237,6 +237,16 @@ def test_the_ranks_of_a_fitted_family_are_measured_against_its_fitted_ledger(
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("memcalc: error: --strategy:") and "pipeline stages" in err and len(err.splitlines()) == 1
+
+    # the experts split over the 2 GPUs (transformers' expert layout, FSDP2 over each expert's copies): the estimate
+    # assumes balanced routing, the random router is not, so the ranks part around it, their mean on it
+    assert cli_main([*args, "--ep", "2", "--full-size", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    forward = [r["error_pct"]["forward"] for r in data["ranks"]]
+    assert len(forward) == 2 and abs(sum(forward) / 2) < 1 and max(abs(e) for e in forward) < 10, forward
+    for rank in data["ranks"]:  # the weights and the optimizer state are split exactly
+        assert abs(rank["error_pct"]["load"]) < 0.5 and abs(rank["error_pct"]["optimizer_step"]) < 2, rank
+    assert any("balanced routing" in n and "on average" in n for n in data["notes"])
 
 
 def test_a_snapshot_of_an_unknown_family_is_reconciled_with_the_fitted_ledger(

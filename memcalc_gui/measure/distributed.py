@@ -77,7 +77,10 @@ def _step(rank: int, world: int, kwargs: dict[str, Any], strategy: str, reshard_
     one pipeline stage (``pipeline:<schedule>``) under PyTorch's schedule."""
     import torch.distributed as dist
 
-    kwargs = dict(kwargs, settle=dist.barrier)  # gloo's workers let go of finished collectives' buffers
+    # gloo's workers let go of finished collectives' buffers at the barrier; a phase's peak is its lowest over the
+    # steady iterations (a buffer they free late lands in one of them now and then), except where the iterations
+    # really differ: a router sends an expert-parallel rank other tokens as the weights change
+    kwargs = dict(kwargs, settle=dist.barrier, settled=getattr(layout, "ep", 1) == 1)
     if strategy == "fsdp2":
         return measure_training_step(**kwargs, parallelize=fsdp2_parallelize(kwargs["precision"],
                                                                              reshard_after_forward),

@@ -651,8 +651,24 @@ def _measure_ranks(result: MeasureResult, setup: TrainingSetup, iterations: int,
     result.phases = dict(shown.phases)
     result.iterations_live_bytes = list(shown.live_bytes)
     result.notes += list(job.notes)
+    if setup.parallel.ep > 1:
+        result.notes.append(_routing_note(result.ranks))
     result.notes.append(f"{job.world} ranks, one CPU process each on PyTorch's gloo backend, each measured with the "
                         f"live-storage tracker; the table shows {shown.label}, the one the estimate describes")
+
+
+def _routing_note(ranks: list[RankReading]) -> str:
+    """What the router did to the ranks of an expert-parallel step: the estimate assumes balanced routing (each GPU's
+    experts get their share of the tokens); random weights route unevenly, so each rank's forward peak lies above or
+    below it, by how much said here (their mean is the balanced step)."""
+    shares = [(r.phases["forward"].peak_bytes - r.estimate_bytes["forward"]) / r.estimate_bytes["forward"] * 100
+              for r in ranks if "forward" in r.phases and r.estimate_bytes.get("forward")]
+    if not shares:
+        return "Expert parallelism: the estimate assumes balanced routing"
+    mean = sum(shares) / len(shares)
+    return (f"Expert parallelism: the estimate assumes balanced routing (every GPU's experts get their share of the "
+            f"tokens); this step's router sent them unequal shares, and the ranks' measured forward peaks lie "
+            f"{_pct(min(shares))} % to {_pct(max(shares))} % from it ({_pct(mean)} % on average)")
 
 
 def _measure_cuda(result: MeasureResult, config: dict[str, Any], setup: TrainingSetup, iterations: int,

@@ -16,9 +16,12 @@ This module decides, without torch, which processes that takes and what each run
   the model with a tp-th of the heads and MLP features (equal to the parallelized rank to the byte,
   ``tests/test_layout.py``), so a stage costs one process, not tp; sequence parallelism is not run there.
 
+* **Expert parallelism** (a mixture of experts, ``--ep`` under FSDP2 without tensor parallelism): one rank of
+  transformers' expert layout as :func:`memcalc_gui.trace.ranks.run_rank` builds it, its all-to-all over gloo.
+
 Not run (refused, naming ``strategy``): ZeRO and FSDP1, which are DeepSpeed's and FSDP1's engines, not installed here;
-Megatron-LM; offload; expert parallelism; pipeline stages and context parallelism of a family without a block model
-(such a family is compared with its fitted ledger: :mod:`.fitted`).
+Megatron-LM; offload; expert parallelism beside DDP or tensor parallelism; pipeline stages and context parallelism of a
+family without a block model (such a family is compared with its fitted ledger: :mod:`.fitted`).
 
 A layout of more ranks than this machine runs (``MAX_CPU_RANKS`` processes) is scaled down: the data-parallel
 dimension first, then context, tensor and pipeline parallelism, each kept at 2 while another can give way, and the
@@ -28,6 +31,7 @@ comparison is with the estimate of exactly the layout measured, as a scaled-down
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,8 +81,9 @@ def refusal(setup: TrainingSetup) -> str:
                 "or fsdp2, or estimate it")
     if par.offload != "none":
         return "offload is not run in a real multi-rank step; estimate it, or measure without --offload"
-    if par.ep > 1:
-        return "expert parallelism is not measured for real; --method trace runs transformers' expert layout per rank"
+    if par.ep > 1 and (par.strategy != "fsdp2" or par.tp > 1):
+        return ("expert parallelism is measured for real under FSDP2 without tensor parallelism (transformers' expert "
+                "layout, as the trace runs it); --method trace runs its other layouts per rank")
     if setup.tuning.method != "full" and (par.pp > 1 or par.tp > 1 or par.cp > 1 or par.strategy == "fsdp2"):
         return ("fine-tuning beside FSDP2 or model parallelism is not run in a real multi-rank step; DDP measures it, "
                 "the others estimate it")
@@ -141,6 +146,8 @@ def scale_layout(setup: TrainingSetup, max_ranks: int = MAX_CPU_RANKS) -> tuple[
         if sizes[dim] != original[dim]:
             changes.append(f"{names[dim]} {sizes[dim]} instead of {original[dim]}")
     scaled = _with(par, **sizes)
+    if scaled.ep != par.ep:
+        changes.append(f"experts split over {scaled.ep} GPUs instead of {par.ep}")
     if scaled != setup.parallel:
         setup = setup.with_changes(parallel=scaled)
     return setup, changes
@@ -153,7 +160,10 @@ def _with(par: Parallelism, **sizes: int) -> Parallelism:
         sizes.update(sp=False, loss_parallel=False)
     if merged["pp"] == 1:
         sizes.update(schedule="1f1b", virtual_stages=1)
-    return dataclasses.replace(par, gpus=dp * merged["tp"] * merged["cp"] * merged["pp"], **sizes)
+    gpus = dp * merged["tp"] * merged["cp"] * merged["pp"]
+    # the experts split over as many of the remaining GPUs as they can (a stage's, with pipeline stages)
+    sizes["ep"] = math.gcd(par.ep, gpus // merged["pp"])
+    return dataclasses.replace(par, gpus=gpus, **sizes)
 
 
 def rank_job(setup: TrainingSetup) -> RankJob:
@@ -184,6 +194,10 @@ def rank_job(setup: TrainingSetup) -> RankJob:
     world = par.gpus
     if par.strategy == "ddp" and par.tp == 1 and par.cp == 1:
         return RankJob("ddp", world, None, config, (0,) * world, tuple(notes))
+    if par.ep > 1:  # transformers' expert layout, FSDP2 over each expert's copies (trace.ranks.RankLayout)
+        return RankJob("ranks", world, RankLayout(dp_shard=par.dp, ep=par.ep,
+                                                  reshard_after_forward=par.reshard_after_forward),
+                       config, (0,) * world, tuple(notes))
     if par.strategy == "fsdp2" and par.tp == 1 and par.cp == 1:
         return RankJob("fsdp2", world, None, config, (0,) * world, tuple(notes))
     fsdp2 = par.strategy == "fsdp2"
