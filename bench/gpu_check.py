@@ -15,7 +15,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from memcalc_gui.core.finetune import FineTuning
-from memcalc_gui.core.model import preset_spec
+from memcalc_gui.core.model import SUPPORTED_FAMILIES, preset_config, preset_spec
 from memcalc_gui.core.setup import TrainingSetup
 from memcalc_gui.core.units import format_bytes
 from memcalc_gui.measure.engine import detect_device, measure
@@ -33,6 +33,10 @@ SETUPS = [
          tuning=FineTuning(method="lora", rank=16)),
     dict(preset="llama-3.2-1b", batch=4, seq=2048, precision="mixed", checkpointing="full",
          optimizer="paged-adamw-32bit", tuning=FineTuning(method="qlora", rank=16)),
+    # families without a block model, against the fitted ledger (calibrated for the CUDA step on fake tensors first):
+    # Gemma 2 (eager attention, soft-capping) and a mixture of experts (OLMoE, 64 experts, transformers' kernel)
+    dict(preset="gemma-2-2b", batch=2, seq=2048, precision="mixed", attention="eager"),
+    dict(preset="olmoe-1b-7b", batch=2, seq=2048, precision="bf16", checkpointing="full"),
 ]
 
 
@@ -45,12 +49,20 @@ def main() -> None:
     print(header)
     for row in SETUPS:
         kw = dict(row)
-        spec = preset_spec(kw.pop("preset"))
-        setup = TrainingSetup(model=spec, capacity_bytes=info.total_bytes, **kw)  # type: ignore[arg-type]
-        label = f"{spec.name} b{setup.batch} s{setup.seq} {setup.precision} {setup.optimizer_impl} " \
+        name = str(kw.pop("preset"))
+        config = preset_config(name)
+        if str(config.get("model_type")) in SUPPORTED_FAMILIES:
+            setup = TrainingSetup(model=preset_spec(name), capacity_bytes=info.total_bytes, **kw)  # type: ignore[arg-type]
+            config = None
+        else:  # the fitted method: the config itself is measured, its parameters counted on the meta device
+            from memcalc_gui.trace.meta import count_params_on_meta
+
+            setup = TrainingSetup(params=count_params_on_meta(config), capacity_bytes=info.total_bytes,
+                                  **kw)  # type: ignore[arg-type]
+        label = f"{name} b{setup.batch} s{setup.seq} {setup.precision} {setup.optimizer_impl} " \
                 f"{setup.attention} ckpt={setup.checkpointing} {setup.tuning_short()}"
         try:
-            r = measure(setup, device="cuda", iterations=3, full_size=True)
+            r = measure(setup, device="cuda", iterations=3, full_size=True, config=config)
         except Exception as exc:  # report and go on: one script, one table
             print(f"{label:<58}failed: {exc}")
             continue
