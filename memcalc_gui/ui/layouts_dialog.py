@@ -163,7 +163,8 @@ class LayoutsDialog(QDialog):
                                     "this strategy runs until that is calibrated")
                 if layout.fits is False:
                     item.setForeground(dim)
-                    item.setToolTip("Does not fit: the most loaded GPU needs more than the capacity")
+                    item.setToolTip("Does not fit: the most loaded GPU needs more than the capacity"
+                                    + ("; in parentheses, its speed were it to fit" if COLUMNS[c] == "Speed" else ""))
                 self.table.setItem(r, c, item)
 
     def selected(self) -> Layout | None:
