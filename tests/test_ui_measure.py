@@ -366,7 +366,7 @@ def test_a_family_without_a_block_model_is_measured_against_its_fitted_ledger(wi
     qtbot.waitUntil(lambda: w.result.setup.parallel.ep == 2 and not w.fit_runner.is_running(), timeout=120000)
     with qtbot.waitSignal(panel.failed, timeout=60000):
         click(qtbot, panel.button)
-    assert "expert parallelism is not measured for real" in panel.view.message.text()
+    assert "expert parallelism is measured for real under FSDP2" in panel.view.message.text()
 
 
 # ---- cancel, errors, OOM ---------------------------------------------------------------------------

@@ -432,12 +432,11 @@ def measure(
     time_budget_s: float = 30.0,
     full_size: bool = False,
     config: dict[str, Any] | None = None,
-    calibrate: Callable[[dict[str, Any], TrainingSetup], Any] | None = None,
 ) -> MeasureResult:
     """Measure ``setup`` on ``device`` and compare with its estimate. Out-of-memory is a result.
 
     ``config``: the config of a family without a block model (``setup.model`` is then ``None``), compared with the
-    fitted method's ledger of what ran (:mod:`.fitted`; ``calibrate`` replaces its calibration, for the window)."""
+    fitted method's ledger of what ran (:mod:`.fitted`)."""
     if not 2 <= iterations <= MAX_ITERATIONS:
         raise InputError("iterations", f"must be 2 to {MAX_ITERATIONS} (the first iteration creates the optimizer "
                                        f"state; the second is the steady state), got {iterations:,}")
@@ -459,8 +458,7 @@ def measure(
     target = "cuda" if info.kind == "cuda" else "cpu"
     try:
         with exclusive_torch_job(should_stop, Cancelled):
-            result = _planned(setup, info, target, iterations, time_budget_s, full_size, progress, should_stop,
-                              config, calibrate)
+            result = _planned(setup, info, target, time_budget_s, full_size, progress, should_stop, config)
             measured = result.setup
             run_config = measured.extras.get(CONFIG_KEY) if config is not None else None
             config = dict(run_config) if isinstance(run_config, dict) else \
@@ -503,10 +501,9 @@ def measure(
     return result
 
 
-def _planned(setup: TrainingSetup, info: DeviceInfo, target: str, iterations: int, time_budget_s: float,
-             full_size: bool, progress: ProgressFn | None, should_stop: Callable[[], bool] | None,
-             config: dict[str, Any] | None, calibrate: Callable[[dict[str, Any], TrainingSetup], Any] | None,
-             ) -> MeasureResult:
+def _planned(setup: TrainingSetup, info: DeviceInfo, target: str, time_budget_s: float, full_size: bool,
+             progress: ProgressFn | None, should_stop: Callable[[], bool] | None,
+             config: dict[str, Any] | None) -> MeasureResult:
     """What will be measured (scaled down unless ``full_size``), beside the estimate of exactly that: the analytic
     ledger, or a family without a block model's fitted one (:mod:`.fitted`, calibrated here when it is not cached)."""
     ranked = setup.parallel.is_distributed
@@ -516,7 +513,7 @@ def _planned(setup: TrainingSetup, info: DeviceInfo, target: str, iterations: in
         assert config is not None
         if should_stop is not None and should_stop():
             raise Cancelled("measurement cancelled")
-        fitted = FittedScaling(config, on_target, calibrate, progress)
+        fitted = FittedScaling(config, on_target, progress)
         if full_size:
             changes: list[str] = []
             if ranked:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 from ..core.configfile import LAYER_KEYS, transformers_kwargs, with_layers
@@ -39,14 +38,10 @@ def _count(cfg: dict[str, Any], keys: tuple[str, ...]) -> int:
 
 class FittedScaling:
     """A family without a block model as a measurement plans it: the config at a layer count and vocabulary, its
-    parameter counts (transformers on the meta device), and the fitted estimate of each setup the plan weighs.
-
-    ``calibrate(config, setup)`` returns the fit of ``config`` for ``setup``'s signature (by default
-    :func:`memcalc_gui.trace.fit.calibrate`, which reads the cache first; the window passes its own to report
-    progress)."""
+    parameter counts (transformers on the meta device), and the fitted estimate of each setup the plan weighs. Fits
+    come from :func:`memcalc_gui.trace.fit.calibrate` (the cache first), ``progress`` told when one is traced."""
 
     def __init__(self, config: dict[str, Any], setup: TrainingSetup,
-                 calibrate: Callable[[dict[str, Any], TrainingSetup], FitModel] | None = None,
                  progress: Callable[[str], None] | None = None) -> None:
         model_type, kwargs = transformers_kwargs(config)  # no auto_map or location keys: nothing a config names runs
         self.config: dict[str, Any] = {"model_type": model_type, **kwargs}
@@ -59,7 +54,7 @@ class FittedScaling:
             raise ConfigError("num_hidden_layers" if self.layers < 1 else "vocab_size",
                               "the config needs a layer count and a vocabulary size to be measured")
         self.period = checkpoint_every(setup.checkpointing) or 1
-        self._calibrate = calibrate or partial(_calibrate, progress=progress)
+        self._progress = progress
         self._fits: dict[tuple[int, str], FitModel] = {}
         self._structures: dict[tuple[int, int], dict[str, int]] = {}
         self._min_layers: int | None = None
@@ -133,7 +128,7 @@ class FittedScaling:
         if key not in self._fits:
             cfg = self.config_for(self.layers, vocab)
             probe = setup.with_changes(params=self.counts(self.layers, vocab)[0])
-            self._fits[key] = self._calibrate(cfg, probe)
+            self._fits[key] = _calibrate(cfg, probe, self._progress)
         return self._fits[key]
 
     def _fit_or_none(self, setup: TrainingSetup, vocab: int) -> FitModel | None:
@@ -155,9 +150,12 @@ class FittedScaling:
             return None
         # the shorter model: the same moments at its layer count, its own unit sizes for a per-GPU budget (the fit of
         # one FSDP2 rank, when there is one, likewise)
-        shorter = {"num_layers": layers, "num_params": setup.num_params, "structure": self.structure(layers, vocab)}
-        rank = dataclasses.replace(fit.rank, **shorter) if fit.rank is not None else None
-        return dataclasses.replace(fit, rank=rank, **shorter)
+        structure = self.structure(layers, vocab)
+
+        def shorter(f: FitModel) -> FitModel:
+            return dataclasses.replace(f, num_layers=layers, num_params=setup.num_params, structure=structure)
+
+        return dataclasses.replace(shorter(fit), rank=shorter(fit.rank) if fit.rank is not None else None)
 
     def _traced(self, setup: TrainingSetup) -> Result:
         from ..trace.fake import trace_estimate
