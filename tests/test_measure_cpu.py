@@ -252,3 +252,26 @@ def test_a_torch_job_runs_with_the_interpreters_import_and_gives_pyside6_its_own
         assert builtins.__import__ is not qt_import
         _ = 1 / 0
     assert builtins.__import__ is qt_import
+
+
+def test_a_settled_step_takes_each_phase_from_its_lowest_steady_iteration() -> None:
+    """A real rank's gloo threads now and then free a buffer late, inside one iteration's phase: ``settled`` takes
+    each phase's peak from the steady iteration lowest in it, where the default takes the last iteration's. Here a
+    1 MiB tensor stands in for such a buffer, alive through the third iteration's forward only."""
+    import torch
+
+    held: list[Any] = []
+    extra = 2**20
+
+    def late(phase: str, it: int, micro: int) -> None:
+        held.clear()
+        if phase == "forward" and it == 3:
+            held.append(torch.empty(extra, dtype=torch.uint8))
+
+    kw = dict(batch=1, seq=16, precision="fp32", iterations=3, on_phase=late)
+    last = measure_training_step(LLAMA, **kw)
+    settled = measure_training_step(LLAMA, **kw, settled=True)
+    assert last.phases["forward"].peak_bytes - settled.phases["forward"].peak_bytes == extra
+    for phase in ("backward", "optimizer_step"):  # the steady iterations agree there: the same peak either way
+        assert last.phases[phase].peak_bytes == settled.phases[phase].peak_bytes
+    assert settled.iterations[2].phase_peaks["forward"] - settled.iterations[1].phase_peaks["forward"] == extra
