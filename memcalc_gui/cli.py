@@ -737,8 +737,7 @@ def cmd_measure(args: argparse.Namespace) -> int:
     setup, _notes = setup_from_args(args)
     unknown = getattr(args, "unknown_config", None)  # no block model: compared with the fitted method's ledger
     if unknown is not None:
-        setup.extras["model_type"] = str(unknown.get("model_type"))[:40]
-        setup.extras["model_name"] = args.preset or args.model or f"model_type {setup.extras['model_type']!r}"
+        _name_unknown(setup, args, unknown)
     iterations = parse_positive_int(args.iterations, "iterations", MAX_ITERATIONS)
     try:
         budget = float(str(args.time_budget))
@@ -763,14 +762,19 @@ def cmd_measure(args: argparse.Namespace) -> int:
     return 0
 
 
+def _name_unknown(setup: TrainingSetup, args: argparse.Namespace, unknown: dict[str, Any]) -> None:
+    """What the results say a family without a block model is: its model_type and the preset's or model's name."""
+    setup.extras["model_type"] = str(unknown.get("model_type"))[:40]
+    setup.extras["model_name"] = args.preset or args.model or f"model_type {setup.extras['model_type']!r}"
+
+
 def _unknown_family_result(setup: TrainingSetup, args: argparse.Namespace) -> tuple[Result, str] | None:
     """A family without a block model (``None`` for another): the fitted method's result, as ``memcalc estimate``
     gives it, or the full trace's where the fit's checks refuse it; and a note saying so."""
     unknown = getattr(args, "unknown_config", None)
     if unknown is None:
         return None
-    setup.extras["model_type"] = str(unknown.get("model_type"))[:40]
-    setup.extras["model_name"] = args.preset or args.model or f"model_type {setup.extras['model_type']!r}"
+    _name_unknown(setup, args, unknown)
     if getattr(args, "active_params", None) is not None:
         setup.extras["active_params"] = args.active_params
     result, note = _fitted_result(setup, unknown)
