@@ -91,6 +91,24 @@ def test_views_share_one_storage_and_free_is_logged() -> None:
     tr.close()
 
 
+def test_a_fake_collectives_wait_is_its_output_not_a_second_tensor() -> None:
+    """The real ``wait_tensor`` returns its argument; the fake one (a meta kernel) returned a new empty tensor, and a
+    tensor-parallel rank's trace counted each all-reduce output twice while both lived."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memcalc_gui.trace.ranks import fake_process_group
+
+    tr = LiveStorageTracker()
+    with fake_process_group(2), FakeTensorMode(), tr:
+        x = torch.empty(1000)
+        y = torch.ops._c10d_functional.all_reduce(x, "sum", "0")
+        z = torch.ops._c10d_functional.wait_tensor(y)
+        assert z is y
+        assert tr.live_bytes == 8000  # x and the all-reduce's output, once
+        del x, y, z
+    tr.close()
+
+
 def test_storage_owned_only_by_autograd_is_seen_until_graph_dies() -> None:
     tr = LiveStorageTracker()
     a = torch.randn(256, requires_grad=True)

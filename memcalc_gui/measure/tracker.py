@@ -286,7 +286,7 @@ class LiveStorageTracker:
         if name in CAST_OPS and args and isinstance(args[0], torch.Tensor):
             source = self.sid_of(args[0])
         for leaf in tree_flatten(out)[0]:
-            if isinstance(leaf, torch.Tensor) and leaf.layout == torch.strided:
+            if isinstance(leaf, torch.Tensor) and leaf.layout == torch.strided and _holds_memory(leaf):
                 self._register(_local(leaf), name, source_sid=source)
 
     # ------------------------------------------------------------ analysis
@@ -381,6 +381,10 @@ def _mode_class() -> type:
                 # ``.item()`` of a fake tensor has no value (Adafactor reads norms and its step counter this
                 # way). Memory never depends on such a scalar: read it as one and go on tracing.
                 return True if args[0].dtype == torch.bool else 1 if not args[0].is_floating_point() else 1.0
+            if func is _wait_tensor() and args and _is_fake(args[0]):
+                # the real kernel waits and returns its argument; the fake one (a meta kernel) returns a new empty
+                # tensor, which would count a collective's output twice while both are alive
+                return args[0]
             out = func(*args, **(kwargs or {}))
             self.tracker._on_op(func, args, out)
             return out
@@ -421,6 +425,26 @@ def _local(tensor: Any) -> Any:
     process holds; other tensors as they are."""
     local = getattr(tensor, "_local_tensor", None)
     return local if local is not None and type(tensor).__name__ == "DTensor" else tensor
+
+
+def _wait_tensor() -> Any:
+    import torch
+
+    return torch.ops._c10d_functional.wait_tensor.default
+
+
+def _holds_memory(tensor: Any) -> bool:
+    """False for a real tensor whose storage has no data of its own: the autograd wrapper a functional collective
+    returns before its wait (``_c10d_functional._wrap_tensor_autograd``), and views of it. Its storage reports the
+    output's size but refuses its data pointer; the memory is the collective's output, counted once already."""
+    local = _local(tensor)
+    if _is_fake(local) or local.device.type == "meta":
+        return True
+    try:
+        local.untyped_storage().data_ptr()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _local_scalar_dense() -> Any:
