@@ -288,9 +288,18 @@ def parallelizer(config: dict[str, Any], layout: RankLayout, precision: str, mes
                 fully_shard(module, mesh=experts_mesh["efsdp"], mp_policy=policy, reshard_after_forward=True)
             for layer in layers:
                 fully_shard(layer, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=layout.reshard_after_forward)
-            fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=layout.reshard_after_forward)
+            # the root as torchtitan wraps it: PyTorch's default, which keeps it gathered from its forward into the
+            # backward that needs it at once (an explicit True would reshard it and gather it again)
+            fully_shard(model, mesh=dp_mesh, mp_policy=policy,
+                        reshard_after_forward=root_reshard(layout.reshard_after_forward))
 
     return apply
+
+
+def root_reshard(reshard_after_forward: bool) -> bool | None:
+    """``fully_shard``'s ``reshard_after_forward`` for the root module: ``None`` (PyTorch's default, torchtitan's: the
+    root stays gathered after its forward, since the backward gathers it at once) where the layers reshard."""
+    return None if reshard_after_forward else False
 
 
 #: The trace's defaults for :func:`trace_rank` (two iterations, as the single-GPU trace runs).
