@@ -150,6 +150,14 @@ def test_the_traced_tensor_parallel_rank_is_the_narrower_model_to_the_byte(famil
         assert traced.phases[p].objects == pytest.approx(plain.phases[p].objects, abs=512), p  # type: ignore
 
 
+def test_a_narrow_mlps_rank_peaks_in_its_norms_backward() -> None:
+    """A tensor-parallel rank's MLP is I/tp wide; at Llama's I ≈ 3.5 h and tp 8 it is narrower than the stream, and
+    the second RMSNorm's backward (five fp32 stream-sized tensors) outweighs the MLP's. Pure TP 2 of a model with
+    I = 4 h in bf16 was 2.6 % under."""
+    est = estimate(_setup("llama-wide", "bf16", "none", 1, 2))
+    assert _worst(est, _trace("llama-wide", "bf16", "none", 1, 2)) <= 0.002
+
+
 @pytest.mark.parametrize(("family", "precision", "ckpt", "impl"), [
     ("llama", "fp32", "none", "foreach"), ("qwen2", "mixed", "full", "single-tensor"),
     ("qwen3", "bf16", "none", "foreach"), ("phi", "mixed", "none", "foreach"),
@@ -198,6 +206,43 @@ def test_the_fsdp2_ledger_matches_the_traced_rank(family: str, precision: str, c
 def test_fsdp2_over_tensor_parallel_ranks_matches_the_traced_rank(family: str, precision: str, ckpt: str) -> None:
     est = estimate(_setup(family, precision, ckpt, 2, 2))
     assert _worst(est, _trace(family, precision, ckpt, 2, 2)) <= 0.02
+
+
+@pytest.mark.parametrize(("family", "precision", "ckpt", "tp"), [
+    ("llama-wide", "bf16", "none", 2), ("llama-wide", "mixed", "full", 2), ("mistral", "fp32", "none", 4),
+])
+def test_the_worst_fsdp2_over_tensor_parallel_cases_match_the_traced_rank(family: str, precision: str, ckpt: str,
+                                                                         tp: int) -> None:
+    """The cases that were 4.5–7.1 % under, each for its own reason, now within 1 %:
+
+    - without checkpointing the forward peaks inside the last layer, still gathered, once a layer's weights outweigh
+      the logits (there was no such moment);
+    - a narrow MLP (I/tp) makes the second RMSNorm's backward, five fp32 stream-sized tensors, a layer's peak;
+    - under mixed precision the bottom layer's backward holds the layer above's fp32 reduce-scatter input and no
+      all-gather output;
+    - the root stays gathered from its forward into the backward (PyTorch's default, torchtitan's); the trace
+      resharded it and gathered it again at the backward's start, a second copy of the embeddings and head."""
+    est = estimate(_setup(family, precision, ckpt, 2, tp))
+    assert _worst(est, _trace(family, precision, ckpt, 2, tp)) <= 0.01
+
+
+def test_the_fake_trace_of_fsdp2_over_tensor_parallel_ranks_equals_real_gloo_ranks() -> None:
+    """Four real gloo processes (FSDP2 over 2 × TP 2) against the fake-process-group trace, every phase but the load
+    to 0.01 %. A functional all-reduce was counted twice in both, differently: the fake ``wait_tensor`` (a meta
+    kernel) returned a new tensor, and the real collective's autograd wrapper reported a storage it does not have;
+    the real rank read 0.8 % above the trace, and both above the memory a rank holds."""
+    from memcalc_gui.measure.distributed import measure_sharded_step
+    from memcalc_gui.trace.ranks import RankLayout, trace_rank
+
+    kw = dict(STEP, precision="bf16", optimizer_impl="foreach", checkpointing="none")
+    fake = trace_rank(FAMILIES["llama-wide"], RankLayout(2, 2), **kw)
+    real = measure_sharded_step(FAMILIES["llama-wide"], world=4, strategy="ranks", layout=RankLayout(2, 2), **kw)
+    for p in ("forward", "backward", "optimizer_step"):
+        for rank in real:
+            assert rank.phases[p].peak_bytes == pytest.approx(fake.phases[p].peak_bytes, rel=1e-4), p  # type: ignore
+    # and the forward moment that showed it, inside the last layer, is the ledger's too
+    assert estimate(_setup("llama-wide", "bf16", "none", 2, 2)).phases["forward"].tensor_bytes == pytest.approx(
+        real[0].phases["forward"].peak_bytes, rel=2e-3)
 
 
 @pytest.mark.parametrize(("family", "precision", "ckpt", "dp"), [

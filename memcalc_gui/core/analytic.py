@@ -339,6 +339,16 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
                                                   + rope_tables)))
         # ... and the first layer's, while the root unit's all-gather output is the one kept: the embedding's output
         fwd_candidates.append(("gather-first", _objects(**base_fwd, activations=stream + rope_tables)))
+        if not (ckpt or n_ck or offload != "none"):
+            # the last layer's output projection, with the layer still gathered: what every layer saved, its output
+            # and the residual stream it is added into (under tensor parallelism the all-reduce's output); nothing
+            # of the head yet, whose logits need no gathered layer (traced: a layer outweighs them on small models)
+            # (a 16-bit RMSNorm saves its fp32 upcast, not the stream: the model's embedding output, the layer's
+            # input and its attention block's sum are held by their frames beside what is saved; a saved stream's
+            # last tensor, the final norm's input, is the one being made)
+            held = -stream if keep_stream else 3 * stream
+            fwd_candidates.append(("layer", _objects(**base_fwd, activations=acts_fwd - final_saved + cache_held,
+                                                     temporaries=t * h * d.matmul + stream + held)))
         if not (spec.stage_first and spec.stage_last):
             # a pipeline stage's first layer at work, what it keeps so far (its forward after a backward holds every
             # unit that backward gathered: core.pipeline)
@@ -503,6 +513,20 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
             activations=earlier + current - mlp_out + rope_tables,
             temporaries=grad_stream + n_mlp_grads * tI + (acc_tmp_mlp if fsdp2_whole else 0) + dequant,
         ))
+        if spec.norm == "rmsnorm" and spec.family not in GEMMA_NORM:
+            # the second norm's backward (the MLP done): autograd's RMSNorm keeps five fp32 stream-sized tensors at
+            # once (the gradient through the rsqrt, the mean's expanded gradient, and pow's three), beside its fp32
+            # input; a 16-bit stream's gradient is another tensor beside them, an fp32 one is summed into the first.
+            # A narrow MLP (a tensor-parallel rank's I/tp) makes this the layer's peak (traced). Sequence parallelism
+            # runs the norm on the rank's share of the tokens
+            norm32 = -(-t * h * 4 // sp)
+            where.append(("attn", k))
+            moments.append(_objects(
+                parameters=params + copies_before + layer_copy_w - mlp_copy, optimizer_state=state, inputs=inputs,
+                gradients=grads_before + (0 if accumulating else g_mlp),
+                activations=earlier + attn_part + norm32 + rope_tables,
+                temporaries=(grad_stream if d.residual != 4 else 0) + 5 * norm32 + dequant,
+            ))
         # attention moment (the MLP of this layer is done)
         where.append(("attn", k))
         moments.append(_objects(
@@ -783,6 +807,12 @@ def fsdp2_ledger(
             # the layers between the top and the bottom one (measured on fake-process-group traces, which equal real
             # gloo steps; the bottom layer's own backward no longer holds it)
             moment["temporaries"] += big * rs
+        elif not pipelined and at in ("mlp", "attn") and k == 1 < nl:
+            # the bottom layer's backward: the layer above's reduce-scatter input is kept until this layer's own
+            # reduce-scatter (``reduce_scatter_states``), and no all-gather output is, none being prefetched; the two
+            # weigh the same but under mixed precision, whose input is fp32 (traced)
+            moment["temporaries"] += big * rs
+            moment["parameters"] -= 0 if keep_all else big * w
         if keep_all:  # no all-gather in backward: the forward's last output is gone
             moment["parameters"] -= big * w
         if own_root:
@@ -793,17 +823,20 @@ def fsdp2_ledger(
         if pipelined and not keep_all and at in ("mlp", "attn", "gather"):
             moment["parameters"] += prefetched(at, k)
         out.append(moment)
-    # the root unit's reduce-scatter ends the backward: the layers' gradient shards, the root's input in the reduce
-    # dtype and its output shard; the root's weights are resharded by then (measured on fake-process-group traces).
-    # A pipeline stage reduce-scatters after its last backward instead, every unit at once (core.pipeline)
+    # the root unit's reduce-scatter ends the backward, in two moments: its input in the reduce dtype is copied from
+    # the root's unsharded gradients (both alive), which are then freed, and its output shard is made; the layers'
+    # gradient shards beside both, the root's weights resharded by then (traced). Under mixed precision the head's
+    # bf16 gradient was still alive at the output on some families (Llama, Qwen3, GPT-NeoX), freed before it on
+    # Phi: the larger is kept. A pipeline stage reduce-scatters after its last backward instead, every unit at once
+    # (core.pipeline)
     root = spec.root_unit_params
     layer_shards = all_shards if accumulating else -(-nl * big * shard // n)
-    # (under mixed precision the embedding's bf16 gradient, the last one made, is still alive beside its fp32 copy)
-    last_grad = spec.vocab_size * spec.hidden_size * w if setup.precision == "mixed" else 0
+    late_grad = spec.vocab_size * spec.hidden_size * w if setup.precision == "mixed" else 0
     if not pipelined:
-        out.append(_objects(parameters=states.parameters["optimizer_step"], optimizer_state=states.optimizer_state,
-                            inputs=step.get("inputs", 0), gradients=layer_shards + -(-root * rs // n),
-                            temporaries=root * rs + last_grad))
+        ends = _objects(parameters=states.parameters["optimizer_step"], optimizer_state=states.optimizer_state,
+                        inputs=step.get("inputs", 0), gradients=layer_shards, temporaries=root * rs)
+        out.append(dict(ends, temporaries=root * rs + root * w))
+        out.append(dict(ends, gradients=layer_shards + -(-root * rs // n), temporaries=root * rs + late_grad))
     step = _objects(**dict(step, parameters=states.parameters["optimizer_step"], gradients=all_shards,
                            optimizer_state=states.optimizer_state,
                            optimizer_temporaries=states.optimizer_temporaries))
