@@ -511,7 +511,8 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
             inputs=inputs,
             gradients=grads_before + (0 if accumulating else g_down),
             activations=earlier + current - mlp_out + rope_tables,
-            temporaries=grad_stream + n_mlp_grads * tI + (acc_tmp_mlp if fsdp2_whole else 0) + dequant,
+            # (FSDP2's weight gradient at work has the gathered weights' dtype: bf16 under its mixed policy; traced)
+            temporaries=grad_stream + n_mlp_grads * tI + (acc_tmp_mlp * d.matmul // p if fsdp2_whole else 0) + dequant,
         ))
         if spec.norm == "rmsnorm" and spec.family not in GEMMA_NORM:
             # the second norm's backward (the MLP done): autograd's RMSNorm keeps five fp32 stream-sized tensors at
