@@ -797,23 +797,20 @@ def fsdp2_ledger(
             sharded = all_shards if accumulating else 0
             gathered = keep_all
         moment = objects(m, gathered, unsharded + sharded)
-        if at == "embedding" and not pipelined:
-            # the bottom layer's reduce-scatter input is kept now, not the last all-gather's output (traced: the
-            # two weigh the same but under mixed precision, where the input is fp32; a tied model peaks here)
+        bottom = at in ("mlp", "attn") and k == 1 < nl
+        if not pipelined and (at == "embedding" or bottom):
+            # the last reduce-scatter's input (the layer above's in the bottom layer's backward, the bottom layer's at
+            # the embedding) is kept until the next reduce-scatter (``reduce_scatter_states``), and no all-gather
+            # output is, none being prefetched (traced: the two weigh the same but under mixed precision, where the
+            # input is fp32; a tied model peaks at the embedding)
             moment["temporaries"] += big * rs
             moment["parameters"] -= 0 if keep_all else big * w
-        if not pipelined and ((at == "gather" and k < nl) or (at in ("mlp", "attn") and 1 < k < nl)):
+        elif not pipelined and ((at == "gather" and k < nl) or (at in ("mlp", "attn") and 1 < k < nl)):
             # a layer above was reduce-scattered: FSDP2 keeps the last reduce-scatter's input (in the reduce dtype,
             # fp32 under mixed precision) as the next layer's all-gather is copied out, and through the backward of
-            # the layers between the top and the bottom one (measured on fake-process-group traces, which equal real
-            # gloo steps; the bottom layer's own backward no longer holds it)
+            # the layers above the bottom one, beside the prefetched layer's all-gather output (measured on
+            # fake-process-group traces, which equal real gloo steps)
             moment["temporaries"] += big * rs
-        elif not pipelined and at in ("mlp", "attn") and k == 1 < nl:
-            # the bottom layer's backward: the layer above's reduce-scatter input is kept until this layer's own
-            # reduce-scatter (``reduce_scatter_states``), and no all-gather output is, none being prefetched; the two
-            # weigh the same but under mixed precision, whose input is fp32 (traced)
-            moment["temporaries"] += big * rs
-            moment["parameters"] -= 0 if keep_all else big * w
         if keep_all:  # no all-gather in backward: the forward's last output is gone
             moment["parameters"] -= big * w
         if own_root:
