@@ -235,9 +235,9 @@ def _reduce_scatter_rank(rank: int, port: int, out: object) -> None:
 
 
 def test_the_copy_free_reduce_scatter_reduces_as_gloos_own() -> None:
-    from memcalc_gui.measure.distributed import _free_port
+    from memcalc_gui.measure.distributed import _free_port, rank_context
 
-    ctx = multiprocessing.get_context("spawn")
+    ctx, _ = rank_context()
     out = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_reduce_scatter_rank, args=(r, port, out)) for r in range(2)]
@@ -289,10 +289,10 @@ def _loss_and_grad(parallelize: object, vocab: bool) -> tuple[float, float]:
 def test_the_sequence_parallel_plan_computes_the_single_gpu_step(vocab: bool) -> None:
     """torchtitan's sequence-parallel plan on transformers' own modules, two real gloo ranks: the loss and a gradient
     are the single-process model's (so the trace and the measurement run a correct step, not only its shapes)."""
-    from memcalc_gui.measure.distributed import _free_port
+    from memcalc_gui.measure.distributed import _free_port, rank_context
 
     single = _loss_and_grad(None, False)
-    ctx = multiprocessing.get_context("spawn")
+    ctx, _ = rank_context()
     out = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_sequence_parallel_rank, args=(r, port, vocab, out)) for r in range(2)]
@@ -307,45 +307,50 @@ def test_the_sequence_parallel_plan_computes_the_single_gpu_step(vocab: bool) ->
 
 ORPHANED_RANK = """
 import multiprocessing, os, sys, time
-from memcalc_gui.measure.distributed import _die_with_parent
+from memcalc_gui.measure.distributed import _die_with_parent, rank_context
 
 def rank(parent):
     _die_with_parent(parent)
     time.sleep(600)  # as a rank waiting in a collective whose peers are gone
 
 if __name__ == "__main__":
-    child = multiprocessing.get_context("spawn").Process(target=rank, args=(os.getpid(),))
+    # the measurement's own context (a fork server on Linux), or a plain spawned process
+    ctx, forker = rank_context() if sys.argv[2] == "measure" else (multiprocessing.get_context("spawn"), os.getpid())
+    child = ctx.Process(target=rank, args=(forker,))
     child.start()
-    print(child.pid, flush=True)
+    print(child.pid, forker, flush=True)
     time.sleep(float(sys.argv[1]))  # 3: the rank is running (its prctl done); 0: it has not even started Python
     os._exit(1)  # as a window killed or a test stopped for its time: no clean-up runs
 """
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+@pytest.mark.parametrize("start", ["measure", "spawn"])
 @pytest.mark.parametrize("lives_s", [3, 0], ids=["after-its-start", "before-its-start"])
-def test_a_rank_ends_with_the_process_that_started_it(tmp_path: Path, lives_s: int) -> None:
+def test_a_rank_ends_with_the_process_that_started_it(tmp_path: Path, lives_s: int, start: str) -> None:
     """The kernel ends a rank whose parent ended without a clean-up, instead of leaving it behind (which held the
     parent's output pipes open, and waited in its collective for gloo's timeout); a parent gone before the rank
-    could ask the kernel is seen by the rank itself."""
+    could ask the kernel is seen by the rank itself. A measurement's ranks come from a fork server on Linux: it ends
+    with the process it serves, and its ranks with it."""
     script = tmp_path / "parent.py"
     script.write_text(ORPHANED_RANK)
     root = Path(__file__).resolve().parent.parent
-    proc = subprocess.run([sys.executable, str(script), str(lives_s)], capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, PYTHONPATH=str(root)))
-    pid = int(proc.stdout.split()[0])
+    proc = subprocess.run([sys.executable, str(script), str(lives_s), start], capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, PYTHONPATH=str(root)))
+    pids = [int(p) for p in proc.stdout.split()[:2]]
 
-    def status() -> str:  # "" once the process is gone and reaped
+    def status(pid: int) -> str:  # "" once the process is gone and reaped
         try:
             return Path(f"/proc/{pid}/status").read_text()
         except (FileNotFoundError, ProcessLookupError):
             return ""
 
-    def ended() -> bool:  # gone, or a zombie waiting for init to reap it
-        text = status()
+    def ended(pid: int) -> bool:  # gone, or a zombie waiting for init to reap it
+        text = status(pid)
         return not text or "State:\tZ" in text
 
     deadline = time.monotonic() + 20
-    while not ended() and time.monotonic() < deadline:
+    while not all(ended(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert ended(), status()
+    assert ended(pids[0]), status(pids[0])
+    assert ended(pids[1]), status(pids[1])  # the fork server (or the spawning parent) is gone too
