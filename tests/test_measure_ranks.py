@@ -194,6 +194,31 @@ def test_the_text_output_lists_every_rank(tiny: Path, capsys: pytest.CaptureFixt
     assert "Every rank" in out and "rank 1 of 2" in out and "rank 2 of 2" in out
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the fork server is used on Linux")
+def test_the_ranks_come_from_a_fork_server_started_once(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """After one measurement the next ranks start from the running fork server, which imported torch once: the time
+    budget counts a fraction of a second per rank, not a fresh interpreter's imports."""
+    from memcalc_gui.measure.distributed import fork_server_started, rank_context
+    from memcalc_gui.measure.layout import SPAWN_S, start_seconds
+
+    assert cli_main(["measure", "--config", str(tiny), "--batch", "2", "--seq", "64", "--gpus", "2", "--json"]) == 0
+    capsys.readouterr()
+    assert fork_server_started()
+    assert start_seconds(4, 2) < SPAWN_S / 4
+    ctx, server = rank_context()
+    out = ctx.Queue()
+    proc = ctx.Process(target=_imported_at_start, args=(out,))
+    proc.start()
+    parent, modules = out.get(timeout=60)
+    proc.join(30)
+    assert parent == server != os.getpid()
+    assert {"torch", "torch.distributed.fsdp", "transformers.modeling_utils"} <= modules
+
+
+def _imported_at_start(out: object) -> None:
+    out.put((os.getppid(), set(sys.modules)))  # type: ignore[attr-defined]
+
+
 def test_a_strategy_that_cannot_run_exits_2_naming_it(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         cli_main(["measure", "--config", str(tiny), "--gpus", "4", "--strategy", "zero3"])

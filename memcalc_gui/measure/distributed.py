@@ -171,6 +171,23 @@ FORKSERVER_PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "t
                       "transformers.modeling_layers", "memcalc_gui.measure.distributed", "memcalc_gui.measure.cpu_step")
 
 
+#: Whether this process started its fork server (:func:`rank_context`): the next ranks start without imports.
+_server_started = False
+
+
+def uses_fork_server() -> bool:
+    """Whether :func:`rank_context` forks the ranks from a fork server here (Linux, not frozen)."""
+    import multiprocessing
+
+    return sys.platform.startswith("linux") and not getattr(sys, "frozen", False) \
+        and "forkserver" in multiprocessing.get_all_start_methods()
+
+
+def fork_server_started() -> bool:
+    """Whether the ranks of the next measurement start from a running fork server (no imports to wait for)."""
+    return _server_started and uses_fork_server()
+
+
 def rank_context() -> tuple[Any, int | None]:
     """The ``multiprocessing`` context the ranks start from, and the pid of the process that forks them.
 
@@ -181,14 +198,15 @@ def rank_context() -> tuple[Any, int | None]:
     frozen app, each rank is a spawned interpreter as before."""
     import torch.multiprocessing as mp
 
-    if not sys.platform.startswith("linux") or getattr(sys, "frozen", False) \
-            or "forkserver" not in mp.get_all_start_methods():
+    global _server_started
+    if not uses_fork_server():
         return mp.get_context("spawn"), os.getpid()
     from multiprocessing import forkserver
 
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))  # read when the server starts, the first time only
     forkserver.ensure_running()
+    _server_started = True
     return ctx, getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
 
 

@@ -36,7 +36,7 @@ from ..core.units import format_bytes
 from ..core.vocab import PHASES
 from . import collect_garbage, exclusive_torch_job
 from .fitted import CONFIG_KEY, FittedScaling
-from .layout import PROCESS_BYTES, SPAWN_S, measured_world, rank_job, refusal, scale_layout
+from .layout import PROCESS_BYTES, measured_world, rank_job, refusal, scale_layout, start_seconds
 
 #: Fraction of the device's free memory a full-size measurement may plan to use.
 MEMORY_MARGIN = 0.6
@@ -346,8 +346,9 @@ def plan(setup: TrainingSetup, device: DeviceInfo, time_budget_s: float,
         return processes * (peak + (PROCESS_BYTES if ranked else 0)) <= budget
 
     def seconds(s: TrainingSetup) -> float:
-        """Importing torch (first time only; in every rank process), building the model, three iterations (the
-        ranks share the cores and send their weights' and gradients' bytes through gloo)."""
+        """Importing torch (first time only; the rank processes' start: :func:`.layout.start_seconds`), building the
+        model, three iterations (the ranks share the cores and send their weights' and gradients' bytes through
+        gloo)."""
         if not ranked:
             start = 0.0 if "torch" in sys.modules else TORCH_IMPORT_S
             return start + BUILD_S_PER_BILLION * s.num_params / 1e9 + 3 * _step_seconds(s, flops)
@@ -357,7 +358,7 @@ def plan(setup: TrainingSetup, device: DeviceInfo, time_budget_s: float,
         par = s.parallel
         build = BUILD_S_PER_BILLION * s.num_params / (par.tp if par.pp > 1 else 1) / 1e9 * share
         sent = 3 * 4 * s.num_params / (par.tp * par.pp) / GLOO_BYTES_PER_S
-        return SPAWN_S * share + build + 3 * (_step_seconds(s, flops) * RANK_STEP_FACTOR * share + sent)
+        return start_seconds(processes, cores) + build + 3 * (_step_seconds(s, flops) * RANK_STEP_FACTOR * share + sent)
 
     def ok(s: TrainingSetup) -> bool:
         # memory is a hard limit; time a soft one
