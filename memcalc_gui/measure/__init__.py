@@ -97,15 +97,21 @@ def collect_garbage() -> None:
 
 
 @contextlib.contextmanager
-def frozen_heap() -> Iterator[None]:
+def frozen_heap(collect: bool = True) -> Iterator[None]:
     """Collect once, then keep what exists now (imports, caches) out of the collections that follow until the block
     ends (``gc.freeze``): each step's collections then scan only what the steps make. Before each of a calibration's
     traces a collection of torch's and transformers' whole heap took 250 ms, a fifth of the calibration. A block
-    inside another (or inside a step's own freeze) keeps the outer one: ``gc.unfreeze`` undoes every freeze."""
+    inside another (or inside a step's own freeze) keeps the outer one: ``gc.unfreeze`` undoes every freeze.
+
+    ``collect=False`` freezes without that first collection, for a trace on fake tensors: no garbage from before can
+    hide memory from it (it counts only the storages it sees made), and whatever garbage is frozen is collected after
+    the block like any other. Each trace in a long-running process (a test worker, a window that traced before) then
+    skips a scan of the whole heap: 0.1–0.2 s a trace in the test suite's workers."""
     if gc.get_freeze_count():
         yield
         return
-    collect_garbage()
+    if collect:
+        collect_garbage()
     gc.freeze()
     try:
         yield

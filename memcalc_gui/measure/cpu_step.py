@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 from memcalc_gui.core.finetune import FineTuning
 from memcalc_gui.core.timeline import Timeline
 from memcalc_gui.core.vocab import PHASES, TENSOR_OBJECTS
-from memcalc_gui.measure import collect_garbage
+from memcalc_gui.measure import collect_garbage, frozen_heap
 from memcalc_gui.measure.tracker import LiveStorageTracker, StorageRecord
 
 if TYPE_CHECKING:
@@ -214,7 +214,8 @@ def measure_training_step(
                                          builder=builder, use_cache=use_cache, checkpointing=checkpointing,
                                          tuning=tuning)
             parallelize = None
-        with FakeTensorMode(allow_non_fake_inputs=True), _fake_module_moves(), _fake_grouped_mm():
+        with frozen_heap(collect=False), FakeTensorMode(allow_non_fake_inputs=True), _fake_module_moves(), \
+                _fake_grouped_mm():
             return measure_training_step(
                 config, batch=batch, seq=seq, precision=precision, optimizer=optimizer,
                 optimizer_impl=optimizer_impl, attention=attention, checkpointing=checkpointing,
