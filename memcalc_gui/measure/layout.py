@@ -48,7 +48,8 @@ PROCESS_BYTES = 512 * 2**20
 SPAWN_S = 6.0
 #: Starting the fork server the ranks come from on Linux (it imports torch and transformers once,
 #: :func:`memcalc_gui.measure.distributed.rank_context`), and a rank forked from it (its model family's modules):
-#: two DDP ranks of a 4-layer toy took 8.8 s cold and 1.4 s warm here, against 11.4 s each under spawn.
+#: four DDP ranks of a 4-layer toy measured in 5.4 s cold and 1.1-1.3 s warm here, 8.3-10.1 s under spawn
+#: (bench/rank_start.py).
 FORK_SERVER_S = 4.0
 FORKED_RANK_S = 0.5
 #: The order in which a layout gives way: (dimension, the smallest it may become at that pass).
