@@ -213,17 +213,21 @@ def test_a_frozen_heap_outlives_the_steps_and_blocks_inside_it() -> None:
     freeze nor a block inside ends it early (gc.unfreeze undoes every freeze at once), and its end unfreezes."""
     import gc
 
-    from memcalc_gui.measure import frozen_heap
+    from memcalc_gui.measure import frozen_heap, heap_frozen
 
-    assert gc.get_freeze_count() == 0
+    assert gc.get_freeze_count() == 0 and not heap_frozen()
     with frozen_heap():
         frozen = gc.get_freeze_count()
-        assert frozen > 0
+        assert frozen > 0 and heap_frozen()
         with frozen_heap():
             pass
+        assert heap_frozen()
         measure_training_step(tiny_config("llama"), batch=1, seq=8, precision="fp32", iterations=2)
         assert gc.get_freeze_count() > frozen // 2  # frozen objects that died leave it; an unfreeze empties it
-    assert gc.get_freeze_count() == 0
+        assert heap_frozen()
+    assert gc.get_freeze_count() == 0 and not heap_frozen()
+    measure_training_step(tiny_config("llama"), batch=1, seq=8, precision="fp32", iterations=2)
+    assert gc.get_freeze_count() == 0 and not heap_frozen()  # a step's own freeze ends with it
 
 
 def test_a_torch_job_runs_with_the_interpreters_import_and_gives_pyside6_its_own_back() -> None:

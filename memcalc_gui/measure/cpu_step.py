@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import importlib.util
 import os
 from collections.abc import Callable, Collection, Iterator
@@ -259,7 +258,7 @@ def measure_training_step(
     threads = torch.get_num_threads()
     if num_threads is not None:
         torch.set_num_threads(num_threads)
-    frozen = False
+    freeze = contextlib.ExitStack()
     if premade is not None:
         # to_empty makes each module's parameters anew, tied ones twice: tied again before the tracker starts, the
         # load phase holds the parameters once
@@ -330,9 +329,7 @@ def measure_training_step(
             # what exists now (imports, the model, the optimizer) lives through the step: the per-iteration
             # collections then scan only what the step makes (a tenth of the time on a transformers model). Inside
             # a caller's freeze (measure.frozen_heap, a calibration's traces) that one stays.
-            if not gc.get_freeze_count():
-                gc.freeze()
-                frozen = True
+            freeze.enter_context(frozen_heap(collect=False))  # collected just above
 
             live_end: list[int] = []
             windows = grad_accum
@@ -370,8 +367,7 @@ def measure_training_step(
         summary = dataclasses.replace(summary, host_bytes=tracker.host_peak_bytes)
         return dataclasses.replace(summary, tracker=tracker) if keep_tracker else summary
     finally:
-        if frozen:
-            gc.unfreeze()
+        freeze.close()
         torch.set_num_threads(threads)
         for h in hooks:
             h.remove()
