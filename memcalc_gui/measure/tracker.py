@@ -276,17 +276,18 @@ class LiveStorageTracker:
             )
 
     def _on_op(self, func: Any, args: tuple[Any, ...], out: Any) -> None:
-        import torch
-        from torch.utils._pytree import tree_flatten
-
         if self._host_depth:
             return
-        name = str(func)
+        refs = _torch_refs()
+        name = _op_name(func)
         source: int | None = None
-        if name in CAST_OPS and args and isinstance(args[0], torch.Tensor):
+        if name in CAST_OPS and args and isinstance(args[0], refs.tensor):
             source = self.sid_of(args[0])
-        for leaf in tree_flatten(out)[0]:
-            if isinstance(leaf, torch.Tensor) and leaf.layout == torch.strided and _holds_memory(leaf):
+        for leaf in (out,) if type(out) is refs.fake else refs.tree_flatten(out)[0]:
+            if type(leaf) is refs.fake:  # the common case on fake tensors, without the checks below
+                if leaf.layout == refs.strided:
+                    self._register(leaf, name, source_sid=source)
+            elif isinstance(leaf, refs.tensor) and leaf.layout == refs.strided and _holds_memory(leaf):
                 self._register(_local(leaf), name, source_sid=source)
 
     # ------------------------------------------------------------ analysis
@@ -377,11 +378,12 @@ def _mode_class() -> type:
             args: tuple[Any, ...] = (),
             kwargs: dict[str, Any] | None = None,
         ) -> Any:
-            if func is _local_scalar_dense() and args and _is_fake(args[0]):
+            refs = _torch_refs()
+            if func is refs.local_scalar_dense and args and isinstance(args[0], refs.fake):
                 # ``.item()`` of a fake tensor has no value (Adafactor reads norms and its step counter this
                 # way). Memory never depends on such a scalar: read it as one and go on tracing.
                 return True if args[0].dtype == torch.bool else 1 if not args[0].is_floating_point() else 1.0
-            if func is _wait_tensor() and args and _is_fake(args[0]):
+            if func is refs.wait_tensor and args and isinstance(args[0], refs.fake):
                 # the real kernel waits and returns its argument; the fake one (a meta kernel) returns a new empty
                 # tensor, which would count a collective's output twice while both are alive
                 return args[0]
@@ -427,10 +429,38 @@ def _local(tensor: Any) -> Any:
     return local if local is not None and type(tensor).__name__ == "DTensor" else tensor
 
 
-def _wait_tensor() -> Any:
-    import torch
+@dataclass(frozen=True, slots=True)
+class _TorchRefs:
+    """What the tracker looks up on every op, looked up once (an op's own cost on fake tensors is ~50 µs; the
+    imports and ``torch.ops`` lookups each op repeated added several of them)."""
 
-    return torch.ops._c10d_functional.wait_tensor.default
+    tensor: type
+    fake: type
+    strided: Any
+    tree_flatten: Callable[[Any], Any]
+    local_scalar_dense: Any
+    wait_tensor: Any
+
+
+@cache
+def _torch_refs() -> _TorchRefs:
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.utils._pytree import tree_flatten
+
+    return _TorchRefs(torch.Tensor, FakeTensor, torch.strided, tree_flatten,
+                      torch.ops.aten._local_scalar_dense.default, torch.ops._c10d_functional.wait_tensor.default)
+
+
+#: ``str(op)`` per op overload (formatted anew on each call otherwise)
+_OP_NAMES: dict[Any, str] = {}
+
+
+def _op_name(func: Any) -> str:
+    name = _OP_NAMES.get(func)
+    if name is None:
+        name = _OP_NAMES[func] = str(func)
+    return name
 
 
 def _holds_memory(tensor: Any) -> bool:
@@ -447,16 +477,8 @@ def _holds_memory(tensor: Any) -> bool:
     return True
 
 
-def _local_scalar_dense() -> Any:
-    import torch
-
-    return torch.ops.aten._local_scalar_dense.default
-
-
 def _is_fake(tensor: Any) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return isinstance(tensor, FakeTensor)
+    return isinstance(tensor, _torch_refs().fake)
 
 
 def format_storages(
