@@ -230,6 +230,30 @@ def test_a_frozen_heap_outlives_the_steps_and_blocks_inside_it() -> None:
     assert gc.get_freeze_count() == 0 and not heap_frozen()  # a step's own freeze ends with it
 
 
+def test_a_fake_step_freezes_its_model_inside_the_calibrations_block_and_a_real_one_does_not() -> None:
+    """Inside a block, ``frozen_heap(again=True)`` freezes what was made since (a fake step's model, modules imported
+    for it) so the step's collections skip it; a real step leaves its model collectable; the outer end unfreezes all."""
+    import gc
+
+    from memcalc_gui.measure import frozen_heap
+
+    with frozen_heap(collect=False):
+        before = gc.get_freeze_count()
+        made = [[i] for i in range(5000)]
+        with frozen_heap(again=False):
+            assert gc.get_freeze_count() == before
+        with frozen_heap(again=True):
+            assert gc.get_freeze_count() >= before + len(made)
+        del made
+        frozen = gc.get_freeze_count()
+        measure_training_step(tiny_config("llama"), batch=1, seq=8, precision="fp32", iterations=1)
+        real = gc.get_freeze_count()
+        assert real <= frozen
+        measure_training_step(tiny_config("llama"), batch=1, seq=8, precision="fp32", iterations=1, fake=True)
+        assert gc.get_freeze_count() > real + 200  # the fake model's modules and parameters (~500 for this one)
+    assert gc.get_freeze_count() == 0
+
+
 def test_a_torch_job_runs_with_the_interpreters_import_and_gives_pyside6_its_own_back() -> None:
     """PySide6 wraps ``__import__`` in a Python function (its ``__feature__`` switch) that every import statement
     of PyTorch's fake-tensor dispatch then runs through: a torch job takes it out while it runs

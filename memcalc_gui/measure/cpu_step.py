@@ -329,7 +329,9 @@ def measure_training_step(
             # what exists now (imports, the model, the optimizer) lives through the step: the per-iteration
             # collections then scan only what the step makes (a tenth of the time on a transformers model). Inside
             # a caller's freeze (measure.frozen_heap, a calibration's traces) that one stays.
-            freeze.enter_context(frozen_heap(collect=False))  # collected just above
+            from torch._subclasses.fake_tensor import FakeTensor
+
+            freeze.enter_context(frozen_heap(collect=False, again=isinstance(input_ids, FakeTensor)))  # collected above
 
             live_end: list[int] = []
             windows = grad_accum
