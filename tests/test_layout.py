@@ -210,6 +210,7 @@ def test_fsdp2_over_tensor_parallel_ranks_matches_the_traced_rank(family: str, p
 
 @pytest.mark.parametrize(("family", "precision", "ckpt", "tp"), [
     ("llama-wide", "bf16", "none", 2), ("llama-wide", "mixed", "full", 2), ("mistral", "fp32", "none", 4),
+    ("phi", "mixed", "full", 2),
 ])
 def test_the_worst_fsdp2_over_tensor_parallel_cases_match_the_traced_rank(family: str, precision: str, ckpt: str,
                                                                          tp: int) -> None:
@@ -221,7 +222,9 @@ def test_the_worst_fsdp2_over_tensor_parallel_cases_match_the_traced_rank(family
     - under mixed precision the bottom layer's backward holds the layer above's fp32 reduce-scatter input and no
       all-gather output;
     - the root stays gathered from its forward into the backward (PyTorch's default, torchtitan's); the trace
-      resharded it and gathered it again at the backward's start, a second copy of the embeddings and head."""
+      resharded it and gathered it again at the backward's start, a second copy of the embeddings and head;
+    - (Phi, 5.3 % over) at the root's reduce-scatter output the gradient still alive is the root's last parameter's,
+      the head's bias on Phi, not its weight as on Llama."""
     est = estimate(_setup(family, precision, ckpt, 2, tp))
     assert _worst(est, _trace(family, precision, ckpt, 2, tp)) <= 0.01
 

@@ -823,13 +823,16 @@ def fsdp2_ledger(
         out.append(moment)
     # the root unit's reduce-scatter ends the backward, in two moments: its input in the reduce dtype is copied from
     # the root's unsharded gradients (both alive), which are then freed, and its output shard is made; the layers'
-    # gradient shards beside both, the root's weights resharded by then (traced). Under mixed precision the head's
-    # bf16 gradient was still alive at the output on some families (Llama, Qwen3, GPT-NeoX), freed before it on
-    # Phi: the larger is kept. A pipeline stage reduce-scatters after its last backward instead, every unit at once
-    # (core.pipeline)
+    # gradient shards beside both, the root's weights resharded by then (traced). Under mixed precision the root's
+    # last parameter's bf16 gradient (in the order the model registers them: the head's bias, else its weight, else,
+    # the head tied, the final norm's) is freed only after the output is made (traced: Llama, Qwen3 and GPT-NeoX
+    # keep the head's weight gradient there, Phi its bias's). A pipeline stage reduce-scatters after its last
+    # backward instead, every unit at once (core.pipeline)
     root = spec.root_unit_params
     layer_shards = all_shards if accumulating else -(-nl * big * shard // n)
-    late_grad = spec.vocab_size * spec.hidden_size * w if setup.precision == "mixed" else 0
+    last = spec.vocab_size if spec.lm_head_bias else spec.hidden_size if spec.tied_embeddings \
+        else spec.vocab_size * spec.hidden_size
+    late_grad = last * w if setup.precision == "mixed" else 0
     if not pipelined:
         ends = _objects(parameters=states.parameters["optimizer_step"], optimizer_state=states.optimizer_state,
                         inputs=step.get("inputs", 0), gradients=layer_shards, temporaries=root * rs)
