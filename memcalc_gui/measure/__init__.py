@@ -99,7 +99,8 @@ def collect_garbage() -> None:
 #: How many :func:`frozen_heap` blocks hold the heap frozen now. ``gc.get_freeze_count()`` walks the whole frozen
 #: list (CPython keeps it as a linked list): 34 ms with torch and transformers imported, 13 calls a calibration, a
 #: tenth of its time. The blocks therefore count themselves. A freeze made by other code is not seen; the block then
-#: freezes again and unfreezes everything at its end, which costs only later collections' time.
+#: freezes again and unfreezes everything at its end, which costs only later collections' time. Changed by one
+#: thread at a time: every trace and measurement holds the torch job lock (:func:`exclusive_torch_job`).
 _holds = 0
 
 
