@@ -315,6 +315,32 @@ def test_the_fake_trace_of_a_rank_equals_its_real_step() -> None:
             assert fake.phases[ph].peak_bytes == real.phases[ph].peak_bytes, (rank, ph)
 
 
+@pytest.mark.parametrize("rank", [1, 2])
+def test_a_later_stage_sends_its_input_gradient_back(rank: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stage after the first receives activations that require grad, so each of its backwards makes the gradient
+    of its input, which the schedule sends to the stage before (else the earlier stages would train on nothing; with
+    static shapes PyTorch's stage takes requires_grad from the example input it is given)."""
+    from memcalc_gui.trace import pipeline
+
+    grads: list[tuple[int, ...]] = []
+    make = pipeline._Stage.make
+
+    def watched(*args: object, **kwargs: object) -> object:
+        module = make(*args, **kwargs)  # type: ignore[arg-type]
+
+        def seen(_module: object, inputs: tuple) -> None:
+            if inputs[0].is_floating_point():
+                assert inputs[0].requires_grad
+                inputs[0].register_hook(lambda g: grads.append(tuple(g.shape)))
+        module.register_forward_pre_hook(seen)
+        return module
+
+    monkeypatch.setattr(pipeline._Stage, "make", staticmethod(watched))
+    _traced(LLAMA8, 4 if rank == 2 else 2, rank, 2, "mixed", fake=False)
+    hidden = (STEP["batch"], STEP["seq"], LLAMA8["hidden_size"])
+    assert grads == [hidden] * 2 * 3  # two micro-batches in each of the three iterations
+
+
 def test_more_micro_batches_add_receive_buffers_not_activations() -> None:
     """PyTorch's stage makes one receive buffer per micro-batch (of activations from the stage before, of gradients
     from the stage after); the activations kept stay those of the micro-batches in flight."""

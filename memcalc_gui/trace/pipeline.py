@@ -265,7 +265,10 @@ def driver(layout: PipeRank, *, batch: int, seq: int, precision: str, group: Any
             out = torch.empty(batch, seq, v, dtype=torch.bfloat16 if half or bf16_compute else dtype, device="meta") \
                 if last \
                 else hidden
-            inp = torch.empty(batch, seq, dtype=torch.long, device="meta") if first else hidden
+            # a received activation requires grad, so that the stage's backward makes the gradient it sends back (the
+            # static shapes given here are what PyTorch's stage builds its receive buffers from, requires_grad too)
+            inp = torch.empty(batch, seq, dtype=torch.long, device="meta") if first \
+                else torch.empty_like(hidden).requires_grad_()
             stage = pipelining.PipelineStage(
                 module, s, layout.num_stages, torch.device("cpu"), input_args=(inp,), output_args=(out,),
                 output_grads=None if last else (hidden,), input_grads=None if first else (hidden,), group=group)
