@@ -295,6 +295,17 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
                                                 temporaries=logits + final["output"] + (t * h * 4 if d.autocast
                                                                                         else 0))))
         forward = max(forward, fwd_candidates[-1][1], key=lambda m: sum(m.values()))
+    fsdp2_stage = setup.parallel.strategy == "fsdp2" and setup.parallel.ep == 1  # (its own moments below)
+    if not spec.stage_last and not fsdp2_stage and not (ckpt or n_ck or offload != "none"):
+        # a pipeline stage before the last peaks at its last layer's residual add: everything saved, the MLP's
+        # output and the sum being made (where the stream is saved as it is, the sum is the last saved tensor),
+        # beside what the frames hold where it is not (a 16-bit stream's RMSNorm saves its fp32 upcast): the
+        # attention block's sum and, above a first layer, the layer's input (traced on one- and two-layer stages;
+        # their input, a receive buffer, is core.pipeline's)
+        held = -stream if keep_stream else stream * (2 if n_layers > 1 else 1)
+        fwd_candidates.append(("layer-end", _objects(**loss_fwd, activations=kept_fwd + cache_held,
+                                                     temporaries=t * h * d.matmul + stage_out + held)))
+        forward = max(forward, fwd_candidates[-1][1], key=lambda m: sum(m.values()))
     mask = packed_mask_bytes(setup)  # packed SDPA's bool mask: alive while the decoder body runs
     attn_part = sum(val for key, val in per_layer.items() if key.startswith("attn.")) + per_layer["norm1"]
     # a checkpointed layer at its attention kernel: the attention's tensors and the first norm's output
@@ -315,7 +326,11 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
             # hold the attention block's residual sum and the norm's output (GPT-2 also its attention output, in a
             # tuple, and the token and position embeddings); the final norm has not run yet
             held = 2 * t * h * d.residual + ((2 * t + seq) * h * d.residual if spec.family == "gpt2" else 0)
-            in_layer = _objects(**base_fwd, activations=n_layers * stream + (n_layers - 1) * sac + sac_early +
+            # (autocast has not yet cast this layer's MLP output projection, nor the head's weight: traced on a
+            # pipeline stage of one layer, 1.9 % over when counted)
+            unmade = h * spec.intermediate_size * 2 + lm_copy if d.autocast and not tuned else 0
+            in_layer = _objects(**dict(base_fwd, parameters=base_fwd["parameters"] - unmade),
+                                activations=n_layers * stream + (n_layers - 1) * sac + sac_early +
                                 rope_tables, temporaries=wide * t * spec.intermediate_size * d.matmul + held + mask)
             if setup.checkpointing != "selective":
                 # at the attention kernel of a checkpointed layer: what attention would save (packed SDPA's

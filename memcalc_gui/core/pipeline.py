@@ -28,6 +28,8 @@ or the head only where they live) for one micro-batch, plus what the schedule ad
 - gradients during forward once a backward has run (the steady state, when ``m`` exceeds the micro-batches in flight);
 - ``torch.distributed.pipelining``'s receive buffers: one per micro-batch of the activations a later stage receives
   and of the gradients an earlier one receives, made at the first step and kept (per stage-chunk when interleaved);
+- 1F1B on a stage after the first: the gradient of the stage's input that a backward sends, which ``Schedule1F1B``
+  holds until the next backward has run (through the forward between them);
 - interleaved: the rank's forwards and backwards in PyTorch's order, each micro-batch in flight keeping what its own
   chunk keeps (:func:`rank_schedule`, ``_chunk_phases``);
 - FSDP2 (``fully_shard``) under a pipeline schedule: PyTorch's stage runs every backward but the last without
@@ -129,6 +131,13 @@ def check_pipeline(spec: ModelSpec, pp: int, virtual: int = 1) -> None:
     if stages > 1 and spec.num_layers % stages:
         raise InputError("pp", f"{spec.name or spec.family} has {spec.num_layers} decoder layers, which "
                                f"{stages} pipeline stages cannot split evenly")
+
+
+def first_checkpointed(setup: TrainingSetup) -> bool:
+    """Whether a stage's first decoder layer is checkpointed (and so saves its input, whatever its norm saves)."""
+    from .setup import checkpoint_every  # (setup imports this module)
+
+    return checkpoint_every(setup.checkpointing) == 1
 
 
 def stage_spec(spec: ModelSpec, pp: int, rank: int) -> ModelSpec:
@@ -247,7 +256,11 @@ def _rank_estimate(setup: TrainingSetup, spec: ModelSpec, rank: int, m: int,
     # (so not counted twice); and a later stage's at-work micro-batch holds a stream tensor beside its receive buffer
     # (both traced, and the real 2-process gloo pipeline equals the trace on the last stage)
     own_stream = int(one.details.get("stream_kept_bytes", 0))
-    kept = int(one.details["saved_activations_bytes"]) - (v - first) * stream + (v - last) * stream \
+    # a later stage's first layer saves its input itself where it is checkpointed, or where the stream is saved as it
+    # is (a 16-bit stream's RMSNorm saves its fp32 upcast, a tensor of its own: traced): that is the receive buffer,
+    # not counted twice
+    received = stream if own_stream or first_checkpointed(setup) else 0
+    kept = int(one.details["saved_activations_bytes"]) - (v - first) * received + (v - last) * stream \
         - (1 - last) * own_stream \
         + last * (int(one.details["logits_bytes"]) + t * vocab * 4)
     kept_copies = int(one.details["saved_copy_bytes"])  # under Parameters, as the ledger counts autocast's copies
@@ -259,6 +272,9 @@ def _rank_estimate(setup: TrainingSetup, spec: ModelSpec, rank: int, m: int,
     # and for the gradients of each chunk's output (all but the very last stage's)
     buffers = (2 * v - first - last) * m * stream
     inputs = m * t * 8 if (stage.stage_first or stage.stage_last) else 0  # the step's token ids (and labels)
+    # Schedule1F1B keeps a backward's send of its input gradient (all but the first stage's) in a local list until
+    # the next backward has run, so the following forward and backward hold it too (traced)
+    held_input_grad = stream if par.schedule == "1f1b" and v == 1 and not stage.stage_first else 0
     gathered, unsynced = fsdp2_unsynced(setup, rank)
     unit_w = 2 if setup.precision in ("mixed", "bf16", "bf16-autocast") else 4  # FSDP2's gathered dtype
     grad_w = 4 if setup.precision == "mixed" else unit_w  # the policy's reduce dtype
@@ -325,9 +341,18 @@ def _rank_estimate(setup: TrainingSetup, spec: ModelSpec, rank: int, m: int,
             # autocast's cache lives through one chunk's forward: the other chunks' unsaved copies are gone
             unsaved = one.details["compute_copy_bytes"] - one.details["saved_copy_bytes"]
             objects["parameters"] = max(0, objects["parameters"] - max(0, unsaved) * (v - 1) // v)
-        if ph in ("forward", "backward") and not stage.stage_first and not own_stream:
-            # the one at work's input: a receive buffer
+        if ph == "forward" and not stage.stage_first and (received if par.strategy != "fsdp2"
+                                                          else not own_stream or first_checkpointed(setup)):
+            # the one at work's input: a receive buffer (without FSDP2, where the stage saves it as it is; FSDP2's
+            # moments count it among what the frames hold)
             objects["activations"] = max(0, objects["activations"] - stream)
+        elif ph == "backward" and not stage.stage_first and not own_stream:
+            # a 16-bit stream (its RMSNorm saves the fp32 upcast): the micro-batch at work saved its input, the
+            # receive buffer, only where its first layer is checkpointed; a stage before the last holds its output
+            # through its backward (the schedule keeps it; a saved stream's ledger counts it as the final norm's
+            # input) (traced)
+            objects["activations"] = max(0, objects["activations"] + (0 if stage.stage_last else stream)
+                                         - (stream if first_checkpointed(setup) else 0))
         if ph == "backward" and stage.stage_last:
             # the schedule holds the stage's output, the logits, through the stage's backward (traced)
             objects["activations"] += vw.one.details["logits_bytes"]
@@ -353,6 +378,8 @@ def _rank_estimate(setup: TrainingSetup, spec: ModelSpec, rank: int, m: int,
                           "inputs": objects.get("inputs", 0), "activations": more + buffers}
             working = dict(objects, gradients=grads) if after_backward else objects
             objects = max(working, everything, key=lambda o: sum(o.values()))
+        if after_backward and held_input_grad and ph in ("forward", "backward"):
+            objects["temporaries"] = objects.get("temporaries", 0) + held_input_grad
         return objects
 
     # (the stage's gathered and unsynced bytes as fsdp2_unsynced counts them)
@@ -466,9 +493,11 @@ def _chunk_phases(setup: TrainingSetup, stage: ModelSpec, rank: int, m: int,
         activations, its output (or, on the head's chunk, the logits and the loss's log-softmax) but not its input
         (a receive buffer), and the 16-bit weight copies its matmuls saved."""
         c1, spec = led(c)[0], specs[c]
-        acts = int(c1.details["saved_activations_bytes"]) - (0 if spec.stage_first else stream) \
+        own = int(c1.details.get("stream_kept_bytes", 0))
+        received = 0 if spec.stage_first or not (own or first_checkpointed(setup)) else stream
+        acts = int(c1.details["saved_activations_bytes"]) - received \
             + (t * vocab * 4 + int(c1.details["logits_bytes"]) if spec.stage_last
-               else stream - int(c1.details.get("stream_kept_bytes", 0)))
+               else stream - own)
         return acts, int(c1.details["saved_copy_bytes"])
 
     def weights(e: Estimate) -> int:
