@@ -34,20 +34,23 @@ STEP = dict(batch=2, seq=64)
 PHASES = ("forward", "backward", "optimizer_step")
 
 
-def case(name: str, pp: int, m: int, schedule: str, v: int, precision: str, ckpt: str, dp: int) -> dict[int, dict]:
-    """{rank: {phase: formula − trace, % of the trace}} for the first, second and last rank."""
+def case(name: str, pp: int, m: int, schedule: str, v: int, precision: str, ckpt: str, dp: int,
+         cp: int = 1) -> dict[int, dict]:
+    """{rank: {phase: formula − trace, % of the trace}} for the first, second and last rank (context parallelism:
+    FSDP2 over dp × cp, as torchtitan applies it)."""
     from memcalc_gui.trace.pipeline import PipeRank, trace_pipeline_rank
 
     cfg = CONFIGS[name]
     setup = TrainingSetup(model=spec_from_config(cfg), grad_accum=m, precision=precision,  # type: ignore[arg-type]
                           checkpointing=ckpt, optimizer_impl="foreach", target_device="cpu",  # type: ignore
                           cuda_context_bytes=0, allocator_reserve=0.0,
-                          parallel=Parallelism(gpus=pp * dp, pp=pp, schedule=schedule,  # type: ignore[arg-type]
-                                               virtual_stages=v, strategy="fsdp2" if dp > 1 else "ddp"), **STEP)
+                          parallel=Parallelism(gpus=pp * dp * cp, pp=pp, schedule=schedule,  # type: ignore[arg-type]
+                                               virtual_stages=v, cp=cp,
+                                               strategy="fsdp2" if dp * cp > 1 else "ddp"), **STEP)
     assert setup.model is not None
     out = {}
     for rank in sorted({0, 1, pp - 1}):
-        traced = trace_pipeline_rank(cfg, PipeRank(pp, rank, schedule, v, m, dp_shard=dp), precision=precision,
+        traced = trace_pipeline_rank(cfg, PipeRank(pp, rank, schedule, v, m, dp_shard=dp, cp=cp), precision=precision,
                                      checkpointing=ckpt, optimizer_impl="foreach", **STEP)
         ledger = _rank_estimate(setup, setup.model, rank, m, estimate_analytic)
         out[rank] = {ph: 100 * (ledger.phases[ph].total_bytes / traced.phases[ph].peak_bytes - 1) for ph in PHASES}
@@ -75,6 +78,15 @@ def main(quick: bool = False) -> None:
             worst.setdefault(kind, []).append(max(abs(d) for d in diff.values()))
             print(f"{name:<14}{pp:>3}{m:>3} {schedule:<17}{dp:>3} {precision:<9} {ckpt:<5}{rank:>5}"
                   + "".join(f"{diff[p]:>+10.2f}" for p in PHASES))
+    # context parallelism inside the stages (2 ranks per sequence, ring attention), FSDP2 over dp × cp
+    for name, (pp, m, schedule, v), precision, ckpt, dp in itertools.product(
+            names[:1], [(2, 4, "1f1b", 1), (4, 4, "1f1b", 1), (2, 4, "interleaved-1f1b", 2)], ("fp32", "mixed"),
+            ("none", "full"), (1, 2)):
+        for rank, diff in case(name, pp, m, schedule, v, precision, ckpt, dp, cp=2).items():
+            kind = "cp 2 × " + schedule
+            worst.setdefault(kind, []).append(max(abs(d) for d in diff.values()))
+            print(f"{name:<14}{pp:>3}{m:>3} {schedule:<17}{dp:>3} {precision:<9} {ckpt:<5}{rank:>5}"
+                  + "".join(f"{diff[p]:>+10.2f}" for p in PHASES) + "   cp 2")
     print_summary(worst, start, title="kind", width=24, limits=(1, 2, 3), unit="ranks")
 
 

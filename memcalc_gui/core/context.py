@@ -84,4 +84,14 @@ def context_parallel_estimate(setup: TrainingSetup) -> Estimate:
             f"loss: the trace counts them); parameters, gradients and optimizer state sharded over data parallel × "
             f"context parallel ({par.dp * cp:,})")
     details = dict(est.details, parallel_notes=(note, *est.details.get("parallel_notes", ())))
+    # what a pipeline stage's in-flight micro-batches keep and its moments (core.pipeline) hold the copies too (the
+    # first layer's moments before its attention has run excepted)
+    details["saved_activations_bytes"] = int(details.get("saved_activations_bytes", 0)) + copies
+    if "forward_moments" in details:
+        details["forward_moments"] = tuple(
+            (at, dict(mo, activations=mo.get("activations", 0) + (0 if at.endswith("-first") else copies)))
+            for at, mo in details["forward_moments"])
+    if "backward_moments" in details:
+        details["backward_moments"] = tuple(dict(mo, activations=mo.get("activations", 0) + copies)
+                                            for mo in details["backward_moments"])
     return dataclasses.replace(est, setup=setup, phases=phases, details=details, assumptions=(*est.assumptions, note))

@@ -136,9 +136,13 @@ def refusal(setup: TrainingSetup) -> str:
     if par.sp and par.pp > 1 and par.loss_parallel:
         return ("sequence beside loss parallelism is traced without pipeline stages (the vocabulary split runs on a "
                 "whole model); here the formulas hold")
-    if par.cp > 1 and (par.pp > 1 or par.ep > 1 or setup.model is None):
-        return ("context parallelism is traced without pipeline or expert parallelism, on a family with a block "
-                "model; here the formulas hold")
+    if par.cp > 1 and (par.ep > 1 or setup.model is None):
+        return ("context parallelism is traced without expert parallelism, on a family with a block model; here the "
+                "formulas hold")
+    if par.cp > 1 and par.pp > 1 and (par.strategy != "fsdp2" or par.tp > 1):
+        return ("context parallelism in pipeline stages is traced as torchtitan runs it, each stage fully_shard-ed "
+                "over data parallel × context parallel (--strategy fsdp2), without tensor parallelism; here the "
+                "formulas hold")
     if setup.tuning.method == "qlora":
         return ("the trace does not run QLoRA: transformers quantizes the base through bitsandbytes while loading "
                 "real weights, which fake tensors do not have; the analytic ledger, checked against real bitsandbytes "
@@ -192,7 +196,8 @@ def trace_estimate(
     # (Megatron-LM's bf16 model likewise)
     fsdp2_mixed = setup.parallel.strategy in BF16_COMPUTE and setup.precision == "mixed"
     compute = "bf16" if fsdp2_mixed else setup.precision
-    fsdp2_pipeline = setup.parallel.pp > 1 and setup.parallel.strategy == "fsdp2" and setup.parallel.dp > 1
+    fsdp2_pipeline = setup.parallel.pp > 1 and setup.parallel.strategy == "fsdp2" \
+        and setup.parallel.dp * setup.parallel.cp > 1
     sharded_rank = fsdp2_rank(setup)
     t0 = time.perf_counter()
     try:
@@ -207,7 +212,7 @@ def trace_estimate(
 
             if setup.model is not None:
                 pipe_rank = int(estimate(setup).details.get("pipeline_rank", 0))
-            if fsdp2_pipeline:  # each stage fully_shard-ed over its data-parallel ranks, in the trace itself
+            if fsdp2_pipeline:  # each stage fully_shard-ed over its data- (and context-) parallel ranks, in the trace
                 compute = setup.precision
             # interleaved under FSDP2 the ledger's ranks can be a few percent apart where its rules are a bound
             # (one-layer chunks with checkpointing, core.pipeline): the ranks it checks are all traced, and the most
@@ -218,7 +223,7 @@ def trace_estimate(
             def pipe_layout(r: int) -> Any:
                 return PipeRank(par.pp, r, par.schedule, par.virtual_stages, setup.grad_accum,
                                 dp_shard=par.dp if fsdp2_pipeline else 1, tp=par.tp if par.sp else 1, sp=par.sp,
-                                reshard_after_forward=par.reshard_after_forward, ep=par.ep)
+                                reshard_after_forward=par.reshard_after_forward, ep=par.ep, cp=par.cp)
 
             step = functools.partial(trace_pipeline_rank, layout=pipe_layout(pipe_rank))
             if par.tp > 1 and not par.sp:

@@ -52,9 +52,13 @@ class PipeRank:
     #: the expert-parallel group out of the data-parallel one; under FSDP2 the experts sharded over the
     #: ``dp_shard / ep`` ranks that hold the same ones.
     ep: int = 1
+    #: Context parallelism inside each stage: the stage runs ``seq/cp`` tokens of each sequence with PyTorch's ring
+    #: attention (:mod:`.context`) over the mesh's ``cp`` ranks, and sends and receives that share; under FSDP2 its
+    #: units are sharded over ``dp_shard × cp`` (torchtitan's ``dp_shard_cp``).
+    cp: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("pp", "virtual", "microbatches", "dp_shard", "tp", "ep"):
+        for name in ("pp", "virtual", "microbatches", "dp_shard", "tp", "ep", "cp"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 4096:
                 raise InputError(name, f"must be an integer from 1 to 4096, got {value!r}")
@@ -73,6 +77,8 @@ class PipeRank:
         if self.ep > 1 and (self.tp > 1 or (self.dp_shard > 1 and self.dp_shard % self.ep)):
             raise InputError("ep", "expert parallelism in a pipeline stage is traced without tensor parallelism, over "
                                    "a number of the stage's data-parallel ranks that divides them")
+        if self.cp > 1 and self.ep > 1:
+            raise InputError("cp", "context beside expert parallelism is not traced")
 
     @property
     def stages(self) -> tuple[int, ...]:
@@ -91,12 +97,13 @@ class PipeRank:
 
     @property
     def world(self) -> int:
-        return self.pp * self.data * self.tp
+        return self.pp * self.data * self.cp * self.tp
 
     @property
     def global_rank(self) -> int:
-        """This rank in the ``pp × data × tp`` mesh (the first of its stage's data- and tensor-parallel ranks)."""
-        return self.rank * self.data * self.tp
+        """This rank in the ``pp × data × cp × tp`` mesh (the first of its stage's data-, context- and
+        tensor-parallel ranks)."""
+        return self.rank * self.data * self.cp * self.tp
 
 
 def stage_layers(num_layers: int, num_stages: int, stage: int) -> range:
@@ -115,15 +122,19 @@ def _base(model: Any) -> Any:
     return inner
 
 
-def _meshes(layout: PipeRank) -> tuple[Any, Any, Any, tuple[Any, ...]]:
-    """The pipeline's process group, the data-parallel and the tensor-parallel mesh, and with expert parallelism the
-    experts' view of the stage's data-parallel ranks (``efsdp × ep``, transformers' names) and the tensor-parallel
-    mesh its all-to-all reads (built now, outside any fake mode)."""
+def _meshes(layout: PipeRank) -> tuple[Any, Any, Any, tuple[Any, ...], Any]:
+    """The pipeline's process group, the data-parallel mesh (with context parallelism FSDP2's ``dp_shard × cp``),
+    the tensor-parallel mesh, with expert parallelism the experts' view of the stage's data-parallel ranks
+    (``efsdp × ep``, transformers' names) and the tensor-parallel mesh its all-to-all reads, and the context-parallel
+    mesh (built now, outside any fake mode)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (layout.pp, layout.data, layout.tp), mesh_dim_names=("pp", "dp_shard", "tp"))
-    for name in ("pp", "dp_shard", "tp"):
+    mesh = init_device_mesh("cpu", (layout.pp, layout.data, layout.cp, layout.tp),
+                            mesh_dim_names=("pp", "dp_shard", "cp", "tp"))
+    for name in ("pp", "dp_shard", "cp", "tp"):
         mesh[name].get_coordinate()
+    data = mesh["dp_shard", "cp"]._flatten("dp_shard_cp") if layout.cp > 1 else mesh["dp_shard"]
+    data.get_coordinate()
     experts: tuple[Any, ...] = ()
     if layout.ep > 1:  # the same ranks, the stage's data-parallel ones seen as (copies of each expert, ep)
         view = init_device_mesh("cpu", (layout.pp, layout.data // layout.ep, layout.ep, layout.tp),
@@ -131,7 +142,7 @@ def _meshes(layout: PipeRank) -> tuple[Any, Any, Any, tuple[Any, ...]]:
         experts = (view["efsdp"], view["ep"], mesh["tp"])
         for m in experts:
             m.get_coordinate()
-    return mesh["pp"].get_group(), mesh["dp_shard"], mesh["tp"], experts
+    return mesh["pp"].get_group(), data, mesh["tp"], experts, mesh["cp"]
 
 
 def cutter(layout: PipeRank, dp_mesh: Any = None, precision: str = "fp32", tp_mesh: Any = None,
@@ -349,19 +360,33 @@ def trace_pipeline_rank(config: dict[str, Any], layout: PipeRank, *, fake: bool 
     """The step of ``config`` on ``layout``'s rank, its schedule over ``layout.microbatches`` micro-batches of
     ``batch`` rows (``step``: :func:`~memcalc_gui.measure.cpu_step.measure_training_step`'s keywords); a
     :class:`~memcalc_gui.measure.cpu_step.StepMeasurement`. ``fake`` (the default) traces on fake tensors; ``group``
-    is the fake process group (``"fake"``) or the real one this process is a rank of (``"current"``)."""
+    is the fake process group (``"fake"``) or the real one this process is a rank of (``"current"``). Under context
+    parallelism ``seq`` is the whole sequence, of which the stage runs ``seq/cp`` tokens with ring attention."""
+    from ..core.context import check_ring
     from ..measure import exclusive_torch_job
     from ..measure.cpu_step import measure_training_step
+    from .context import RingNotRun, ring_attention
     from .fake import unpacked_sequences
     from .ranks import STEP_DEFAULTS, process_group
 
     kw = STEP_DEFAULTS | step | {"grad_accum": layout.microbatches}
+    if layout.cp > 1:  # the stage runs, sends and receives the rank's share of each sequence
+        check_ring(int(kw["seq"]), layout.cp, str(kw.get("attention", "sdpa")))
+        kw.update(seq=int(kw["seq"]) // layout.cp, attention="sdpa")  # the fused kernel the ring runs
     with exclusive_torch_job(), process_group(group, layout.world, layout.global_rank), unpacked_sequences():
-        group, data_mesh, tp_mesh, experts = _meshes(layout)
-        dp_mesh = data_mesh if layout.dp_shard > 1 else None
+        group, data_mesh, tp_mesh, experts, cp_mesh = _meshes(layout)
+        # FSDP2 over the stage's data-parallel ranks, and with context parallelism over dp_shard × cp even where
+        # dp_shard is 1, as torchtitan applies it whenever context parallelism is on
+        dp_mesh = data_mesh if layout.dp_shard * layout.cp > 1 else None
         tp_mesh = tp_mesh if layout.tp > 1 else None
         make = driver(layout, batch=kw["batch"], seq=kw["seq"], precision=kw["precision"], group=group,
                       dp_mesh=dp_mesh)
         cut = cutter(layout, dp_mesh, kw["precision"], tp_mesh, config, int(kw["seq"]), experts, data_mesh)
-        return measure_training_step(config, fake=fake, parallelize=cut, pipeline=make, autocast=dp_mesh is None,
-                                     **kw)
+        ring = ring_attention(cp_mesh) if layout.cp > 1 else contextlib.nullcontext([1])
+        with ring as calls:
+            measured = measure_training_step(config, fake=fake, parallelize=cut, pipeline=make,
+                                             autocast=dp_mesh is None, **kw)
+    if not calls[0]:
+        raise RingNotRun("cp", "the stage never ran ring attention (its attention did not reach SDPA's fused "
+                               "kernel); the formula stands alone")
+    return measured
