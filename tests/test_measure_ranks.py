@@ -81,6 +81,9 @@ def test_each_layout_runs_the_job_of_its_kind() -> None:
     assert narrow.world == 2 and narrow.config["num_attention_heads"] == 2 and narrow.notes
     ring = job(gpus=2, cp=2, strategy="fsdp2")
     assert ring.strategy == "ranks" and ring.layout.cp == 2 and not ring.layout.replicate_context
+    staged_ring = job(gpus=8, pp=2, cp=2, strategy="fsdp2")  # each stage over dp 2 × cp 2
+    assert staged_ring.strategy == "pipeline:1f1b" and staged_ring.world == 8
+    assert staged_ring.stage_of == (0,) * 4 + (1,) * 4 and staged_ring.layout.cp == 2
 
 
 @pytest.mark.parametrize("par, words", [
@@ -88,6 +91,7 @@ def test_each_layout_runs_the_job_of_its_kind() -> None:
     ({"gpus": 8, "strategy": "megatron-distopt"}, "Megatron"),
     ({"gpus": 8, "strategy": "zero3", "offload": "optimizer"}, "DeepSpeed"),
     ({"gpus": 8, "strategy": "fsdp2", "offload": "optimizer"}, "offload"),
+    ({"gpus": 8, "pp": 2, "cp": 2}, "torchtitan"),  # context beside pipeline parallelism: under FSDP2
 ])
 def test_what_is_not_run_for_real_is_refused_with_the_reason(par: dict, words: str) -> None:
     setup = _setup(**par)
@@ -118,8 +122,8 @@ def test_any_layout_scales_to_what_the_machine_runs_or_says_why(tp: int, pp: int
     assert bool(changes) == (scaled != setup)
     for dim in ("tp", "pp", "cp", "dp"):
         assert getattr(par, dim) <= getattr(setup.parallel, dim)
-    if strategy == "fsdp2" and setup.parallel.dp * (setup.parallel.cp if pp == 1 else 1) >= 2:
-        assert par.dp * (par.cp if par.pp == 1 else 1) >= 2  # still FSDP2: something to shard over
+    if strategy == "fsdp2" and setup.parallel.dp * setup.parallel.cp >= 2:
+        assert par.dp * par.cp >= 2  # still FSDP2: something to shard over (a stage's dp × cp ranks too)
     rank_job(scaled)  # and it can be run
 
 

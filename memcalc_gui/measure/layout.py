@@ -14,14 +14,17 @@ This module decides, without torch, which processes that takes and what each run
 * **Pipeline parallelism** (``--pp``, any schedule; FSDP2 over each stage's data-parallel ranks): one stage per
   process under PyTorch's schedule, activations and gradients really sent. A tensor-parallel rank inside a stage is
   the model with a tp-th of the heads and MLP features (equal to the parallelized rank to the byte,
-  ``tests/test_layout.py``), so a stage costs one process, not tp; sequence parallelism is not run there.
+  ``tests/test_layout.py``), so a stage costs one process, not tp; sequence parallelism is not run there. With
+  context parallelism (under FSDP2, without tensor parallelism) each stage runs on its dp × cp processes, ring
+  attention between them and ``fully_shard`` over them all, as torchtitan runs it.
 
 * **Expert parallelism** (a mixture of experts, ``--ep`` under FSDP2 without tensor parallelism): one rank of
   transformers' expert layout as :func:`memcalc_gui.trace.ranks.run_rank` builds it, its all-to-all over gloo.
 
 Not run (refused, naming ``strategy``): ZeRO and FSDP1, which are DeepSpeed's and FSDP1's engines, not installed here;
-Megatron-LM; offload; expert parallelism beside DDP or tensor parallelism; pipeline stages and context parallelism of a
-family without a block model (such a family is compared with its fitted ledger: :mod:`.fitted`).
+Megatron-LM; offload; expert parallelism beside DDP or tensor parallelism; context beside pipeline parallelism other
+than under FSDP2 without tensor parallelism; pipeline stages and context parallelism of a family without a block
+model (such a family is compared with its fitted ledger: :mod:`.fitted`).
 
 A layout of more ranks than this machine runs (``MAX_CPU_RANKS`` processes) is scaled down: the data-parallel
 dimension first, then context, tensor and pipeline parallelism, each kept at 2 while another can give way, and the
@@ -84,8 +87,8 @@ def start_seconds(processes: int, cores: int) -> float:
 
 def measured_world(par: Parallelism) -> int:
     """The processes a layout's measurement runs (a stage's tensor-parallel ranks are one narrower model)."""
-    if par.pp > 1:
-        return par.pp * (par.dp if par.strategy == "fsdp2" else 1)
+    if par.pp > 1:  # (context parallelism in stages runs under FSDP2 only: refusal)
+        return par.pp * (par.dp * par.cp if par.strategy == "fsdp2" else 1)
     return par.gpus
 
 
@@ -104,8 +107,9 @@ def refusal(setup: TrainingSetup) -> str:
     if setup.tuning.method != "full" and (par.pp > 1 or par.tp > 1 or par.cp > 1 or par.strategy == "fsdp2"):
         return ("fine-tuning beside FSDP2 or model parallelism is not run in a real multi-rank step; DDP measures it, "
                 "the others estimate it")
-    if par.pp > 1 and par.cp > 1:
-        return "context beside pipeline parallelism is not run in a real multi-rank step"
+    if par.pp > 1 and par.cp > 1 and (par.strategy != "fsdp2" or par.tp > 1):
+        return ("context beside pipeline parallelism is run for real as torchtitan runs it, each stage fully_shard-ed "
+                "over data parallel × context parallel (--strategy fsdp2), without tensor parallelism")
     if setup.model is None and (par.pp > 1 or par.cp > 1):
         return ("a family without a block model is measured rank by rank under DDP or FSDP2, with tensor parallelism "
                 "or without; its pipeline stages and context parallelism are estimated (--method fitted or trace)")
@@ -141,7 +145,7 @@ def scale_layout(setup: TrainingSetup, max_ranks: int = MAX_CPU_RANKS) -> tuple[
     original = dict(sizes)
 
     def sharded_over(s: dict[str, int]) -> int:
-        return s["dp"] * (s["cp"] if s["pp"] == 1 else 1)
+        return s["dp"] * s["cp"]
 
     def ok(s: dict[str, int]) -> bool:  # FSDP2 with nothing to shard over is not FSDP2
         return not (par.strategy == "fsdp2" and sharded_over(s) < 2 <= sharded_over(original))
@@ -203,11 +207,13 @@ def rank_job(setup: TrainingSetup) -> RankJob:
             config = tensor_parallel_config(config, par.tp, par.loss_parallel)
             notes.append(f"each stage's tensor-parallel rank runs as the model with a {par.tp}th of the heads and MLP "
                          "features (the parallelized rank's step to the byte)")
+        # (context parallelism: each stage's dp × cp ranks, its units sharded over them all; refusal)
         pipe = PipeRank(par.pp, 0, par.schedule, par.virtual_stages, setup.grad_accum, dp_shard=dp,
-                        reshard_after_forward=par.reshard_after_forward)
-        world = par.pp * dp
-        return RankJob(f"pipeline:{par.schedule}", world, pipe, config, tuple(r // dp for r in range(world)),
-                       tuple(notes))
+                        reshard_after_forward=par.reshard_after_forward, cp=par.cp)
+        per_stage = dp * par.cp
+        world = par.pp * per_stage
+        return RankJob(f"pipeline:{par.schedule}", world, pipe, config,
+                       tuple(r // per_stage for r in range(world)), tuple(notes))
     world = par.gpus
     if par.strategy == "ddp" and par.tp == 1 and par.cp == 1:
         return RankJob("ddp", world, None, config, (0,) * world, tuple(notes))
