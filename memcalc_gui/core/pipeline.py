@@ -491,7 +491,8 @@ def _chunk_phases(setup: TrainingSetup, stage: ModelSpec, rank: int, m: int,
     def kept(c: int) -> tuple[int, int]:
         """(activations, autocast copies) a finished forward of chunk ``c`` keeps until its backward: its saved
         activations, its output (or, on the head's chunk, the logits and the loss's log-softmax) but not its input
-        (a receive buffer), and the 16-bit weight copies its matmuls saved."""
+        where it saves that as it is (a receive buffer: see ``received`` in _rank_estimate), and the 16-bit weight
+        copies its matmuls saved."""
         c1, spec = led(c)[0], specs[c]
         own = int(c1.details.get("stream_kept_bytes", 0))
         received = 0 if spec.stage_first or not (own or first_checkpointed(setup)) else stream
