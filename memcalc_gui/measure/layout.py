@@ -15,16 +15,16 @@ This module decides, without torch, which processes that takes and what each run
   process under PyTorch's schedule, activations and gradients really sent. A tensor-parallel rank inside a stage is
   the model with a tp-th of the heads and MLP features (equal to the parallelized rank to the byte,
   ``tests/test_layout.py``), so a stage costs one process, not tp; sequence parallelism is not run there. With
-  context parallelism (under FSDP2, without tensor parallelism) each stage runs on its dp × cp processes, ring
-  attention between them and ``fully_shard`` over them all, as torchtitan runs it.
+  context parallelism (under FSDP2) each stage runs on its dp × cp processes, ring attention between them and
+  ``fully_shard`` over them all, as torchtitan runs it.
 
 * **Expert parallelism** (a mixture of experts, ``--ep`` under FSDP2 without tensor parallelism): one rank of
   transformers' expert layout as :func:`memcalc_gui.trace.ranks.run_rank` builds it, its all-to-all over gloo.
 
 Not run (refused, naming ``strategy``): ZeRO and FSDP1, which are DeepSpeed's and FSDP1's engines, not installed here;
 Megatron-LM; offload; expert parallelism beside DDP or tensor parallelism; context beside pipeline parallelism other
-than under FSDP2 without tensor parallelism; pipeline stages and context parallelism of a family without a block
-model (such a family is compared with its fitted ledger: :mod:`.fitted`).
+than under FSDP2; pipeline stages and context parallelism of a family without a block model (such a family is
+compared with its fitted ledger: :mod:`.fitted`).
 
 A layout of more ranks than this machine runs (``MAX_CPU_RANKS`` processes) is scaled down: the data-parallel
 dimension first, then context, tensor and pipeline parallelism, each kept at 2 while another can give way, and the
@@ -107,9 +107,9 @@ def refusal(setup: TrainingSetup) -> str:
     if setup.tuning.method != "full" and (par.pp > 1 or par.tp > 1 or par.cp > 1 or par.strategy == "fsdp2"):
         return ("fine-tuning beside FSDP2 or model parallelism is not run in a real multi-rank step; DDP measures it, "
                 "the others estimate it")
-    if par.pp > 1 and par.cp > 1 and (par.strategy != "fsdp2" or par.tp > 1):
+    if par.pp > 1 and par.cp > 1 and par.strategy != "fsdp2":
         return ("context beside pipeline parallelism is run for real as torchtitan runs it, each stage fully_shard-ed "
-                "over data parallel × context parallel (--strategy fsdp2), without tensor parallelism")
+                "over data parallel × context parallel (--strategy fsdp2)")
     if setup.model is None and (par.pp > 1 or par.cp > 1):
         return ("a family without a block model is measured rank by rank under DDP or FSDP2, with tensor parallelism "
                 "or without; its pipeline stages and context parallelism are estimated (--method fitted or trace)")

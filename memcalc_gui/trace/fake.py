@@ -139,10 +139,9 @@ def refusal(setup: TrainingSetup) -> str:
     if par.cp > 1 and (par.ep > 1 or setup.model is None):
         return ("context parallelism is traced without expert parallelism, on a family with a block model; here the "
                 "formulas hold")
-    if par.cp > 1 and par.pp > 1 and (par.strategy != "fsdp2" or par.tp > 1):
+    if par.cp > 1 and par.pp > 1 and par.strategy != "fsdp2":
         return ("context parallelism in pipeline stages is traced as torchtitan runs it, each stage fully_shard-ed "
-                "over data parallel × context parallel (--strategy fsdp2), without tensor parallelism; here the "
-                "formulas hold")
+                "over data parallel × context parallel (--strategy fsdp2); here the formulas hold")
     if setup.tuning.method == "qlora":
         return ("the trace does not run QLoRA: transformers quantizes the base through bitsandbytes while loading "
                 "real weights, which fake tensors do not have; the analytic ledger, checked against real bitsandbytes "
