@@ -775,6 +775,14 @@ def test_the_ring_attention_is_run_by_pytorchs_own_functions_and_restored_after(
             RankLayout(**bad)  # type: ignore[arg-type]
         assert exc.value.field in ("cp", "ep"), bad
     assert RankLayout(dp_shard=2, cp=4).fsdp_ranks == 8 and RankLayout(cp=4, replicate_context=True).fsdp_ranks == 1
+    from memcalc_gui.trace.pipeline import PipeRank
+
+    for bad_stage in (dict(cp=0), dict(cp=True), dict(cp=2, ep=2, dp_shard=2), dict(cp=5000)):
+        with pytest.raises(InputError) as exc:
+            PipeRank(2, **bad_stage)  # type: ignore[arg-type]
+        assert exc.value.field == "cp", bad_stage
+    staged = PipeRank(2, 1, dp_shard=2, cp=2, tp=2)
+    assert (staged.world, staged.global_rank) == (16, 8)  # the mesh pp × dp_shard × cp × tp, its second stage
 
 
 @pytest.mark.parametrize(("kw", "par", "words"), [
