@@ -456,6 +456,20 @@ def test_the_trace_method_traces_context_parallel_stages_with_ring_attention(tp:
         PipeRank(2, cp=2, ep=2, dp_shard=2)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "mixed"])
+def test_the_trace_counts_a_stages_unsharded_gradients_as_gradients(precision: str) -> None:
+    """Under the schedule FSDP2 accumulates a stage's gradients unsharded (the policy's fp32 accumulators, or the
+    unsharded parameters' own .grad) until the last backward: the trace counts them as gradients, as the ledger does,
+    not as temporaries: the whole stage's fp32 gradients through forward and backward, a shard of them at the step."""
+    traced = _traced_dp(LLAMA8, 2, 1, 4, precision, "none", 2)
+    shard = traced.phases["optimizer_step"].objects["gradients"]
+    assert shard == pytest.approx(traced.phases["load"].objects["parameters"], abs=1024)
+    for ph in ("forward", "backward"):
+        assert traced.phases[ph].objects["gradients"] == 2 * shard, ph
+    ledger = _rank_ledger(LLAMA8, 2, 1, 4, precision=precision, gpus=4, strategy="fsdp2")
+    assert ledger.phases["forward"].objects["gradients"] == pytest.approx(2 * shard, abs=1024)
+
+
 @pytest.mark.parametrize(("precision", "ckpt", "pp", "m"), [("fp32", "none", 2, 4), ("mixed", "full", 4, 8)])
 def test_fsdp2_stages_match_the_rank_traced_with_fully_shard(precision: str, ckpt: str, pp: int, m: int) -> None:
     """Each stage fully_shard-ed over 2 data-parallel ranks (mesh pp × dp_shard), run by PyTorch's schedule, which

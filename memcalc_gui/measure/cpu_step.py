@@ -284,6 +284,8 @@ def measure_training_step(
                         runner = parallelize(model)
                 runner = runner if runner is not None else model
                 stepper = pipeline(model) if pipeline is not None else None
+                if stepper is not None and hasattr(stepper, "track"):
+                    stepper.track = tracker.track  # gradients the schedule's stages hold outside .grad
                 for p in model.parameters():
                     tracker.track(p, "parameters")
                 for b in model.buffers():

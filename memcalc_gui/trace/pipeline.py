@@ -321,6 +321,8 @@ class _Driver:
         self.schedule, self.stages, self.layout = schedule, stages, layout
         self._phase: Callable[[str, int], contextlib.AbstractContextManager[None]] | None = None
         self.count = {"forward": 0, "backward": 0}
+        #: The tracker's ``track(tensor, category)``, set by the step that measures this driver's steps.
+        self.track: Callable[[Any, str], Any] | None = None
         for stage in stages:
             stage.forward_one_chunk = self._windowed("forward", stage.forward_one_chunk)
             stage.backward_one_chunk = self._windowed("backward", stage.backward_one_chunk)
@@ -333,8 +335,30 @@ class _Driver:
             micro = self.count[name]
             self.count[name] += 1
             with self._phase(name, micro):
-                return fn(*args, **kwargs)
+                out = fn(*args, **kwargs)
+                if name == "backward":
+                    self._tag_unsynced_gradients()
+                return out
         return run
+
+    def _tag_unsynced_gradients(self) -> None:
+        """Count FSDP2's unsharded gradients as gradients: under the schedule a stage's backwards run without
+        gradient sync, so each unit accumulates its gradients unsharded (the policy's fp32 accumulator, or the
+        unsharded parameter's own ``.grad``) until the last backward reduce-scatters them, never in the sharded
+        parameter's ``.grad`` the step sees. (FSDP2's own attributes; a torch without them leaves them as
+        temporaries, as before.)"""
+        if self.track is None:
+            return
+        for stage in self.stages:
+            for module in stage.submod.modules():
+                state = getattr(module, "_get_fsdp_state", None)
+                group = getattr(state(), "_fsdp_param_group", None) if callable(state) else None
+                for fsdp_param in getattr(group, "fsdp_params", ()) if group is not None else ():
+                    unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                    for grad in (getattr(fsdp_param, "unsharded_accumulated_grad", None),
+                                 getattr(unsharded, "grad", None)):
+                        if grad is not None:
+                            self.track(grad, "gradients")
 
     @contextlib.contextmanager
     def _windows(self, phase: Callable[[str, int], contextlib.AbstractContextManager[None]]) -> Iterator[None]:
