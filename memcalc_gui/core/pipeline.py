@@ -274,7 +274,7 @@ def _rank_estimate(setup: TrainingSetup, spec: ModelSpec, rank: int, m: int,
     inputs = m * t * 8 if (stage.stage_first or stage.stage_last) else 0  # the step's token ids (and labels)
     # Schedule1F1B keeps a backward's send of its input gradient (all but the first stage's) in a local list until
     # the next backward has run, so the following forward and backward hold it too (traced)
-    held_input_grad = stream if par.schedule == "1f1b" and v == 1 and not stage.stage_first else 0
+    held_input_grad = stream if par.schedule == "1f1b" and m >= par.pp and v == 1 and not stage.stage_first else 0
     gathered, unsynced = fsdp2_unsynced(setup, rank)
     unit_w = 2 if setup.precision in ("mixed", "bf16", "bf16-autocast") else 4  # FSDP2's gathered dtype
     grad_w = 4 if setup.precision == "mixed" else unit_w  # the policy's reduce dtype

@@ -301,8 +301,10 @@ def driver(layout: PipeRank, *, batch: int, seq: int, precision: str, group: Any
 
 def traced_schedule(layout: PipeRank) -> str:
     """The schedule the trace runs: PyTorch's Schedule1F1B wants at least as many micro-batches as stages; with
-    fewer, every rank runs all its forwards before its first backward (1F1B's warm-up covers the step), which is
-    GPipe's order."""
+    fewer, the first rank runs all its forwards before its first backward (1F1B's warm-up covers its step), which
+    is GPipe's order, so the trace runs GPipe. A later rank keeps fewer in flight under 1F1B (Megatron-LM runs it:
+    ``min(m, pp − r)``), so there the GPipe trace holds more than the ledger; the first rank, the most loaded one,
+    is the same under both."""
     if layout.schedule == "1f1b" and layout.microbatches < layout.pp:
         return "gpipe"
     return layout.schedule
