@@ -259,25 +259,14 @@ def test_bad_pipeline_flags_exit_2_naming_the_flag(extra: list[str], flag: str,
 
 # ---- against the traced rank -----------------------------------------------------------------------------------------
 def _traced(cfg: dict, pp: int, rank: int, m: int, precision: str = "fp32", ckpt: str = "none",
-            schedule: str = "1f1b", v: int = 1, fake: bool = True):  # type: ignore[no-untyped-def]
+            schedule: str = "1f1b", v: int = 1, fake: bool = True, dp: int = 1,
+            cp: int = 1):  # type: ignore[no-untyped-def]
+    """Rank ``rank`` traced under the schedule (FSDP2 over ``dp`` × ``cp`` ranks of each stage where either is
+    more than 1)."""
     from memcalc_gui.trace.pipeline import PipeRank, trace_pipeline_rank
 
-    return trace_pipeline_rank(cfg, PipeRank(pp, rank, schedule, v, m), fake=fake, precision=precision,
-                               checkpointing=ckpt, optimizer_impl="foreach", **STEP)
-
-
-def _traced_dp(cfg: dict, pp: int, rank: int, m: int, precision: str, ckpt: str, dp: int):  # type: ignore
-    from memcalc_gui.trace.pipeline import PipeRank, trace_pipeline_rank
-
-    return trace_pipeline_rank(cfg, PipeRank(pp, rank, microbatches=m, dp_shard=dp), precision=precision,
-                               checkpointing=ckpt, optimizer_impl="foreach", **STEP)
-
-
-def _traced_cp(cfg: dict, pp: int, rank: int, m: int, precision: str, cp: int):  # type: ignore[no-untyped-def]
-    from memcalc_gui.trace.pipeline import PipeRank, trace_pipeline_rank
-
-    return trace_pipeline_rank(cfg, PipeRank(pp, rank, microbatches=m, cp=cp), precision=precision,
-                               optimizer_impl="foreach", **STEP)
+    return trace_pipeline_rank(cfg, PipeRank(pp, rank, schedule, v, m, dp_shard=dp, cp=cp), fake=fake,
+                               precision=precision, checkpointing=ckpt, optimizer_impl="foreach", **STEP)
 
 
 def _rank_ledger(cfg: dict, pp: int, rank: int, m: int, **kw: object):  # type: ignore[no-untyped-def]
@@ -363,7 +352,7 @@ def test_a_one_layer_middle_stage_matches_its_trace_within_one_and_a_half_percen
     RMSNorm saves the fp32 upcast of a 16-bit input beside the receive buffer, Schedule1F1B holds each backward's
     input gradient until the next backward has run, the stage peaks at its last residual add, and autocast has not
     cast the MLP's output projection when a checkpointed layer's MLP peaks (each was 2–5 % off before)."""
-    traced = _traced_dp(QWEN_TIED, 4, 1, 4, precision, ckpt, dp)
+    traced = _traced(QWEN_TIED, 4, 1, 4, precision, ckpt, dp=dp)
     ledger = _rank_ledger(QWEN_TIED, 4, 1, 4, precision=precision, ckpt=ckpt,
                           **({"gpus": 4 * dp, "strategy": "fsdp2"} if dp > 1 else {}))
     for ph in ("forward", "backward", "optimizer_step"):
@@ -424,16 +413,10 @@ def test_context_parallel_stages_match_the_rank_traced_with_ring_attention(pp: i
     its attention PyTorch's ring attention, and is fully_shard-ed over dp × cp (torchtitan's dp_shard_cp mesh, FSDP2
     even where dp is 1): within 1.5 % in every phase. Every micro-batch in flight keeps its layers' copies of the
     attention output (left out of them, the second of four stages read 1.7 % under)."""
-    from memcalc_gui.core.analytic import estimate_analytic
-    from memcalc_gui.core.pipeline import _rank_estimate
-    from memcalc_gui.trace.pipeline import PipeRank, trace_pipeline_rank
-
     v = 2 if schedule == "interleaved-1f1b" else 1
-    setup = _setup(LLAMA8, pp, 4, precision, ckpt, schedule, v, gpus=pp * dp * 2, cp=2, strategy="fsdp2")
-    assert setup.model is not None
-    traced = trace_pipeline_rank(LLAMA8, PipeRank(pp, rank, schedule, v, 4, dp_shard=dp, cp=2), precision=precision,
-                                 checkpointing=ckpt, optimizer_impl="foreach", **STEP)
-    ledger = _rank_estimate(setup, setup.model, rank, 4, estimate_analytic)
+    traced = _traced(LLAMA8, pp, rank, 4, precision, ckpt, schedule, v, dp=dp, cp=2)
+    ledger = _rank_ledger(LLAMA8, pp, rank, 4, precision=precision, ckpt=ckpt, schedule=schedule, v=v,
+                          gpus=pp * dp * 2, cp=2, strategy="fsdp2")
     for ph in ("load", "forward", "backward", "optimizer_step"):
         assert ledger.phases[ph].total_bytes == pytest.approx(traced.phases[ph].peak_bytes, rel=0.015), ph
 
@@ -461,7 +444,7 @@ def test_the_trace_counts_a_stages_unsharded_gradients_as_gradients(precision: s
     """Under the schedule FSDP2 accumulates a stage's gradients unsharded (the policy's fp32 accumulators, or the
     unsharded parameters' own .grad) until the last backward: the trace counts them as gradients, as the ledger does,
     not as temporaries: the whole stage's fp32 gradients through forward and backward, a shard of them at the step."""
-    traced = _traced_dp(LLAMA8, 2, 1, 4, precision, "none", 2)
+    traced = _traced(LLAMA8, 2, 1, 4, precision, dp=2)
     shard = traced.phases["optimizer_step"].objects["gradients"]
     assert shard == pytest.approx(traced.phases["load"].objects["parameters"], abs=1024)
     for ph in ("forward", "backward"):
@@ -703,10 +686,8 @@ def test_a_real_pipeline_with_context_parallel_stages_matches_the_trace_and_the_
 
     real = measure_sharded_step(LLAMA8, world=4, strategy="pipeline:1f1b", layout=PipeRank(2, 0, "1f1b", 1, 4, cp=2),
                                 precision="mixed", grad_accum=4, optimizer_impl="foreach", iterations=2, **STEP)
-    setup = _setup(LLAMA8, 2, 4, "mixed", gpus=4, cp=2, strategy="fsdp2")
-    assert setup.model is not None
     for stage in (0, 1):
-        traced = _traced_cp(LLAMA8, 2, stage, 4, "mixed", cp=2)
+        traced = _traced(LLAMA8, 2, stage, 4, "mixed", cp=2)
         ledger = _rank_ledger(LLAMA8, 2, stage, 4, precision="mixed", gpus=4, cp=2, strategy="fsdp2")
         for rank in (2 * stage, 2 * stage + 1):
             for ph in ("forward", "backward", "optimizer_step"):
