@@ -253,13 +253,16 @@ def _rank_estimate(setup: TrainingSetup, spec: ModelSpec, rank: int, m: int,
     first, last = int(stage.stage_first), int(stage.stage_last)
     # where the residual stream is saved (fp32 or autocast's fp32 stream, LayerNorm), the ledger of a stage before the
     # last counts one stream tensor for the final norm it does not have: the stage's output, which the schedule keeps
-    # (so not counted twice); and a later stage's at-work micro-batch holds a stream tensor beside its receive buffer
-    # (both traced, and the real 2-process gloo pipeline equals the trace on the last stage)
+    # (so not counted twice; traced, and the real 2-process gloo pipeline equals the trace on the last stage)
     own_stream = int(one.details.get("stream_kept_bytes", 0))
     # a later stage's first layer saves its input itself where it is checkpointed, or where the stream is saved as it
     # is (a 16-bit stream's RMSNorm saves its fp32 upcast, a tensor of its own: traced): that is the receive buffer,
     # not counted twice
     received = stream if own_stream or first_checkpointed(setup) else 0
+    # the at-work micro-batch's input in forward, a receive buffer counted among the buffers: without FSDP2 where the
+    # stage saves it as it is; FSDP2's moments count it among what the frames hold where the stream is not saved
+    forward_input = received if par.strategy != "fsdp2" \
+        else stream if not own_stream or first_checkpointed(setup) else 0
     kept = int(one.details["saved_activations_bytes"]) - (v - first) * received + (v - last) * stream \
         - (1 - last) * own_stream \
         + last * (int(one.details["logits_bytes"]) + t * vocab * 4)
@@ -341,11 +344,8 @@ def _rank_estimate(setup: TrainingSetup, spec: ModelSpec, rank: int, m: int,
             # autocast's cache lives through one chunk's forward: the other chunks' unsaved copies are gone
             unsaved = one.details["compute_copy_bytes"] - one.details["saved_copy_bytes"]
             objects["parameters"] = max(0, objects["parameters"] - max(0, unsaved) * (v - 1) // v)
-        if ph == "forward" and not stage.stage_first and (received if par.strategy != "fsdp2"
-                                                          else not own_stream or first_checkpointed(setup)):
-            # the one at work's input: a receive buffer (without FSDP2, where the stage saves it as it is; FSDP2's
-            # moments count it among what the frames hold)
-            objects["activations"] = max(0, objects["activations"] - stream)
+        if ph == "forward" and not stage.stage_first:
+            objects["activations"] = max(0, objects["activations"] - forward_input)
         elif ph == "backward" and not stage.stage_first and not own_stream:
             # a 16-bit stream (its RMSNorm saves the fp32 upcast): the micro-batch at work saved its input, the
             # receive buffer, only where its first layer is checkpointed; a stage before the last holds its output
