@@ -1,7 +1,10 @@
 """Pipeline ranks: each stage's ledger against the rank traced under PyTorch's own schedules (issue 17). Prints each
 case's formula-vs-trace difference per phase for the first, second and last rank, and a summary per kind.
 
-    python bench/pipeline.py [--quick]
+    python bench/pipeline.py [--quick] [--zero-bubble]
+
+``--zero-bubble`` runs only the zero-bubble schedules' rows (ScheduleInterleavedZeroBubble and ScheduleZBVZeroBubble,
+without checkpointing: the setup refuses it beside them).
 
 The trace (``memcalc_gui.trace.pipeline``) cuts the real transformers model into stages, runs ScheduleGPipe,
 Schedule1F1B or ScheduleInterleaved1F1B on PyTorch's fake process group (with FSDP2 over each stage's data-parallel
@@ -57,7 +60,22 @@ def case(name: str, pp: int, m: int, schedule: str, v: int, precision: str, ckpt
     return out
 
 
-def main(quick: bool = False) -> None:
+def zero_bubble(names: tuple[str, ...], worst: dict[str, list[float]]) -> None:
+    """The zero-bubble rows: interleaved zero bubble with 1 and 2 stages per GPU, and ZB-V (its rank 0 holds the
+    first and the last stage)."""
+    layouts = [(2, 4, "interleaved-zb", 2), (4, 8, "interleaved-zb", 2), (4, 8, "interleaved-zb", 1),
+               (2, 4, "zbv", 2), (4, 8, "zbv", 2)]
+    for name, (pp, m, schedule, v), precision in itertools.product(names, layouts, ("fp32", "mixed", "bf16")):
+        if name == "qwen2-tied-4L" and pp * v > 4:
+            continue
+        for rank, diff in case(name, pp, m, schedule, v, precision, "none", 1).items():
+            kind = f"{schedule} ×{v}"
+            worst.setdefault(kind, []).append(max(abs(d) for d in diff.values()))
+            print(f"{name:<14}{pp:>3}{m:>3} {schedule:<17}{1:>3} {precision:<9} {'none':<5}{rank:>5}"
+                  + "".join(f"{diff[p]:>+10.2f}" for p in PHASES) + f"   v {v}")
+
+
+def main(quick: bool = False, only_zero_bubble: bool = False) -> None:
     warnings.filterwarnings("ignore")
     layouts = [(2, 4, "1f1b", 1), (4, 8, "1f1b", 1), (4, 4, "1f1b", 1), (2, 4, "gpipe", 1),
                (2, 4, "interleaved-1f1b", 2)]
@@ -67,6 +85,10 @@ def main(quick: bool = False) -> None:
           + "".join(f"{p[:8]:>10}" for p in PHASES) + "   (formula − trace, % of trace)")
     worst: dict[str, list[float]] = {}
     start = time.perf_counter()
+    if only_zero_bubble:
+        zero_bubble(names, worst)
+        print_summary(worst, start, title="kind", width=24, limits=(1, 2, 3), unit="ranks")
+        return
     for name, (pp, m, schedule, v), precision, ckpt, dp in itertools.product(
             names, layouts, precisions, ("none", "full"), (1, 2)):
         if name == "qwen2-tied-4L" and pp * v > 4:
@@ -87,8 +109,9 @@ def main(quick: bool = False) -> None:
             worst.setdefault(kind, []).append(max(abs(d) for d in diff.values()))
             print(f"{name:<14}{pp:>3}{m:>3} {schedule:<17}{dp:>3} {precision:<9} {ckpt:<5}{rank:>5}"
                   + "".join(f"{diff[p]:>+10.2f}" for p in PHASES) + "   cp 2")
+    zero_bubble(names, worst)
     print_summary(worst, start, title="kind", width=24, limits=(1, 2, 3), unit="ranks")
 
 
 if __name__ == "__main__":
-    main("--quick" in sys.argv)
+    main("--quick" in sys.argv, "--zero-bubble" in sys.argv)

@@ -238,9 +238,11 @@ def _add_setup_args(p: argparse.ArgumentParser) -> None:
                         "the step's micro-batches are --grad-accum; the ledger is the most loaded stage's")
     p.add_argument("--schedule", default="1f1b", choices=SCHEDULES,
                    help="pipeline schedule with --pp (torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B, "
-                        "ScheduleInterleaved1F1B; default 1f1b)")
+                        "ScheduleInterleaved1F1B, and the zero-bubble ScheduleInterleavedZeroBubble and "
+                        "ScheduleZBVZeroBubble; default 1f1b)")
     p.add_argument("--virtual-stages", default="1", metavar="V",
-                   help="stages per GPU under --schedule interleaved-1f1b (2 or more)")
+                   help="stages per GPU under --schedule interleaved-1f1b (2 or more), interleaved-zb (1 or more) "
+                        "or zbv (exactly 2)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -300,6 +300,23 @@ def test_model_parallel_fields_set_the_layout_and_apply_only_where_they_can(wind
     assert not w.result.setup.parallel.sp and inputs.state().sp == "true" and not inputs.sp.isEnabled()
 
 
+def test_the_zero_bubble_schedules_are_offered_and_what_they_do_not_model_is_marked(window, qtbot):
+    """Zero bubble V runs two stages per GPU (the box live, 2 by default); checkpointing beside it is marked on the
+    checkpointing field and the last good result stays."""
+    w = window
+    assert set_fields(w, preset="llama-3.1-8b", gpus="4", tp="1", pp="4", strategy="ddp", grad_accum="8",
+                      checkpointing="none", schedule="zbv", virtual_stages="")
+    par = w.result.setup.parallel
+    assert (par.schedule, par.virtual_stages) == ("zbv", 2) and w.inputs.virtual_stages.isEnabled()
+    assert "Zero bubble V" in w.chart.title_text()
+    assert_chart_matches(w)
+    before = w.result
+    assert not set_fields(w, checkpointing="full")
+    assert "checkpointing" in w.inputs.errors() and w.result is before
+    assert set_fields(w, checkpointing="none", schedule="interleaved-zb", virtual_stages="1")
+    assert w.result.setup.parallel.schedule == "interleaved-zb" and w.inputs.virtual_stages.isEnabled()
+
+
 def test_the_layout_search_lists_ranked_layouts_and_applies_one_as_one_undo_step(window, qtbot):
     w = window
     assert set_fields(w, gpus="64", seq="8192", grad_accum="8", checkpointing="none")

@@ -49,11 +49,15 @@ from .errors import InputError
 Strategy = Literal["ddp", "zero1", "zero2", "zero3", "fsdp-full-shard", "fsdp-shard-grad-op", "fsdp-hybrid", "fsdp2",
                    "megatron", "megatron-distopt"]
 Offload = Literal["none", "optimizer", "params", "both"]
-#: Pipeline schedules (``torch.distributed.pipelining``'s ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B).
-Schedule = Literal["1f1b", "interleaved-1f1b", "gpipe"]
+#: Pipeline schedules (``torch.distributed.pipelining``'s ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, and
+#: the zero-bubble ScheduleInterleavedZeroBubble and ScheduleZBVZeroBubble of Qi et al. 2024, arXiv 2401.10241).
+Schedule = Literal["1f1b", "interleaved-1f1b", "gpipe", "interleaved-zb", "zbv"]
 SCHEDULES: Final = get_args(Schedule)
 STRATEGIES: Final = get_args(Strategy)
-SCHEDULE_LABELS: Final = {"1f1b": "1F1B", "interleaved-1f1b": "Interleaved 1F1B", "gpipe": "GPipe"}
+SCHEDULE_LABELS: Final = {"1f1b": "1F1B", "interleaved-1f1b": "Interleaved 1F1B", "gpipe": "GPipe",
+                          "interleaved-zb": "Interleaved zero bubble", "zbv": "Zero bubble V"}
+#: The schedules that run more than one stage per GPU (``--virtual-stages``): how many each allows.
+VIRTUAL_STAGES: Final = {"interleaved-1f1b": "2 or more", "interleaved-zb": "1 or more", "zbv": "exactly 2"}
 OFFLOADS: Final = get_args(Offload)
 
 #: DeepSpeed's reduce_bucket_size / allgather_bucket_size default: 5e8 elements.
@@ -199,9 +203,17 @@ class Parallelism:
             raise InputError("cp", "context parallelism beside expert parallelism or offload is not modelled yet")
         if self.schedule not in SCHEDULES:
             raise InputError("schedule", f"must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
-        if (self.virtual_stages > 1) != (self.schedule == "interleaved-1f1b"):
-            raise InputError("virtual_stages", "the interleaved schedule runs more than one stage per GPU "
-                                               "(--virtual-stages 2 or more), and only it does")
+        v = self.virtual_stages
+        if (self.schedule == "interleaved-1f1b" and v == 1) or (self.schedule == "zbv" and v != 2) \
+                or (v > 1 and self.schedule not in VIRTUAL_STAGES):
+            runs = VIRTUAL_STAGES.get(self.schedule, "exactly 1")
+            raise InputError("virtual_stages", f"{SCHEDULE_LABELS[self.schedule]} runs {runs} stage(s) per GPU, got "
+                                               f"{v} (more than one is for " + ", ".join(
+                                                   SCHEDULE_LABELS[k] for k in VIRTUAL_STAGES) + ")")
+        if self.schedule in ("interleaved-zb", "zbv") and self.strategy == "fsdp2":
+            raise InputError("schedule", "the zero-bubble schedules beside FSDP2 are not modelled yet (their "
+                                         "deferred weight gradients meet FSDP2's unsharded accumulators): use 1F1B or "
+                                         "interleaved 1F1B with FSDP2")
         if self.pp == 1 and (self.schedule != "1f1b"):
             raise InputError("schedule", "a pipeline schedule needs pipeline stages (--pp 2 or more)")
         if not isinstance(self.sp, bool):

@@ -15,6 +15,9 @@ interleaved 1F1B    ``min(m·v, 2(pp − r − 1) + (v − 1)·g + 1)``      Nar
                     stage-chunks of ``L/(pp·v)`` layers, ``g`` the  Megatron-LM and ``ScheduleInterleaved1F1B``
                     micro-batches per round (``pp`` if it divides
                     ``m``)
+zero bubble         the forwards whose weight-gradient step ``W``   Qi et al. 2024 (arXiv 2401.10241): ZB1P
+(interleaved, V)    has not run, op by op of PyTorch's order        (``ScheduleInterleavedZeroBubble``) and ZB-V
+                                                                    (``ScheduleZBVZeroBubble``, §6)
 ==================  ==============================================  ===========================================
 
 So stage 0 keeps ``pp`` micro-batches of ``L/pp`` layers under 1F1B: ``L`` layers' worth, what one GPU without
@@ -32,6 +35,11 @@ or the head only where they live) for one micro-batch, plus what the schedule ad
   holds until the next backward has run (through the forward between them);
 - interleaved: the rank's forwards and backwards in PyTorch's order, each micro-batch in flight keeping what its own
   chunk keeps (:func:`rank_schedule`, ``_chunk_phases``);
+- zero bubble: each backward split into the input's gradient (``I``, sent at once) and the weights' (``W``,
+  deferred): a micro-batch keeps its activations until its ``W`` and, from its ``I`` on, the output gradients the
+  ``W`` starts from (:func:`captured_gradients`); each ``I`` leaves its input's gradient on the receive buffer until
+  the step ends; under ZB-V rank 0 holds the first and the last stage (``_zero_bubble_walk``). Modelled without
+  checkpointing, FSDP2, tensor or context parallelism (:func:`check_zero_bubble` says why);
 - FSDP2 (``fully_shard``) under a pipeline schedule: PyTorch's stage runs every backward but the last without
   gradient sync and without resharding (``PipelineStage.backward_maybe_with_nosync``), so the stage's gathered
   weights stay and its unsharded gradients (fp32 under the mixed-precision policy) accumulate through the step. What
@@ -71,7 +79,7 @@ def _interleaved_warmup(pp: int, rank: int, microbatches: int, virtual: int) -> 
 def check_microbatches(schedule: str, pp: int, microbatches: int) -> None:
     """:class:`InputError` naming ``grad_accum`` where PyTorch's interleaved schedule refuses the micro-batch count:
     it must be a multiple of its rounds, ``max(1, m // pp)``."""
-    if schedule == "interleaved-1f1b" and microbatches % max(1, microbatches // pp):
+    if schedule in ("interleaved-1f1b", "interleaved-zb") and microbatches % max(1, microbatches // pp):
         rounds = max(1, microbatches // pp)
         raise InputError("grad_accum", f"the interleaved schedule runs micro-batches in {rounds} rounds over {pp} "
                                        f"pipeline stages, so their number must be a multiple of {rounds}; "
@@ -97,9 +105,13 @@ def rank_schedule(schedule: str, pp: int, rank: int, microbatches: int, virtual:
     if schedule == "1f1b":
         warm = min(m, pp - rank - 1)
         return [("F", 0)] * warm + [op for _ in range(m - warm) for op in (("F", 0), ("B", 0))] + [("B", 0)] * warm
-    if schedule != "interleaved-1f1b":
+    if schedule == "zbv":
+        return _zbv_ops(pp, rank, m, window)
+    if schedule not in ("interleaved-1f1b", "interleaved-zb"):
         raise InputError("schedule", f"unknown pipeline schedule {schedule!r}")
     check_microbatches(schedule, pp, m)
+    if schedule == "interleaved-zb":
+        return _zero_bubble_ops(pp, rank, m, v, window)
     group, warm = _interleaved_warmup(pp, rank, m, v)
     period = group * v
     skip = max(0, (m * v - warm) // period - 2) * period if window else 0
@@ -112,6 +124,96 @@ def rank_schedule(schedule: str, pp: int, rank: int, microbatches: int, virtual:
     return ops
 
 
+#: The zero-bubble schedules (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", arXiv 2401.10241): a backward is
+#: split into the input's gradient ("I", sent at once) and the weights' ("W", deferred to fill the bubbles).
+ZERO_BUBBLE = ("interleaved-zb", "zbv")
+
+
+def _zero_bubble_ops(pp: int, rank: int, m: int, v: int, window: bool) -> list[tuple[str, int]]:
+    """``ScheduleInterleavedZeroBubble``'s order of rank ``rank``'s actions (``_get_1f1b_rank_ops`` with
+    ``enable_zero_bubble``, ZB1P of the paper): interleaved 1F1B's chunk order with ``(v − 1)·group + pp − rank − 1``
+    warm-up forwards, each backward an ``I`` and its ``W`` deferred by ``rank`` backwards (then run in order at the
+    end). ``window``: whole periods of ``group·v`` steady steps in the middle left out (the same states)."""
+    group, _ = _interleaved_warmup(pp, rank, m, v)
+    warm = min((v - 1) * group + pp - rank - 1, m * v)
+    steady = m * v - warm
+    period = group * v
+    lead = (rank // period + 2) * period  # steady steps kept before the cut (W lags by ``rank`` backwards)
+    skip = max(0, (steady - lead) // period - 2) * period if window else 0
+    ops: list[tuple[str, int]] = []
+    backwards: list[int] = []
+    done_w = 0
+
+    def fwd(step: int) -> int:
+        return (step // group) % v
+
+    def bwd(step: int) -> int:
+        return v - 1 - ((step - warm) // group) % v
+
+    cut = min(warm + lead, m * v + warm)
+    for step in itertools.chain(range(cut), range(cut + skip, m * v + warm)):
+        if step < warm + steady:
+            ops.append(("F", fwd(step)))
+        if step >= warm:
+            ops.append(("I", bwd(step)))
+            backwards.append(step)
+            if step - warm >= rank:
+                ops.append(("W", bwd(backwards[done_w])))
+                done_w += 1
+    ops += [("W", bwd(b)) for b in backwards[done_w:]]
+    return ops
+
+
+def _zbv_ops(pp: int, rank: int, m: int, window: bool) -> list[tuple[str, int]]:
+    """``ScheduleZBVZeroBubble``'s order of rank ``rank``'s actions (paper §6, ZB-V; exactly two stages per rank, chunk
+    0 the stage ``rank`` and chunk 1 the stage ``2·pp − 1 − rank``): warm-up forwards of chunk 0, then of both, then
+    chunk 1's forward, I and W; the steady state alternates both chunks' F, I, W; the cool-down runs the I's and
+    defers the W's. It plans at least ``2·pp − 1`` micro-batches and drops the actions of those past ``m``.
+    ``window``: the steady state repeats one pattern, so at most two more micro-batches than the warm-up's."""
+    if window:
+        m = min(m, 2 * pp + 2)  # three steady rounds or more, each the same
+    n = max(2 * pp - 1, m)
+    ops: list[tuple[str, int, int]] = []
+    f, b = [0, 0], [0, 0]
+
+    def act(kind: str, c: int) -> None:
+        count = f if kind == "F" else b
+        ops.append((kind, c, count[c]))
+        if kind != "I":
+            count[c] += 1
+    for _ in range(2 * (pp - rank) - 1):
+        act("F", 0)
+    for _ in range(rank):
+        act("F", 1)
+        act("F", 0)
+    for _ in range(pp - rank):
+        act("F", 1)
+        act("I", 1)
+        act("W", 1)
+    while f[1] < f[0] or f[0] < n:
+        if f[0] < n:
+            act("F", 0)
+        act("I", 0)
+        act("W", 0)
+        act("F", 1)
+        act("I", 1)
+        act("W", 1)
+    w = list(b)
+    i = list(b)
+    for _ in range(rank):
+        ops.append(("I", 0, i[0]))
+        ops.append(("I", 1, i[1]))
+        i[0] += 1
+        i[1] += 1
+    for _ in range(pp - rank):
+        ops.append(("I", 0, i[0]))
+        ops.append(("W", 0, w[0]))
+        i[0] += 1
+        w[0] += 1
+    ops += [("W", 1, k) for k in range(w[1], i[1])] + [("W", 0, k) for k in range(w[0], i[0])]
+    return [(kind, c) for kind, c, micro in ops if micro < m]
+
+
 def in_flight(schedule: str, pp: int, rank: int, microbatches: int, virtual: int = 1) -> int:
     """Micro-batch chunks (of ``L/(pp·virtual)`` layers each) whose activations rank ``rank`` keeps at its peak: the
     most forwards :func:`rank_schedule` has run whose backward has not (its warm-up and the first steady forward)."""
@@ -122,7 +224,33 @@ def in_flight(schedule: str, pp: int, rank: int, microbatches: int, virtual: int
     if schedule == "interleaved-1f1b":
         _, warm = _interleaved_warmup(pp, rank, microbatches, virtual)
         return min(microbatches * virtual, warm + 1)
+    if schedule in ZERO_BUBBLE:  # a micro-batch's activations live until its weights' gradient step (W)
+        held = most = 0
+        for kind, _ in rank_schedule(schedule, pp, rank, microbatches, virtual, window=True):
+            held += {"F": 1, "W": -1}.get(kind, 0)
+            most = max(most, held)
+        return most
     raise InputError("schedule", f"unknown pipeline schedule {schedule!r}")
+
+
+def check_zero_bubble(setup: TrainingSetup) -> None:
+    """:class:`InputError` for what the zero-bubble ledger does not cover: it is traced for block-model families on
+    pipeline × data-parallel layouts (no tensor, sequence or context parallelism inside a stage) without
+    checkpointing. Under checkpointing PyTorch's deferred weight-gradient step recomputes a checkpointed layer once
+    per weight it differentiates and keeps every recomputation until it ends (traced: a backward 1.3–1.6× that of
+    interleaved 1F1B on 2-layer stages), which no rule here follows yet."""
+    par = setup.parallel
+    if setup.model is None:
+        raise InputError("schedule", "the zero-bubble schedules are modelled for the families memcalc has a block "
+                                     "model of; use 1F1B, interleaved 1F1B or GPipe for this model")
+    if setup.checkpointing != "none":
+        raise InputError("checkpointing", "the zero-bubble schedules' deferred weight gradients recompute a "
+                                          "checkpointed layer once per weight and keep each recomputation until the "
+                                          "step for that micro-batch ends; that is not modelled yet: use 1F1B or "
+                                          "interleaved 1F1B with checkpointing, or a zero-bubble schedule without")
+    if par.tp > 1 or par.cp > 1:
+        raise InputError("schedule", "the zero-bubble schedules are modelled with pipeline and data parallelism only "
+                                     "so far (no tensor or context parallelism inside a stage)")
 
 
 def check_pipeline(spec: ModelSpec, pp: int, virtual: int = 1) -> None:
@@ -140,12 +268,13 @@ def first_checkpointed(setup: TrainingSetup) -> bool:
     return checkpoint_every(setup.checkpointing) == 1
 
 
-def stage_spec(spec: ModelSpec, pp: int, rank: int) -> ModelSpec:
-    """The model rank ``rank`` of ``pp`` holds: ``L/pp`` layers, the embedding on rank 0, the head on the last."""
+def stage_spec(spec: ModelSpec, pp: int, rank: int, schedule: str = "1f1b") -> ModelSpec:
+    """The model rank ``rank`` of ``pp`` holds: ``L/pp`` layers, the embedding on rank 0, the head on the last (under
+    the zero-bubble V schedule on rank 0 too: its "v" placement gives rank ``r`` stages ``r`` and ``2·pp − 1 − r``)."""
     if pp == 1:
         return spec
     check_pipeline(spec, pp)
-    first, last = rank == 0, rank == pp - 1
+    first, last = rank == 0, rank == (0 if schedule == "zbv" else pp - 1)
     return dataclasses.replace(spec, num_layers=spec.num_layers // pp, stage_first=first, stage_last=last,
                                tied_embeddings=spec.tied_embeddings and first and last,
                                name=f"{spec.name or spec.family} (pipeline rank {rank + 1} of {pp})")
@@ -233,7 +362,7 @@ def _rank_estimate(setup: TrainingSetup, spec: ModelSpec, rank: int, m: int,
 
     par = setup.parallel
     v = par.virtual_stages
-    stage = stage_spec(spec, par.pp, rank)
+    stage = stage_spec(spec, par.pp, rank, par.schedule)
     inner = dataclasses.replace(par, pp=1, gpus=par.gpus // par.pp, schedule="1f1b", virtual_stages=1)
     one = analytic(dataclasses.replace(setup, model=stage, parallel=inner, grad_accum=1))
     acc = analytic(dataclasses.replace(setup, model=stage, parallel=inner, grad_accum=m)) if m > 1 else one
@@ -274,6 +403,10 @@ def _rank_estimate(setup: TrainingSetup, spec: ModelSpec, rank: int, m: int,
     # one receive buffer per micro-batch for each of the rank's stage-chunks' inputs (all but the very first stage's)
     # and for the gradients of each chunk's output (all but the very last stage's)
     buffers = (2 * v - first - last) * m * stream
+    if par.schedule == "zbv" and rank == par.pp - 1:
+        # the V's turn: this rank's two stages are neighbours, and the later one takes the earlier one's output as
+        # its input directly (PyTorch's "V-schedule special case", no send or receive): one set of buffers fewer
+        buffers -= m * stream
     inputs = m * t * 8 if (stage.stage_first or stage.stage_last) else 0  # the step's token ids (and labels)
     # Schedule1F1B keeps a backward's send of its input gradient (all but the first stage's) in a local list until
     # the next backward has run, so the following forward and backward hold it too (traced)
@@ -401,7 +534,7 @@ def _rank_estimate(setup: TrainingSetup, spec: ModelSpec, rank: int, m: int,
 
     chunked = _chunk_phases(setup, stage, rank, m, analytic, stream, vocab, acc, one,
                             (lambda spec, c1, cm: view(spec, c1, cm, 0, 0), chunk_moment) if gathered else None) \
-        if v > 1 else {}
+        if v > 1 or par.schedule in ZERO_BUBBLE else {}
     phases: dict[str, PhaseLedger] = {}
     for ph in PHASES:
         if ph in chunked:
@@ -425,6 +558,9 @@ def _rank_estimate(setup: TrainingSetup, spec: ModelSpec, rank: int, m: int,
                 if flights > 1:  # the cool-down: a backward right after the previous one, one micro-batch fewer
                     candidates.append(build(stage_view, ph, later, extra(flights - 1), True, cool_down=True))
         objects = max(candidates, key=lambda o: sum(o.values()))
+        if ph == "optimizer_step" and par.schedule in ZERO_BUBBLE:
+            # each I of a stage after the first left its input's gradient on the receive buffer (_zero_bubble_walk)
+            objects["temporaries"] = objects.get("temporaries", 0) + (v - first) * m * stream
         phases[ph] = with_overheads({k: val for k, val in objects.items() if val}, ph, setup)
     notes: tuple[str, ...] = (
         f"Pipeline rank {rank + 1} of {par.pp} ({_schedule_label(par.schedule, v)}, {m} micro-batch(es) per step): "
@@ -520,6 +656,9 @@ def _chunk_phases(setup: TrainingSetup, stage: ModelSpec, rank: int, m: int,
             return views[o].gathered
         return views[o].root_w if views[o].stage.stage_first or views[o].stage.stage_last else 0
 
+    if par.schedule in ZERO_BUBBLE:
+        return _zero_bubble_walk(setup, rank, m, specs, [led(c) for c in range(v)], keeps, grads, stage_weights,
+                                 acc, one, stream)
     for kind, c in rank_schedule(par.schedule, par.pp, rank, m, v, window=True):
         if kind == "B":
             held.remove(c)
@@ -573,6 +712,123 @@ def _chunk_phases(setup: TrainingSetup, stage: ModelSpec, rank: int, m: int,
     return peaks
 
 
+def captured_gradients(setup: TrainingSetup, spec: ModelSpec, tokens: int) -> int:
+    """Bytes of the gradients a zero-bubble schedule's input-gradient step ("I") of one micro-batch on stage-chunk
+    ``spec`` keeps for its deferred weight-gradient step ("W").
+
+    PyTorch's ``stage_backward_input`` hooks every op that consumes a weight (each linear's matmul, each norm's
+    scaling, the head's matmul) and keeps the gradient of its output; ``stage_backward_weight`` starts from them. So a
+    micro-batch between its I and its W holds one gradient per weight-consuming op, the width of that op's output, in
+    its dtype (16-bit for autocast's matmuls, the stream's for the norms), beside its whole autograd graph
+    (``retain_graph``). A stage before the last starts its top layer's backward from the received gradient: where the
+    down projection's output has the stream's dtype, its gradient is that receive buffer, not a tensor of its own
+    (traced)."""
+    precision = setup.precision
+    lin = 2 if precision in ("mixed", "bf16", "bf16-autocast") else 4
+    norm = 4 if precision in ("fp32", "mixed") else 2
+    h, q, kv, inter = spec.hidden_size, spec.q_dim, spec.kv_dim, spec.intermediate_size
+    per_layer = (q + 2 * kv + h + (2 if spec.gated_mlp else 1) * inter + h) * lin + spec.norms_per_layer * h * norm
+    if spec.qk_norm != "none":
+        per_layer += (q + kv) * norm
+    total = spec.num_layers * per_layer
+    if spec.stage_last:
+        total += h * norm + spec.vocab_size * lin
+    elif lin == norm:
+        total -= h * lin
+    return tokens * total
+
+
+def _zero_bubble_walk(setup: TrainingSetup, rank: int, m: int, specs: list[ModelSpec],
+                      ledgers: list[tuple[Estimate, Estimate]], keeps: list[tuple[int, int]], grads: list[int],
+                      stage_weights: int, acc: Estimate, one: Estimate, stream: int) -> dict[str, dict[str, int]]:
+    """The forward and backward peaks of a rank under a zero-bubble schedule, op by op of :func:`rank_schedule`
+    (``F``, ``I``, ``W``), without its receive buffers and token ids.
+
+    A micro-batch keeps what its forward saved until its ``W`` (``I`` retains the autograd graph), and from its ``I``
+    on also the output gradients the ``W`` starts from (:func:`captured_gradients`); the last stage's logits are freed
+    by its ``I`` (the log-softmax stays, saved by the loss). Each ``I`` of a stage after the first leaves the gradient
+    of the stage's input on the receive buffer (``input.grad``, PyTorch's ``stage_backward_input``) until the step
+    ends. On the first stage, which has no input to differentiate, ``I`` runs nothing and ``W`` the whole backward
+    (``PipelineStage.backward_weight_one_chunk``). A ``W`` makes the chunk's weight gradients, all of them at its
+    first (or one temporary of the largest beside them after), while the graph it releases is still held (traced)."""
+    par = setup.parallel
+    t = setup.tokens // par.cp
+    v = len(specs)
+    captured = [0 if spec.stage_first else captured_gradients(setup, spec, t) for spec in specs]
+    # the last stage's I frees the logits and the loss's log-softmax: the loss and its graph above the head's matmul
+    # were held by the loss alone, which the I detaches (traced)
+    logits = [int(ledgers[c][0].details["logits_bytes"]) + t * specs[c].vocab_size * 4 if specs[c].stage_last else 0
+              for c in range(v)]
+    # the I peaks in its bottom layer's first norm's backward: four fp32 stream-sized tensors beside what it keeps
+    # (the norm computes in fp32 whatever the stream's dtype; traced)
+    transient = 4 * t * specs[0].hidden_size * 4 // (par.tp if par.sp else 1)
+    peaks: dict[str, dict[str, int]] = {}
+    # [chunk, activations kept, weight copies kept, after its I, output gradients kept for its W]
+    held: list[list[int]] = []
+    reached: set[int] = set()
+    input_grads = 0  # gradients left on the receive buffers by the I's so far
+
+    def note(ph: str, objects: dict[str, int]) -> None:
+        if ph not in peaks or sum(objects.values()) > sum(peaks[ph].values()):
+            peaks[ph] = objects
+
+    def base(ph: str, own_params: int, own_acts: int, temporaries: int, gradients: int) -> dict[str, int]:
+        objects = dict((acc if reached else one).phases[ph].objects)
+        for k in ("cuda_context", "allocator_reserve", "inputs"):
+            objects.pop(k, None)
+        objects["parameters"] = stage_weights + own_params + sum(e[2] for e in held)
+        objects["activations"] = own_acts + sum(e[1] for e in held)
+        # the output gradients the W's start from and the input gradients left on the receive buffers: gradients
+        # of activations, made by a backward (temporaries, as the trace counts them)
+        objects["temporaries"] = temporaries + sum(e[4] for e in held) + input_grads
+        objects["gradients"] = gradients
+        return objects
+
+    for kind, c in rank_schedule(par.schedule, par.pp, rank, m, v, window=True):
+        spec = specs[c]
+        made = sum(grads[o] for o in reached)
+        if kind == "F":
+            own = (ledgers[c][1] if c in reached else ledgers[c][0]).phases["forward"].objects
+            acts = int(own.get("activations", 0))
+            if not spec.stage_first and not ledgers[c][0].details.get("stream_kept_bytes"):
+                acts = max(0, acts - stream)  # its input is a receive buffer
+            own_params = int(own.get("parameters", 0)) - int(ledgers[c][0].phases["load"].objects["parameters"])
+            note("forward", base("forward", own_params, acts, int(own.get("temporaries", 0)),
+                                 made + (int(own.get("gradients", 0)) - grads[c] if c in reached else 0)))
+            held.append([c, keeps[c][0], keeps[c][1], 0, 0])
+            continue
+        entry = next(e for e in held if e[0] == c and e[3] == (kind == "W"))
+        if kind == "I":
+            if spec.stage_first:  # nothing to differentiate: the W runs the whole backward
+                entry[3] = 1
+                continue
+            held.remove(entry)
+            note("backward", base("backward", entry[2], entry[1], captured[c] + transient, made))
+            if spec.stage_last:  # the loss's backward: two fp32 logits-sized gradients (as a full backward's)
+                note("backward", base("backward", entry[2], entry[1], 2 * t * spec.vocab_size * 4, made))
+            held.append([c, entry[1] - logits[c], entry[2], 1, captured[c]])
+            input_grads += stream
+            continue
+        held.remove(entry)
+        if spec.stage_first:  # the whole backward, as a full one of the chunk
+            own = (ledgers[c][1] if c in reached else ledgers[c][0]).phases["backward"].objects
+            note("backward", base("backward", int(own.get("parameters", 0))
+                                  - int(ledgers[c][0].phases["load"].objects["parameters"]),
+                                  int(own.get("activations", 0)), int(own.get("temporaries", 0)),
+                                  made - (grads[c] if c in reached else 0) + int(own.get("gradients", 0))))
+        else:
+            # the first W sets each weight's gradient as it makes it, and peaks once all are made, the output
+            # gradients it started from and the matmuls' saved weight copies freed by then; a later one peaks at its
+            # start, adding a gradient into one, a small temporary (traced)
+            first_w = c not in reached
+            note("backward", base("backward", 0 if first_w else entry[2], entry[1],
+                                  0 if first_w else entry[4] + stream, made + (grads[c] if first_w else 0)))
+        reached.add(c)
+    return peaks
+
+
 def _schedule_label(schedule: str, virtual: int) -> str:
     return {"1f1b": "1F1B", "gpipe": "GPipe",
-            "interleaved-1f1b": f"interleaved 1F1B, {virtual} stages per GPU"}[schedule]
+            "interleaved-1f1b": f"interleaved 1F1B, {virtual} stages per GPU",
+            "interleaved-zb": f"interleaved zero bubble, {virtual} stage{'s' if virtual > 1 else ''} per GPU",
+            "zbv": "zero bubble V, 2 stages per GPU"}[schedule]

@@ -15,7 +15,7 @@ from .errors import InputError
 from .finetune import FineTuning
 from .layout import check_tensor_parallel
 from .model import ModelSpec
-from .pipeline import check_microbatches, check_pipeline
+from .pipeline import ZERO_BUBBLE, check_microbatches, check_pipeline, check_zero_bubble
 from .resources import load_json
 from .units import MAX_COUNT, MAX_SIZE_BYTES, format_bytes
 
@@ -269,6 +269,8 @@ class TrainingSetup:
             if self.model is not None:  # without one, the fitted method and the trace check the config's layers
                 check_pipeline(self.model, par.pp, par.virtual_stages)
             check_microbatches(par.schedule, par.pp, self.grad_accum)
+            if par.schedule in ZERO_BUBBLE:
+                check_zero_bubble(self)
             for on, what in ((self.tuning.method != "full", self.tuning.method),
                              (self.loss == "chunked", "the chunked loss"),
                              (self.activation_offload != "none", "activation offloading"),

@@ -6,7 +6,9 @@ The model is built (on the meta device in a fake run), checkpointed as asked, an
 the last (transformers' ``base_model_pp_plan`` names the same split: embed_tokens, layers, norm). Each stage is the
 family's own base-model forward over its slice of layers (the base model shallow-copied with its ``layers``
 replaced: no model code is rewritten), wrapped in a :class:`~torch.distributed.pipelining.PipelineStage` with static
-shapes, and driven by ``ScheduleGPipe``, ``Schedule1F1B`` or ``ScheduleInterleaved1F1B``: the schedule decides
+shapes, and driven by ``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B`` or the zero-bubble
+``ScheduleInterleavedZeroBubble`` and ``ScheduleZBVZeroBubble`` (their deferred weight-gradient steps each a backward
+window of their own): the schedule decides
 how many micro-batches' activations the rank keeps at once, as on a real cluster. The fake backend returns every
 send and receive at once; the received activations and gradients are the stage's own preallocated buffers.
 
@@ -26,7 +28,10 @@ from typing import Any
 from ..core.errors import InputError
 
 #: Schedules this trace runs, by the names the CLI uses, and PyTorch's class for each.
-SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B"}
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
+             "interleaved-zb": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble"}
+#: The schedules that run a list of stages per rank (PyTorch's ``PipelineScheduleMulti``).
+MULTI = ("interleaved-1f1b", "interleaved-zb", "zbv")
 
 
 @dataclass(frozen=True)
@@ -66,9 +71,13 @@ class PipeRank:
             raise InputError("stage", f"must be a rank from 0 to {self.pp - 1}, got {self.rank!r}")
         if self.schedule not in SCHEDULES:
             raise InputError("schedule", f"must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
-        if (self.virtual > 1) != (self.schedule == "interleaved-1f1b"):
-            raise InputError("virtual_stages", "more than one stage per rank is the interleaved schedule's, and it "
-                                               "needs more than one")
+        if self.schedule == "zbv" and self.virtual != 2:
+            raise InputError("virtual_stages", "the zero-bubble V schedule runs exactly two stages per rank")
+        if self.virtual > 1 and self.schedule not in MULTI:
+            raise InputError("virtual_stages", "more than one stage per rank is the interleaved and zero-bubble "
+                                               "schedules'")
+        if self.schedule == "interleaved-1f1b" and self.virtual == 1:
+            raise InputError("virtual_stages", "the interleaved 1F1B schedule needs more than one stage per rank")
         if not isinstance(self.reshard_after_forward, bool):
             raise InputError("reshard_after_forward", f"must be true or false, got {self.reshard_after_forward!r}")
         if not isinstance(self.sp, bool) or (self.sp and self.tp == 1):
@@ -82,7 +91,10 @@ class PipeRank:
 
     @property
     def stages(self) -> tuple[int, ...]:
-        """The global stage indices this rank runs (interleaved: ``rank``, ``rank + pp``, …, loop order)."""
+        """The global stage indices this rank runs (interleaved: ``rank``, ``rank + pp``, …, loop order; zero-bubble
+        V: ``rank`` and ``2·pp − 1 − rank``, PyTorch's "v" placement, so rank 0 holds the first and the last)."""
+        if self.schedule == "zbv":
+            return (self.rank, 2 * self.pp - 1 - self.rank)
         return tuple(self.rank + i * self.pp for i in range(self.virtual))
 
     @property
@@ -292,7 +304,7 @@ def driver(layout: PipeRank, *, batch: int, seq: int, precision: str, group: Any
             return ForCausalLMLoss(logits, target, v)
 
         cls = getattr(pipelining, SCHEDULES[traced_schedule(layout)])
-        schedule = cls(stages if layout.virtual > 1 else stages[0], n_microbatches=layout.microbatches,
+        schedule = cls(stages if layout.schedule in MULTI else stages[0], n_microbatches=layout.microbatches,
                        loss_fn=loss_fn)
         return _Driver(schedule, stages, layout)
 
@@ -328,6 +340,8 @@ class _Driver:
         for stage in stages:
             stage.forward_one_chunk = self._windowed("forward", stage.forward_one_chunk)
             stage.backward_one_chunk = self._windowed("backward", stage.backward_one_chunk)
+            # a zero-bubble schedule's deferred weight-gradient step (its "W"), a backward window of its own
+            stage.backward_weight_one_chunk = self._windowed("backward", stage.backward_weight_one_chunk)
         schedule._compute_loss = self._windowed("forward", schedule._compute_loss)
 
     def _windowed(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -351,6 +365,13 @@ class _Driver:
         temporaries, as before.)"""
         if self.track is None:
             return
+        if self.layout.schedule in ("interleaved-zb", "zbv"):
+            # a zero-bubble W sets each weight's .grad itself (``stage_backward_weight``), not through autograd's
+            # accumulation the tracker sees: they are the step's gradients all the same
+            for stage in self.stages:
+                for param in stage.submod.parameters():
+                    if param.grad is not None:
+                        self.track(param.grad, "gradients")
         for stage in self.stages:
             for module in stage.submod.modules():
                 state = getattr(module, "_get_fsdp_state", None)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from ..core.distributed import MAX_PARALLEL_GPUS, OFFLOADS, SCHEDULES, STRATEGIES, Parallelism
+from ..core.distributed import MAX_PARALLEL_GPUS, OFFLOADS, SCHEDULES, STRATEGIES, VIRTUAL_STAGES, Parallelism
 from ..core.errors import ConfigError, InputError, UnsupportedFamilyError
 from ..core.finetune import MAX_RANK, TUNINGS, FineTuning
 from ..core.model import (
@@ -495,7 +495,7 @@ def build_setup(state: FormState, cache: ModelCache) -> TrainingSetup:
     attempt("pp", lambda: parse_positive_int(state.pp or "1", "pp", MAX_PARALLEL_GPUS))
     attempt("cp", lambda: parse_positive_int(state.cp or "1", "cp", MAX_PARALLEL_GPUS))
     attempt("virtual_stages", lambda: parse_positive_int(state.virtual_stages or "2", "virtual_stages", 4096)
-            if state.schedule == "interleaved-1f1b" else 1)
+            if state.schedule in VIRTUAL_STAGES else 1)
     attempt("tuning", lambda: tuning_from_state(state))
     attempt("loss_chunk", lambda: parse_positive_int(state.loss_chunk, "loss_chunk", LIMITS["seq"] * LIMITS["batch"])
             if state.loss_chunk.strip() and state.loss == "chunked" else None)
@@ -518,7 +518,7 @@ def build_setup(state: FormState, cache: ModelCache) -> TrainingSetup:
             cp=cp,
             # the schedule's fields keep their text while there is no pipeline
             schedule=state.schedule if pp > 1 else "1f1b",  # type: ignore[arg-type]
-            virtual_stages=virtual if pp > 1 and state.schedule == "interleaved-1f1b" else 1,
+            virtual_stages=virtual if pp > 1 and state.schedule in VIRTUAL_STAGES else 1,
             sp=state.sp == "true" and tp > 1,  # the box keeps its tick while there is no tensor parallelism
             loss_parallel=state.loss_parallel == "true" and tp > 1,
             reshard_after_forward=state.reshard_after_forward != "false",

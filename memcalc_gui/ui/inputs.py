@@ -30,7 +30,14 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from ..core.distributed import SCHEDULE_LABELS, STRATEGIES, STRATEGY_LABELS, closest_offload, offload_choices
+from ..core.distributed import (
+    SCHEDULE_LABELS,
+    STRATEGIES,
+    STRATEGY_LABELS,
+    VIRTUAL_STAGES,
+    closest_offload,
+    offload_choices,
+)
 from ..core.setup import BNB_OPTIMIZERS, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISION_LABELS, PRECISIONS
 from ..view.theme import error_color
 from .form import RECIPE_TUNING, RECIPES, FormState, capacity_text, gpu_by_id, recipe_for
@@ -713,7 +720,7 @@ class InputPanel(QWidget):
         self.sp.setEnabled(number(self.tp) > 1)
         self.loss_parallel.setEnabled(number(self.tp) > 1)
         self.schedule.setEnabled(number(self.pp) > 1)
-        self.virtual_stages.setEnabled(number(self.pp) > 1 and self.schedule.currentData() == "interleaved-1f1b")
+        self.virtual_stages.setEnabled(number(self.pp) > 1 and self.schedule.currentData() in VIRTUAL_STAGES)
 
     def _sync_reshard(self) -> None:
         """Reshard after forward is FSDP2's option: the box is live for fsdp2 only (its choice is kept)."""

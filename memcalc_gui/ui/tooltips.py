@@ -250,10 +250,15 @@ TOOLTIPS: dict[str, str] = {
     "schedule": (
         "How the stages order the micro-batches' forwards and backwards, and so how many micro-batches of "
         "activations a stage keeps at once: GPipe all of them; 1F1B as many as there are stages after it "
-        "(Narayanan et al. 2021); interleaved 1F1B, several smaller stages per GPU, a little more."
+        "(Narayanan et al. 2021); interleaved 1F1B, several smaller stages per GPU, a little more. The "
+        "zero-bubble schedules (Qi et al. 2024) split each backward into the input's gradient and the weights', "
+        "deferred to fill the pipeline's idle time: each micro-batch keeps its activations, and the output gradients "
+        "the weights' step starts from, until that step has run (without checkpointing, no tensor or context "
+        "parallelism yet)."
     ),
-    "virtual_stages": "Stages per GPU under the interleaved schedule (2 or more; the layers must split into "
-                      "stages × this many pieces).",
+    "virtual_stages": "Stages per GPU under the interleaved schedules (2 or more for interleaved 1F1B, 1 or more for "
+                      "interleaved zero bubble, exactly 2 for zero bubble V; the layers must split into stages × this "
+                      "many pieces).",
     "offload": (
         "Move model state to CPU memory; the chart then shows less on the GPU and the host memory needed per "
         "node is listed. The choices are the ones that differ for the strategy.\nZeRO-1/2/3, optimizer: "
