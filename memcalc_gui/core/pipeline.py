@@ -750,7 +750,8 @@ def _zero_bubble_walk(setup: TrainingSetup, rank: int, m: int, specs: list[Model
     of the stage's input on the receive buffer (``input.grad``, PyTorch's ``stage_backward_input``) until the step
     ends. On the first stage, which has no input to differentiate, ``I`` runs nothing and ``W`` the whole backward
     (``PipelineStage.backward_weight_one_chunk``). A ``W`` makes the chunk's weight gradients, all of them at its
-    first (or one temporary of the largest beside them after), while the graph it releases is still held (traced)."""
+    first (a later one adds them in, one small temporary at a time), while the graph it releases is still held
+    (traced)."""
     par = setup.parallel
     t = setup.tokens // par.cp
     v = len(specs)
@@ -767,6 +768,7 @@ def _zero_bubble_walk(setup: TrainingSetup, rank: int, m: int, specs: list[Model
     held: list[list[int]] = []
     reached: set[int] = set()
     input_grads = 0  # gradients left on the receive buffers by the I's so far
+    whole = int(acc.phases["optimizer_step"].objects.get("gradients", 0))  # the stage's gradients
 
     def note(ph: str, objects: dict[str, int]) -> None:
         if ph not in peaks or sum(objects.values()) > sum(peaks[ph].values()):
@@ -786,7 +788,8 @@ def _zero_bubble_walk(setup: TrainingSetup, rank: int, m: int, specs: list[Model
 
     for kind, c in rank_schedule(par.schedule, par.pp, rank, m, v, window=True):
         spec = specs[c]
-        made = sum(grads[o] for o in reached)
+        # (a tied head on ZB-V's rank 0 is the embedding's weight: its gradient is one, the stage's count)
+        made = min(sum(grads[o] for o in reached), whole)
         if kind == "F":
             own = (ledgers[c][1] if c in reached else ledgers[c][0]).phases["forward"].objects
             acts = int(own.get("activations", 0))
@@ -794,7 +797,7 @@ def _zero_bubble_walk(setup: TrainingSetup, rank: int, m: int, specs: list[Model
                 acts = max(0, acts - stream)  # its input is a receive buffer
             own_params = int(own.get("parameters", 0)) - int(ledgers[c][0].phases["load"].objects["parameters"])
             note("forward", base("forward", own_params, acts, int(own.get("temporaries", 0)),
-                                 made + (int(own.get("gradients", 0)) - grads[c] if c in reached else 0)))
+                                 min(made + (int(own.get("gradients", 0)) - grads[c] if c in reached else 0), whole)))
             held.append([c, keeps[c][0], keeps[c][1], 0, 0])
             continue
         entry = next(e for e in held if e[0] == c and e[3] == (kind == "W"))
@@ -815,14 +818,16 @@ def _zero_bubble_walk(setup: TrainingSetup, rank: int, m: int, specs: list[Model
             note("backward", base("backward", int(own.get("parameters", 0))
                                   - int(ledgers[c][0].phases["load"].objects["parameters"]),
                                   int(own.get("activations", 0)), int(own.get("temporaries", 0)),
-                                  made - (grads[c] if c in reached else 0) + int(own.get("gradients", 0))))
+                                  min(made - (grads[c] if c in reached else 0) + int(own.get("gradients", 0)),
+                                      whole)))
         else:
             # the first W sets each weight's gradient as it makes it, and peaks once all are made, the output
             # gradients it started from and the matmuls' saved weight copies freed by then; a later one peaks at its
             # start, adding a gradient into one, a small temporary (traced)
             first_w = c not in reached
             note("backward", base("backward", 0 if first_w else entry[2], entry[1],
-                                  0 if first_w else entry[4] + stream, made + (grads[c] if first_w else 0)))
+                                  0 if first_w else entry[4] + stream,
+                                  min(made + (grads[c] if first_w else 0), whole)))
         reached.add(c)
     return peaks
 

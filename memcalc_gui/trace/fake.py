@@ -332,7 +332,7 @@ def trace_estimate(
         # the model one rank runs
         rank = tensor_parallel_spec(setup.model, setup.parallel.tp, setup.parallel.loss_parallel)
         if setup.parallel.pp > 1:
-            rank = stage_spec(rank, setup.parallel.pp, pipe_rank)
+            rank = stage_spec(rank, setup.parallel.pp, pipe_rank, setup.parallel.schedule)
         if fsdp2_mixed:
             cost = optimizer_cost(setup.optimizer, setup.optimizer_impl, rank.param_layout(), rank.num_layers, 4)
             state, temps = cost.state_bytes + cost.paged_bytes, cost.step_temporary_bytes
