@@ -38,7 +38,7 @@ PHASES = ("forward", "backward", "optimizer_step")
 
 
 def case(name: str, pp: int, m: int, schedule: str, v: int, precision: str, ckpt: str, dp: int,
-         cp: int = 1) -> dict[int, dict]:
+         cp: int = 1, tp: int = 1) -> dict[int, dict]:
     """{rank: {phase: formula − trace, % of the trace}} for the first, second and last rank (context parallelism:
     FSDP2 over dp × cp, as torchtitan applies it)."""
     from memcalc_gui.trace.pipeline import PipeRank, trace_pipeline_rank
@@ -47,13 +47,14 @@ def case(name: str, pp: int, m: int, schedule: str, v: int, precision: str, ckpt
     setup = TrainingSetup(model=spec_from_config(cfg), grad_accum=m, precision=precision,  # type: ignore[arg-type]
                           checkpointing=ckpt, optimizer_impl="foreach", target_device="cpu",  # type: ignore
                           cuda_context_bytes=0, allocator_reserve=0.0,
-                          parallel=Parallelism(gpus=pp * dp * cp, pp=pp, schedule=schedule,  # type: ignore[arg-type]
-                                               virtual_stages=v, cp=cp,
+                          parallel=Parallelism(gpus=pp * dp * cp * tp, pp=pp, schedule=schedule,  # type: ignore
+                                               virtual_stages=v, cp=cp, tp=tp,
                                                strategy="fsdp2" if dp * cp > 1 else "ddp"), **STEP)
     assert setup.model is not None
     out = {}
     for rank in sorted({0, 1, pp - 1}):
-        traced = trace_pipeline_rank(cfg, PipeRank(pp, rank, schedule, v, m, dp_shard=dp, cp=cp), precision=precision,
+        traced = trace_pipeline_rank(cfg, PipeRank(pp, rank, schedule, v, m, dp_shard=dp, cp=cp, tp=tp),
+                                     precision=precision,
                                      checkpointing=ckpt, optimizer_impl="foreach", **STEP)
         ledger = _rank_estimate(setup, setup.model, rank, m, estimate_analytic)
         out[rank] = {ph: 100 * (ledger.phases[ph].total_bytes / traced.phases[ph].peak_bytes - 1) for ph in PHASES}
@@ -73,6 +74,14 @@ def zero_bubble(names: tuple[str, ...], worst: dict[str, list[float]]) -> None:
             worst.setdefault(kind, []).append(max(abs(d) for d in diff.values()))
             print(f"{name:<14}{pp:>3}{m:>3} {schedule:<17}{1:>3} {precision:<9} {'none':<5}{rank:>5}"
                   + "".join(f"{diff[p]:>+10.2f}" for p in PHASES) + f"   v {v}")
+    # tensor parallelism inside each stage (transformers' plan, no sequence parallelism)
+    for name, (pp, m, schedule, v), precision in itertools.product(
+            names[:1], [(2, 4, "interleaved-zb", 2), (2, 4, "zbv", 2)], ("fp32", "mixed", "bf16")):
+        for rank, diff in case(name, pp, m, schedule, v, precision, "none", 1, tp=2).items():
+            kind = f"{schedule} ×{v}, tp 2"
+            worst.setdefault(kind, []).append(max(abs(d) for d in diff.values()))
+            print(f"{name:<14}{pp:>3}{m:>3} {schedule:<17}{1:>3} {precision:<9} {'none':<5}{rank:>5}"
+                  + "".join(f"{diff[p]:>+10.2f}" for p in PHASES) + f"   v {v}, tp 2")
 
 
 def main(quick: bool = False, only_zero_bubble: bool = False) -> None:

@@ -260,12 +260,14 @@ def test_bad_pipeline_flags_exit_2_naming_the_flag(extra: list[str], flag: str,
 # ---- against the traced rank -----------------------------------------------------------------------------------------
 def _traced(cfg: dict, pp: int, rank: int, m: int, precision: str = "fp32", ckpt: str = "none",
             schedule: str = "1f1b", v: int = 1, fake: bool = True, dp: int = 1,
-            cp: int = 1):  # type: ignore[no-untyped-def]
+            cp: int = 1, tp: int = 1, sp: bool = False):  # type: ignore[no-untyped-def]
     """Rank ``rank`` traced under the schedule (FSDP2 over ``dp`` × ``cp`` ranks of each stage where either is
-    more than 1)."""
+    more than 1; each stage's layers split over ``tp`` ranks by transformers' plan, torchtitan's sequence-parallel one
+    on top with ``sp``)."""
     from memcalc_gui.trace.pipeline import PipeRank, trace_pipeline_rank
 
-    return trace_pipeline_rank(cfg, PipeRank(pp, rank, schedule, v, m, dp_shard=dp, cp=cp), fake=fake,
+    return trace_pipeline_rank(cfg, PipeRank(pp, rank, schedule, v, m, dp_shard=dp, cp=cp, tp=tp, sp=sp),
+                               fake=fake,
                                precision=precision, checkpointing=ckpt, optimizer_impl="foreach", **STEP)
 
 
@@ -917,19 +919,24 @@ def test_the_windowed_zero_bubble_order_passes_through_the_same_states(pp: int, 
     assert len(rank_schedule(schedule, pp, rank, 2 ** 20 // (pp * v) * (pp * v), v, window=True)) < 2000
 
 
-@pytest.mark.parametrize(("schedule", "pp", "v", "m", "precision", "cfg"), [
-    ("interleaved-zb", 2, 2, 4, "fp32", LLAMA8), ("interleaved-zb", 4, 1, 8, "mixed", LLAMA8),
-    ("zbv", 2, 2, 4, "mixed", LLAMA8), ("zbv", 4, 2, 8, "bf16", LLAMA8),
+@pytest.mark.parametrize(("schedule", "pp", "v", "m", "precision", "cfg", "tp", "sp"), [
+    ("interleaved-zb", 2, 2, 4, "fp32", LLAMA8, 1, False), ("interleaved-zb", 4, 1, 8, "mixed", LLAMA8, 1, False),
+    ("zbv", 2, 2, 4, "mixed", LLAMA8, 1, False), ("zbv", 4, 2, 8, "bf16", LLAMA8, 1, False),
     # ZB-V's rank 0 holds the tied head and the embedding: one weight, one gradient
-    ("zbv", 2, 2, 4, "fp32", QWEN_TIED)], ids=["izb-2x2", "izb-4x1", "zbv-2", "zbv-4", "zbv-tied"])
+    ("zbv", 2, 2, 4, "fp32", QWEN_TIED, 1, False),
+    # each stage's layers split over 2 tensor-parallel ranks: the output gradients the W keeps are the rank's share
+    ("interleaved-zb", 2, 2, 4, "mixed", LLAMA8, 2, False), ("zbv", 2, 2, 4, "bf16", LLAMA8, 2, False)],
+    ids=["izb-2x2", "izb-4x1", "zbv-2", "zbv-4", "zbv-tied", "izb-tp2", "zbv-tp2"])
 def test_zero_bubble_ranks_match_the_rank_traced_under_pytorchs_schedule(schedule: str, pp: int, v: int, m: int,
-                                                                         precision: str, cfg: dict) -> None:
+                                                                         precision: str, cfg: dict, tp: int,
+                                                                         sp: bool) -> None:
     """Within 1.5 % in every phase on the first, second and last rank (bench/pipeline.py --zero-bubble prints more):
     the deferred W keeps each micro-batch's graph and the output gradients it starts from, which interleaved 1F1B
     frees in its backward; under ZB-V rank 0 holds both the embedding and the head."""
     for rank in sorted({0, 1, pp - 1}):
-        traced = _traced(cfg, pp, rank, m, precision, "none", schedule, v)
-        ledger = _rank_ledger(cfg, pp, rank, m, precision=precision, schedule=schedule, v=v)
+        traced = _traced(cfg, pp, rank, m, precision, "none", schedule, v, tp=tp, sp=sp)
+        ledger = _rank_ledger(cfg, pp, rank, m, precision=precision, schedule=schedule, v=v, tp=tp, sp=sp,
+                              gpus=pp * tp)
         for ph in ("forward", "backward", "optimizer_step"):
             assert ledger.phases[ph].total_bytes == pytest.approx(traced.phases[ph].peak_bytes, rel=0.015), \
                 (rank, ph)
@@ -955,7 +962,9 @@ def test_the_zero_bubble_step_holds_more_than_interleaved_1f1b_and_says_so() -> 
 @pytest.mark.parametrize(("kw", "par", "field", "words"), [
     ({"ckpt": "full"}, {}, "checkpointing", "recompute"),
     ({}, {"strategy": "fsdp2", "gpus": 4}, "schedule", "FSDP2"),
-    ({}, {"tp": 2, "gpus": 4}, "schedule", "tensor or context"),
+    ({}, {"strategy": "zero1", "gpus": 4}, "schedule", "beside PyTorch's DDP"),
+    ({}, {"tp": 2, "sp": True, "gpus": 4}, "sp", "PyTorch's plan"),
+    ({}, {"cp": 2, "gpus": 4}, "schedule", "context parallelism"),
     ({"v": 1}, {}, "virtual_stages", "exactly 2"),
 ])
 def test_zero_bubble_layouts_it_does_not_model_are_refused_naming_the_field(kw: dict, par: dict, field: str,
@@ -967,17 +976,18 @@ def test_zero_bubble_layouts_it_does_not_model_are_refused_naming_the_field(kw: 
 
 @settings(max_examples=60, deadline=None)
 @given(pp=st.sampled_from([2, 4, 8]), m=st.integers(1, 64), zbv=st.booleans(), v=st.integers(1, 2),
-       precision=st.sampled_from(["fp32", "mixed", "bf16"]), strategy=st.sampled_from(["ddp", "zero1", "zero2"]),
-       dp=st.sampled_from([1, 2]))
+       precision=st.sampled_from(["fp32", "mixed", "bf16"]),
+       dp=st.sampled_from([1, 2]), tp=st.sampled_from([1, 2, 4]), vocab=st.booleans())
 def test_every_zero_bubble_layout_gives_a_ledger_with_the_most_loaded_rank(pp: int, m: int, zbv: bool, v: int,
-                                                                           precision: str, strategy: str,
-                                                                           dp: int) -> None:
+                                                                           precision: str,
+                                                                           dp: int, tp: int, vocab: bool) -> None:
     schedule, v = ("zbv", 2) if zbv else ("interleaved-zb", v)
     if not zbv and m % max(1, m // pp):
         m -= m % max(1, m // pp)
     setup = TrainingSetup(model=preset_spec("llama-3.2-1b"), grad_accum=m, precision=precision,  # type: ignore
-                          seq=1024, parallel=Parallelism(gpus=pp * dp, pp=pp, schedule=schedule,  # type: ignore
-                                                         virtual_stages=v, strategy=strategy))  # type: ignore
+                          seq=1024, parallel=Parallelism(gpus=pp * dp * tp, pp=pp, schedule=schedule,  # type: ignore
+                                                         virtual_stages=v, tp=tp,
+                                                         loss_parallel=vocab and tp > 1))
     est = estimate(setup)
     assert all(n >= 0 for p in est.phases.values() for n in p.objects.values())
     ranks = est.details["pipeline_ranks"]
@@ -995,3 +1005,4 @@ def test_the_command_line_runs_the_zero_bubble_schedules(capsys: pytest.CaptureF
     assert done.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--virtual-stages" in err[0]
+

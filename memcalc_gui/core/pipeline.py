@@ -235,22 +235,30 @@ def in_flight(schedule: str, pp: int, rank: int, microbatches: int, virtual: int
 
 def check_zero_bubble(setup: TrainingSetup) -> None:
     """:class:`InputError` for what the zero-bubble ledger does not cover: it is traced for block-model families on
-    pipeline × data-parallel layouts (no tensor, sequence or context parallelism inside a stage) without
-    checkpointing. Under checkpointing PyTorch's deferred weight-gradient step recomputes a checkpointed layer once
-    per weight it differentiates and keeps every recomputation until it ends (traced: a backward 1.3–1.6× that of
-    interleaved 1F1B on 2-layer stages), which no rule here follows yet."""
+    pipeline × DDP layouts, tensor parallelism inside a stage included (not sequence or context parallelism),
+    without checkpointing. Under checkpointing PyTorch's deferred weight-gradient step recomputes a
+    checkpointed layer once per weight it differentiates and keeps every recomputation until it ends (traced: a
+    backward 1.3–1.6× that of interleaved 1F1B on 2-layer stages), which no rule here follows yet."""
     par = setup.parallel
     if setup.model is None:
         raise InputError("schedule", "the zero-bubble schedules are modelled for the families memcalc has a block "
                                      "model of; use 1F1B, interleaved 1F1B or GPipe for this model")
     if setup.checkpointing != "none":
         raise InputError("checkpointing", "the zero-bubble schedules' deferred weight gradients recompute a "
-                                          "checkpointed layer once per weight and keep each recomputation until the "
-                                          "step for that micro-batch ends; that is not modelled yet: use 1F1B or "
+                                          "checkpointed layer once per weight and keep each recomputation until that "
+                                          "weight-gradient step ends; that is not modelled yet: use 1F1B or "
                                           "interleaved 1F1B with checkpointing, or a zero-bubble schedule without")
-    if par.tp > 1 or par.cp > 1:
+    if par.sp:
+        raise InputError("sp", "sequence parallelism beside the zero-bubble schedules is not modelled yet: beside DDP "
+                               "the ledger's is Megatron-LM's, which saves the linears' inputs split, and PyTorch's "
+                               "plan, which these schedules run with, saves them gathered (traced 1.5-4 % under)")
+    if par.strategy != "ddp":
+        raise InputError("schedule", "the zero-bubble schedules are PyTorch's (torch.distributed.pipelining): they are "
+                                     "modelled beside PyTorch's DDP (FSDP2 not yet); ZeRO and Megatron-LM run pipeline "
+                                     "schedules of their own")
+    if par.cp > 1:
         raise InputError("schedule", "the zero-bubble schedules are modelled with pipeline and data parallelism only "
-                                     "so far (no tensor or context parallelism inside a stage)")
+                                     "and tensor parallelism so far (no context parallelism inside a stage)")
 
 
 def check_pipeline(spec: ModelSpec, pp: int, virtual: int = 1) -> None:
@@ -658,7 +666,7 @@ def _chunk_phases(setup: TrainingSetup, stage: ModelSpec, rank: int, m: int,
 
     if par.schedule in ZERO_BUBBLE:
         return _zero_bubble_walk(setup, rank, m, specs, [led(c) for c in range(v)], keeps, grads, stage_weights,
-                                 acc, one, stream)
+                                 acc, one, stream, vocab)
     for kind, c in rank_schedule(par.schedule, par.pp, rank, m, v, window=True):
         if kind == "B":
             held.remove(c)
@@ -724,23 +732,28 @@ def captured_gradients(setup: TrainingSetup, spec: ModelSpec, tokens: int) -> in
     down projection's output has the stream's dtype, its gradient is that receive buffer, not a tensor of its own
     (traced)."""
     precision = setup.precision
+    spec = tensor_parallel_spec(spec, setup.parallel.tp, setup.parallel.loss_parallel)
     lin = 2 if precision in ("mixed", "bf16", "bf16-autocast") else 4
     norm = 4 if precision in ("fp32", "mixed") else 2
     h, q, kv, inter = spec.hidden_size, spec.q_dim, spec.kv_dim, spec.intermediate_size
-    per_layer = (q + 2 * kv + h + (2 if spec.gated_mlp else 1) * inter + h) * lin + spec.norms_per_layer * h * norm
+    # under sequence parallelism the norms see the rank's share of the tokens, the linears all of them
+    share = setup.parallel.tp if setup.parallel.sp else 1
+    per_layer = tokens * (q + 2 * kv + h + (2 if spec.gated_mlp else 1) * inter + h) * lin \
+        + spec.norms_per_layer * (tokens // share) * h * norm
     if spec.qk_norm != "none":
-        per_layer += (q + kv) * norm
+        per_layer += tokens * (q + kv) * norm
     total = spec.num_layers * per_layer
     if spec.stage_last:
-        total += h * norm + spec.vocab_size * lin
-    elif lin == norm:
-        total -= h * lin
-    return tokens * total
+        total += (tokens // share) * h * norm + tokens * spec.vocab_size * lin
+    elif lin == norm and share == 1:
+        total -= tokens * h * lin
+    return total
 
 
 def _zero_bubble_walk(setup: TrainingSetup, rank: int, m: int, specs: list[ModelSpec],
                       ledgers: list[tuple[Estimate, Estimate]], keeps: list[tuple[int, int]], grads: list[int],
-                      stage_weights: int, acc: Estimate, one: Estimate, stream: int) -> dict[str, dict[str, int]]:
+                      stage_weights: int, acc: Estimate, one: Estimate, stream: int,
+                      vocab: int) -> dict[str, dict[str, int]]:
     """The forward and backward peaks of a rank under a zero-bubble schedule, op by op of :func:`rank_schedule`
     (``F``, ``I``, ``W``), without its receive buffers and token ids.
 
@@ -751,14 +764,14 @@ def _zero_bubble_walk(setup: TrainingSetup, rank: int, m: int, specs: list[Model
     ends. On the first stage, which has no input to differentiate, ``I`` runs nothing and ``W`` the whole backward
     (``PipelineStage.backward_weight_one_chunk``). A ``W`` makes the chunk's weight gradients, all of them at its
     first (a later one adds them in, one small temporary at a time), while the graph it releases is still held
-    (traced)."""
+    (traced). ``vocab``: the logits' width on this rank (split under loss parallelism)."""
     par = setup.parallel
     t = setup.tokens // par.cp
     v = len(specs)
     captured = [0 if spec.stage_first else captured_gradients(setup, spec, t) for spec in specs]
     # the last stage's I frees the logits and the loss's log-softmax: the loss and its graph above the head's matmul
     # were held by the loss alone, which the I detaches (traced)
-    logits = [int(ledgers[c][0].details["logits_bytes"]) + t * specs[c].vocab_size * 4 if specs[c].stage_last else 0
+    logits = [int(ledgers[c][0].details["logits_bytes"]) + t * vocab * 4 if specs[c].stage_last else 0
               for c in range(v)]
     # the I peaks in its bottom layer's first norm's backward: four fp32 stream-sized tensors beside what it keeps
     # (the norm computes in fp32 whatever the stream's dtype; traced)
@@ -808,8 +821,8 @@ def _zero_bubble_walk(setup: TrainingSetup, rank: int, m: int, specs: list[Model
             held.remove(entry)
             note("backward", base("backward", entry[2], entry[1], captured[c] + transient, made))
             if spec.stage_last:  # the loss's backward: two fp32 logits-sized gradients (as a full backward's)
-                note("backward", base("backward", entry[2], entry[1], 2 * t * spec.vocab_size * 4, made))
-            held.append([c, entry[1] - logits[c], entry[2], 1, captured[c]])
+                note("backward", base("backward", entry[2], entry[1], 2 * t * vocab * 4, made))
+            held.append([c, max(0, entry[1] - logits[c]), entry[2], 1, captured[c]])
             input_grads += stream
             continue
         held.remove(entry)

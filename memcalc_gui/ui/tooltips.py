@@ -253,8 +253,8 @@ TOOLTIPS: dict[str, str] = {
         "(Narayanan et al. 2021); interleaved 1F1B, several smaller stages per GPU, a little more. The "
         "zero-bubble schedules (Qi et al. 2024) split each backward into the input's gradient and the weights', "
         "deferred to fill the pipeline's idle time: each micro-batch keeps its activations, and the output gradients "
-        "the weights' step starts from, until that step has run (without checkpointing, no tensor or context "
-        "parallelism yet)."
+        "the weights' step starts from, until that step has run (modelled without checkpointing, FSDP2, sequence or "
+        "context parallelism so far)."
     ),
     "virtual_stages": "Stages per GPU under the interleaved schedules (2 or more for interleaved 1F1B, 1 or more for "
                       "interleaved zero bubble, exactly 2 for zero bubble V; the layers must split into stages × this "
