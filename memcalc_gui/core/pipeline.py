@@ -782,6 +782,21 @@ def _zero_bubble_walk(setup: TrainingSetup, rank: int, m: int, specs: list[Model
     reached: set[int] = set()
     input_grads = 0  # gradients left on the receive buffers by the I's so far
     whole = int(acc.phases["optimizer_step"].objects.get("gradients", 0))  # the stage's gradients
+    # per chunk: an MLP projection's weight (a later W peaks at the top layer's MLP, the head's group after it lower:
+    # traced), the 16-bit copies and the output gradients still held there (that projection's and the head's)
+    half = 2 if setup.precision in ("mixed", "bf16-autocast") else 0  # autocast's 16-bit weight gradient
+    copy = 2 if setup.precision in ("mixed", "bf16-autocast") else 0
+    grad_w = 2 if setup.precision == "bf16" else 4  # the weights' (and their gradients') bytes
+    lin = 2 if setup.precision in ("mixed", "bf16", "bf16-autocast") else 4
+    tops = []
+    for spec in specs:
+        narrow = tensor_parallel_spec(spec, par.tp, par.loss_parallel)
+        h, inter = narrow.hidden_size, narrow.intermediate_size
+        mlp = (3 if narrow.gated_mlp else 2) * h * inter
+        head = vocab * h if spec.stage_last else 0
+        # (by the last MLP projection's group the other two have freed their copies)
+        tops.append((h * inter, (mlp // (3 if narrow.gated_mlp else 2) + head) * copy,
+                     t * ((2 if narrow.gated_mlp else 1) * inter + h + (vocab if spec.stage_last else 0)) * lin))
 
     def note(ph: str, objects: dict[str, int]) -> None:
         if ph not in peaks or sum(objects.values()) > sum(peaks[ph].values()):
@@ -834,13 +849,24 @@ def _zero_bubble_walk(setup: TrainingSetup, rank: int, m: int, specs: list[Model
                                   min(made - (grads[c] if c in reached else 0) + int(own.get("gradients", 0)),
                                       whole)))
         else:
-            # the first W sets each weight's gradient as it makes it, and peaks once all are made, the output
-            # gradients it started from and the matmuls' saved weight copies freed by then; a later one peaks at its
-            # start, adding a gradient into one, a small temporary (traced)
-            first_w = c not in reached
-            note("backward", base("backward", 0 if first_w else entry[2], entry[1],
-                                  0 if first_w else entry[4] + stream,
-                                  min(made + (grads[c] if first_w else 0), whole)))
+            # The W runs weight group by weight group, bottom layer first, each freeing its output gradient and its
+            # matmul's saved weight copy as it goes. The first sets each weight's gradient as it makes it and peaks
+            # once all are made (beside the 16-bit gradient of the last large weight cast to fp32); a later one adds
+            # each into the gradient: at its start, or at the top layer's MLP (and the head), where the previous
+            # group's fp32 gradient is still held while the next is made in 16 bits and cast (traced)
+            big, top_copies, top_captured = tops[c]
+            if c not in reached:
+                note("backward", base("backward", 0, entry[1], big * half,
+                                      min(made + grads[c], whole)))
+            else:
+                note("backward", base("backward", entry[2], entry[1], entry[4] + stream, made))
+                note("backward", base("backward", min(entry[2], top_copies), entry[1],
+                                      min(entry[4], top_captured) + big * (2 * grad_w + half), made))
+                if specs[c].stage_last and not half:
+                    # without autocast the head's group peaks higher: its weight-sized gradient made beside the
+                    # logits' gradient it starts from (traced; under autocast the MLP's moment is the higher)
+                    note("backward", base("backward", 0, entry[1], vocab * specs[c].hidden_size * grad_w
+                                          + t * vocab * lin, made))
         reached.add(c)
     return peaks
 
