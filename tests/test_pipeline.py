@@ -1050,3 +1050,19 @@ def test_zero_bubble_ranks_of_large_weights_match_their_trace(schedule: str, v: 
         ledger = stage_estimate(setup, rank)
         for ph in ("forward", "backward", "optimizer_step"):
             assert ledger.phases[ph].total_bytes == pytest.approx(traced.phases[ph].peak_bytes, rel=0.02), (rank, ph)
+
+
+def test_the_layout_search_ranks_zero_bubble_layouts_by_their_smaller_bubble() -> None:
+    """The search's step model: interleaved zero bubble keeps a third of interleaved 1F1B's bubble, ZB-V none (Qi et
+    al. 2024 with equal F, I and W times); its tensor-parallel layouts come without sequence parallelism, which the
+    zero-bubble ledger does not model."""
+    from memcalc_gui.core.layouts import candidates, communication
+
+    setup = _setup(LLAMA8, 2, 8, "mixed", schedule="interleaved-1f1b", v=2, gpus=4)
+    one = communication(setup, setup.parallel)[1]
+    zb = setup.with_changes(parallel=dataclasses.replace(setup.parallel, schedule="interleaved-zb"))
+    zbv = setup.with_changes(parallel=dataclasses.replace(setup.parallel, schedule="zbv"))
+    assert communication(zb, zb.parallel)[1] == pytest.approx(one / 3) and one > 0
+    assert communication(zbv, zbv.parallel)[1] == 0
+    found = candidates(zbv)
+    assert any(p.pp > 1 and p.tp > 1 for p in found) and not any(p.pp > 1 and p.sp for p in found)

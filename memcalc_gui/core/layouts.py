@@ -9,7 +9,9 @@ are the setup's gradient-accumulation steps, so a layout with more data-parallel
 Ranking (a heuristic, stated so it can be argued with): layouts that fit first, then the most tokens per second by a
 rough model of one step, then the most headroom. The step takes its compute, ``6 · parameters · tokens`` FLOPs spread
 over the GPUs at :data:`EFFECTIVE_FLOPS` each (Kaplan et al. 2020's 6N per token), stretched by the pipeline's bubble
-``(pp − 1)/(m·v + pp − 1)`` (Narayanan et al. 2021), plus its communication, not overlapped, at
+``(pp − 1)/(m·v + pp − 1)`` (Narayanan et al. 2021; a third of it under interleaved zero bubble and none under
+zero bubble V, Qi et al. 2024's analysis with equal forward, input-gradient and weight-gradient times), plus its
+communication, not overlapped, at
 :data:`NVLINK_BYTES_PER_S` within a node and :data:`NETWORK_BYTES_PER_S` between nodes per GPU. Communication is what
 a GPU sends, ring collectives moving ``2(n − 1)/n`` of the buffer for an all-reduce:
 
@@ -43,6 +45,7 @@ from typing import Any, Final
 from .distributed import STRATEGY_SHORT, Parallelism
 from .errors import InputError
 from .ledger import Estimate
+from .pipeline import ZERO_BUBBLE
 from .setup import TrainingSetup
 
 #: Strategies the search tries, least communication first (``distributed.PREFERENCE``'s order).
@@ -140,8 +143,10 @@ def candidates(setup: TrainingSetup, gpus: int | None = None, shape: ModelShape 
                 for strategy in LAYOUT_STRATEGIES:
                     try:
                         split = tp > 1 and shape.block_model  # sequence and loss parallelism need a block model
+                        # (the zero-bubble schedules are modelled without sequence parallelism)
                         layout = Parallelism(gpus=gpus, tp=tp, pp=pp, strategy=strategy, ep=ep,
-                                             node_size=par.node_size, sp=split, loss_parallel=split,
+                                             node_size=par.node_size, loss_parallel=split,
+                                             sp=split and not (pp > 1 and par.schedule in ZERO_BUBBLE),
                                              schedule=par.schedule if pp > 1 else "1f1b",
                                              virtual_stages=par.virtual_stages if pp > 1 else 1, cp=par.cp)
                         setup.with_changes(parallel=layout)  # the model must split this way
@@ -192,6 +197,10 @@ def communication(setup: TrainingSetup, par: Parallelism,
     sent = sum(b for b, _ in parts)
     comm_s = sum(b / (NETWORK_BYTES_PER_S if across else NVLINK_BYTES_PER_S) for b, across in parts)
     bubble = (par.pp - 1) / (m * v + par.pp - 1) if par.pp > 1 else 0.0
+    if par.schedule == "interleaved-zb":  # the deferred weight gradients fill two thirds of it (ZB-H1)
+        bubble /= 3
+    elif par.schedule == "zbv":  # ZB-V: none, with equal F, I and W times
+        bubble = 0.0
     tokens = setup.tokens * m * par.dp
     compute_s = 6 * (spec.active_params or spec.num_params) * tokens / (par.gpus * EFFECTIVE_FLOPS)
     return int(sent), bubble, (compute_s / (1 - bubble) + comm_s) / tokens
