@@ -581,6 +581,12 @@ def _rank_estimate(setup: TrainingSetup, spec: ModelSpec, rank: int, m: int,
         notes += ("FSDP2 under a pipeline schedule: PyTorch's stage runs the backwards without gradient sync or "
                   "resharding and reduce-scatters after the last, so from the first backward on the stage's weights "
                   "stay gathered and its unsharded gradients accumulate",)
+    if par.schedule in ZERO_BUBBLE:
+        notes += ("Zero bubble (Qi et al. 2024, PyTorch's " + ("ScheduleZBVZeroBubble" if par.schedule == "zbv" else
+                                                               "ScheduleInterleavedZeroBubble")
+                  + "): each backward is split into the input's gradient, sent at once, and the weights', deferred; a "
+                    "micro-batch keeps its activations until its weights' gradient has run, and the output gradients "
+                    "that step starts from since its input's",)
     if gathered and v > 1:
         notes += ("Interleaved 1F1B under FSDP2: each of the rank's stages is a fully_shard root of its own, followed "
                   "through the schedule's order: its units gathered from its backward until its next forward "
