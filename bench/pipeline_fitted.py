@@ -1,7 +1,10 @@
 """Pipeline ranks of families memcalc has no block model of (mixtures of experts included): the fitted method's rank
 against the same rank traced under PyTorch's own schedule with the step's own micro-batch count (issue 17).
 
-    python bench/pipeline_fitted.py [--quick] [MODEL ...]
+    python bench/pipeline_fitted.py [--quick] [--zero-bubble] [MODEL ...]
+
+``--zero-bubble`` runs only the zero-bubble schedules' cases (ZB-V and interleaved zero bubble, DDP, with and without
+checkpointing).
 
 The fitted rank (``core.fitted``, ``FitModel.stages``) is calibrated from small traces of that rank's schedule at two
 stage depths and two shapes, 1F1B over at most ``pp + 1`` micro-batches (the receive buffers, token ids and losses of
@@ -70,10 +73,12 @@ def case(name: str, pp: int, m: int, schedule: str, v: int, precision: str, ckpt
     return out
 
 
-def main(quick: bool = False, only: tuple[str, ...] = ()) -> None:
+def main(quick: bool = False, only: tuple[str, ...] = (), zero_bubble: bool = False) -> None:
     warnings.filterwarnings("ignore")
     os.environ.setdefault("MEMCALC_CACHE_DIR", tempfile.mkdtemp(prefix="memcalc-bench-fits-"))
     layouts = [(2, 6, "1f1b", 1), (4, 8, "1f1b", 1), (2, 4, "gpipe", 1), (2, 4, "interleaved-1f1b", 2)]
+    if zero_bubble:  # PyTorch's zero-bubble schedules run beside DDP only
+        layouts = [(2, 4, "zbv", 2), (2, 4, "interleaved-zb", 1)]
     precisions = ("fp32", "mixed") if quick or only else ("fp32", "mixed", "bf16")
     names = only or (("mixtral-12L",) if quick else tuple(CONFIGS))
     print(f"{'model':<14}{'pp':>3}{'m':>3} {'schedule':<17}{'strat':>6}{'dp':>3}{'ep':>3} {'precision':<9} {'ckpt':<5}"
@@ -84,7 +89,7 @@ def main(quick: bool = False, only: tuple[str, ...] = ()) -> None:
     cases = []
     for name, (pp, m, schedule, v), precision, ckpt, dp in itertools.product(
             names, layouts, precisions, ("none", "full"), (1, 2)):
-        if dp > 1 and (schedule == "gpipe" or precision == "bf16"):
+        if dp > 1 and (schedule in ("gpipe", "zbv", "interleaved-zb") or precision == "bf16"):
             continue  # FSDP2 × PP: 1F1B and interleaved 1F1B, fp32 and mixed (its policy)
         cases.append((name, pp, m, schedule, v, precision, ckpt, dp, "fsdp2" if dp > 1 else "ddp", 1))
         if ("moe" in name or "mixtral" in name) and schedule == "1f1b" and pp == 2:
@@ -106,4 +111,4 @@ def main(quick: bool = False, only: tuple[str, ...] = ()) -> None:
 
 
 if __name__ == "__main__":
-    main("--quick" in sys.argv, tuple(a for a in sys.argv[1:] if a in CONFIGS))
+    main("--quick" in sys.argv, tuple(a for a in sys.argv[1:] if a in CONFIGS), "--zero-bubble" in sys.argv)

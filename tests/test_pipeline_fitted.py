@@ -206,3 +206,22 @@ def test_the_cli_fits_and_traces_pipeline_ranks_with_the_experts_split(
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("memcalc: error: --strategy:") and "pipeline stages" in err and len(err.splitlines()) == 1
+
+
+def test_a_fitted_zero_bubble_rank_equals_its_schedule_traced() -> None:
+    """A mixture of experts under ZB-V (two one-layer stages per GPU, traced at their own depth): every rank equals
+    its schedule traced at the case's shape. (With full checkpointing, which the fit traces as PyTorch runs it, each
+    deferred weight-gradient step recomputing a checkpointed layer per weight group, the same holds:
+    bench/pipeline_fitted.py --zero-bubble; a minute of CPU, too long for this suite.)"""
+    pp, m = 2, 4
+    cfg = dict(MIXTRAL, num_hidden_layers=4)
+    setup = _setup(pp, m, 1, "ddp", precision="mixed",
+                   parallel=Parallelism(gpus=pp, pp=pp, schedule="zbv", virtual_stages=2))
+    fit = fitmod.calibrate(cfg, setup, 1)
+    est = estimate_fitted(setup, fit)
+    for row in est.details["pipeline_ranks"]:
+        traced = trace_pipeline_rank(cfg, PipeRank(pp, row["rank"], "zbv", 2, m), batch=3, seq=80, precision="mixed",
+                                     optimizer_impl="foreach")
+        for phase in ("forward", "backward", "optimizer_step"):
+            assert row["phases"][phase] == pytest.approx(traced.phases[phase].peak_bytes, rel=0.002), \
+                (row["rank"], phase)

@@ -236,14 +236,12 @@ def in_flight(schedule: str, pp: int, rank: int, microbatches: int, virtual: int
 def check_zero_bubble(setup: TrainingSetup) -> None:
     """:class:`InputError` for what the zero-bubble ledger does not cover: it is traced for block-model families on
     pipeline × DDP layouts, tensor parallelism inside a stage included (not sequence or context parallelism),
-    without checkpointing. Under checkpointing PyTorch's deferred weight-gradient step recomputes a
+    without checkpointing. (A family without a block model is fitted from traces of its rank's own schedule, so
+    checkpointing is no rule there.) Under checkpointing PyTorch's deferred weight-gradient step recomputes a
     checkpointed layer once per weight it differentiates and keeps every recomputation until it ends (traced: a
     backward 1.3–1.6× that of interleaved 1F1B on 2-layer stages), which no rule here follows yet."""
     par = setup.parallel
-    if setup.model is None:
-        raise InputError("schedule", "the zero-bubble schedules are modelled for the families memcalc has a block "
-                                     "model of; use 1F1B, interleaved 1F1B or GPipe for this model")
-    if setup.checkpointing != "none":
+    if setup.checkpointing != "none" and setup.model is not None:
         raise InputError("checkpointing", "the zero-bubble schedules' deferred weight gradients recompute a "
                                           "checkpointed layer once per weight and keep each recomputation until that "
                                           "weight-gradient step ends; that is not modelled yet: use 1F1B or "
