@@ -920,13 +920,13 @@ def test_the_windowed_zero_bubble_order_passes_through_the_same_states(pp: int, 
 
 
 @pytest.mark.parametrize(("schedule", "pp", "v", "m", "precision", "cfg", "tp", "sp"), [
-    ("interleaved-zb", 2, 2, 4, "fp32", LLAMA8, 1, False), ("interleaved-zb", 4, 1, 8, "mixed", LLAMA8, 1, False),
-    ("zbv", 2, 2, 4, "mixed", LLAMA8, 1, False), ("zbv", 4, 2, 8, "bf16", LLAMA8, 1, False),
+    # (one stage per GPU, and ZB-V at 2 stages in mixed precision: bench/pipeline.py --zero-bubble and the real runs)
+    ("interleaved-zb", 2, 2, 4, "fp32", LLAMA8, 1, False), ("zbv", 4, 2, 8, "bf16", LLAMA8, 1, False),
     # ZB-V's rank 0 holds the tied head and the embedding: one weight, one gradient
     ("zbv", 2, 2, 4, "fp32", QWEN_TIED, 1, False),
     # each stage's layers split over 2 tensor-parallel ranks: the output gradients the W keeps are the rank's share
     ("interleaved-zb", 2, 2, 4, "mixed", LLAMA8, 2, False), ("zbv", 2, 2, 4, "bf16", LLAMA8, 2, False)],
-    ids=["izb-2x2", "izb-4x1", "zbv-2", "zbv-4", "zbv-tied", "izb-tp2", "zbv-tp2"])
+    ids=["izb-2x2", "zbv-4", "zbv-tied", "izb-tp2", "zbv-tp2"])
 def test_zero_bubble_ranks_match_the_rank_traced_under_pytorchs_schedule(schedule: str, pp: int, v: int, m: int,
                                                                          precision: str, cfg: dict, tp: int,
                                                                          sp: bool) -> None:
