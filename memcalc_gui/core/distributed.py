@@ -56,6 +56,9 @@ SCHEDULES: Final = get_args(Schedule)
 STRATEGIES: Final = get_args(Strategy)
 SCHEDULE_LABELS: Final = {"1f1b": "1F1B", "interleaved-1f1b": "Interleaved 1F1B", "gpipe": "GPipe",
                           "interleaved-zb": "Interleaved zero bubble", "zbv": "Zero bubble V"}
+#: The zero-bubble schedules (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", arXiv 2401.10241): a backward is
+#: split into the input's gradient ("I", sent at once) and the weights' ("W", deferred to fill the bubbles).
+ZERO_BUBBLE: Final = ("interleaved-zb", "zbv")
 #: The schedules that run more than one stage per GPU (``--virtual-stages``): how many each allows.
 VIRTUAL_STAGES: Final = {"interleaved-1f1b": "2 or more", "interleaved-zb": "1 or more", "zbv": "exactly 2"}
 OFFLOADS: Final = get_args(Offload)
@@ -210,7 +213,7 @@ class Parallelism:
             raise InputError("virtual_stages", f"{SCHEDULE_LABELS[self.schedule]} runs {runs} stage(s) per GPU, got "
                                                f"{v} (more than one is for " + ", ".join(
                                                    SCHEDULE_LABELS[k] for k in VIRTUAL_STAGES) + ")")
-        if self.schedule in ("interleaved-zb", "zbv") and self.strategy == "fsdp2":
+        if self.schedule in ZERO_BUBBLE and self.strategy == "fsdp2":
             raise InputError("schedule", "the zero-bubble schedules beside FSDP2 are not modelled yet (their "
                                          "deferred weight gradients meet FSDP2's unsharded accumulators): use 1F1B or "
                                          "interleaved 1F1B with FSDP2")

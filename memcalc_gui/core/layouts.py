@@ -42,10 +42,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Final
 
-from .distributed import STRATEGY_SHORT, Parallelism
+from .distributed import STRATEGY_SHORT, ZERO_BUBBLE, Parallelism
 from .errors import InputError
 from .ledger import Estimate
-from .pipeline import ZERO_BUBBLE
 from .setup import TrainingSetup
 
 #: Strategies the search tries, least communication first (``distributed.PREFERENCE``'s order).

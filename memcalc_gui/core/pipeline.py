@@ -38,8 +38,9 @@ or the head only where they live) for one micro-batch, plus what the schedule ad
 - zero bubble: each backward split into the input's gradient (``I``, sent at once) and the weights' (``W``,
   deferred): a micro-batch keeps its activations until its ``W`` and, from its ``I`` on, the output gradients the
   ``W`` starts from (:func:`captured_gradients`); each ``I`` leaves its input's gradient on the receive buffer until
-  the step ends; under ZB-V rank 0 holds the first and the last stage (``_zero_bubble_walk``). Modelled without
-  checkpointing, FSDP2, tensor or context parallelism (:func:`check_zero_bubble` says why);
+  the step ends; under ZB-V rank 0 holds the first and the last stage (``_zero_bubble_walk``). Modelled beside DDP
+  and tensor parallelism, without checkpointing, sequence or context parallelism (:func:`check_zero_bubble` says
+  why);
 - FSDP2 (``fully_shard``) under a pipeline schedule: PyTorch's stage runs every backward but the last without
   gradient sync and without resharding (``PipelineStage.backward_maybe_with_nosync``), so the stage's gathered
   weights stay and its unsharded gradients (fp32 under the mixed-precision policy) accumulate through the step. What
@@ -61,6 +62,7 @@ import itertools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from .distributed import ZERO_BUBBLE
 from .errors import InputError
 from .layout import tensor_parallel_spec
 from .model import ModelSpec
@@ -122,11 +124,6 @@ def rank_schedule(schedule: str, pp: int, rank: int, microbatches: int, virtual:
         if step >= warm:
             ops.append(("B", v - 1 - ((step - warm) // group) % v))
     return ops
-
-
-#: The zero-bubble schedules (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", arXiv 2401.10241): a backward is
-#: split into the input's gradient ("I", sent at once) and the weights' ("W", deferred to fill the bubbles).
-ZERO_BUBBLE = ("interleaved-zb", "zbv")
 
 
 def _zero_bubble_ops(pp: int, rank: int, m: int, v: int, window: bool) -> list[tuple[str, int]]:
@@ -740,18 +737,15 @@ def captured_gradients(setup: TrainingSetup, spec: ModelSpec, tokens: int) -> in
     lin = 2 if precision in ("mixed", "bf16", "bf16-autocast") else 4
     norm = 4 if precision in ("fp32", "mixed") else 2
     h, q, kv, inter = spec.hidden_size, spec.q_dim, spec.kv_dim, spec.intermediate_size
-    # under sequence parallelism the norms see the rank's share of the tokens, the linears all of them
-    share = setup.parallel.tp if setup.parallel.sp else 1
-    per_layer = tokens * (q + 2 * kv + h + (2 if spec.gated_mlp else 1) * inter + h) * lin \
-        + spec.norms_per_layer * (tokens // share) * h * norm
+    per_layer = (q + 2 * kv + h + (2 if spec.gated_mlp else 1) * inter + h) * lin + spec.norms_per_layer * h * norm
     if spec.qk_norm != "none":
-        per_layer += tokens * (q + kv) * norm
+        per_layer += (q + kv) * norm
     total = spec.num_layers * per_layer
     if spec.stage_last:
-        total += (tokens // share) * h * norm + tokens * spec.vocab_size * lin
-    elif lin == norm and share == 1:
-        total -= tokens * h * lin
-    return total
+        total += h * norm + spec.vocab_size * lin
+    elif lin == norm:
+        total -= h * lin
+    return tokens * total
 
 
 def _zero_bubble_walk(setup: TrainingSetup, rank: int, m: int, specs: list[ModelSpec],
@@ -766,9 +760,9 @@ def _zero_bubble_walk(setup: TrainingSetup, rank: int, m: int, specs: list[Model
     by its ``I`` (the log-softmax stays, saved by the loss). Each ``I`` of a stage after the first leaves the gradient
     of the stage's input on the receive buffer (``input.grad``, PyTorch's ``stage_backward_input``) until the step
     ends. On the first stage, which has no input to differentiate, ``I`` runs nothing and ``W`` the whole backward
-    (``PipelineStage.backward_weight_one_chunk``). A ``W`` makes the chunk's weight gradients, all of them at its
-    first (a later one adds them in, one small temporary at a time), while the graph it releases is still held
-    (traced). ``vocab``: the logits' width on this rank (split under loss parallelism)."""
+    (``PipelineStage.backward_weight_one_chunk``). A ``W`` makes the chunk's weight gradients group by group while
+    the graph it releases is still held: its first sets them, a later one adds each in (the moments below; traced).
+    ``vocab``: the logits' width on this rank (split under loss parallelism)."""
     par = setup.parallel
     t = setup.tokens // par.cp
     v = len(specs)
@@ -779,7 +773,7 @@ def _zero_bubble_walk(setup: TrainingSetup, rank: int, m: int, specs: list[Model
               for c in range(v)]
     # the I peaks in its bottom layer's first norm's backward: four fp32 stream-sized tensors beside what it keeps
     # (the norm computes in fp32 whatever the stream's dtype; traced)
-    transient = 4 * t * specs[0].hidden_size * 4 // (par.tp if par.sp else 1)
+    transient = 4 * t * specs[0].hidden_size * 4
     peaks: dict[str, dict[str, int]] = {}
     # [chunk, activations kept, weight copies kept, after its I, output gradients kept for its W]
     held: list[list[int]] = []
@@ -788,8 +782,8 @@ def _zero_bubble_walk(setup: TrainingSetup, rank: int, m: int, specs: list[Model
     whole = int(acc.phases["optimizer_step"].objects.get("gradients", 0))  # the stage's gradients
     # per chunk: an MLP projection's weight (a later W peaks at the top layer's MLP, the head's group after it lower:
     # traced), the 16-bit copies and the output gradients still held there (that projection's and the head's)
-    half = 2 if setup.precision in ("mixed", "bf16-autocast") else 0  # autocast's 16-bit weight gradient
-    copy = 2 if setup.precision in ("mixed", "bf16-autocast") else 0
+    # autocast's 16-bit weight copies, and the 16-bit weight gradients a matmul makes of them before the cast
+    half = 2 if setup.precision in ("mixed", "bf16-autocast") else 0
     grad_w = 2 if setup.precision == "bf16" else 4  # the weights' (and their gradients') bytes
     lin = 2 if setup.precision in ("mixed", "bf16", "bf16-autocast") else 4
     tops = []
@@ -799,7 +793,7 @@ def _zero_bubble_walk(setup: TrainingSetup, rank: int, m: int, specs: list[Model
         mlp = (3 if narrow.gated_mlp else 2) * h * inter
         head = vocab * h if spec.stage_last else 0
         # (by the last MLP projection's group the other two have freed their copies)
-        tops.append((h * inter, (mlp // (3 if narrow.gated_mlp else 2) + head) * copy,
+        tops.append((h * inter, (mlp // (3 if narrow.gated_mlp else 2) + head) * half,
                      t * ((2 if narrow.gated_mlp else 1) * inter + h + (vocab if spec.stage_last else 0)) * lin))
 
     def note(ph: str, objects: dict[str, int]) -> None:

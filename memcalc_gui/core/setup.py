@@ -10,12 +10,12 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Final, Literal, get_args
 
 from .context import check_context_parallel
-from .distributed import Parallelism
+from .distributed import ZERO_BUBBLE, Parallelism
 from .errors import InputError
 from .finetune import FineTuning
 from .layout import check_tensor_parallel
 from .model import ModelSpec
-from .pipeline import ZERO_BUBBLE, check_microbatches, check_pipeline, check_zero_bubble
+from .pipeline import check_microbatches, check_pipeline, check_zero_bubble
 from .resources import load_json
 from .units import MAX_COUNT, MAX_SIZE_BYTES, format_bytes
 

@@ -25,13 +25,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from ..core.distributed import ZERO_BUBBLE
 from ..core.errors import InputError
 
 #: Schedules this trace runs, by the names the CLI uses, and PyTorch's class for each.
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
              "interleaved-zb": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble"}
 #: The schedules that run a list of stages per rank (PyTorch's ``PipelineScheduleMulti``).
-MULTI = ("interleaved-1f1b", "interleaved-zb", "zbv")
+MULTI = ("interleaved-1f1b", *ZERO_BUBBLE)
 
 
 @dataclass(frozen=True)
@@ -365,7 +366,7 @@ class _Driver:
         temporaries, as before.)"""
         if self.track is None:
             return
-        if self.layout.schedule in ("interleaved-zb", "zbv"):
+        if self.layout.schedule in ZERO_BUBBLE:
             # a zero-bubble W sets each weight's .grad itself (``stage_backward_weight``), not through autograd's
             # accumulation the tracker sees: they are the step's gradients all the same
             for stage in self.stages:
