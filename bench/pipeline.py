@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.accuracy import FAMILIES
 from bench.summary import print_summary
 from memcalc_gui.core.analytic import estimate_analytic
-from memcalc_gui.core.distributed import Parallelism
+from memcalc_gui.core.distributed import ZERO_BUBBLE, Parallelism
 from memcalc_gui.core.model import spec_from_config
 from memcalc_gui.core.pipeline import _rank_estimate
 from memcalc_gui.core.setup import TrainingSetup
@@ -44,16 +44,20 @@ def case(name: str, pp: int, m: int, schedule: str, v: int, precision: str, ckpt
     from memcalc_gui.trace.pipeline import PipeRank, trace_pipeline_rank
 
     cfg = CONFIGS[name]
+    # FSDP2 under a zero-bubble schedule: without resharding after forward (PyTorch's W needs the gathered weights)
+    zb_fsdp2 = dp * cp > 1 and schedule in ZERO_BUBBLE
     setup = TrainingSetup(model=spec_from_config(cfg), grad_accum=m, precision=precision,  # type: ignore[arg-type]
                           checkpointing=ckpt, optimizer_impl="foreach", target_device="cpu",  # type: ignore
                           cuda_context_bytes=0, allocator_reserve=0.0,
                           parallel=Parallelism(gpus=pp * dp * cp * tp, pp=pp, schedule=schedule,  # type: ignore
                                                virtual_stages=v, cp=cp, tp=tp,
-                                               strategy="fsdp2" if dp * cp > 1 else "ddp"), **STEP)
+                                               strategy="fsdp2" if dp * cp > 1 else "ddp",
+                                               reshard_after_forward=not zb_fsdp2), **STEP)
     assert setup.model is not None
     out = {}
     for rank in sorted({0, 1, pp - 1}):
-        traced = trace_pipeline_rank(cfg, PipeRank(pp, rank, schedule, v, m, dp_shard=dp, cp=cp, tp=tp),
+        traced = trace_pipeline_rank(cfg, PipeRank(pp, rank, schedule, v, m, dp_shard=dp, cp=cp, tp=tp,
+                                                   reshard_after_forward=not zb_fsdp2),
                                      precision=precision,
                                      checkpointing=ckpt, optimizer_impl="foreach", **STEP)
         ledger = _rank_estimate(setup, setup.model, rank, m, estimate_analytic)
@@ -73,6 +77,15 @@ def zero_bubble(names: tuple[str, ...], worst: dict[str, list[float]]) -> None:
             kind = f"{schedule} ×{v}"
             worst.setdefault(kind, []).append(max(abs(d) for d in diff.values()))
             print(f"{name:<14}{pp:>3}{m:>3} {schedule:<17}{1:>3} {precision:<9} {'none':<5}{rank:>5}"
+                  + "".join(f"{diff[p]:>+10.2f}" for p in PHASES) + f"   v {v}")
+    # FSDP2 over 2 data-parallel ranks of each stage, without resharding after forward (its policy: fp32, mixed)
+    for name, (pp, m, schedule, v), precision in itertools.product(names, layouts, ("fp32", "mixed")):
+        if name == "qwen2-tied-4L" and pp * v > 4:
+            continue
+        for rank, diff in case(name, pp, m, schedule, v, precision, "none", 2).items():
+            kind = f"fsdp2 × {schedule} ×{v}"
+            worst.setdefault(kind, []).append(max(abs(d) for d in diff.values()))
+            print(f"{name:<14}{pp:>3}{m:>3} {schedule:<17}{2:>3} {precision:<9} {'none':<5}{rank:>5}"
                   + "".join(f"{diff[p]:>+10.2f}" for p in PHASES) + f"   v {v}")
     # tensor parallelism inside each stage (transformers' plan, no sequence parallelism)
     for name, (pp, m, schedule, v), precision in itertools.product(

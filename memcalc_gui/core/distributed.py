@@ -213,10 +213,11 @@ class Parallelism:
             raise InputError("virtual_stages", f"{SCHEDULE_LABELS[self.schedule]} runs {runs} stage(s) per GPU, got "
                                                f"{v} (more than one is for " + ", ".join(
                                                    SCHEDULE_LABELS[k] for k in VIRTUAL_STAGES) + ")")
-        if self.schedule in ZERO_BUBBLE and self.strategy == "fsdp2":
-            raise InputError("schedule", "the zero-bubble schedules beside FSDP2 are not modelled yet (their "
-                                         "deferred weight gradients meet FSDP2's unsharded accumulators): use 1F1B or "
-                                         "interleaved 1F1B with FSDP2")
+        if self.schedule in ZERO_BUBBLE and self.strategy == "fsdp2" and self.reshard_after_forward:
+            raise InputError("reshard_after_forward", "PyTorch's zero-bubble stages under FSDP2 that reshards after "
+                                                      "forward leave the weight gradients of every stage but the first "
+                                                      "wrong (torch 2.13, measured): turn reshard after forward off, "
+                                                      "as torchtitan does beside pipeline parallelism")
         if self.pp == 1 and (self.schedule != "1f1b"):
             raise InputError("schedule", "a pipeline schedule needs pipeline stages (--pp 2 or more)")
         if not isinstance(self.sp, bool):

@@ -87,7 +87,8 @@ class ModelShape:
 def layout_label(p: Parallelism) -> str:
     """``TP 8 + SP + loss parallel × PP 2 (1F1B) × FSDP2 over 4[, experts over 2]``."""
     return (p.model_parallel_text + " × " if p.model_parallel_text else "") + \
-        f"{STRATEGY_SHORT.get(p.strategy, p.strategy)} over {p.dp:,}" + (f", experts over {p.ep}" if p.ep > 1 else "")
+        f"{STRATEGY_SHORT.get(p.strategy, p.strategy)} over {p.dp:,}" + (f", experts over {p.ep}" if p.ep > 1 else "") \
+        + (" (no reshard after forward)" if p.strategy == "fsdp2" and not p.reshard_after_forward else "")
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,7 @@ class Layout:
         p = self.parallel
         return {"label": self.label, "gpus": p.gpus, "tp": p.tp, "pp": p.pp, "dp": p.dp, "ep": p.ep, "sp": p.sp,
                 "loss_parallel": p.loss_parallel, "strategy": p.strategy, "schedule": p.schedule,
+                "reshard_after_forward": p.reshard_after_forward,
                 "peak_bytes": self.peak_bytes, "fits": self.fits, "seconds_per_token": self.seconds_per_token,
                 "headroom_bytes": self.headroom_bytes, "communication_bytes": self.communication_bytes,
                 "bubble": round(self.bubble, 4), "min_gpus": self.min_gpus, "upper_bound": self.upper_bound}
@@ -142,10 +144,13 @@ def candidates(setup: TrainingSetup, gpus: int | None = None, shape: ModelShape 
                 for strategy in LAYOUT_STRATEGIES:
                     try:
                         split = tp > 1 and shape.block_model  # sequence and loss parallelism need a block model
-                        # (the zero-bubble schedules are modelled without sequence parallelism)
+                        # (the zero-bubble schedules are modelled without sequence parallelism, and beside FSDP2
+                        # without resharding after forward, the one way PyTorch's W gets the weight gradients right)
+                        zb = pp > 1 and par.schedule in ZERO_BUBBLE
                         layout = Parallelism(gpus=gpus, tp=tp, pp=pp, strategy=strategy, ep=ep,
+                                             reshard_after_forward=not (zb and strategy == "fsdp2"),
                                              node_size=par.node_size, loss_parallel=split,
-                                             sp=split and not (pp > 1 and par.schedule in ZERO_BUBBLE),
+                                             sp=split and not zb,
                                              schedule=par.schedule if pp > 1 else "1f1b",
                                              virtual_stages=par.virtual_stages if pp > 1 else 1, cp=par.cp)
                         setup.with_changes(parallel=layout)  # the model must split this way

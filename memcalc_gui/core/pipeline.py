@@ -38,9 +38,10 @@ or the head only where they live) for one micro-batch, plus what the schedule ad
 - zero bubble: each backward split into the input's gradient (``I``, sent at once) and the weights' (``W``,
   deferred): a micro-batch keeps its activations until its ``W`` and, from its ``I`` on, the output gradients the
   ``W`` starts from (:func:`captured_gradients`); each ``I`` leaves its input's gradient on the receive buffer until
-  the step ends; under ZB-V rank 0 holds the first and the last stage (``_zero_bubble_walk``). Modelled beside DDP
-  and tensor parallelism, without checkpointing, sequence or context parallelism (:func:`check_zero_bubble` says
-  why);
+  the step ends; under ZB-V rank 0 holds the first and the last stage (``_zero_bubble_walk``). Modelled beside DDP,
+  FSDP2 without resharding after forward (``_Fsdp2Chunks``: the units gathered from each chunk's first forward, each
+  ``W``'s gradients set on the gathered weights and moved into the accumulators by the chunk's next ``I``) and tensor
+  parallelism, without checkpointing, sequence or context parallelism (:func:`check_zero_bubble` says why);
 - FSDP2 (``fully_shard``) under a pipeline schedule: PyTorch's stage runs every backward but the last without
   gradient sync and without resharding (``PipelineStage.backward_maybe_with_nosync``), so the stage's gathered
   weights stay and its unsharded gradients (fp32 under the mixed-precision policy) accumulate through the step. What
@@ -232,11 +233,12 @@ def in_flight(schedule: str, pp: int, rank: int, microbatches: int, virtual: int
 
 def check_zero_bubble(setup: TrainingSetup) -> None:
     """:class:`InputError` for what the zero-bubble ledger does not cover: it is traced for block-model families on
-    pipeline × DDP layouts, tensor parallelism inside a stage included (not sequence or context parallelism),
-    without checkpointing. (A family without a block model is fitted from traces of its rank's own schedule, so
-    checkpointing is no rule there.) Under checkpointing PyTorch's deferred weight-gradient step recomputes a
-    checkpointed layer once per weight it differentiates and keeps every recomputation until it ends (traced: a
-    backward 1.3–1.6× that of interleaved 1F1B on 2-layer stages), which no rule here follows yet."""
+    pipeline × DDP and pipeline × FSDP2 layouts (FSDP2 without resharding after forward: ``Parallelism`` refuses the
+    other, whose weight gradients PyTorch gets wrong), tensor parallelism inside a stage included (not sequence or
+    context parallelism), without checkpointing. (A family without a block model is fitted from traces of its rank's
+    own schedule, so checkpointing is no rule there.) Under checkpointing PyTorch's deferred weight-gradient step
+    recomputes a checkpointed layer once per weight it differentiates and keeps every recomputation until it ends
+    (traced: a backward 1.3–1.6× that of interleaved 1F1B on 2-layer stages), which no rule here follows yet."""
     par = setup.parallel
     if setup.checkpointing != "none" and setup.model is not None:
         raise InputError("checkpointing", "the zero-bubble schedules' deferred weight gradients recompute a "
@@ -247,9 +249,9 @@ def check_zero_bubble(setup: TrainingSetup) -> None:
         raise InputError("sp", "sequence parallelism beside the zero-bubble schedules is not modelled yet: beside DDP "
                                "the ledger's is Megatron-LM's, which saves the linears' inputs split, and PyTorch's "
                                "plan, which these schedules run with, saves them gathered (traced 1.5-4 % under)")
-    if par.strategy != "ddp":
+    if par.strategy not in ("ddp", "fsdp2"):
         raise InputError("schedule", "the zero-bubble schedules are PyTorch's (torch.distributed.pipelining): they are "
-                                     "modelled beside PyTorch's DDP (FSDP2 not yet); ZeRO and Megatron-LM run pipeline "
+                                     "modelled beside PyTorch's DDP and FSDP2; ZeRO and Megatron-LM run pipeline "
                                      "schedules of their own")
     if par.cp > 1:
         raise InputError("schedule", "the zero-bubble schedules are modelled with pipeline and data parallelism only "
@@ -721,6 +723,14 @@ def _chunk_phases(setup: TrainingSetup, stage: ModelSpec, rank: int, m: int,
     return peaks
 
 
+def compute_precision(setup: TrainingSetup) -> str:
+    """The precision a pipeline stage computes in: FSDP2's mixed-precision policy gathers bf16 weights and computes
+    in bf16 without autocast (torchtitan's default), so its stage computes as a bf16 one does."""
+    if setup.parallel.strategy == "fsdp2" and setup.precision == "mixed":
+        return "bf16"
+    return setup.precision
+
+
 def captured_gradients(setup: TrainingSetup, spec: ModelSpec, tokens: int) -> int:
     """Bytes of the gradients a zero-bubble schedule's input-gradient step ("I") of one micro-batch on stage-chunk
     ``spec`` keeps for its deferred weight-gradient step ("W").
@@ -732,7 +742,7 @@ def captured_gradients(setup: TrainingSetup, spec: ModelSpec, tokens: int) -> in
     (``retain_graph``). A stage before the last starts its top layer's backward from the received gradient: where the
     down projection's output has the stream's dtype, its gradient is that receive buffer, not a tensor of its own
     (traced)."""
-    precision = setup.precision
+    precision = compute_precision(setup)
     spec = tensor_parallel_spec(spec, setup.parallel.tp, setup.parallel.loss_parallel)
     lin = 2 if precision in ("mixed", "bf16", "bf16-autocast") else 4
     norm = 4 if precision in ("fp32", "mixed") else 2
@@ -746,6 +756,57 @@ def captured_gradients(setup: TrainingSetup, spec: ModelSpec, tokens: int) -> in
     elif lin == norm:
         total -= h * lin
     return tokens * total
+
+
+class _Fsdp2Chunks:
+    """Under FSDP2 (without resharding after forward), what a zero-bubble rank's chunks hold as the walk goes: each
+    chunk's units gathered from its first forward to the step's end (``backward_maybe_with_nosync`` reshards nothing
+    and the forward does not), and its unsharded gradients.
+
+    PyTorch's ``W`` differentiates the gathered (unsharded) weights, so each sets their ``.grad`` in the compute dtype;
+    FSDP2's post-backward hook, which runs where the gradient reaches a unit's input (in the chunk's next ``I``, or in
+    the first stage's full backward), moves that ``.grad`` into the unit's accumulator in the policy's reduce dtype
+    (fp32 under mixed precision: ``FSDPParam.to_accumulated_grad_if_needed``). Without a policy the ``.grad`` itself
+    accumulates. The reduce-scatter runs once, after the last ``W`` (``perform_reduce_grad``)."""
+
+    def __init__(self, setup: TrainingSetup, specs: list[ModelSpec]) -> None:
+        par = setup.parallel
+        narrow = [tensor_parallel_spec(spec, par.tp, par.loss_parallel) for spec in specs]
+        self.params = [n.num_params for n in narrow]
+        self.layer = [n.layer_params for n in narrow]
+        self.unit_w = 2 if setup.precision in ("mixed", "bf16", "bf16-autocast") else 4
+        self.mixed = setup.precision == "mixed"
+        self.forwarded: set[int] = set()
+        self.accumulated: set[int] = set()  # chunks whose gradients are in the accumulators
+        self.pending: set[int] = set()  # chunks whose W left a 16-bit .grad (mixed precision)
+
+    def gathered(self) -> int:
+        return sum(self.params[c] for c in self.forwarded) * self.unit_w
+
+    def gradients(self) -> int:
+        return sum(self.params[c] * (4 if self.mixed else self.unit_w) for c in self.accumulated) \
+            + sum(self.params[c] * 2 for c in self.pending)
+
+    def forward(self, c: int) -> None:
+        self.forwarded.add(c)
+
+    def to_accumulators(self, c: int) -> int:
+        """The post-backward hooks of chunk ``c`` (its ``I``, or the first stage's full backward): the bytes of the
+        bottom unit's 16-bit gradient still alive as the last hook copies it (0 where none was pending)."""
+        if not self.mixed:
+            return 0
+        was = c in self.pending
+        self.pending.discard(c)
+        if was:
+            self.accumulated.add(c)
+            return self.layer[c] * 2
+        return 0
+
+    def weights_made(self, c: int) -> bool:
+        """A ``W`` of chunk ``c`` made its weight gradients: whether it added them into existing ones."""
+        into = c in (self.pending if self.mixed else self.accumulated)
+        (self.pending if self.mixed else self.accumulated).add(c)
+        return into
 
 
 def _zero_bubble_walk(setup: TrainingSetup, rank: int, m: int, specs: list[ModelSpec],
@@ -783,9 +844,11 @@ def _zero_bubble_walk(setup: TrainingSetup, rank: int, m: int, specs: list[Model
     # per chunk: an MLP projection's weight (a later W peaks at the top layer's MLP, the head's group after it lower:
     # traced), the 16-bit copies and the output gradients still held there (that projection's and the head's)
     # autocast's 16-bit weight copies, and the 16-bit weight gradients a matmul makes of them before the cast
-    half = 2 if setup.precision in ("mixed", "bf16-autocast") else 0
-    grad_w = 2 if setup.precision == "bf16" else 4  # the weights' (and their gradients') bytes
-    lin = 2 if setup.precision in ("mixed", "bf16", "bf16-autocast") else 4
+    precision = compute_precision(setup)
+    half = 2 if precision in ("mixed", "bf16-autocast") else 0
+    grad_w = 2 if precision == "bf16" else 4  # the weights' (and their gradients') bytes
+    lin = 2 if precision in ("mixed", "bf16", "bf16-autocast") else 4
+    fsdp2 = _Fsdp2Chunks(setup, specs) if fsdp2_unsynced(setup, rank)[0] else None
     tops = []
     for spec in specs:
         narrow = tensor_parallel_spec(spec, par.tp, par.loss_parallel)
@@ -800,10 +863,13 @@ def _zero_bubble_walk(setup: TrainingSetup, rank: int, m: int, specs: list[Model
         if ph not in peaks or sum(objects.values()) > sum(peaks[ph].values()):
             peaks[ph] = objects
 
-    def base(ph: str, own_params: int, own_acts: int, temporaries: int, gradients: int) -> dict[str, int]:
+    def base(ph: str, own_params: int, own_acts: int, temporaries: int, gradients: int,
+             converting: int = 0) -> dict[str, int]:
         objects = dict((acc if reached else one).phases[ph].objects)
         for k in ("cuda_context", "allocator_reserve", "inputs"):
             objects.pop(k, None)
+        if fsdp2 is not None:  # the gathered units and the unsharded gradients are the chunks' states'
+            own_params, gradients = fsdp2.gathered(), fsdp2.gradients() + converting
         objects["parameters"] = stage_weights + own_params + sum(e[2] for e in held)
         objects["activations"] = own_acts + sum(e[1] for e in held)
         # the output gradients the W's start from and the input gradients left on the receive buffers: gradients
@@ -817,6 +883,8 @@ def _zero_bubble_walk(setup: TrainingSetup, rank: int, m: int, specs: list[Model
         # (a tied head on ZB-V's rank 0 is the embedding's weight: its gradient is one, the stage's count)
         made = min(sum(grads[o] for o in reached), whole)
         if kind == "F":
+            if fsdp2 is not None:
+                fsdp2.forward(c)
             own = (ledgers[c][1] if c in reached else ledgers[c][0]).phases["forward"].objects
             acts = int(own.get("activations", 0))
             if not spec.stage_first and not ledgers[c][0].details.get("stream_kept_bytes"):
@@ -832,13 +900,22 @@ def _zero_bubble_walk(setup: TrainingSetup, rank: int, m: int, specs: list[Model
                 entry[3] = 1
                 continue
             held.remove(entry)
-            note("backward", base("backward", entry[2], entry[1], captured[c] + transient, made))
             if spec.stage_last:  # the loss's backward: two fp32 logits-sized gradients (as a full backward's)
                 note("backward", base("backward", entry[2], entry[1], 2 * t * vocab * 4, made))
+            # (under FSDP2 the loss's moment comes before any unit's post-backward hook; the bottom layer's, after
+            # every unit's but its own)
+            converting = fsdp2.to_accumulators(c) if fsdp2 is not None else 0
+            note("backward", base("backward", entry[2], entry[1], captured[c] + transient, made, converting))
             held.append([c, max(0, entry[1] - logits[c]), entry[2], 1, captured[c]])
             input_grads += stream
             continue
         held.remove(entry)
+        if fsdp2 is not None:
+            _fsdp2_weights(fsdp2, note, base, c, spec.stage_first, entry, (ledgers[c][1] if c in reached
+                                                                         else ledgers[c][0]).phases["backward"],
+                           tops[c], grad_w, stream)
+            reached.add(c)
+            continue
         if spec.stage_first:  # the whole backward, as a full one of the chunk
             own = (ledgers[c][1] if c in reached else ledgers[c][0]).phases["backward"].objects
             note("backward", base("backward", int(own.get("parameters", 0))
@@ -867,6 +944,25 @@ def _zero_bubble_walk(setup: TrainingSetup, rank: int, m: int, specs: list[Model
                                           + t * vocab * lin, made))
         reached.add(c)
     return peaks
+
+
+def _fsdp2_weights(fsdp2: _Fsdp2Chunks, note: Callable[[str, dict[str, int]], None],
+                   base: Callable[..., dict[str, int]], c: int, first: bool,
+                   entry: list[int], own: PhaseLedger, top: tuple[int, int, int], grad_w: int, stream: int) -> None:
+    """The moments of chunk ``c``'s ``W`` under FSDP2: on the first stage the whole backward, whose post-backward
+    hooks move each unit's gradients into its accumulator as it goes; on a later one the weight gradients made group
+    by group from the output gradients its ``I`` kept, set on the first ``W`` after an ``I`` and added in on a later
+    one (the largest projection's new gradient beside the one it is added into)."""
+    big = top[0]
+    if first:  # (each unit's hook runs as its backward ends: the gradients are the accumulators' at the peak)
+        fsdp2.weights_made(c)
+        fsdp2.to_accumulators(c)
+        note("backward", base("backward", 0, int(own.objects.get("activations", 0)),
+                              int(own.objects.get("temporaries", 0)), 0))
+        return
+    note("backward", base("backward", 0, entry[1], entry[4] + stream, 0))
+    into = fsdp2.weights_made(c)
+    note("backward", base("backward", 0, entry[1], big * grad_w if into else 0, 0))
 
 
 def _schedule_label(schedule: str, virtual: int) -> str:

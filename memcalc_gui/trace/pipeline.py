@@ -81,6 +81,9 @@ class PipeRank:
             raise InputError("virtual_stages", "the interleaved 1F1B schedule needs more than one stage per rank")
         if not isinstance(self.reshard_after_forward, bool):
             raise InputError("reshard_after_forward", f"must be true or false, got {self.reshard_after_forward!r}")
+        if self.schedule in ZERO_BUBBLE and self.dp_shard * self.cp > 1 and self.reshard_after_forward:
+            raise InputError("reshard_after_forward", "a zero-bubble stage under FSDP2 runs without resharding after "
+                                                      "forward (with it PyTorch's W leaves the weight gradients wrong)")
         if not isinstance(self.sp, bool) or (self.sp and self.tp == 1):
             raise InputError("sp", "sequence parallelism splits what tensor parallelism leaves whole: it needs tp 2 or "
                                    "more")
