@@ -988,12 +988,16 @@ def test_every_zero_bubble_layout_gives_a_ledger_with_the_most_loaded_rank(pp: i
     schedule, v = ("zbv", 2) if zbv else ("interleaved-zb", v)
     if not zbv and m % max(1, m // pp):
         m -= m % max(1, m // pp)
+    par = Parallelism(gpus=pp * dp * tp, pp=pp, schedule=schedule, virtual_stages=v, tp=tp,  # type: ignore
+                      loss_parallel=vocab and tp > 1, strategy="fsdp2" if fsdp2 else "ddp",
+                      reshard_after_forward=not fsdp2)
+    if fsdp2 and zbv and dp > 1:  # ZB-V's first GPU would shard Llama-3.2-1B's tied matrix apart: refused
+        with pytest.raises(InputError) as err:
+            TrainingSetup(model=preset_spec("llama-3.2-1b"), parallel=par)
+        assert err.value.field == "schedule" and "tied" in str(err.value)
+        return
     setup = TrainingSetup(model=preset_spec("llama-3.2-1b"), grad_accum=m, precision=precision,  # type: ignore
-                          seq=1024, parallel=Parallelism(gpus=pp * dp * tp, pp=pp, schedule=schedule,  # type: ignore
-                                                         virtual_stages=v, tp=tp,
-                                                         loss_parallel=vocab and tp > 1,
-                                                         strategy="fsdp2" if fsdp2 else "ddp",
-                                                         reshard_after_forward=not fsdp2))
+                          seq=1024, parallel=par)
     est = estimate(setup)
     assert all(n >= 0 for p in est.phases.values() for n in p.objects.values())
     ranks = est.details["pipeline_ranks"]
@@ -1014,20 +1018,27 @@ def test_the_command_line_runs_the_zero_bubble_schedules(capsys: pytest.CaptureF
 
 
 
-@pytest.mark.parametrize(("schedule", "v", "precision"), [("zbv", 2, "mixed"), ("interleaved-zb", 2, "fp32")])
-def test_a_real_zero_bubble_pipeline_matches_the_trace_and_the_ledger(schedule: str, v: int, precision: str) -> None:
-    """Two gloo processes, two stages each, PyTorch's zero-bubble schedule really sending activations and input
-    gradients: each rank's peaks are the fake-process-group trace's plus at most four hidden states (sends gloo has not
-    finished), and the ledger's within 2 %."""
+@pytest.mark.parametrize(("schedule", "v", "precision", "dp"),
+                         [("zbv", 2, "mixed", 1), ("interleaved-zb", 2, "fp32", 1), ("interleaved-zb", 2, "mixed", 2)])
+def test_a_real_zero_bubble_pipeline_matches_the_trace_and_the_ledger(schedule: str, v: int, precision: str,
+                                                                       dp: int) -> None:
+    """Gloo processes, two stages each, PyTorch's zero-bubble schedule really sending activations and input
+    gradients (with ``dp`` 2: four processes, each stage FSDP2 over two, without resharding after forward): each
+    rank's peaks are the fake-process-group trace's plus at most four hidden states (sends gloo has not finished), and
+    the ledger's within 2 %."""
     from memcalc_gui.measure.distributed import measure_sharded_step
-    from memcalc_gui.trace.pipeline import PipeRank
+    from memcalc_gui.trace.pipeline import PipeRank, trace_pipeline_rank
 
-    real = measure_sharded_step(LLAMA8, world=2, strategy=f"pipeline:{schedule}", layout=PipeRank(2, 0, schedule, v, 4),
+    layout = PipeRank(2, 0, schedule, v, 4, dp_shard=dp, reshard_after_forward=dp == 1)
+    real = measure_sharded_step(LLAMA8, world=2 * dp, strategy=f"pipeline:{schedule}", layout=layout,
                                 precision=precision, grad_accum=4, optimizer_impl="foreach", iterations=2, **STEP)
     hidden = STEP["batch"] * STEP["seq"] * LLAMA8["hidden_size"] * 4
-    for rank in (0, 1):
-        traced = _traced(LLAMA8, 2, rank, 4, precision, "none", schedule, v)
-        ledger = _rank_ledger(LLAMA8, 2, rank, 4, precision=precision, schedule=schedule, v=v)
+    fsdp2 = {"strategy": "fsdp2", "reshard_after_forward": False} if dp > 1 else {}
+    for rank in range(2 * dp):
+        stage = rank // dp
+        traced = trace_pipeline_rank(LLAMA8, dataclasses.replace(layout, rank=stage), precision=precision,
+                                     checkpointing="none", optimizer_impl="foreach", **STEP)
+        ledger = _rank_ledger(LLAMA8, 2, stage, 4, precision=precision, schedule=schedule, v=v, gpus=2 * dp, **fsdp2)
         for ph in ("forward", "backward", "optimizer_step"):
             got = real[rank].phases[ph].peak_bytes
             assert 0 <= got - traced.phases[ph].peak_bytes <= 4 * hidden, (rank, ph)
