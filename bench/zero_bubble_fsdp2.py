@@ -32,7 +32,7 @@ def _model() -> Any:
     return nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(LAYERS)])
 
 
-def _rank(rank: int, port: int, schedule: str, reshard: bool, out: Any) -> None:
+def _rank(rank: int, port: int, cases: list[tuple[str, bool]], out: Any) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -44,50 +44,52 @@ def _rank(rank: int, port: int, schedule: str, reshard: bool, out: Any) -> None:
     try:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
         pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
-        whole = _model()
         torch.manual_seed(1)
         x = torch.randn(2 * MICRO * ROWS, WIDTH)
         y = torch.randn(2 * MICRO * ROWS, WIDTH)
         mine = slice(dp_rank * MICRO * ROWS, (dp_rank + 1) * MICRO * ROWS)
-        held = (pp_rank, 3 - pp_rank) if schedule == "zbv" else (pp_rank, pp_rank + 2)
-        modules, stages = {}, []
-        for s in held:
-            module = copy.deepcopy(whole[s])
-            fully_shard(module, mesh=mesh["dp"], reshard_after_forward=reshard)
-            modules[s] = module
-            stages.append(PipelineStage(module, s, 4, torch.device("cpu"), group=mesh["pp"].get_group()))
 
         def loss_fn(output: Any, target: Any) -> Any:
             return ((output - target) ** 2).mean()
 
-        cls = schedules.ScheduleZBVZeroBubble if schedule == "zbv" else schedules.ScheduleInterleavedZeroBubble
-        step = cls(stages, n_microbatches=MICRO, loss_fn=loss_fn)
-        if 0 in held:
-            step.step(x[mine], target=y[mine] if 3 in held else None)
-        elif 3 in held:
-            step.step(target=y[mine])
-        else:
-            step.step()
-        # the same step on one process: the mean of every micro-batch's loss over both data-parallel ranks
-        reference = whole
+        # the same step on one process: the sum of every micro-batch's loss over both data-parallel ranks
+        reference = _model()
         sum(loss_fn(reference(x[i:i + ROWS]), y[i:i + ROWS]) for i in range(0, len(x), ROWS)).backward()
-        rows = []
-        for s, module in modules.items():
-            for name, param in module.named_parameters():
-                ref = dict(reference[s].named_parameters())[name].grad
-                if param.grad is None:
-                    rows.append((s, name, None, None))
-                    continue
-                got = param.grad.full_tensor()
-                cosine = float(torch.nn.functional.cosine_similarity(got.flatten(), ref.flatten(), dim=0))
-                rows.append((s, name, cosine, float(got.norm() / ref.norm())))
-        out.put((rank, dp_rank, rows))
+        for schedule, reshard in cases:
+            whole = _model()
+            held = (pp_rank, 3 - pp_rank) if schedule == "zbv" else (pp_rank, pp_rank + 2)
+            modules, stages = {}, []
+            for s in held:
+                module = copy.deepcopy(whole[s])
+                fully_shard(module, mesh=mesh["dp"], reshard_after_forward=reshard)
+                modules[s] = module
+                stages.append(PipelineStage(module, s, 4, torch.device("cpu"), group=mesh["pp"].get_group()))
+            cls = schedules.ScheduleZBVZeroBubble if schedule == "zbv" else schedules.ScheduleInterleavedZeroBubble
+            step = cls(stages, n_microbatches=MICRO, loss_fn=loss_fn)
+            if 0 in held:
+                step.step(x[mine], target=y[mine] if 3 in held else None)
+            elif 3 in held:
+                step.step(target=y[mine])
+            else:
+                step.step()
+            rows = []
+            for s, module in modules.items():
+                for name, param in module.named_parameters():
+                    ref = dict(reference[s].named_parameters())[name].grad
+                    if param.grad is None:
+                        rows.append((s, name, None, None))
+                        continue
+                    got = param.grad.full_tensor()
+                    cosine = float(torch.nn.functional.cosine_similarity(got.flatten(), ref.flatten(), dim=0))
+                    rows.append((s, name, cosine, float(got.norm() / ref.norm())))
+            out.put((rank, dp_rank, f"{schedule} reshard={reshard}", rows))
     finally:
         dist.destroy_process_group()
 
 
-def check(schedule: str, reshard: bool) -> list[tuple[int, str, float | None, float | None]]:
-    """Each stage's (stage, weight, cosine, norm ratio) on data-parallel rank 0; None where no gradient was made."""
+def check(cases: list[tuple[str, bool]]) -> dict[str, list[tuple[int, str, float | None, float | None]]]:
+    """Per case (``"<schedule> reshard=<bool>"``), each stage's (stage, weight, cosine, norm ratio) on data-parallel
+    rank 0; None where no gradient was made. One set of four processes runs every case in turn."""
     import torch.multiprocessing as mp
 
     with socket.socket() as sock:
@@ -95,17 +97,21 @@ def check(schedule: str, reshard: bool) -> list[tuple[int, str, float | None, fl
         port = sock.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, port, schedule, reshard, queue)) for r in range(4)]
+    procs = [ctx.Process(target=_rank, args=(r, port, cases, queue)) for r in range(4)]
     for p in procs:
         p.start()
     try:
-        results = [queue.get(timeout=180) for _ in procs]
+        results = [queue.get(timeout=180) for _ in range(4 * len(cases))]
     finally:
         for p in procs:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
-    return sorted(row for _rank_, dp, rows in results if dp == 0 for row in rows)
+    table: dict[str, list[tuple[int, str, float | None, float | None]]] = {}
+    for _, dp, kind, rows in results:
+        if dp == 0:
+            table.setdefault(kind, []).extend(rows)
+    return {kind: sorted(rows) for kind, rows in table.items()}
 
 
 def main() -> None:
@@ -113,8 +119,7 @@ def main() -> None:
 
     warnings.filterwarnings("ignore")
     chosen = [a for a in ("interleaved-zb", "zbv") if a in sys.argv[1:]] or ["interleaved-zb", "zbv"]
-    table = {f"{schedule} reshard={reshard}": check(schedule, reshard) for schedule in chosen
-             for reshard in (False, True)}
+    table = check([(schedule, reshard) for schedule in chosen for reshard in (False, True)])
     if "--json" in sys.argv:
         print(json.dumps(table))
         return

@@ -315,6 +315,21 @@ def test_the_zero_bubble_schedules_are_offered_and_what_they_do_not_model_is_mar
     assert "checkpointing" in w.inputs.errors() and w.result is before
     assert set_fields(w, checkpointing="none", schedule="interleaved-zb", virtual_stages="1")
     assert w.result.setup.parallel.schedule == "interleaved-zb" and w.inputs.virtual_stages.isEnabled()
+    # FSDP2 beside it: resharding after forward (the default) is marked on its box, off it runs
+    before = w.result
+    assert not set_fields(w, gpus="8", strategy="fsdp2")
+    assert "wrong" in w.inputs.errors()["reshard_after_forward"] and w.result is before
+    assert set_fields(w, reshard_after_forward="false")
+    par = w.result.setup.parallel
+    assert (par.strategy, par.reshard_after_forward, par.schedule) == ("fsdp2", False, "interleaved-zb")
+    assert_chart_matches(w)
+    # the layout search offers FSDP2 there without resharding, and applying one sets the box
+    dialog = w.show_layouts()
+    assert dialog is not None
+    found = [x for x in dialog.layouts if x.parallel.strategy == "fsdp2" and x.parallel.pp > 1]
+    assert found and all(not x.parallel.reshard_after_forward for x in found)
+    assert "no reshard after forward" in found[0].label
+    dialog.close()
 
 
 def test_the_layout_search_lists_ranked_layouts_and_applies_one_as_one_undo_step(window, qtbot):

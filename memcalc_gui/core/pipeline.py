@@ -766,8 +766,8 @@ def captured_gradients(setup: TrainingSetup, spec: ModelSpec, tokens: int) -> in
 
 class _Fsdp2Chunks:
     """Under FSDP2 (without resharding after forward), what a zero-bubble rank's chunks hold as the walk goes: each
-    chunk's units gathered from its first forward to the step's end (``backward_maybe_with_nosync`` reshards nothing
-    and the forward does not), and its unsharded gradients.
+    chunk's units gathered from its first forward until its last ``W`` (``backward_maybe_with_nosync`` reshards
+    nothing and the forward does not), and its unsharded gradients.
 
     PyTorch's ``W`` differentiates the gathered (unsharded) weights, so each sets their ``.grad`` in the compute dtype;
     FSDP2's post-backward hook, which runs where the gradient reaches a unit's input (in the chunk's next ``I``, or in
@@ -805,16 +805,16 @@ class _Fsdp2Chunks:
         self.forwarded.add(c)
 
     def to_accumulators(self, c: int) -> int:
-        """The post-backward hooks of chunk ``c`` (its ``I``, or the first stage's full backward): the bytes of the
-        bottom unit's 16-bit gradient still alive as the last hook copies it (0 where none was pending)."""
-        if not self.mixed:
+        """The post-backward hooks of chunk ``c`` (its ``I``, or the first stage's full backward), which run as each
+        unit's backward ends: at the bottom layer's backward every unit above has moved its 16-bit gradients into
+        its accumulator, the bottom one not yet. The bytes that moment holds beyond the chunk's accumulators (less
+        where this is the chunk's first move: the bottom unit's accumulator is not made yet)."""
+        if not self.mixed or c not in self.pending:
             return 0
-        was = c in self.pending
+        first = c not in self.accumulated
         self.pending.discard(c)
-        if was:
-            self.accumulated.add(c)
-            return self.layer[c] * 2
-        return 0
+        self.accumulated.add(c)
+        return self.layer[c] * 2 - (self.layer[c] * self.acc_w if first else 0)
 
     def weights_made(self, c: int) -> bool:
         """A ``W`` of chunk ``c`` made its weight gradients: whether it added them into existing ones."""
@@ -829,6 +829,16 @@ class _Fsdp2Chunks:
             self.pending.discard(c)
             self.accumulated.discard(c)
             self.reduced.add(c)
+
+
+def _working_moment(ledger: Estimate, ph: str) -> dict[str, int]:
+    """Under FSDP2, the moment of a chunk's own forward or backward that holds the most besides the model state: its
+    ledger's phase peaks where a unit is gathered (the walk counts the gathered units and the gradients itself), and the
+    activations peak later (on a Mistral-shaped stage the phase peak held half of them: 4–10 % under)."""
+    moments = [mo for _at, mo in ledger.details.get("forward_moments", ())] if ph == "forward" \
+        else list(ledger.details.get("backward_moments", ()))
+    return max(moments or [ledger.phases[ph].objects],
+               key=lambda mo: mo.get("activations", 0) + mo.get("temporaries", 0))
 
 
 def _zero_bubble_walk(setup: TrainingSetup, rank: int, m: int, specs: list[ModelSpec],
@@ -908,6 +918,8 @@ def _zero_bubble_walk(setup: TrainingSetup, rank: int, m: int, specs: list[Model
             if fsdp2 is not None:
                 fsdp2.forward(c)
             own = (ledgers[c][1] if c in reached else ledgers[c][0]).phases["forward"].objects
+            if fsdp2 is not None:
+                own = _working_moment(ledgers[c][0], "forward")
             acts = int(own.get("activations", 0))
             if not spec.stage_first and not ledgers[c][0].details.get("stream_kept_bytes"):
                 acts = max(0, acts - stream)  # its input is a receive buffer
@@ -924,8 +936,10 @@ def _zero_bubble_walk(setup: TrainingSetup, rank: int, m: int, specs: list[Model
             held.remove(entry)
             if spec.stage_last:  # the loss's backward: two fp32 logits-sized gradients (as a full backward's)
                 note("backward", base("backward", entry[2], entry[1], 2 * t * vocab * 4, made))
-            # (under FSDP2 the loss's moment comes before any unit's post-backward hook; the bottom layer's, after
-            # every unit's but its own)
+            # (under FSDP2 the loss's moment and the top layer's come before any unit's post-backward hook, with every
+            # 16-bit gradient of the chunk still there; the bottom layer's after every unit's hook but its own)
+            if fsdp2 is not None and c in fsdp2.pending:  # (of the output gradients, only the top MLP's made yet)
+                note("backward", base("backward", entry[2], entry[1], min(captured[c], tops[c][2]) + transient, made))
             converting = fsdp2.to_accumulators(c) if fsdp2 is not None else 0
             note("backward", base("backward", entry[2], entry[1], captured[c] + transient, made, converting))
             held.append([c, max(0, entry[1] - logits[c]), entry[2], 1, captured[c]])
@@ -933,9 +947,9 @@ def _zero_bubble_walk(setup: TrainingSetup, rank: int, m: int, specs: list[Model
             continue
         held.remove(entry)
         if fsdp2 is not None:
-            _fsdp2_weights(fsdp2, note, base, c, spec.stage_first, entry, (ledgers[c][1] if c in reached
-                                                                         else ledgers[c][0]).phases["backward"],
-                           tops[c], grad_w, stream)
+            _fsdp2_weights(fsdp2, note, base, c, spec.stage_first, entry,
+                           list(ledgers[c][0].details.get("backward_moments", ()))
+                           or [dict(ledgers[c][0].phases["backward"].objects)], tops[c][0], grad_w, stream)
             reached.add(c)
             continue
         if spec.stage_first:  # the whole backward, as a full one of the chunk
@@ -970,17 +984,20 @@ def _zero_bubble_walk(setup: TrainingSetup, rank: int, m: int, specs: list[Model
 
 def _fsdp2_weights(fsdp2: _Fsdp2Chunks, note: Callable[[str, dict[str, int]], None],
                    base: Callable[..., dict[str, int]], c: int, first: bool,
-                   entry: list[int], own: PhaseLedger, top: tuple[int, int, int], grad_w: int, stream: int) -> None:
+                   entry: list[int], moments: list[dict[str, int]], big: int, grad_w: int, stream: int) -> None:
     """The moments of chunk ``c``'s ``W`` under FSDP2: on the first stage the whole backward, whose post-backward
     hooks move each unit's gradients into its accumulator as it goes; on a later one the weight gradients made group
     by group from the output gradients its ``I`` kept, set on the first ``W`` after an ``I`` and added in on a later
-    one (the largest projection's new gradient beside the one it is added into)."""
-    big = top[0]
-    if first:  # (each unit's hook runs as its backward ends: the gradients are the accumulators' at the peak)
-        fsdp2.weights_made(c)
+    one (``big``: the largest projection's new gradient beside the one it is added into)."""
+    if first:  # (each unit's hook runs as its backward ends: at each moment the unit at work's gradients, those
+        # its own ledger makes there, are not moved yet; where the .grad itself accumulates, the projection's new
+        # gradient is made beside it)
+        into = fsdp2.weights_made(c)
         fsdp2.to_accumulators(c)
-        note("backward", base("backward", 0, int(own.objects.get("activations", 0)),
-                              int(own.objects.get("temporaries", 0)), 0))
+        for mo in moments:
+            note("backward", base("backward", 0, int(mo.get("activations", 0)),
+                                  int(mo.get("temporaries", 0)) + (big * grad_w if into else 0), 0,
+                                  int(mo.get("gradients", 0)) if fsdp2.mixed else 0))
     else:
         note("backward", base("backward", 0, entry[1], entry[4] + stream, 0))
         into = fsdp2.weights_made(c)

@@ -41,7 +41,8 @@ def layout_changes(layout: Layout) -> dict[str, str]:
     """The form fields that set ``layout`` (the schedule and stages per GPU stay the form's)."""
     p = layout.parallel
     return {"gpus": str(p.gpus), "tp": str(p.tp), "pp": str(p.pp), "strategy": p.strategy, "ep": str(p.ep),
-            "sp": "true" if p.sp else "false", "loss_parallel": "true" if p.loss_parallel else "false"}
+            "sp": "true" if p.sp else "false", "loss_parallel": "true" if p.loss_parallel else "false",
+            "reshard_after_forward": "true" if p.reshard_after_forward else "false"}
 
 
 def _left_out_text(found: Search) -> str:

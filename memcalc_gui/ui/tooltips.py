@@ -204,7 +204,8 @@ TOOLTIPS: dict[str, str] = {
         "FSDP2 (torch.distributed.fsdp.fully_shard): free each decoder layer's gathered weights after its forward "
         "and gather them again for its backward (on, the default), or keep every layer gathered from its forward to "
         "its backward (off: less communication, the whole model's 16-bit weights on every GPU at the end of "
-        "forward). The root unit (embeddings, final norm, head) stays gathered either way."
+        "forward). The root unit (embeddings, final norm, head) stays gathered either way. The zero-bubble pipeline "
+        "schedules need it off."
     ),
     "ep": (
         "Expert parallelism (a mixture of experts only): the routed experts of every MoE layer are split over this "
@@ -253,8 +254,9 @@ TOOLTIPS: dict[str, str] = {
         "(Narayanan et al. 2021); interleaved 1F1B, several smaller stages per GPU, a little more. The "
         "zero-bubble schedules (Qi et al. 2024) split each backward into the input's gradient and the weights', "
         "deferred to fill the pipeline's idle time: each micro-batch keeps its activations, and the output gradients "
-        "the weights' step starts from, until that step has run (modelled without checkpointing, FSDP2, sequence or "
-        "context parallelism so far)."
+        "the weights' step starts from, until that step has run (modelled beside DDP, and beside FSDP2 without "
+        "resharding after forward, as torchtitan runs it: resharded, PyTorch's weight step gets the gradients wrong; "
+        "not yet with checkpointing, sequence or context parallelism)."
     ),
     "virtual_stages": "Stages per GPU under the interleaved schedules (2 or more for interleaved 1F1B, 1 or more for "
                       "interleaved zero bubble, exactly 2 for zero bubble V; the layers must split into stages × this "
