@@ -880,7 +880,8 @@ def _zero_bubble_walk(setup: TrainingSetup, rank: int, m: int, specs: list[Model
     half = 2 if precision in ("mixed", "bf16-autocast") else 0
     grad_w = 2 if precision == "bf16" else 4  # the weights' (and their gradients') bytes
     lin = 2 if precision in ("mixed", "bf16", "bf16-autocast") else 4
-    fsdp2 = _Fsdp2Chunks(setup, specs, m) if fsdp2_unsynced(setup, rank)[0] else None
+    # (FSDP2 over the stage's dp × cp ranks, as fsdp2_unsynced counts it; over one rank the trace runs no FSDP2)
+    fsdp2 = _Fsdp2Chunks(setup, specs, m) if par.strategy == "fsdp2" and par.dp * par.cp > 1 else None
     tops = []
     for spec in specs:
         narrow = tensor_parallel_spec(spec, par.tp, par.loss_parallel)
