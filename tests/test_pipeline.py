@@ -922,13 +922,14 @@ def test_the_windowed_zero_bubble_order_passes_through_the_same_states(pp: int, 
 
 
 @pytest.mark.parametrize(("schedule", "pp", "v", "m", "precision", "cfg", "tp", "sp"), [
-    # (one stage per GPU, and ZB-V at 2 stages in mixed precision: bench/pipeline.py --zero-bubble and the real runs)
-    ("interleaved-zb", 2, 2, 4, "fp32", LLAMA8, 1, False), ("zbv", 4, 2, 8, "bf16", LLAMA8, 1, False),
+    # (one stage per GPU, ZB-V at 4 stages, interleaved with TP, FSDP2: bench/pipeline.py --zero-bubble and the real
+    # runs; left to them for CI's time)
+    ("interleaved-zb", 2, 2, 4, "fp32", LLAMA8, 1, False),
     # ZB-V's rank 0 holds the tied head and the embedding: one weight, one gradient
     ("zbv", 2, 2, 4, "fp32", QWEN_TIED, 1, False),
     # each stage's layers split over 2 tensor-parallel ranks: the output gradients the W keeps are the rank's share
-    ("interleaved-zb", 2, 2, 4, "mixed", LLAMA8, 2, False), ("zbv", 2, 2, 4, "bf16", LLAMA8, 2, False)],
-    ids=["izb-2x2", "zbv-4", "zbv-tied", "izb-tp2", "zbv-tp2"])
+    ("zbv", 2, 2, 4, "bf16", LLAMA8, 2, False)],
+    ids=["izb-2x2", "zbv-tied", "zbv-tp2"])
 def test_zero_bubble_ranks_match_the_rank_traced_under_pytorchs_schedule(schedule: str, pp: int, v: int, m: int,
                                                                          precision: str, cfg: dict, tp: int,
                                                                          sp: bool) -> None:
@@ -1019,7 +1020,7 @@ def test_the_command_line_runs_the_zero_bubble_schedules(capsys: pytest.CaptureF
 
 
 @pytest.mark.parametrize(("schedule", "v", "precision", "dp"),
-                         [("zbv", 2, "mixed", 1), ("interleaved-zb", 2, "fp32", 1), ("interleaved-zb", 2, "mixed", 2)])
+                         [("zbv", 2, "mixed", 1), ("interleaved-zb", 2, "mixed", 2)])
 def test_a_real_zero_bubble_pipeline_matches_the_trace_and_the_ledger(schedule: str, v: int, precision: str,
                                                                        dp: int) -> None:
     """Gloo processes, two stages each, PyTorch's zero-bubble schedule really sending activations and input
