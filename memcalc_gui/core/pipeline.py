@@ -835,13 +835,13 @@ class _Fsdp2Chunks:
             self.reduced.add(c)
 
 
-def _working_moment(ledger: Estimate, ph: str) -> dict[str, int]:
-    """Under FSDP2, the moment of a chunk's own forward or backward that holds the most besides the model state: its
-    ledger's phase peaks where a unit is gathered (the walk counts the gathered units and the gradients itself), and the
-    activations peak later (on a Mistral-shaped stage the phase peak held half of them: 4–10 % under)."""
-    moments = [mo for _at, mo in ledger.details.get("forward_moments", ())] if ph == "forward" \
-        else list(ledger.details.get("backward_moments", ()))
-    return max(moments or [ledger.phases[ph].objects],
+def _working_forward(ledger: Estimate) -> dict[str, int]:
+    """Under FSDP2, the moment of a chunk's own forward that holds the most besides the model state: its ledger's
+    forward peaks where a unit is gathered (the walk counts the gathered units and the gradients itself), and the
+    activations peak later (on a Mistral-shaped stage the phase peak held half of them: 4–10 % under). (The first
+    stage's whole backward is walked moment by moment instead: ``_fsdp2_weights``.)"""
+    moments = [mo for _at, mo in ledger.details.get("forward_moments", ())]
+    return max(moments or [ledger.phases["forward"].objects],
                key=lambda mo: mo.get("activations", 0) + mo.get("temporaries", 0))
 
 
@@ -924,7 +924,7 @@ def _zero_bubble_walk(setup: TrainingSetup, rank: int, m: int, specs: list[Model
                 fsdp2.forward(c)
             own = (ledgers[c][1] if c in reached else ledgers[c][0]).phases["forward"].objects
             if fsdp2 is not None:
-                own = _working_moment(ledgers[c][0], "forward")
+                own = _working_forward(ledgers[c][0])
             acts = int(own.get("activations", 0))
             if not spec.stage_first and not ledgers[c][0].details.get("stream_kept_bytes"):
                 acts = max(0, acts - stream)  # its input is a receive buffer
