@@ -57,7 +57,7 @@ def main() -> None:
             ("llama-3.1-8b", "t4", dict(batch=64, seq=8192, grad_accum=8, precision="fp32", attention="eager")),
             # a pipeline rank is up to six analytic ledgers (three stages, with and without accumulated gradients)
             ("llama-3.1-70b", "h100-80gb", dict(batch=1, seq=8192, grad_accum=8, parallel=Parallelism(
-                gpus=32, tp=8, pp=4, strategy="fsdp2"))),
+                gpus=64, tp=8, pp=4, strategy="fsdp2"))),
             ("llama-3.1-8b", "h100-80gb", dict(batch=1, seq=131072, checkpointing="full", parallel=Parallelism(
                 gpus=8, strategy="fsdp2")))]
     print(f"\n{'over capacity':<16}{'gpu':>11}{'evaluate ms':>13}{'fixes':>7}")

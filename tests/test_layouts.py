@@ -9,6 +9,7 @@ import pytest
 
 from memcalc_gui.cli import main as cli_main
 from memcalc_gui.core.distributed import Parallelism
+from memcalc_gui.core.errors import InputError
 from memcalc_gui.core.estimate import estimate
 from memcalc_gui.core.layouts import candidates, communication, search
 from memcalc_gui.core.model import preset_spec
@@ -148,3 +149,29 @@ def test_expert_parallelism_trades_gradient_traffic_for_the_all_to_all() -> None
     eps = {p.ep for p in candidates(setup.with_changes(parallel=zero2), shape=shape)}
     assert eps == {1, 2, 4, 8}  # 16 and more do not split 8 experts
     assert all(p.ep == 1 for p in candidates(setup.with_changes(parallel=zero2), shape=shape) if p.tp > 1)
+
+
+def test_fsdp2_over_one_data_parallel_gpu_is_refused_and_never_offered(capsys: pytest.CaptureFixture) -> None:
+    """FSDP2 whose group (data × context parallel) is one GPU shards nothing, and torchtitan applies no fully_shard
+    there: a tensor- or pipeline-parallel layout like that is refused naming the strategy (the ledger took FSDP2's
+    bf16 policy and read 8 % under the trace, which runs the stage as DDP's), the layout search lists no such rows
+    beside their DDP twins, and a DDP pipeline is not told to "shard" over one GPU."""
+    for kw in (dict(gpus=2, pp=2), dict(gpus=8, tp=8), dict(gpus=16, tp=8, pp=2)):
+        with pytest.raises(InputError) as err:
+            Parallelism(strategy="fsdp2", **kw)  # type: ignore[arg-type]
+        assert err.value.field == "strategy" and "shards nothing" in str(err.value)
+    # one GPU (fully_shard there is a user's choice, with offload), context parallelism and two GPUs per stage shard
+    for kw in (dict(gpus=1), dict(gpus=1, offload="optimizer"), dict(gpus=4, pp=2, cp=2), dict(gpus=4, pp=2)):
+        Parallelism(strategy="fsdp2", **kw)  # type: ignore[arg-type]
+    setup = TrainingSetup(model=preset_spec("llama-3.2-1b"), seq=2048, parallel=Parallelism(gpus=4))
+    found = candidates(setup)
+    assert any(p.strategy == "fsdp2" and p.dp > 1 for p in found)
+    assert not [p for p in found if p.strategy == "fsdp2" and p.dp * p.cp == 1]
+    assert any(p.strategy == "ddp" and p.dp == 1 for p in found)  # their twins stay
+    assert cli_main(["estimate", "--preset", "llama-3.2-1b", "--seq", "2048", "--gpus", "2", "--pp", "2"]) == 0
+    assert "FSDP2" not in capsys.readouterr().out.split("What would change it", 1)[1].split("Assumptions", 1)[0]
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["estimate", "--preset", "llama-3.2-1b", "--gpus", "2", "--pp", "2", "--strategy", "fsdp2"])
+    assert exit_.value.code == 2
+    err_line = capsys.readouterr().err.strip()
+    assert err_line.startswith("memcalc: error: --strategy:") and len(err_line.splitlines()) == 1

@@ -189,9 +189,10 @@ def test_sequence_parallelism_splits_the_norms_and_the_stream(strategy: str) -> 
     from memcalc_gui.core.activations import norm_outputs
 
     spec = preset_spec("llama-3.1-8b")
-    base = dict(model=spec, seq=4096, precision="mixed", parallel=Parallelism(gpus=8, tp=8, strategy=strategy))
+    gpus = 16 if strategy == "fsdp2" else 8  # FSDP2 over one GPU shards nothing: refused
+    base = dict(model=spec, seq=4096, precision="mixed", parallel=Parallelism(gpus=gpus, tp=8, strategy=strategy))
     tp = estimate(TrainingSetup(**base))  # type: ignore[arg-type]
-    sp = estimate(TrainingSetup(**dict(base, parallel=Parallelism(gpus=8, tp=8, sp=True,  # type: ignore[arg-type]
+    sp = estimate(TrainingSetup(**dict(base, parallel=Parallelism(gpus=gpus, tp=8, sp=True,  # type: ignore[arg-type]
                                                                   strategy=strategy))))
     before = tp.details["activations_per_layer"]
     whole = {} if strategy.startswith("megatron") else norm_outputs(spec, tp.setup)
@@ -218,6 +219,8 @@ def test_every_pipeline_layout_gives_a_ledger_with_the_most_loaded_rank(pp: int,
     v = 2 if schedule == "interleaved-1f1b" else 1
     if schedule == "interleaved-1f1b" and m % max(1, m // pp):
         m = m // max(1, m // pp) * max(1, m // pp)  # PyTorch's interleaved schedule needs whole rounds
+    if strategy == "fsdp2" and dp * cp == 1 and pp * tp > 1:
+        strategy = "ddp"  # FSDP2 over one GPU shards nothing: refused (tests/test_layouts.py)
     setup = TrainingSetup(model=preset_spec("llama-3.2-1b"), grad_accum=m, precision=precision,  # type: ignore
                           checkpointing=ckpt, seq=1024,  # type: ignore[arg-type]
                           parallel=Parallelism(gpus=pp * dp * tp * cp, pp=pp, schedule=schedule,  # type: ignore
@@ -989,12 +992,15 @@ def test_every_zero_bubble_layout_gives_a_ledger_with_the_most_loaded_rank(pp: i
     schedule, v = ("zbv", 2) if zbv else ("interleaved-zb", v)
     if not zbv and m % max(1, m // pp):
         m -= m % max(1, m // pp)
-    par = Parallelism(gpus=pp * dp * tp, pp=pp, schedule=schedule, virtual_stages=v, tp=tp,  # type: ignore
-                      loss_parallel=vocab and tp > 1, strategy="fsdp2" if fsdp2 else "ddp",
-                      reshard_after_forward=not fsdp2)
-    if fsdp2 and (zbv or dp == 1):
-        # ZB-V's first GPU would shard Llama-3.2-1B's tied matrix apart, and FSDP2 over one GPU per stage shards
-        # nothing (torchtitan applies none there): refused
+    kw = dict(gpus=pp * dp * tp, pp=pp, schedule=schedule, virtual_stages=v, tp=tp, loss_parallel=vocab and tp > 1,
+              strategy="fsdp2" if fsdp2 else "ddp", reshard_after_forward=not fsdp2)
+    if fsdp2 and dp == 1:  # FSDP2 over one GPU per stage shards nothing (torchtitan applies none there): refused
+        with pytest.raises(InputError) as err:
+            Parallelism(**kw)  # type: ignore[arg-type]
+        assert err.value.field == "strategy"
+        return
+    par = Parallelism(**kw)  # type: ignore[arg-type]
+    if fsdp2 and zbv:  # ZB-V's first GPU would shard Llama-3.2-1B's tied matrix apart: refused
         with pytest.raises(InputError) as err:
             TrainingSetup(model=preset_spec("llama-3.2-1b"), parallel=par)
         assert (err.value.field, "tied" in str(err.value)) in (("schedule", True), ("strategy", False))

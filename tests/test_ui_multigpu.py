@@ -166,6 +166,7 @@ def test_offload_offers_only_what_differs_for_the_strategy(window, qtbot):
     (dict(gpus="many"), "gpus", "positive"),
     (dict(node_size="-2", strategy="fsdp-hybrid", gpus="16"), "node_size", "positive"),
     (dict(model_kind="params", params="7B", strategy="zero3", gpus="8"), "strategy", "largest layer"),
+    (dict(gpus="4", tp="2", pp="2", strategy="fsdp2"), "strategy", "shards nothing"),
 ])
 def test_invalid_combination_is_marked_inline_and_the_last_result_stays(window, fields, field, words):
     w = window
@@ -296,7 +297,7 @@ def test_model_parallel_fields_set_the_layout_and_apply_only_where_they_can(wind
     assert not set_fields(w, gpus="48", pp="3", schedule="1f1b")  # 80 layers do not split into 3 stages
     assert "80 decoder layers" in inputs.errors()["pp"]
     # with tensor parallelism off the boxes keep their ticks but do not apply
-    assert set_fields(w, gpus="2", tp="1", pp="2")
+    assert set_fields(w, gpus="4", tp="1", pp="2")
     assert not w.result.setup.parallel.sp and inputs.state().sp == "true" and not inputs.sp.isEnabled()
 
 

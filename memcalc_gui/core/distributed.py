@@ -218,6 +218,10 @@ class Parallelism:
                                                       "forward leave the weight gradients of every stage but the first "
                                                       "wrong (torch 2.13, measured): turn reshard after forward off, "
                                                       "as torchtitan does beside pipeline parallelism")
+        if self.strategy == "fsdp2" and (self.tp > 1 or self.pp > 1) and self.dp * self.cp == 1:
+            raise InputError("strategy", f"FSDP2 over one data-parallel GPU shards nothing ({self.gpus:,} GPU(s) in "
+                                         f"{self.pp} pipeline stage(s) of {self.tp} tensor-parallel GPU(s)), and "
+                                         "torchtitan applies no fully_shard there: choose DDP, or twice the GPUs")
         if self.pp == 1 and (self.schedule != "1f1b"):
             raise InputError("schedule", "a pipeline schedule needs pipeline stages (--pp 2 or more)")
         if not isinstance(self.sp, bool):

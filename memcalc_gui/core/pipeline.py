@@ -253,10 +253,6 @@ def check_zero_bubble(setup: TrainingSetup) -> None:
         raise InputError("schedule", "the zero-bubble schedules are PyTorch's (torch.distributed.pipelining): they are "
                                      "modelled beside PyTorch's DDP and FSDP2; ZeRO and Megatron-LM run pipeline "
                                      "schedules of their own")
-    if par.strategy == "fsdp2" and par.dp * par.cp == 1:
-        raise InputError("strategy", "FSDP2 over one GPU per stage shards nothing, and torchtitan applies none there "
-                                     "(its trace runs the stage as DDP's, under autocast): use DDP beside the "
-                                     "zero-bubble schedules, or FSDP2 over 2 or more GPUs per stage")
     if par.schedule == "zbv" and par.strategy == "fsdp2" and par.dp * par.cp > 1 and setup.model is not None \
             and setup.model.tied_embeddings:
         raise InputError("schedule", "ZB-V puts the embedding and the tied head on the first GPU as two FSDP2 units, "

@@ -144,7 +144,10 @@ TOOLTIPS: dict[str, str] = {
         "mem_needs add an fp32 gradient partition, reduce buckets and the largest layer gathered (4·L).\n"
         "FSDP (PyTorch FSDP docs): FULL_SHARD ≈ ZeRO-3 with the root unit and two units gathered "
         "(limit_all_gathers); SHARD_GRAD_OP keeps parameters gathered from forward to backward (≈ ZeRO-2); "
-        "HYBRID_SHARD shards within a node and replicates across nodes."
+        "HYBRID_SHARD shards within a node and replicates across nodes.\n"
+        "FSDP2 (PyTorch's fully_shard, as torchtitan applies it) shards over the data- and context-parallel GPUs of "
+        "each tensor-parallel group and pipeline stage: beside tensor or pipeline parallelism it needs two or more "
+        "of them (over one it shards nothing, and torchtitan applies none)."
     ),
     "node_size": (
         "GPUs per node. FSDP HYBRID_SHARD shards the state over one node's GPUs only; with offload the host "
