@@ -352,9 +352,12 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
         # starts: what the layers below saved and, over a whole model, that layer's input, the stream the layer below
         # returned (traced: with every layer checkpointed, the embedding's output and each layer's beside it); a
         # pipeline stage's schedule holds it already (core.pipeline; counted again, a one-layer middle stage read
-        # 1.5 % over). No temporaries (fsdp2_ledger adds the gathered layers)
-        fwd_candidates.append(("gather", _objects(**base_fwd, activations=layers_saved * (n_layers - 1) // n_layers
-                                                  + (stream if fsdp2_whole else 0) + rope_tables)))
+        # 1.5 % over). No temporaries (fsdp2_ledger adds the gathered layers). A whole model of one layer has no such
+        # moment: its one layer is the first, gathered beside the root unit's output (below; counted as a layer's
+        # beside a layer's kept output it read 10.6 % over a real one-layer Llama-3.1-8B rank, tp 2 × FSDP2 over 2)
+        if n_layers > 1 or not fsdp2_whole:
+            fwd_candidates.append(("gather", _objects(**base_fwd, activations=layers_saved * (n_layers - 1) // n_layers
+                                                      + (stream if fsdp2_whole else 0) + rope_tables)))
         # ... and the first layer's, while the root unit's all-gather output is the one kept: the embedding's output
         fwd_candidates.append(("gather-first", _objects(**base_fwd, activations=stream + rope_tables)))
         if not (ckpt or n_ck or offload != "none"):
@@ -823,6 +826,12 @@ def fsdp2_ledger(
             # input is fp32; a tied model peaks at the embedding)
             moment["temporaries"] += big * rs
             moment["parameters"] -= 0 if keep_all else big * w
+        elif not pipelined and nl == 1 and at in ("mlp", "attn") and not keep_all:
+            # a whole model's only layer: its backward's all-gather output is freed at the copy-out (FSDP2 keeps the
+            # output only in forward, for the next all-gather to wait on), nothing below is prefetched (the root unit
+            # is gathered throughout) and no layer above was reduce-scattered (traced: 4-14 % over when the layer
+            # kept an output)
+            moment["parameters"] -= big * w
         elif not pipelined and ((at == "gather" and k < nl) or (at in ("mlp", "attn") and 1 < k < nl)):
             # a layer above was reduce-scattered: FSDP2 keeps the last reduce-scatter's input (in the reduce dtype,
             # fp32 under mixed precision) as the next layer's all-gather is copied out, and through the backward of
