@@ -517,7 +517,8 @@ def _pipeline_fitted(setup: TrainingSetup, fit: FitModel) -> Estimate:
         peak = max(ph.total_bytes for ph in phases.values())
         rows.append({"rank": rank, "in_flight": in_flight(par.schedule, par.pp, rank, setup.grad_accum,
                                                           par.virtual_stages),
-                     "peak_bytes": peak, "phases": {p: ph.total_bytes for p, ph in phases.items()}})
+                     "peak_bytes": peak, "phases": {p: ph.total_bytes for p, ph in phases.items()},
+                     "tensor_bytes": {p: ph.tensor_bytes for p, ph in phases.items()}})
         if best is None or peak > best[1]:
             best = (rank, peak, {"phases": phases, "checked": stage.checked, "buckets": buckets})
     assert best is not None

@@ -627,8 +627,18 @@ def _measure_ranks(result: MeasureResult, setup: TrainingSetup, iterations: int,
         raise MeasureError(f"a rank failed: {one_line(text, 300)}") from None
     staged = setup.parallel.pp > 1
     estimates: dict[int, dict[str, int]] = {}
+    shown_est = result.estimate.estimate
+    fitted_rows = {row["rank"]: row for row in shown_est.details.get("pipeline_ranks", ())} \
+        if staged and shown_est.method == "fitted" else {}
     for stage in sorted(set(job.stage_of)):
-        est = stage_estimate(result.estimate.estimate.setup, stage) if staged else result.estimate.estimate
+        if fitted_rows:  # a family without a block model: each rank's own fit (core.fitted; its checked ranks)
+            row = fitted_rows.get(stage)
+            if row is None:
+                raise MeasureError(f"pipeline rank {stage + 1} of a family without a block model has no fit of its own "
+                                   "(the first, second and last ranks are fitted): measure 3 stages or fewer")
+            estimates[stage] = {name: int(row["tensor_bytes"][name]) for name in PHASES}
+            continue
+        est = stage_estimate(shown_est.setup, stage) if staged else shown_est
         estimates[stage] = {name: est.phases[name].tensor_bytes for name in PHASES}
     for r, m in enumerate(measured):
         phases = {}

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -54,6 +55,9 @@ class FittedScaling:
             raise ConfigError("num_hidden_layers" if self.layers < 1 else "vocab_size",
                               "the config needs a layer count and a vocabulary size to be measured")
         self.period = checkpoint_every(setup.checkpointing) or 1
+        #: pipeline stages split the layers evenly: a scaled-down step keeps a multiple of the stage-chunks (of the
+        #: layout measured, which :meth:`min_layers` is asked with)
+        self.stages = setup.parallel.pp * setup.parallel.virtual_stages
         self._progress = progress
         self._fits: dict[tuple[int, str], FitModel] = {}
         self._structures: dict[tuple[int, int], dict[str, int]] = {}
@@ -109,9 +113,15 @@ class FittedScaling:
         """The fewest layers a scaled-down step keeps: the fit's first traced count (past DeepSeek's dense layers,
         a whole checkpointing period; an FSDP2 rank's fit's, deeper), or the config's own count when it has fewer."""
         if self._min_layers is None:
+            self.stages = setup.parallel.pp * setup.parallel.virtual_stages
             fit = self._fit_or_none(setup, self.vocab)
-            # one FSDP2 rank's fit traces deeper models (trace.fit.rank_layer_counts): below them it would not hold
-            first = 0 if fit is None else max(fit.layers[0], fit.rank.layers[0] if fit.rank is not None else 0)
+            if fit is not None and fit.stages:
+                # a pipeline rank's fit traces stage-chunks of its first count on (a chunk shallower than
+                # trace.fit.PIPELINE_LAYERS at its own depth only): that many layers in every chunk
+                first = self.stages * max(st.layers[0] for st in fit.stages.values())
+            else:
+                # one FSDP2 rank's fit traces deeper models (trace.fit.rank_layer_counts): below them it would not hold
+                first = 0 if fit is None else max(fit.layers[0], fit.rank.layers[0] if fit.rank is not None else 0)
             self._min_layers = self.layers if fit is None else min(self.layers, first)
         return self._min_layers
 
@@ -119,7 +129,8 @@ class FittedScaling:
         """Half of ``layers``, at least ``floor``, with the full count's remainder modulo the checkpointing period
         (the fit extrapolates by whole periods)."""
         target = max(floor, layers // 2)
-        return max(floor, target - (target - floor) % self.period)
+        step = math.lcm(self.period, self.stages)  # (a pipeline's fit refuses checkpointing every N-th layer)
+        return max(floor, target - (target - floor) % step)
 
     # ---- the fitted estimate ----------------------------------------------------------------------------------
     def fit(self, setup: TrainingSetup, vocab: int) -> FitModel:
@@ -152,10 +163,14 @@ class FittedScaling:
         # one FSDP2 rank, when there is one, likewise)
         structure = self.structure(layers, vocab)
 
-        def shorter(f: FitModel) -> FitModel:
-            return dataclasses.replace(f, num_layers=layers, num_params=setup.num_params, structure=structure)
+        def shorter(f: FitModel, depth: int = layers) -> FitModel:
+            return dataclasses.replace(f, num_layers=depth, num_params=setup.num_params, structure=structure)
 
-        return dataclasses.replace(shorter(fit), rank=shorter(fit.rank) if fit.rank is not None else None)
+        # a pipeline rank's fit at the shorter model's stage-chunks
+        chunks = setup.parallel.pp * setup.parallel.virtual_stages
+        stages = {r: shorter(st, layers // chunks) for r, st in fit.stages.items()}
+        return dataclasses.replace(shorter(fit), rank=shorter(fit.rank) if fit.rank is not None else None,
+                                   stages=stages)
 
     def _traced(self, setup: TrainingSetup) -> Result:
         from ..trace.fake import trace_estimate

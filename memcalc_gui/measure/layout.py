@@ -23,8 +23,10 @@ This module decides, without torch, which processes that takes and what each run
 
 Not run (refused, naming ``strategy``): ZeRO and FSDP1, which are DeepSpeed's and FSDP1's engines, not installed here;
 Megatron-LM; offload; expert parallelism beside DDP or tensor parallelism; context beside pipeline parallelism other
-than under FSDP2; pipeline stages and context parallelism of a family without a block model (such a family is
-compared with its fitted ledger: :mod:`.fitted`).
+than under FSDP2; context parallelism of a family without a block model. Such a family (compared with its fitted
+ledger: :mod:`.fitted`) runs its pipeline stages as a block model's do, its experts split inside them under FSDP2,
+each rank against its own fitted rank; its first, second and last ranks are fitted, so a layout of more stages is
+measured at 2 or 3 (:func:`scale_layout`).
 
 A layout of more ranks than this machine runs (``MAX_CPU_RANKS`` processes) is scaled down: the data-parallel
 dimension first, then context, tensor and pipeline parallelism, each kept at 2 while another can give way, and the
@@ -110,9 +112,9 @@ def refusal(setup: TrainingSetup) -> str:
     if par.pp > 1 and par.cp > 1 and par.strategy != "fsdp2":
         return ("context beside pipeline parallelism is run for real as torchtitan runs it, each stage fully_shard-ed "
                 "over data parallel × context parallel (--strategy fsdp2)")
-    if setup.model is None and (par.pp > 1 or par.cp > 1):
-        return ("a family without a block model is measured rank by rank under DDP or FSDP2, with tensor parallelism "
-                "or without; its pipeline stages and context parallelism are estimated (--method fitted or trace)")
+    if setup.model is None and par.cp > 1:
+        return ("a family without a block model is measured rank by rank under DDP or FSDP2, with tensor or pipeline "
+                "parallelism or without; its context parallelism is estimated (--method fitted or trace)")
     return ""
 
 
@@ -141,6 +143,13 @@ def scale_layout(setup: TrainingSetup, max_ranks: int = MAX_CPU_RANKS) -> tuple[
             if par.pp > 1 else "beside DDP it is Megatron-LM's way, which is not run here; PyTorch's runs with FSDP2")
             + ")")
         par = dataclasses.replace(par, sp=False)
+    if setup.model is None and par.pp > 3 and (par.pp % 3 == 0 or par.pp % 2 == 0):
+        # a family without a block model: its first, second and last pipeline ranks are fitted
+        # (core.pipeline.ranks_to_check), what every rank of 2 or 3 stages is compared with
+        pp = 3 if par.pp % 3 == 0 else 2
+        changes.append(f"pipeline stages {pp} instead of {par.pp} (a family without a block model has its first, "
+                       "second and last ranks fitted)")
+        par = _with(par, pp=pp)
     sizes = {"dp": par.dp, "cp": par.cp, "tp": par.tp, "pp": par.pp}
     original = dict(sizes)
 
@@ -209,7 +218,7 @@ def rank_job(setup: TrainingSetup) -> RankJob:
                          "features (the parallelized rank's step to the byte)")
         # (context parallelism: each stage's dp × cp ranks, its units sharded over them all; refusal)
         pipe = PipeRank(par.pp, 0, par.schedule, par.virtual_stages, setup.grad_accum, dp_shard=dp,
-                        reshard_after_forward=par.reshard_after_forward, cp=par.cp)
+                        reshard_after_forward=par.reshard_after_forward, cp=par.cp, ep=par.ep)
         per_stage = dp * par.cp
         world = par.pp * per_stage
         return RankJob(f"pipeline:{par.schedule}", world, pipe, config,
