@@ -93,6 +93,7 @@ SLOWEST_FIRST = (
     "test_measure_ranks.py::test_a_rank_ends_with_the_process_that_started_it",
     "test_packing.py::test_analytic_matches_a_real_packed_step",
     "test_optimizer_in_backward.py::test_analytic_and_trace_agree_with_real_steps",
+    "test_pipeline_fitted.py::test_the_pipeline_stages_of_a_fitted_family_are_measured_for_real",
 )
 
 
