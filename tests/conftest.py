@@ -62,52 +62,6 @@ def no_job_outlives_its_test():
     assert not left, f"{len(left)} worker thread(s) still running {ORPHAN_WAIT_S} s after the test"
 
 
-# ---- the slowest tests first ----------------------------------------------------------------------------------
-#: Test functions of 15 s or more on a 2-core machine (``--durations=0``, 2026-12-05), slowest first. xdist hands
-#: tests out in collection order, so one of them collected last (the soak is in test_soak.py) ran alone while the
-#: other worker had finished: started first, they share the two workers and the short tests fill the end.
-SLOWEST_FIRST = (
-    "test_soak.py::test_real_window_survives_scripted_use",
-    "test_pipeline.py::test_each_stage_ledger_matches_the_rank_traced_under_pytorchs_schedule",
-    "test_unknown_family.py::test_the_ranks_of_a_fitted_family_are_measured_against_its_fitted_ledger",
-    "test_pipeline.py::test_the_done_when_layout_traced_agrees_with_its_ledger",
-    "test_expert.py::test_the_fitted_fsdp2_ledger_is_the_traced_ranks_fit_and_the_rule_answers_other_layouts",
-    "test_pipeline_fitted.py::test_each_fitted_rank_equals_its_schedule_traced_with_every_micro_batch",
-    "test_selective_checkpointing.py::test_analytic_and_trace_agree_with_real_steps",
-    "test_fitted.py::test_layer_patterns_and_dense_prefixes_fit",
-    "test_hostile.py::test_no_code_a_config_names_ever_runs",
-    "test_ui.py::test_a_mixture_of_experts_across_gpus_in_the_window",
-    "test_expert.py::test_the_fitted_tensor_parallel_rank_matches_the_traced_one",
-    "test_ui_measure.py::test_a_family_without_a_block_model_is_measured_against_its_fitted_ledger",
-    "test_expert.py::test_the_fitted_ddp_ledger_with_expert_parallelism_matches_the_traced_rank",
-    "test_loss.py::test_analytic_and_trace_agree_with_real_chunked_steps",
-    "test_pipeline.py::test_a_sequence_parallel_rank_matches_the_rank_traced_with_torchtitans_plan",
-    "test_hostile.py::test_measure_answers_every_config",
-    "test_pipeline.py::test_a_real_zero_bubble_pipeline_matches_the_trace_and_the_ledger",
-    "test_ui.py::test_a_family_without_a_block_model_is_fitted_in_the_window",
-    "test_fitted.py::test_fit_equals_the_full_trace_and_a_real_step",
-    "test_unknown_family.py::test_a_lever_is_calibrated_only_when_the_setup_does_not_fit",
-    "test_hub.py::test_the_issue_command_answers_from_the_bundled_config_without_network",
-    "test_pipeline_fitted.py::test_the_cli_fits_and_traces_pipeline_ranks_with_the_experts_split",
-    "test_pipeline.py::test_interleaved_fsdp2_follows_each_stage_through_the_schedule",
-    "test_measure_ranks.py::test_a_rank_ends_with_the_process_that_started_it",
-    "test_packing.py::test_analytic_matches_a_real_packed_step",
-    "test_optimizer_in_backward.py::test_analytic_and_trace_agree_with_real_steps",
-    "test_pipeline_fitted.py::test_the_pipeline_stages_of_a_fitted_family_are_measured_for_real",
-)
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Move the :data:`SLOWEST_FIRST` tests to the front, in that order; the rest keep theirs."""
-    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
-
-    def key(item: pytest.Item) -> int:
-        name = item.nodeid.split("[", 1)[0].rsplit("/", 1)[-1]
-        return rank.get(name, len(rank))
-
-    items.sort(key=key)  # stable: the others stay in collection order
-
-
 # ---- a stuck run ends, and says where ------------------------------------------------------------------------
 #: Past pytest-timeout's 300 s a test is stuck where Python's own timer thread cannot run (a C call holding the
 #: interpreter lock): faulthandler's C watchdog then writes every thread's stack to this process's log and ends the

@@ -23,6 +23,10 @@ CONFIGS: list[dict] = [
     dict(model_type="gpt2", vocab_size=1000, n_embd=128, n_layer=2, n_head=4, n_positions=256),
     dict(model_type="gpt2", vocab_size=999, n_embd=96, n_layer=3, n_head=6, n_positions=64, n_inner=200,
          tie_word_embeddings=False),
+    # both GPT-2's names and the common ones (transformers builds from the common ones: its attribute_map maps them
+    # after GPT2Config's own arguments; memcalc read n_layer and measured a model of 3,667 layers as one of 2)
+    dict(model_type="gpt2", vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=128, hidden_size=96,
+         num_hidden_layers=5, num_attention_heads=6, max_position_embeddings=64),
     dict(SMALL, model_type="llama"),
     dict(SMALL, model_type="llama", num_key_value_heads=2, tie_word_embeddings=True),
     dict(SMALL, model_type="llama", num_key_value_heads=4, head_dim=32, attention_bias=True, mlp_bias=True),

@@ -319,18 +319,20 @@ def spec_from_config(cfg: Any, *, name: str = "", source: str = "") -> ModelSpec
     common: dict[str, Any] = {"family": family, "name": name, "source": source, "raw": cfg}
 
     if family == "gpt2":
-        h = _get_int(cfg, "n_embd", "hidden_size")
-        heads = _get_int(cfg, "n_head", "num_attention_heads")
+        # transformers' GPT2Config maps the common names onto its own (``attribute_map``) after its own arguments, so
+        # where a config has both, the common name is the one the model is built with
+        h = _get_int(cfg, "hidden_size", "n_embd")
+        heads = _get_int(cfg, "num_attention_heads", "n_head")
         if h % heads:
             raise ConfigError("n_head", f"{heads} does not divide n_embd {h}")
         return ModelSpec(
             vocab_size=_get_int(cfg, "vocab_size"), hidden_size=h,
-            num_layers=_get_int(cfg, "n_layer", "num_hidden_layers"),
+            num_layers=_get_int(cfg, "num_hidden_layers", "n_layer"),
             num_heads=heads, num_kv_heads=heads, head_dim=h // heads,
             intermediate_size=_get_int(cfg, "n_inner", default=4 * h),
             tied_embeddings=_get_bool(cfg, "tie_word_embeddings", True), gated_mlp=False,
             norm="layernorm", norm_bias=True,
-            learned_positions=_get_int(cfg, "n_positions", "max_position_embeddings"),
+            learned_positions=_get_int(cfg, "max_position_embeddings", "n_positions"),
             qkv_bias=True, out_bias=True, mlp_bias=True, lm_head_bias=False, parallel_residual=False,
             norms_per_layer=2, qk_norm="none", fused_qkv=True, fused_gate_up=False,
             hidden_act=str(cfg.get("activation_function") or "gelu_new"), rotary_dim=0, **common,

@@ -304,7 +304,9 @@ def _with_config(setup: TrainingSetup, **changes: Any) -> TrainingSetup:
 
 def _with_layers(setup: TrainingSetup, layers: int) -> TrainingSetup:
     assert setup.model is not None
-    key = "n_layer" if setup.model.family == "gpt2" else "num_hidden_layers"
+    # the key the model is built from: the common name where the config has it (GPT-2's n_layer is its alias)
+    raw = setup.model.raw
+    key = "n_layer" if setup.model.family == "gpt2" and "num_hidden_layers" not in raw else "num_hidden_layers"
     return _with_config(setup, **{key: layers})
 
 
