@@ -63,9 +63,10 @@ run version "$GUI" --version && grep -qx "memcalc-gui $VERSION" "$WORK/version.l
   || { echo "ci_check: --version does not say $VERSION" >&2; fail=1; }
 run smoke "$GUI" --smoke-test && grep -q "memcalc-gui smoke ok" "$WORK/smoke.log" \
   || { echo "ci_check: --smoke-test did not print its ok line" >&2; fail=1; }
-# the frozen app bundles the build machine's Python and Qt binding: 20 s of scripted use must not abort it
-run soak "$GUI" --soak 20 && grep -q "memcalc-gui soak ok" "$WORK/soak.log" \
-  || { echo "ci_check: the frozen window did not survive --soak 20" >&2; tail -3 "$WORK/soak.log" >&2; fail=1; }
+# the frozen app bundles the build machine's Python and Qt binding: 10 s of scripted use must not abort it (the
+# source app's soak in the test suite runs a minute)
+run soak "$GUI" --soak 10 && grep -q "memcalc-gui soak ok" "$WORK/soak.log" \
+  || { echo "ci_check: the frozen window did not survive --soak 10" >&2; tail -3 "$WORK/soak.log" >&2; fail=1; }
 SHOT="$WORK/shot.png"
 if run screenshot "$GUI" --preset llama-3.1-8b --gpu a100-80gb --batch 2 --seq 2048 --screenshot "$SHOT"; then
   # non-trivial: a PNG of at least 800x500 px and 20 kB (an empty window is ~5 kB)
