@@ -166,6 +166,10 @@ def test_unknown_family_names_supported_ones() -> None:
         (dict(SMALL, model_type="llama", num_key_value_heads=3), "num_key_value_heads"),
         (dict(SMALL, model_type="llama", tie_word_embeddings="yes"), "tie_word_embeddings"),
         (dict(SMALL, model_type="llama", num_attention_heads=7), "num_attention_heads"),
+        # GPT-2's heads come from whichever name the config sets (the common one first, as transformers reads it)
+        ({"model_type": "gpt2", "vocab_size": 64, "n_embd": 64, "n_layer": 1, "n_head": 3}, "n_head"),
+        ({"model_type": "gpt2", "vocab_size": 64, "n_embd": 64, "n_layer": 1, "n_head": 4, "num_attention_heads": 3},
+         "num_attention_heads"),
     ],
 )
 def test_bad_configs_name_the_field(cfg: object, field: str) -> None:

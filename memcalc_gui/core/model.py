@@ -268,6 +268,11 @@ def _get_int(cfg: dict[str, Any], *keys: str, default: int | None = None, requir
     return 0
 
 
+def _given(cfg: dict[str, Any], *keys: str) -> str:
+    """The first of ``keys`` the config sets: the one :func:`_get_int` read, so an error names what the user wrote."""
+    return next((key for key in keys if cfg.get(key) is not None), keys[-1])
+
+
 def _get_bool(cfg: dict[str, Any], key: str, default: bool) -> bool:
     value = cfg.get(key)
     if value is None:
@@ -324,7 +329,8 @@ def spec_from_config(cfg: Any, *, name: str = "", source: str = "") -> ModelSpec
         h = _get_int(cfg, "hidden_size", "n_embd")
         heads = _get_int(cfg, "num_attention_heads", "n_head")
         if h % heads:
-            raise ConfigError("n_head", f"{heads} does not divide n_embd {h}")
+            raise ConfigError(_given(cfg, "num_attention_heads", "n_head"),
+                              f"{heads} does not divide {_given(cfg, 'hidden_size', 'n_embd')} {h}")
         return ModelSpec(
             vocab_size=_get_int(cfg, "vocab_size"), hidden_size=h,
             num_layers=_get_int(cfg, "num_hidden_layers", "n_layer"),
