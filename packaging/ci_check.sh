@@ -64,7 +64,7 @@ run version "$GUI" --version && grep -qx "memcalc-gui $VERSION" "$WORK/version.l
 run smoke "$GUI" --smoke-test && grep -q "memcalc-gui smoke ok" "$WORK/smoke.log" \
   || { echo "ci_check: --smoke-test did not print its ok line" >&2; fail=1; }
 # the frozen app bundles the build machine's Python and Qt binding: 10 s of scripted use must not abort it (the
-# source app's soak in the test suite runs a minute)
+# source app's soak in the test suite runs half a minute)
 run soak "$GUI" --soak 10 && grep -q "memcalc-gui soak ok" "$WORK/soak.log" \
   || { echo "ci_check: the frozen window did not survive --soak 10" >&2; tail -3 "$WORK/soak.log" >&2; fail=1; }
 SHOT="$WORK/shot.png"

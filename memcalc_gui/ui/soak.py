@@ -2,7 +2,8 @@
 
 The script runs inside the application's own event loop (a timer fires every few milliseconds), so every
 repaint, debounce, worker signal and dialog goes through the same code paths as a person's use. Each tick
-does one random action, seeded for repeatability:
+does one random action, seeded for repeatability (the rare ones, a trace and a measurement, also once early on at
+fixed ticks, so a short soak runs them whatever the seed):
 
 - types into a number field (valid values, zero, letters, ``1e12``, a pasted wall of digits, empty),
 - switches preset, precision recipe, checkpointing, attention, GPU; undoes and redoes,
@@ -34,6 +35,9 @@ from PySide6.QtWidgets import QApplication, QLineEdit, QWidget
 SOAK_OK = "memcalc-gui soak ok"
 #: On Python < 3.12 a fall of None's reference count beyond this means the binding leaks (None is not immortal).
 NONE_REFCOUNT_TOLERANCE = 10_000
+
+#: The ticks at which the soak turns the trace on and starts a measurement, whatever its dice say.
+TRACE_AT, MEASURE_AT = 150, 400
 
 _TYPED = ("1", "2", "4", "8", "16", "32", "0", "-3", "abc", "1e12", "4k", "", " 7 ", "9" * 40, "3.5")
 _SEQS = ("128", "512", "2048", "4096", "100000", "0", "x")
@@ -153,6 +157,12 @@ class Soak(QObject):
             return
         roll = self.rng.random()
         inputs = w.inputs
+        # the rare actions (a trace, a measurement: about one tick in 500 each) come once early on whatever the
+        # seed, so a short soak runs them too
+        if self.counts["actions"] == TRACE_AT:
+            roll = 0.849
+        elif self.counts["actions"] == MEASURE_AT:
+            roll = 0.851
         if roll < 0.45:
             self._type(inputs.batch, self.rng.choice(_TYPED))
         elif roll < 0.55:
