@@ -247,3 +247,22 @@ def test_no_suggestion_is_rounding() -> None:
     tight = suggestions(setup, rounding, base - 100)  # type: ignore[arg-type]
     assert any(r.fits and r.saves_bytes == 563 for r in tight)
 
+
+
+def test_a_micro_batch_the_estimator_cannot_weigh_is_not_offered_and_nothing_fails():
+    """A fitted pipeline rank is calibrated for its own number of micro-batches: a smaller micro-batch with more
+    accumulation steps needs another calibration (the estimator's InputError). The micro-batch what-if then waits for
+    it, as the other uncalibrated ones do; `memcalc estimate` of such a pipeline failed with exit 2 before."""
+    from memcalc_gui.core.errors import InputError
+
+    setup = _setup("llama-3.2-1b", "rtx-4090", batch=4, grad_accum=1)
+
+    def estimator(s: TrainingSetup):
+        if s.grad_accum != setup.grad_accum:
+            raise InputError("method", "this change needs its own calibration (a few seconds of tracing)")
+        return estimate(s)
+
+    verdict = solve(setup, estimator)
+    assert verdict.fits is False
+    assert not any(row.changes.get("grad_accum") for row in verdict.suggestions)
+    assert any("Micro-batch 1 × 4" in title for title in verdict.uncalibrated)

@@ -164,8 +164,12 @@ def _smaller_micro_batch(setup: TrainingSetup, estimator: Estimator, capacity: i
 
     def ok(b: int) -> bool:
         d = divisor(b)
-        return d is not None and \
-            estimator(setup.with_changes(batch=d, grad_accum=effective // d)).peak_bytes <= capacity
+        if d is None:
+            return False
+        try:
+            return estimator(setup.with_changes(batch=d, grad_accum=effective // d)).peak_bytes <= capacity
+        except InputError:  # a count the estimator cannot weigh (a fitted pipeline rank traces its micro-batches)
+            return False
 
     fitting = _bisect_last(ok, 0, setup.batch)  # 0: none fits; the current micro-batch is not tested
     return divisor(max(1, fitting))
