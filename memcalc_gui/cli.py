@@ -818,7 +818,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_layouts(args: argparse.Namespace) -> int:
     from .core.estimate import estimate
-    from .core.layouts import layout_label, search
+    from .core.layouts import NOT_CALIBRATED, layout_label, search
 
     setup, _notes = setup_from_args(args)
     top = parse_positive_int(args.top, "top", 10_000) if args.top.strip() not in ("0", "") else 0
@@ -845,7 +845,8 @@ def cmd_layouts(args: argparse.Namespace) -> int:
          + "; best first: fits, then tokens/s by a rough step model (docs/parallelism.md), then headroom")
     if unknown is not None:
         _out("Fitted method (no block model): each layout's ledger from traces of the real model, its states by rule "
-             "(docs/fitted.md); tensor parallelism without sequence or loss parallelism, no pipeline stages")
+             "(docs/fitted.md); tensor parallelism without sequence or loss parallelism; pipeline layouts once "
+             "calibrated (`memcalc estimate --pp N` calibrates one)")
     width = max((len(lay.label) for lay in shown), default=6)
     _out(f"{'#':>3}  {'layout':<{width}} {'peak/GPU':>11} {'headroom':>11} {'speed':>6} {'bubble':>6} "
          f"{'sent/GPU':>11} {'fewest GPUs':>11}")
@@ -865,6 +866,9 @@ def cmd_layouts(args: argparse.Namespace) -> int:
              "without --cached-only to calibrate it)")
     for item in left_out:
         _out(f"Left out ({len(item['layouts'])}): {item['reason']}")
+    if any(par.pp > 1 for reason, pars in layouts.left_out.items() if NOT_CALIBRATED in reason for par in pars):
+        _out("Pipeline layouts are calibrated one at a time (tens of seconds to minutes each, then cached): "
+             "`memcalc estimate` with these flags and --pp, --strategy and --ep of a layout adds it to this search")
     return 0
 
 
@@ -872,7 +876,8 @@ def _fitted_layouts(args: argparse.Namespace, setup: TrainingSetup, config: dict
                     min_gpus_for: int) -> tuple[Any, str]:
     """The layout search of a family without a block model (:func:`memcalc_gui.core.fitted.search_layouts`): each
     signature the layouts need (a tensor-parallel degree, the bf16 step of FSDP2 and Megatron-LM) calibrated once
-    and cached, or with ``--cached-only`` only what the cache holds; and the model's name."""
+    and cached, or with ``--cached-only`` only what the cache holds; pipeline layouts as cached (``memcalc estimate``
+    calibrates one); and the model's name."""
     from .core.fitted import FitModel, rank_signature, search_layouts, signature
     from .trace.fake import TraceError, trace_available
     from .trace.fit import FitError, NotCalibrated, calibrate
@@ -892,7 +897,9 @@ def _fitted_layouts(args: argparse.Namespace, setup: TrainingSetup, config: dict
                 replicas[key] = calibrate(config, s, s.num_params, cached_only=True, rank=False)
             except (FitError, TraceError) as exc:
                 replicas[key] = None
-                if not args.cached_only and isinstance(exc, NotCalibrated):
+                # a pipeline layout is a calibration of its own schedule (tens of seconds to minutes each, and a
+                # search has dozens): weighed once `memcalc estimate` has calibrated it
+                if not args.cached_only and isinstance(exc, NotCalibrated) and s.parallel.pp == 1:
                     if not args.json:
                         _say(f"  … calibrating {_signature_text(s)} (once; then cached)")
                     with contextlib.suppress(FitError, TraceError):
@@ -922,7 +929,7 @@ def _fitted_layouts(args: argparse.Namespace, setup: TrainingSetup, config: dict
     if fit is None:
         raise InputError("method", "the fitted method does not apply to this setup (its calibration failed or is not "
                                    "cached): `memcalc estimate` says why")
-    return search_layouts(setup.with_changes(params=fit.num_params), fit, fit_for, min_gpus_for), name
+    return search_layouts(setup.with_changes(params=fit.num_params), fit, fit_for, min_gpus_for, config), name
 
 
 def _signature_text(setup: TrainingSetup) -> str:

@@ -292,9 +292,10 @@ def test_the_layout_search_of_a_mixture_of_experts_is_fitted_layout_by_layout(
     """``memcalc layouts`` for a family without a block model: each tensor-parallel degree the config splits is
     calibrated (once, then cached), the one its key/value heads cannot split is left out with the reason, every
     expert-parallel degree that splits the experts is searched, and each layout's peak is the fitted ledger of that
-    layout (what `memcalc estimate` prints for it). With nothing cached, ``--cached-only`` says so rather than
-    tracing."""
-    from memcalc_gui.core.fitted import estimate_fitted
+    layout (what `memcalc estimate` prints for it). Pipeline layouts are left out until calibrated (each is a
+    calibration of its own schedule): once `memcalc estimate` has fitted one, the search weighs it as the estimate
+    does. With nothing cached, ``--cached-only`` says so rather than tracing."""
+    from memcalc_gui.core.fitted import NOT_CALIBRATED, estimate_fitted
     from memcalc_gui.trace.fit import calibrate
 
     config = dict(MIXTRAL, num_hidden_layers=2)
@@ -307,7 +308,13 @@ def test_the_layout_search_of_a_mixture_of_experts_is_fitted_layout_by_layout(
     assert out["method"] == "fitted" and out["count"] == len(out["layouts"])
     seen = {(lay["tp"], lay["ep"]) for lay in out["layouts"]}
     assert seen == {(1, 1), (1, 2), (1, 4), (2, 1)}  # tp 4 would split 2 key/value heads 4 ways; no EP beside TP
-    assert out["left_out"] and all("key/value heads" in item["reason"] for item in out["left_out"])
+    reasons = {item["reason"]: item["layouts"] for item in out["left_out"]}
+    staged = reasons.pop(f"a layout of 2 pipeline stages {NOT_CALIBRATED}")  # 2 layers: 2 stages, never 4
+    assert reasons and all("key/value heads" in reason for reason in reasons)
+    # DDP and Megatron-LM's two optimizers at tp 1 and 2, FSDP2 over a stage's 2 GPUs at tp 1; at tp 1 the experts
+    # over 1 or 2 of them
+    assert len(staged) == 4 * 2 + 3
+    assert all(label.startswith(("PP 2 (1F1B) × ", "TP 2 × PP 2 (1F1B) × ")) for label in staged)
     assert all(lay["pp"] == 1 and not lay["sp"] for lay in out["layouts"])
     assert all(lay["fits"] and lay["min_gpus"] for lay in out["layouts"])
     n = count_params_on_meta(config)
@@ -324,6 +331,20 @@ def test_the_layout_search_of_a_mixture_of_experts_is_fitted_layout_by_layout(
     assert cli_main(["layouts", *common, "--top", "0", "--cached-only", "--strategy", "zero3",
                      "--offload", "optimizer"]) == 0
     assert json.loads(capsys.readouterr().out)["layouts"] == out["layouts"]
+    # one pipeline layout calibrated by its estimate (one micro-batch: the smaller micro-batch what-if, a calibration
+    # of its own, waits rather than failing) joins the search with the estimate's peak
+    assert cli_main(["estimate", *common, "--pp", "2", "--strategy", "ddp"]) == 0
+    estimated = json.loads(capsys.readouterr().out)
+    assert [r["rank"] for r in estimated["pipeline_ranks"]] == [0, 1]
+    assert cli_main(["layouts", *common, "--top", "0", "--cached-only"]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert len(again["layouts"]) == len(out["layouts"]) + 1
+    staged_row = next(lay for lay in again["layouts"] if lay["pp"] == 2)
+    assert (staged_row["tp"], staged_row["strategy"], staged_row["dp"]) == (1, "ddp", 2)
+    assert staged_row["peak_bytes"] == estimated["peak_bytes"]
+    assert staged_row["min_gpus"] == 2  # DDP's stage fit is of any replica count: the fewest GPUs are searched
+    assert len(dict((i["reason"], i["layouts"]) for i in again["left_out"])[
+        f"a layout of 2 pipeline stages {NOT_CALIBRATED}"]) == len(staged) - 1
     monkeypatch.setenv("MEMCALC_CACHE_DIR", str(tmp_path / "empty"))
     with pytest.raises(SystemExit) as exc:
         cli_main(["layouts", *common, "--cached-only"])

@@ -175,3 +175,34 @@ def test_fsdp2_over_one_data_parallel_gpu_is_refused_and_never_offered(capsys: p
     assert exit_.value.code == 2
     err_line = capsys.readouterr().err.strip()
     assert err_line.startswith("memcalc: error: --strategy:") and len(err_line.splitlines()) == 1
+
+
+def test_a_search_without_a_block_model_weighs_the_pipeline_layouts_it_has_fits_for() -> None:
+    """The fitted method's search (a ModelShape without a block model): pipeline stages that split the layers
+    evenly, under the strategies its fits run, no sequence or loss parallelism. A stage fit of one data-parallel
+    width (FSDP2's) answers that width only: its fewest-GPUs count stays unsearched, where reading the other widths as
+    "does not fit" would say "never"; DDP's stage fit answers every width and is searched."""
+    from memcalc_gui.core.layouts import NOT_CALIBRATED, ModelShape
+
+    setup = TrainingSetup(model=preset_spec("llama-3.2-1b"), seq=2048, grad_accum=4, capacity_bytes=H100,
+                          gpu="h100-80gb", parallel=Parallelism(gpus=8))
+    assert setup.model is not None
+    shape = ModelShape(setup.model.num_params, setup.model.hidden_size, 12, block_model=False,
+                       pipeline_strategies=("ddp", "fsdp2"))
+    pars = candidates(setup, shape=shape)
+    assert {p.pp for p in pars} == {1, 2, 4}  # 8 stages do not split 12 layers
+    assert {p.strategy for p in pars if p.pp > 1} == {"ddp", "fsdp2"} and not any(p.sp or p.loss_parallel for p in pars)
+    assert {p.pp for p in candidates(setup, shape=ModelShape(1, 1, 12, block_model=False))} == {1}
+
+    def estimator(s: TrainingSetup):
+        if s.parallel.pp > 1 and s.parallel.strategy == "fsdp2" and s.parallel.gpus != 8:
+            raise InputError("method", f"a layout of {s.parallel.pp} pipeline stages {NOT_CALIBRATED}")
+        return estimate(s)
+
+    found = search(setup, estimator, shape=shape, min_gpus_for=100)
+    staged = [lay for lay in found if lay.parallel.pp > 1]
+    assert staged and not found.left_out
+    for lay in staged:
+        assert lay.min_gpus_searched == (lay.parallel.strategy == "ddp"), lay.label
+        assert lay.peak_bytes == estimate(setup.with_changes(parallel=lay.parallel)).peak_bytes
+    assert all(lay.min_gpus for lay in staged if lay.parallel.strategy == "ddp")

@@ -20,12 +20,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .configfile import dense_prefix_layers
 from .distributed import BF16_COMPUTE, ModelStates, check_experts, expert_parallel_states, model_states
 from .errors import InputError
-from .layouts import MIN_GPUS_FOR, ModelShape, Search, search
+from .layouts import MIN_GPUS_FOR, NOT_CALIBRATED, ModelShape, Search, search
 from .ledger import Estimate, with_overheads
 from .result import Result
-from .setup import TrainingSetup
+from .setup import TrainingSetup, checkpoint_every
 from .solver import gpu_plan, solve
 from .vocab import PHASES, TENSOR_OBJECTS
 
@@ -624,30 +625,36 @@ def _signature_key(sig: dict[str, Any]) -> str:
     return repr(sorted(sig.items()))
 
 
-#: What :func:`search_layouts` says of a layout left out for want of a calibration (one would weigh it).
-NOT_CALIBRATED = "needs a calibration of its own rank (not calibrated yet)"
-
-
 def search_layouts(setup: TrainingSetup, fit: FitModel, fit_for: Callable[[TrainingSetup], FitModel | None],
-                   min_gpus_for: int = MIN_GPUS_FOR) -> Search:
+                   min_gpus_for: int = MIN_GPUS_FOR, config: dict[str, Any] | None = None) -> Search:
     """The layout search (:func:`memcalc_gui.core.layouts.search`) of a family without a block model: each layout's
     ledger from the fit ``fit_for`` gives for its signature (the one-replica fit, its states by rule; a cached FSDP2
-    rank fit where it has one), ``fit`` (a one-replica fit of ``setup``'s config) its shape. A layout ``fit_for``
-    has no fit for (``None``: a tensor-parallel degree not calibrated) is left out and counted, never guessed; a
-    strategy that computes in bf16 without its own calibration is bounded by the autocast one, as in the ledger."""
+    rank fit where it has one; a pipeline layout's own calibration of its schedule), ``fit`` (a one-replica fit of
+    ``setup``'s config, ``config``) its shape. A layout ``fit_for`` has no fit for (``None``: a tensor-parallel degree
+    or a pipeline layout not calibrated) is left out and counted, never guessed; a strategy that computes in bf16
+    without its own calibration is bounded by the autocast one, as in the ledger (without pipeline stages: a stage's
+    fit is of its strategy's own schedule). Pipeline stages are searched under :data:`PIPELINE_STRATEGIES` where a
+    stage's fit can stand for it (not a config whose first layers are dense, nor checkpointing every N-th layer:
+    ``trace.fit.pipeline_chunk_layers``)."""
     st = fit.structure
-    shape = ModelShape(fit.num_params, int(st.get("hidden_size", 0)), fit.num_layers,
+    staged = not (config is not None and dense_prefix_layers(config)) and \
+        checkpoint_every(setup.checkpointing) in (None, 1)
+    pipe = fit.signature.get("pipeline")  # a pipeline fit's layers are one stage-chunk's
+    layers = fit.num_layers * (int(pipe["pp"]) * int(pipe["virtual"]) if isinstance(pipe, dict) else 1)
+    shape = ModelShape(fit.num_params, int(st.get("hidden_size", 0)), layers,
                        int(st.get("num_experts", 0)), block_model=False, expert_params=int(st.get("expert_params", 0)),
-                       top_k=int(st.get("top_k", 0)), active_params=int(st.get("active_params", 0)))
+                       top_k=int(st.get("top_k", 0)), active_params=int(st.get("active_params", 0)),
+                       pipeline_strategies=PIPELINE_STRATEGIES if staged else ())
 
     def estimator(s: TrainingSetup) -> Estimate:
         found = fit_for(s)
-        if found is None:
+        if found is None and s.parallel.pp == 1:
             # the autocast step stands in for the bf16 one, as a bound (estimate_fitted says so)
             found = fit_for(s.with_changes(parallel=dataclasses.replace(s.parallel, strategy="ddp"))) \
                 if bf16_compute(s) else None
         if found is None:
-            what = f"tensor parallelism over {s.parallel.tp} GPUs" if s.parallel.tp > 1 else "this layout"
+            what = f"a layout of {s.parallel.pp} pipeline stages" if s.parallel.pp > 1 else \
+                f"tensor parallelism over {s.parallel.tp} GPUs" if s.parallel.tp > 1 else "this layout"
             raise InputError("method", f"{what} {NOT_CALIBRATED}")
         return estimate_fitted(s, found)
 

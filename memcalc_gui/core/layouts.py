@@ -30,9 +30,11 @@ they rank layouts against each other, they do not predict a run's speed.
 
 A family without a block model (the fitted method, :mod:`memcalc_gui.core.fitted`) is searched by its
 :class:`ModelShape` and an estimator over its fits: tensor parallelism without sequence or loss parallelism (they
-split what a block model names), no pipeline stages (each is a calibration of its own schedule), and for a mixture of
-experts every expert-parallel degree that splits the experts and the data-parallel GPUs. A layout the estimator has
-no fit for is left out and counted (:attr:`Search.left_out`), never guessed.
+split what a block model names), pipeline stages that split the layers evenly under the strategies its fits run
+(:attr:`ModelShape.pipeline_strategies`), and for a mixture of experts every expert-parallel degree that splits the
+experts and the data-parallel GPUs. A layout the estimator has no fit for is left out and counted
+(:attr:`Search.left_out`), never guessed; so is the fewest-GPUs count of a layout whose other GPU counts are not
+calibrated (FSDP2's stage fits are of one data-parallel width).
 """
 
 from __future__ import annotations
@@ -59,6 +61,9 @@ NETWORK_BYTES_PER_S: Final = 50e9
 MIN_GPUS_FOR: Final = 12
 #: Expert-parallel degrees tried for a mixture of experts (each must divide the experts and the data-parallel GPUs).
 EP_DEGREES: Final = (1, 2, 4, 8, 16, 32, 64)
+#: What an estimator's :class:`InputError` says of a layout it would weigh once calibrated (the fitted method's
+#: estimators; :attr:`Search.left_out` keeps these apart from layouts that cannot be weighed at all).
+NOT_CALIBRATED: Final = "needs a calibration of its own rank (not calibrated yet)"
 
 
 @dataclass(frozen=True)
@@ -70,7 +75,9 @@ class ModelShape:
     hidden_size: int
     num_layers: int
     num_experts: int = 0
-    block_model: bool = True  # sequence/loss parallelism and pipeline stages are searched for a block model only
+    block_model: bool = True  # sequence and loss parallelism are searched for a block model only
+    #: The strategies whose pipeline stages are searched: ``None`` every one (a block model's), ``()`` none
+    pipeline_strategies: tuple[str, ...] | None = None
     expert_params: int = 0  # the routed experts' parameters (what expert parallelism splits)
     top_k: int = 0  # experts per token (the all-to-all's copies of each token)
     active_params: int = 0  # parameters a token runs through (the step's compute); 0: all of them
@@ -135,13 +142,18 @@ def candidates(setup: TrainingSetup, gpus: int | None = None, shape: ModelShape 
     gpus = gpus or par.gpus
     shape = shape or ModelShape.of(setup)
     out: list[Parallelism] = []
+    staged = shape.block_model or bool(shape.pipeline_strategies)
     for tp in TP_DEGREES:
-        for pp in PP_DEGREES if shape.block_model else (1,):
+        for pp in PP_DEGREES if staged else (1,):
             if gpus % (tp * pp * par.cp) or tp > par.node_size:
                 continue
+            if pp > 1 and not shape.block_model and shape.num_layers % (pp * par.virtual_stages):
+                continue  # a fitted stage is a whole share of the layers (trace.fit.pipeline_chunk_layers)
             dp = gpus // (tp * pp * par.cp)
             for ep in _ep_degrees(shape, dp, tp):
                 for strategy in LAYOUT_STRATEGIES:
+                    if pp > 1 and shape.pipeline_strategies is not None and strategy not in shape.pipeline_strategies:
+                        continue
                     try:
                         split = tp > 1 and shape.block_model  # sequence and loss parallelism need a block model
                         # (the zero-bubble schedules are modelled without sequence parallelism, and beside FSDP2
@@ -256,14 +268,25 @@ def search(setup: TrainingSetup, estimator: Callable[[TrainingSetup], Estimate],
     found.sort(key=lambda lay: (lay.fits is False, round(lay.seconds_per_token, 15),
                                 -(lay.headroom_bytes or 0), lay.peak_bytes))
     if cap is not None:
-        found[:min_gpus_for] = [dataclasses.replace(lay, min_gpus=_fewest(setup, lay.parallel, estimator, cap),
-                                                    min_gpus_searched=True) for lay in found[:min_gpus_for]]
+        found[:min_gpus_for] = [_with_fewest(setup, lay, estimator, cap) for lay in found[:min_gpus_for]]
     return found
 
 
-def _fewest(setup: TrainingSetup, par: Parallelism, estimator: Callable[[TrainingSetup], Estimate],
-            cap: int) -> int | None:
-    """The fewest GPUs with ``par``'s tp × pp × cp × strategy that fit (the solver's search, in whole groups)."""
+def _with_fewest(setup: TrainingSetup, layout: Layout, estimator: Callable[[TrainingSetup], Estimate],
+                 cap: int) -> Layout:
+    """``layout`` with the fewest GPUs of its tp × pp × cp × strategy that fit (the solver's search, in whole
+    groups); left unsearched where a GPU count the search weighed is not calibrated (it would read as not fitting)."""
     from .solver import _fewest_gpus
 
-    return _fewest_gpus(setup.with_changes(parallel=par), estimator, cap)
+    uncalibrated: list[str] = []
+
+    def weighed(s: TrainingSetup) -> Estimate:
+        try:
+            return estimator(s)
+        except InputError as exc:
+            if NOT_CALIBRATED in exc.reason:
+                uncalibrated.append(exc.reason)
+            raise
+
+    fewest = _fewest_gpus(setup.with_changes(parallel=layout.parallel), weighed, cap)
+    return layout if uncalibrated else dataclasses.replace(layout, min_gpus=fewest, min_gpus_searched=True)

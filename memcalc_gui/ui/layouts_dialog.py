@@ -27,8 +27,7 @@ from PySide6.QtWidgets import (
 from ..core.distributed import Parallelism
 from ..core.errors import InputError
 from ..core.estimate import estimate
-from ..core.fitted import NOT_CALIBRATED
-from ..core.layouts import Layout, Search, search
+from ..core.layouts import NOT_CALIBRATED, Layout, Search, search
 from ..core.setup import TrainingSetup
 from ..core.units import format_bytes
 
@@ -45,15 +44,28 @@ def layout_changes(layout: Layout) -> dict[str, str]:
             "reshard_after_forward": "true" if p.reshard_after_forward else "false"}
 
 
+def _waiting(found: Search) -> tuple[list[Parallelism], list[Parallelism]]:
+    """The layouts the search left out for want of a calibration: those the calibrate button starts (a
+    tensor-parallel degree, another step precision: seconds each), and the pipeline layouts (each a calibration of its
+    own schedule, tens of seconds to minutes: the form calibrates the one it is set to)."""
+    waiting = [par for reason, pars in found.left_out.items() if NOT_CALIBRATED in reason for par in pars]
+    return [par for par in waiting if par.pp == 1], [par for par in waiting if par.pp > 1]
+
+
 def _left_out_text(found: Search) -> str:
     """What the search left out: the layouts waiting for a calibration in one sentence (by tensor-parallel degree),
-    then each other reason with its count."""
-    waiting = [par for reason, pars in found.left_out.items() if NOT_CALIBRATED in reason for par in pars]
+    the pipeline layouts in another, then each other reason with its count."""
+    waiting, staged = _waiting(found)
     text = ""
     if waiting:
         tps = sorted({par.tp for par in waiting})
         what = f"tensor parallelism over {', '.join(map(str, tps))} GPUs" if all(tps) and tps != [1] else "some"
         text += f" Not calibrated yet, so left out: {len(waiting)} layouts with {what}."
+    if staged:
+        pps = sorted({par.pp for par in staged})
+        text += (f" {len(staged)} layouts of {', '.join(map(str, pps))} pipeline stages are left out until calibrated: "
+                 "set one in the form to calibrate it (tens of seconds to minutes, then cached), and it joins this "
+                 "search.")
     for reason, pars in found.left_out.items():
         if NOT_CALIBRATED not in reason:
             text += f" Left out ({len(pars)}): {reason}."
@@ -88,9 +100,8 @@ class LayoutsDialog(QDialog):
         cap = setup.capacity_bytes
         fitting = [x for x in self.layouts if x.fits is not False]
         name = name or (setup.model.name if setup.model else "the model")
-        split = ("Tensor parallelism stays within a node, without sequence or loss parallelism, and pipeline stages "
-                 "are not searched: this family has no block model, each layout is fitted from traces of the real "
-                 "model." if find is not None else
+        split = ("Tensor parallelism stays within a node, without sequence or loss parallelism: this family has no "
+                 "block model, each layout is fitted from traces of the real model." if find is not None else
                  "Tensor parallelism stays within a node, with sequence and loss parallelism.")
         left = _left_out_text(self.layouts)
         intro = QLabel(
@@ -121,7 +132,7 @@ class LayoutsDialog(QDialog):
         self.use_button.setEnabled(bool(self.layouts))
         self.use_button.clicked.connect(self._use)
         buttons.rejected.connect(self.reject)
-        waiting = [par for reason, pars in self.layouts.left_out.items() if NOT_CALIBRATED in reason for par in pars]
+        waiting = _waiting(self.layouts)[0]
         waiting += [x.parallel for x in self.layouts if x.upper_bound]  # their bf16 step's own fit
         self.calibrate_button = None
         if calibrate is not None and waiting:

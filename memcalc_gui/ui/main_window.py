@@ -1003,7 +1003,7 @@ class MainWindow(QMainWindow):
             base = fit_for(setup)
             if base is None:
                 raise InputError("method", "the fitted method has no calibration of this setup yet")
-            return search_layouts(setup, base, fit_for, SHOWN)
+            return search_layouts(setup, base, fit_for, SHOWN, needed.config)
 
         return find
 
