@@ -1140,8 +1140,8 @@ def test_a_mixture_of_experts_across_gpus_in_the_window(window, qtbot, tmp_path)
 def test_the_layout_search_calibrates_the_tensor_parallel_layouts_it_left_out(window, qtbot, tmp_path):
     """Find layouts for a family without a block model: the fits at hand answer at once, the tensor-parallel
     degree without a fit is left out and offered for calibration; the worker calibrates it and the search opens
-    again with its layouts, one of which, applied, is the window's ledger. Pipeline layouts are left out until
-    calibrated, not queued (each is a calibration of its own schedule): the form's pipeline layout, once fitted, joins
+    again with its layouts, one of which, applied, is the window's ledger. Pipeline layouts wait, listed last, until
+    calibrated, not queued (each is a calibration of its own schedule): one used sets the form, whose fit then joins
     the search with the window's peak."""
     w = window
     w.apply_state(w.inputs.state().replace(precision="fp32", gpus="2"))
@@ -1151,14 +1151,15 @@ def test_the_layout_search_calibrates_the_tensor_parallel_layouts_it_left_out(wi
     assert all(lay.parallel.tp == 1 for lay in first.layouts) and first.calibrate_button is not None
     assert first.calibrate_button.text() == "Calibrate tensor parallelism over 2 GPUs"
     # 2 stages of one GPU: DDP and Megatron-LM's two optimizers (FSDP2 would shard over one GPU)
-    staged = "3 layouts of 2 pipeline stages are left out until calibrated"
+    staged = "3 layouts of 2 pipeline stages are not calibrated yet"
     assert staged in first.intro.text()
     first.calibrate_button.click()
     assert not first.isVisible() and w.fit_runner.is_running() and w._layout_fits_total == 1  # no stage queued
     qtbot.waitUntil(lambda: w.layouts_dialog is not first and w.layouts_dialog is not None, timeout=60000)
     again = w.layouts_dialog
-    assert again.calibrate_button is None and "not calibrated yet" not in again.intro.text().lower()
+    assert again.calibrate_button is None and "so left out" not in again.intro.text()
     assert staged in again.intro.text() and all(lay.parallel.pp == 1 for lay in again.layouts)
+    assert [par.pp for par in again.waiting] == [2, 2, 2]
     row = next(i for i, lay in enumerate(again.layouts) if lay.parallel.tp == 2 and lay.parallel.strategy == "ddp")
     again.table.selectRow(row)
     again.use_button.click()
@@ -1175,13 +1176,17 @@ def test_the_layout_search_calibrates_the_tensor_parallel_layouts_it_left_out(wi
     assert [lay.parallel for lay in failed.layouts] == [lay.parallel for lay in again.layouts if lay.parallel.tp == 1]
     tp2 = sum(lay.parallel.tp == 2 for lay in again.layouts)
     assert tp2 > 1 and f"Left out ({tp2}): the fitted method does not hold: no trace." in failed.intro.text()
-    failed.reject()
-    w.apply_state(w.inputs.state().replace(pp="2", strategy="ddp"))
+    # the pipeline layouts are listed last, not calibrated; using one sets it in the form, which fits it
+    assert [failed.table.item(r, 1).text() for r in range(failed.table.rowCount())][-3:] == ["not calibrated"] * 3
+    row = next(r for r in range(failed.table.rowCount()) if failed.table.item(r, 0).text() == "PP 2 (1F1B) × DDP over 1")
+    failed.table.selectRow(row)
+    failed.use_button.click()
     qtbot.waitUntil(lambda: w.result.setup.parallel.pp == 2 and w.result.estimate.method == "fitted", timeout=60000)
+    assert w.result.setup.parallel.strategy == "ddp"
     joined = w.show_layouts()
     assert joined is not None and "2 layouts of 2 pipeline stages" in joined.intro.text()
-    row = next(lay for lay in joined.layouts if lay.parallel.pp == 2)
-    assert row.parallel.strategy == "ddp" and row.peak_bytes == w.result.estimate.peak_bytes
+    staged_row = next(lay for lay in joined.layouts if lay.parallel.pp == 2)
+    assert staged_row.parallel.strategy == "ddp" and staged_row.peak_bytes == w.result.estimate.peak_bytes
 
 
 def test_opening_another_model_drops_the_layout_searchs_queued_calibrations(window, qtbot, tmp_path):

@@ -27,7 +27,7 @@ from PySide6.QtWidgets import (
 from ..core.distributed import Parallelism
 from ..core.errors import InputError
 from ..core.estimate import estimate
-from ..core.layouts import NOT_CALIBRATED, Layout, Search, search
+from ..core.layouts import NOT_CALIBRATED, Layout, Search, layout_label, search
 from ..core.setup import TrainingSetup
 from ..core.units import format_bytes
 
@@ -36,9 +36,9 @@ SHOWN = 40
 COLUMNS = ("Layout", "Peak per GPU", "Headroom", "Speed", "Bubble", "Fewest GPUs")
 
 
-def layout_changes(layout: Layout) -> dict[str, str]:
+def layout_changes(layout: Layout | Parallelism) -> dict[str, str]:
     """The form fields that set ``layout`` (the schedule and stages per GPU stay the form's)."""
-    p = layout.parallel
+    p = layout.parallel if isinstance(layout, Layout) else layout
     return {"gpus": str(p.gpus), "tp": str(p.tp), "pp": str(p.pp), "strategy": p.strategy, "ep": str(p.ep),
             "sp": "true" if p.sp else "false", "loss_parallel": "true" if p.loss_parallel else "false",
             "reshard_after_forward": "true" if p.reshard_after_forward else "false"}
@@ -63,8 +63,8 @@ def _left_out_text(found: Search) -> str:
         text += f" Not calibrated yet, so left out: {len(waiting)} layouts with {what}."
     if staged:
         pps = sorted({par.pp for par in staged})
-        text += (f" {len(staged)} layouts of {', '.join(map(str, pps))} pipeline stages are left out until calibrated: "
-                 "set one in the form to calibrate it (tens of seconds to minutes, then cached), and it joins this "
+        text += (f" {len(staged)} layouts of {', '.join(map(str, pps))} pipeline stages are not calibrated yet (listed "
+                 "last): use one and the form fits it (tens of seconds to minutes, then cached), and it joins this "
                  "search.")
     for reason, pars in found.left_out.items():
         if NOT_CALIBRATED not in reason:
@@ -124,12 +124,15 @@ class LayoutsDialog(QDialog):
         header.setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
         for i in range(1, len(COLUMNS)):
             header.setSectionResizeMode(i, QHeaderView.ResizeMode.ResizeToContents)
+        #: The pipeline layouts waiting for their own calibration, after the weighed ones: using one sets it in the
+        #: form, which fits it
+        self.waiting = sorted(_waiting(self.layouts)[1], key=lambda par: (par.pp, par.tp, -par.dp, par.ep))[:SHOWN]
         self._fill(self.layouts[:SHOWN], cap)
         self.table.itemDoubleClicked.connect(lambda *_: self._use())
         lay.addWidget(self.table, 1)
         buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Close)
         self.use_button = buttons.addButton("Use this layout", QDialogButtonBox.ButtonRole.AcceptRole)
-        self.use_button.setEnabled(bool(self.layouts))
+        self.use_button.setEnabled(bool(self.layouts) or bool(self.waiting))
         self.use_button.clicked.connect(self._use)
         buttons.rejected.connect(self.reject)
         waiting = _waiting(self.layouts)[0]
@@ -152,12 +155,22 @@ class LayoutsDialog(QDialog):
 
             self.calibrate_button.clicked.connect(start)
         lay.addWidget(buttons)
-        if self.layouts:
+        if self.layouts or self.waiting:
             self.table.selectRow(0)
 
     def _fill(self, rows: list[Layout], cap: int | None) -> None:
         dim = self.palette().color(QPalette.ColorGroup.Disabled, QPalette.ColorRole.Text)
-        self.table.setRowCount(len(rows))
+        self.table.setRowCount(len(rows) + len(self.waiting))
+        for r, par in enumerate(self.waiting, len(rows)):
+            for c, text in enumerate((layout_label(par), "not calibrated", "—", "—", "—", "—")):
+                item = QTableWidgetItem(text)
+                if c:
+                    item.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
+                item.setForeground(dim)
+                item.setToolTip("Not calibrated yet: Use this layout sets it in the form, which fits its pipeline "
+                                "ranks from small traces (tens of seconds to minutes, then cached); the search weighs "
+                                "it from then on")
+                self.table.setItem(r, c, item)
         for r, layout in enumerate(rows):
             head = "—" if layout.headroom_bytes is None else \
                 format_bytes(layout.headroom_bytes) if layout.fits else "over"
@@ -179,13 +192,19 @@ class LayoutsDialog(QDialog):
                                     + ("; in parentheses, its speed were it to fit" if COLUMNS[c] == "Speed" else ""))
                 self.table.setItem(r, c, item)
 
-    def selected(self) -> Layout | None:
+    def selected(self) -> Layout | Parallelism | None:
+        """The chosen row: a weighed layout, or a pipeline layout waiting for its calibration."""
         rows = self.table.selectionModel().selectedRows()
-        return self.layouts[rows[0].row()] if rows else None
+        if not rows:
+            return None
+        row = rows[0].row()
+        shown = min(len(self.layouts), SHOWN)
+        return self.layouts[row] if row < shown else self.waiting[row - shown]
 
     def _use(self, *_: Any) -> None:
         layout = self.selected()
         if layout is None:
             return
-        self.chosen.emit(layout_changes(layout), f"Use layout {layout.label}")
+        label = layout.label if isinstance(layout, Layout) else layout_label(layout)
+        self.chosen.emit(layout_changes(layout), f"Use layout {label}")
         self.accept()
