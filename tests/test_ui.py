@@ -1178,7 +1178,8 @@ def test_the_layout_search_calibrates_the_tensor_parallel_layouts_it_left_out(wi
     assert tp2 > 1 and f"Left out ({tp2}): the fitted method does not hold: no trace." in failed.intro.text()
     # the pipeline layouts are listed last, not calibrated; using one sets it in the form, which fits it
     assert [failed.table.item(r, 1).text() for r in range(failed.table.rowCount())][-3:] == ["not calibrated"] * 3
-    row = next(r for r in range(failed.table.rowCount()) if failed.table.item(r, 0).text() == "PP 2 (1F1B) × DDP over 1")
+    labels = [failed.table.item(r, 0).text() for r in range(failed.table.rowCount())]
+    row = labels.index("PP 2 (1F1B) × DDP over 1")
     failed.table.selectRow(row)
     failed.use_button.click()
     qtbot.waitUntil(lambda: w.result.setup.parallel.pp == 2 and w.result.estimate.method == "fitted", timeout=60000)
