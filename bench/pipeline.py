@@ -101,7 +101,7 @@ def zero_bubble(names: tuple[str, ...], worst: dict[str, list[float]]) -> None:
 def main(quick: bool = False, only_zero_bubble: bool = False) -> None:
     warnings.filterwarnings("ignore")
     layouts = [(2, 4, "1f1b", 1), (4, 8, "1f1b", 1), (4, 4, "1f1b", 1), (2, 4, "gpipe", 1),
-               (2, 4, "interleaved-1f1b", 2)]
+               (2, 4, "interleaved-1f1b", 2)] + ([] if quick else [(4, 8, "interleaved-1f1b", 2)])  # 1-layer chunks
     precisions = ("fp32", "mixed") if quick else ("fp32", "mixed", "bf16")
     names = ("llama-8L",) if quick else tuple(CONFIGS)
     print(f"{'model':<14}{'pp':>3}{'m':>3} {'schedule':<17}{'dp':>3} {'precision':<9} {'ckpt':<5}{'rank':>5}"

@@ -352,10 +352,11 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
         # starts: what the layers below saved and, over a whole model, that layer's input, the stream the layer below
         # returned (traced: with every layer checkpointed, the embedding's output and each layer's beside it); a
         # pipeline stage's schedule holds it already (core.pipeline; counted again, a one-layer middle stage read
-        # 1.5 % over). No temporaries (fsdp2_ledger adds the gathered layers). A whole model of one layer has no such
-        # moment: its one layer is the first, gathered beside the root unit's output (below; counted as a layer's
-        # beside a layer's kept output it read 10.6 % over a real one-layer Llama-3.1-8B rank, tp 2 × FSDP2 over 2)
-        if n_layers > 1 or not fsdp2_whole:
+        # 1.5 % over). No temporaries (fsdp2_ledger adds the gathered layers). A model or stage-chunk of one layer has
+        # no such moment: its one layer is the first, gathered beside the root unit's output (below; counted as a
+        # layer's beside a layer's kept output it read 10.6 % over a real one-layer Llama-3.1-8B rank, tp 2 × FSDP2
+        # over 2, and an interleaved rank of one-layer chunks with checkpointing 3.2 % over its trace)
+        if n_layers > 1:
             fwd_candidates.append(("gather", _objects(**base_fwd, activations=layers_saved * (n_layers - 1) // n_layers
                                                       + (stream if fsdp2_whole else 0) + rope_tables)))
         # ... and the first layer's, while the root unit's all-gather output is the one kept: the embedding's output

@@ -213,9 +213,9 @@ def trace_estimate(
                 pipe_rank = int(estimate(setup).details.get("pipeline_rank", 0))
             if fsdp2_pipeline:  # each stage fully_shard-ed over its data- (and context-) parallel ranks, in the trace
                 compute = setup.precision
-            # interleaved under FSDP2 the ledger's ranks can be a few percent apart where its rules are a bound
-            # (one-layer chunks with checkpointing, core.pipeline): the ranks it checks are all traced, and the most
-            # loaded one reported; so are a family's without a block model (no ledger to pick one)
+            # interleaved under FSDP2 the ranks the ledger checks can be closer to each other than its accuracy
+            # (each chunk's units are gathered and resharded on their own): they are all traced, and the most loaded
+            # one reported; so are a family's without a block model (no ledger to pick one)
             unguided = (fsdp2_pipeline and par.virtual_stages > 1) or setup.model is None
             pipe_ranks = ranks_to_check(par.pp) if unguided else (pipe_rank,)
 
