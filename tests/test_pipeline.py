@@ -627,6 +627,35 @@ def test_a_sequence_parallel_rank_matches_the_rank_traced_with_torchtitans_plan(
                                                                         rel=0.04)
 
 
+@pytest.mark.parametrize(("precision", "ckpt", "pp", "m", "schedule", "rank"), [
+    ("fp32", "full", 4, 8, "1f1b", 0), ("mixed", "none", 2, 4, "interleaved-1f1b", 1),
+], ids=["first-fp32-checkpointed", "last-mixed-interleaved"])
+def test_sequence_and_loss_parallel_stages_match_the_rank_traced_with_the_vocabulary_split(
+        precision: str, ckpt: str, pp: int, m: int, schedule: str, rank: int) -> None:
+    """The layouts the search ranks first (TP + SP + loss parallel × PP × FSDP2), traced: the first stage's
+    embedding and the last stage's head split over the vocabulary by torchtitan's plan, the logits left sharded and
+    the loss under ``loss_parallel()``. The first stage's unsynced embedding gradient is the whole vocabulary's
+    (DTensor's embedding backward makes it replicated, and FSDP2 accumulates it as it is), and its embedding moment
+    holds the partial output and the reduce-scatter's input: without them the first rank read 4–7 % under. Over
+    Llama and Mistral at 8 layers, 56 ranks (fp32 and mixed, with and without checkpointing, 1F1B and interleaved):
+    55 within 1 %, worst 1.2 %."""
+    from memcalc_gui.core.analytic import estimate_analytic
+    from memcalc_gui.core.pipeline import _rank_estimate
+    from memcalc_gui.trace.fake import refusal
+    from memcalc_gui.trace.pipeline import PipeRank, trace_pipeline_rank
+
+    v = 2 if schedule == "interleaved-1f1b" else 1
+    setup = _setup(LLAMA8, pp, m, precision, ckpt, schedule=schedule, v=v, gpus=4 * pp, tp=2, sp=True,
+                   loss_parallel=True, strategy="fsdp2")
+    assert setup.model is not None and refusal(setup) == ""  # traced, no longer left to the formulas
+    traced = trace_pipeline_rank(LLAMA8, PipeRank(pp, rank, schedule, v, m, dp_shard=2, tp=2, sp=True,
+                                                  loss_parallel=True),
+                                 precision=precision, checkpointing=ckpt, optimizer_impl="foreach", **STEP)
+    ledger = _rank_estimate(setup, setup.model, rank, m, estimate_analytic)
+    for ph in ("forward", "backward", "optimizer_step"):
+        assert ledger.phases[ph].total_bytes == pytest.approx(traced.phases[ph].peak_bytes, rel=0.015), ph
+
+
 # ---- Megatron-LM's theoretical memory ------------------------------------------------------------------------------
 @pytest.mark.parametrize(("tp", "pp", "dp", "dist"), [(8, 4, 2, False), (8, 4, 2, True), (1, 1, 8, True),
                                                       (4, 8, 4, True)])

@@ -133,9 +133,6 @@ def refusal(setup: TrainingSetup) -> str:
         return ("sequence parallelism is traced as PyTorch runs it, torchtitan's plan beside FSDP2 (--strategy fsdp2); "
                 "beside DDP, ZeRO or Megatron-LM's optimizers it is Megatron-LM's, whose split linear inputs the "
                 "formulas follow")
-    if par.sp and par.pp > 1 and par.loss_parallel:
-        return ("sequence beside loss parallelism is traced without pipeline stages (the vocabulary split runs on a "
-                "whole model); here the formulas hold")
     if par.cp > 1 and (par.ep > 1 or setup.model is None):
         return ("context parallelism is traced without expert parallelism, on a family with a block model; here the "
                 "formulas hold")
@@ -222,7 +219,8 @@ def trace_estimate(
             def pipe_layout(r: int) -> Any:
                 return PipeRank(par.pp, r, par.schedule, par.virtual_stages, setup.grad_accum,
                                 dp_shard=par.dp if fsdp2_pipeline else 1, tp=par.tp if par.sp else 1, sp=par.sp,
-                                reshard_after_forward=par.reshard_after_forward, ep=par.ep, cp=par.cp)
+                                reshard_after_forward=par.reshard_after_forward, ep=par.ep, cp=par.cp,
+                                loss_parallel=par.loss_parallel and par.sp)
 
             step = functools.partial(trace_pipeline_rank, layout=pipe_layout(pipe_rank))
             if par.tp > 1 and not par.sp:

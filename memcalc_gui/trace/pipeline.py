@@ -62,6 +62,9 @@ class PipeRank:
     #: attention (:mod:`.context`) over the mesh's ``cp`` ranks, and sends and receives that share; under FSDP2 its
     #: units are sharded over ``dp_shard × cp`` (torchtitan's ``dp_shard_cp``).
     cp: int = 1
+    #: Loss parallelism (with ``tp``): the first stage's embedding and the last stage's head split over the vocabulary
+    #: (torchtitan's plan), the logits left sharded and the loss computed under ``loss_parallel()``.
+    loss_parallel: bool = False
 
     def __post_init__(self) -> None:
         for name in ("pp", "virtual", "microbatches", "dp_shard", "tp", "ep", "cp"):
@@ -92,6 +95,9 @@ class PipeRank:
                                    "a number of the stage's data-parallel ranks that divides them")
         if self.cp > 1 and self.ep > 1:
             raise InputError("cp", "context beside expert parallelism is not traced")
+        if not isinstance(self.loss_parallel, bool) or (self.loss_parallel and self.tp == 1):
+            raise InputError("loss_parallel", "loss parallelism splits the vocabulary over the tensor-parallel ranks: "
+                                              "it needs tp 2 or more")
 
     @property
     def stages(self) -> tuple[int, ...]:
@@ -192,8 +198,8 @@ def cutter(layout: PipeRank, dp_mesh: Any = None, precision: str = "fp32", tp_me
             from .ranks import split_tensor_parallel, tp_plan
 
             assert config is not None
-            split_tensor_parallel(model, tp_plan(config), tp_mesh, sequence=layout.sp, first=0 in layout.stages,
-                                  last=layout.num_stages - 1 in layout.stages, seq=seq)
+            split_tensor_parallel(model, tp_plan(config), tp_mesh, sequence=layout.sp, vocab=layout.loss_parallel,
+                                  first=0 in layout.stages, last=layout.num_stages - 1 in layout.stages, seq=seq)
         split: list[Any] = []
         if experts:
             from .ranks import _replicate_the_rest, _split_experts
@@ -418,7 +424,7 @@ def trace_pipeline_rank(config: dict[str, Any], layout: PipeRank, *, fake: bool 
     from ..measure.cpu_step import measure_training_step
     from .context import RingNotRun, ring_attention
     from .fake import unpacked_sequences
-    from .ranks import STEP_DEFAULTS, process_group
+    from .ranks import STEP_DEFAULTS, _loss_parallel, process_group
 
     kw = STEP_DEFAULTS | step | {"grad_accum": layout.microbatches}
     if layout.cp > 1:  # the stage runs, sends and receives the rank's share of each sequence
@@ -434,7 +440,7 @@ def trace_pipeline_rank(config: dict[str, Any], layout: PipeRank, *, fake: bool 
                       dp_mesh=dp_mesh)
         cut = cutter(layout, dp_mesh, kw["precision"], tp_mesh, config, int(kw["seq"]), experts, data_mesh)
         ring = ring_attention(cp_mesh) if layout.cp > 1 else contextlib.nullcontext([1])
-        with ring as calls:
+        with _loss_parallel(layout.loss_parallel), ring as calls:
             measured = measure_training_step(config, fake=fake, parallelize=cut, pipeline=make,
                                              autocast=dp_mesh is None, **kw)
     if not calls[0]:

@@ -308,19 +308,23 @@ STEP_DEFAULTS: dict[str, Any] = {"batch": 1, "seq": 128, "precision": "fp32", "o
                                  "iterations": 2}
 
 
-def _split_vocabulary(model: Any, mesh: Any, sequence: bool = False) -> None:
-    """torchtitan's loss-parallel plan on a transformers model: the embedding's rows and the head's columns split, the
-    logits left sharded for the loss (a tied head is tied again to the split embedding: both shard dim 0). With
-    sequence parallelism the embedding reduce-scatters its output over the sequence and the head gathers its input,
-    as torchtitan's plan does."""
+def _split_vocabulary(model: Any, mesh: Any, sequence: bool = False, first: bool = True, last: bool = True) -> None:
+    """torchtitan's loss-parallel plan on a transformers model (or a pipeline stage of it: ``first`` holds the
+    embedding, ``last`` the final norm and the head): the embedding's rows and the head's columns split, the logits
+    left sharded for the loss (a tied head is tied again to the split embedding: both shard dim 0). With sequence
+    parallelism the embedding reduce-scatters its output over the sequence and the head gathers its input, as
+    torchtitan's plan does."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor import parallel as tp_api
 
-    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
-    tied = head is not None and head.weight is embed.weight
+    embed = model.get_input_embeddings() if first else None
+    head = model.get_output_embeddings() if last else None
+    tied = head is not None and embed is not None and head.weight is embed.weight
     stream = Shard(1) if sequence else Replicate()
-    tp_api.parallelize_module(embed, mesh, tp_api.RowwiseParallel(input_layouts=Replicate(), output_layouts=stream))
-    if sequence:
+    if embed is not None:
+        tp_api.parallelize_module(embed, mesh, tp_api.RowwiseParallel(input_layouts=Replicate(),
+                                                                      output_layouts=stream))
+    if sequence and last:
         _final_norm_on_the_split(model, mesh)
     if head is None:
         return
@@ -346,9 +350,7 @@ def split_tensor_parallel(model: Any, plan: dict[str, str], mesh: Any, *, sequen
     for layer in [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]:
         _split_layer(layer, mesh, plan, sequence=sequence)
     if vocab:
-        if not (first and last):
-            raise InputError("loss_parallel", "the vocabulary split is traced on a whole model, not a pipeline stage")
-        _split_vocabulary(model, mesh, sequence=sequence)
+        _split_vocabulary(model, mesh, sequence=sequence, first=first, last=last)
     elif sequence and last:
         _sequence_split_ends(model, mesh)
     _replicate_the_rest(model, mesh)
