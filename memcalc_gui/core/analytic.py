@@ -569,6 +569,10 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
     # (FSDP2 over a whole model reduce-scatters every micro-batch: the sum becomes the root's unsharded gradient, as
     # without accumulation, not a temporary added into it; fsdp2_ledger counts that gradient: traced)
     added = accumulating and not fsdp2_whole
+    # a vocabulary split by PyTorch's plan in a pipeline stage under FSDP2: DTensor's embedding backward makes the
+    # gradient of the whole vocabulary, replicated over the tensor-parallel ranks (traced)
+    replicated = setup.parallel.tp if fsdp2 and not fsdp2_whole and setup.parallel.sp and \
+        setup.parallel.loss_parallel and spec.stage_first and not spec.tied_embeddings else 1
     if not spec.stage_first:
         emb_tmp = grad_stream  # a later pipeline stage: the gradient of its input, to be sent to the stage before
     elif tuned and not tp.embeddings_trainable:
@@ -578,9 +582,6 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
         # policy and Megatron-LM's bf16 model, whose fp32 gradients are the strategy's)
         emb_tmp = grad_stream + (3 if added else 2) * v * h * d.param
     else:
-        # (a vocabulary split under PyTorch's plan, a pipeline stage's under FSDP2: DTensor's embedding backward makes
-        # the gradient of the whole vocabulary, replicated over the tensor-parallel ranks; traced)
-        replicated = setup.parallel.tp if fsdp2 and setup.parallel.sp and setup.parallel.loss_parallel else 1
         emb_tmp = grad_stream + (v * replicated * h * d.param if added else 0)
     where.append(("embedding", n_layers))
     moments.append(_objects(parameters=params, optimizer_state=state, inputs=inputs, gradients=grads_all,

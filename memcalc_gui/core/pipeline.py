@@ -530,7 +530,9 @@ def _rank_estimate(setup: TrainingSetup, spec: ModelSpec, rank: int, m: int,
             # flight (its end, the bottom unit's bf16 gradients still alive as they are copied into accumulators)
             mixed = ph == "backward" and setup.precision == "mixed"
             grads = unsynced + (objects.get("gradients", 0) if mixed else 0)
-            last_unit = (root_w if stage.stage_first else layer_w) if mixed else 0
+            # (the embedding's bf16 gradient is the whole vocabulary's where loss parallelism splits it: traced)
+            last_unit = (root_w + whole_vocabulary_gradient(setup, stage) * unit_w if stage.stage_first
+                         else layer_w) if mixed else 0
             everything = {"parameters": vw.acc.phases["load"].objects["parameters"] + gathered,
                           "gradients": unsynced + last_unit,
                           "optimizer_state": objects.get("optimizer_state", 0),
