@@ -570,9 +570,10 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
     # without accumulation, not a temporary added into it; fsdp2_ledger counts that gradient: traced)
     added = accumulating and not fsdp2_whole
     # a vocabulary split by PyTorch's plan in a pipeline stage under FSDP2: DTensor's embedding backward makes the
-    # gradient of the whole vocabulary, replicated over the tensor-parallel ranks (traced)
-    replicated = setup.parallel.tp if fsdp2 and not fsdp2_whole and setup.parallel.sp and \
-        setup.parallel.loss_parallel and spec.stage_first and not spec.tied_embeddings else 1
+    # gradient of the whole vocabulary, replicated over the tensor-parallel ranks (traced, with sequence parallelism
+    # and without: core.pipeline.whole_vocabulary_gradient)
+    replicated = setup.parallel.tp if fsdp2 and not fsdp2_whole and setup.parallel.loss_parallel and \
+        spec.stage_first and not spec.tied_embeddings else 1
     if not spec.stage_first:
         emb_tmp = grad_stream  # a later pipeline stage: the gradient of its input, to be sent to the stage before
     elif tuned and not tp.embeddings_trainable:

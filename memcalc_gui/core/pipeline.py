@@ -311,8 +311,9 @@ def fsdp2_unsynced(setup: TrainingSetup, rank: int) -> tuple[int, int]:
 def whole_vocabulary_gradient(setup: TrainingSetup, stage: ModelSpec) -> int:
     """The parameters a pipeline stage's unsynced FSDP2 gradients hold beyond its own under loss parallelism: the
     vocabulary-split embedding's gradient comes out of DTensor's embedding backward replicated over the
-    tensor-parallel ranks, whole, and FSDP2 accumulates it as it is until the step's reduce-scatter (traced: the
-    first stage of an SP + loss-parallel layout read 4–7 % under without it)."""
+    tensor-parallel ranks, whole, and FSDP2 accumulates it as it is until the step's reduce-scatter (traced with
+    sequence parallelism and without: the first stage of an SP + loss-parallel layout read 4–7 % under without
+    it)."""
     par, spec = setup.parallel, setup.model
     if not (par.loss_parallel and stage.stage_first) or spec is None:
         return 0
