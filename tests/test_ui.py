@@ -1224,6 +1224,8 @@ def test_pipeline_stages_of_a_mixture_of_experts_in_the_window(window, qtbot, tm
     open_mixtral(w, qtbot, tmp_path, layers=4)
     w.apply_state(w.inputs.state().replace(gpus="4", pp="2", grad_accum="4", strategy="ddp"))
     w.refresh()
+    # the wait it announces is a pipeline calibration's, not a one-replica fit's few seconds
+    assert "tens of seconds to minutes, each checked pipeline rank's schedule" in w.statusBar().currentMessage()
     qtbot.waitUntil(lambda: w.result.setup.parallel.pp == 2 and w.result.estimate.method == "fitted",
                     timeout=120000)
     est = w.result.estimate

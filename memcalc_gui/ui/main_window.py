@@ -758,8 +758,11 @@ class MainWindow(QMainWindow):
             return result
         if not self.fit_runner.is_running():
             self._calibrate(needed, setup)
+        # a pipeline layout traces each checked rank's schedule (41 s cold for Mixtral-8x7B in 4 stages)
+        how_long = "tens of seconds to minutes, each checked pipeline rank's schedule" if setup.parallel.pp > 1 \
+            else "a few seconds"
         message = (f"Fitting model_type {needed.model_type!r} (memcalc has no block model for it): tracing the real "
-                   "transformers model at a few small sizes, once per config and setup — a few seconds")
+                   f"transformers model at a few small sizes, once per config and setup — {how_long}")
         self.banner.set_stale(True, message)
         self.statusBar().showMessage(message)
         return None
