@@ -1514,3 +1514,19 @@ def test_a_family_without_sdpa_switches_the_window_to_eager(window, qtbot, tmp_p
     assert not w.open_config(path)
     qtbot.waitUntil(lambda: w.result.estimate.method == "fitted", timeout=90000)
     assert w.inputs.state().attention == "eager" and w.result.setup.attention == "eager"
+
+
+def test_the_layout_dialog_says_how_many_waiting_pipeline_layouts_it_lists():
+    """The dialog lists at most SHOWN waiting pipeline layouts; its text says so when there are more (64 GPUs of
+    Mixtral-8x7B leave 112 out)."""
+    from memcalc_gui.core.distributed import Parallelism
+    from memcalc_gui.core.layouts import NOT_CALIBRATED, Search
+    from memcalc_gui.ui.layouts_dialog import SHOWN, _left_out_text
+
+    def text(n: int) -> str:
+        return _left_out_text(Search([], {f"a layout of 2 pipeline stages {NOT_CALIBRATED}": [
+            Parallelism(gpus=64, pp=2)] * n}))
+
+    assert "(listed last)" in text(SHOWN)
+    assert f"{SHOWN + 5} layouts of 2 pipeline stages are not calibrated yet (the first {SHOWN} listed last)" in \
+        text(SHOWN + 5)

@@ -63,9 +63,10 @@ def _left_out_text(found: Search) -> str:
         text += f" Not calibrated yet, so left out: {len(waiting)} layouts with {what}."
     if staged:
         pps = sorted({par.pp for par in staged})
-        text += (f" {len(staged)} layouts of {', '.join(map(str, pps))} pipeline stages are not calibrated yet (listed "
-                 "last): use one and the form fits it (tens of seconds to minutes, then cached), and it joins this "
-                 "search.")
+        listed = "listed last" if len(staged) <= SHOWN else f"the first {SHOWN} listed last"
+        text += (f" {len(staged)} layouts of {', '.join(map(str, pps))} pipeline stages are not calibrated yet "
+                 f"({listed}): use one and the form fits it (tens of seconds to minutes, then cached), and it joins "
+                 "this search.")
     for reason, pars in found.left_out.items():
         if NOT_CALIBRATED not in reason:
             text += f" Left out ({len(pars)}): {reason}."
@@ -124,9 +125,10 @@ class LayoutsDialog(QDialog):
         header.setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
         for i in range(1, len(COLUMNS)):
             header.setSectionResizeMode(i, QHeaderView.ResizeMode.ResizeToContents)
+        calibrated_here, staged = _waiting(self.layouts)
         #: The pipeline layouts waiting for their own calibration, after the weighed ones: using one sets it in the
         #: form, which fits it
-        self.waiting = sorted(_waiting(self.layouts)[1], key=lambda par: (par.pp, par.tp, -par.dp, par.ep))[:SHOWN]
+        self.waiting = sorted(staged, key=lambda par: (par.pp, par.tp, -par.dp, par.ep))[:SHOWN]
         self._fill(self.layouts[:SHOWN], cap)
         self.table.itemDoubleClicked.connect(lambda *_: self._use())
         lay.addWidget(self.table, 1)
@@ -135,8 +137,7 @@ class LayoutsDialog(QDialog):
         self.use_button.setEnabled(bool(self.layouts) or bool(self.waiting))
         self.use_button.clicked.connect(self._use)
         buttons.rejected.connect(self.reject)
-        waiting = _waiting(self.layouts)[0]
-        waiting += [x.parallel for x in self.layouts if x.upper_bound]  # their bf16 step's own fit
+        waiting = calibrated_here + [x.parallel for x in self.layouts if x.upper_bound]  # their bf16 step's own fit
         self.calibrate_button = None
         if calibrate is not None and waiting:
             tps = sorted({par.tp for par in waiting if par.tp > 1})
