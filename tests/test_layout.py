@@ -250,7 +250,10 @@ def test_the_fake_trace_of_fsdp2_over_tensor_parallel_ranks_equals_real_gloo_ran
 
     kw = dict(STEP, precision="bf16", optimizer_impl="foreach", checkpointing="none")
     fake = trace_rank(FAMILIES["llama-wide"], RankLayout(2, 2), **kw)
-    real = measure_sharded_step(FAMILIES["llama-wide"], world=4, strategy="ranks", layout=RankLayout(2, 2), **kw)
+    # three iterations, two steady ones for the lowest peak: once in a CI run a gloo worker let go of a 64 KiB buffer
+    # late, inside the one steady backward of two iterations (+0.74 % on one rank)
+    real = measure_sharded_step(FAMILIES["llama-wide"], world=4, strategy="ranks", layout=RankLayout(2, 2),
+                                iterations=3, **kw)
     for p in ("forward", "backward", "optimizer_step"):
         for rank in real:
             assert rank.phases[p].peak_bytes == pytest.approx(fake.phases[p].peak_bytes, rel=1e-4), p  # type: ignore
