@@ -2,14 +2,15 @@
 parallelism) against the traced rank of the same layout, on two toy models and on published ones at micro-batch
 1 × 4096 tokens. Prints each case's formula-vs-trace difference per phase and a summary.
 
-    python bench/expert.py [--quick] [--strategy ddp|fsdp2] [--rule]
+    python bench/expert.py [--quick] [--strategy ddp|fsdp2] [--rule] [--tp-ep]
 
 The traced rank (``memcalc_gui.trace.ranks``, ``--method trace --ep``) is transformers' own expert parallelism on
 PyTorch's fake process group: the family's ``base_model_ep_plan``, its all-to-all token dispatch with balanced split
 sizes, and under FSDP2 ``fully_shard`` over the experts' copies and over all ranks for the rest. The fitted ledger
-is the single-GPU fit of the model with ``distributed.expert_parallel_states`` for the layout; under FSDP2 without
-tensor parallelism, the fit of the traced rank itself (``core.fitted.rank_layout``), or with ``--rule`` the
-single-GPU fit and the rule (what the what-ifs and the GPU plan's other layouts use).
+is the single-GPU fit of the model with ``distributed.expert_parallel_states`` for the layout; under FSDP2 (with or
+without tensor parallelism) the fit of the traced rank itself (``core.fitted.rank_layout``), or with ``--rule`` the
+single-GPU fit and the rule (what the what-ifs and the GPU plan's other layouts use). ``--tp-ep``: only the rows of
+expert beside tensor parallelism.
 """
 
 from __future__ import annotations
@@ -73,14 +74,19 @@ def case(family: str, ep: int, gpus: int, strategy: str, precision: str, ckpt: s
             for p in PHASES if p != "load"}
 
 
-def main(quick: bool = False, strategies: tuple[str, ...] = ("ddp", "fsdp2"), rule: bool = False) -> None:
+def main(quick: bool = False, strategies: tuple[str, ...] = ("ddp", "fsdp2"), rule: bool = False,
+         tp_ep: bool = False) -> None:
     warnings.filterwarnings("ignore")
     os.environ.setdefault("MEMCALC_CACHE_DIR", tempfile.mkdtemp(prefix="memcalc-fits-"))
     # (ep, tp, gpus)
-    toy = [(2, 1, 2), (4, 1, 4), (8, 1, 8), (2, 1, 4), (4, 1, 8), (1, 1, 4), (1, 2, 2), (1, 2, 4)]
-    full = [(8, 1, 8), (4, 1, 8), (1, 1, 8), (1, 2, 8), (1, 4, 8)]
+    # expert beside tensor parallelism (transformers' layout, ep a multiple of tp): the last two of each
+    toy = [(2, 1, 2), (4, 1, 4), (8, 1, 8), (2, 1, 4), (4, 1, 8), (1, 1, 4), (1, 2, 2), (1, 2, 4), (2, 2, 4),
+           (4, 2, 8)]
+    full = [(8, 1, 8), (4, 1, 8), (1, 1, 8), (1, 2, 8), (1, 4, 8), (8, 2, 8), (4, 2, 8)]
     if quick:
-        toy, full = [(2, 1, 2), (4, 1, 8), (1, 2, 4)], [(8, 1, 8)]
+        toy, full = [(2, 1, 2), (4, 1, 8), (1, 2, 4), (4, 2, 8)], [(8, 1, 8)]
+    if tp_ep:  # those rows alone
+        toy, full = [x for x in toy if x[0] > 1 and x[1] > 1], [x for x in full if x[0] > 1 and x[1] > 1]
     shown = [p for p in PHASES if p != "load"]
     print(f"{'model':<18}{'ep':>3}{'tp':>3}{'gpus':>5} {'strategy':<6} {'precision':<9} {'ckpt':<5}"
           + "".join(f"{p[:8]:>10}" for p in shown) + "   (fitted − traced, % of traced)")
@@ -104,4 +110,4 @@ def main(quick: bool = False, strategies: tuple[str, ...] = ("ddp", "fsdp2"), ru
 
 if __name__ == "__main__":
     chosen = sys.argv[sys.argv.index("--strategy") + 1] if "--strategy" in sys.argv else None
-    main("--quick" in sys.argv, (chosen,) if chosen else ("ddp", "fsdp2"), "--rule" in sys.argv)
+    main("--quick" in sys.argv, (chosen,) if chosen else ("ddp", "fsdp2"), "--rule" in sys.argv, "--tp-ep" in sys.argv)

@@ -938,6 +938,7 @@ def _signature_text(setup: TrainingSetup) -> str:
 
     par = setup.parallel
     what = f"tensor parallelism over {par.tp} GPUs" if par.tp > 1 else "one replica"
+    what += ", the experts whole (beside expert parallelism)" if par.tp > 1 and par.ep > 1 else ""
     return what + (", the bf16 step" if traced_precision(setup) == "bf16" else "")
 
 

@@ -148,7 +148,18 @@ def test_expert_parallelism_trades_gradient_traffic_for_the_all_to_all() -> None
     assert per_token > compute and split_per_token > compute
     eps = {p.ep for p in candidates(setup.with_changes(parallel=zero2), shape=shape)}
     assert eps == {1, 2, 4, 8}  # 16 and more do not split 8 experts
-    assert all(p.ep == 1 for p in candidates(setup.with_changes(parallel=zero2), shape=shape) if p.tp > 1)
+    # beside tensor parallelism the experts split over multiples of tp (transformers' layout), and run whole: the
+    # all-to-all carries each GPU's share of its tensor-parallel group's tokens
+    found = candidates(setup.with_changes(parallel=zero2), shape=shape)
+    assert {(p.tp, p.ep) for p in found if p.tp == 2 and p.pp == 1} == {(2, 1), (2, 2), (2, 4), (2, 8)}
+    assert all(p.ep == 1 for p in found if p.pp > 1 and p.tp > 1)
+    tp2 = replace(zero2, tp=2, ep=8)
+    tp_sent = communication(setup, tp2, shape)[0]
+    dense = 2 * 31 / 32 * ((n - experts) // 2) * 4  # over the 32 data-parallel GPUs, a half of it each
+    tensor = 1 * 4 * layers * tokens_hidden * 8  # the tensor-parallel all-reduces (ring of 2)
+    expert = ring8 * (experts // 8) * 4  # an eighth of the experts, whole, over the 8 GPUs holding the same
+    all_to_all = 4 * 7 / 8 * 2 * layers * tokens_hidden / 2 * 8  # half the tokens each
+    assert tp_sent == pytest.approx(dense + tensor + expert + all_to_all, rel=1e-9)
 
 
 def test_fsdp2_over_one_data_parallel_gpu_is_refused_and_never_offered(capsys: pytest.CaptureFixture) -> None:

@@ -240,8 +240,14 @@ class Parallelism:
                                    "divide them")
         if self.pp > 1 and self.offload != "none":
             raise InputError("offload", "offload beside pipeline parallelism is not modelled yet")
-        if self.tp > 1 and self.ep > 1:
-            raise InputError("tp", "tensor parallelism beside expert parallelism is not modelled yet")
+        if self.tp > 1 and self.ep > 1 and self.pp > 1:
+            raise InputError("tp", "tensor beside expert parallelism in pipeline stages is not modelled yet")
+        if self.tp > 1 and self.ep > 1 and self.ep % self.tp:
+            raise InputError("ep", f"expert parallelism beside tensor parallelism needs ep a multiple of tp "
+                                   f"(transformers' layout: the GPUs of a tensor-parallel group hold experts of one "
+                                   f"expert-parallel group), got ep {self.ep}, tp {self.tp}")
+        if self.tp > 1 and self.ep > 1 and self.sp:
+            raise InputError("sp", "sequence beside expert parallelism is not modelled yet")
         if self.tp > 1 and self.offload != "none":
             raise InputError("offload", "offload beside tensor parallelism is not modelled yet")
 
@@ -509,7 +515,10 @@ def expert_parallel_states(par: Parallelism, num_params: int, expert_params: int
     FSDP2 shards each parameter along its first dimension, which for transformers' fused experts is the expert:
     with ``experts`` per layer, the most loaded GPU holds ``ceil(local experts / shards)`` of them (traced: 60
     experts over 8 GPUs are 8 on the first, not 7.5)."""
-    padded = par.strategy == "fsdp2" and experts > 0 and (experts // par.ep) % max(1, par.dp // par.ep) != 0
+    # the GPUs of one pipeline stage hold every expert ep times over: gpus / (pp · cp · ep) copies of each (with tensor
+    # parallelism the experts run whole, transformers' plan, so its GPUs count as copies too)
+    copies = max(1, par.dp * par.tp // par.ep) if par.ep > 1 else par.dp
+    padded = par.strategy == "fsdp2" and experts > 0 and (experts // par.ep) % copies != 0
     if par.ep == 1 and not padded:
         unit = expert_unit + dense_unit  # not split: the caller's unit
         return model_states(par, num_params, unit, precision, state_bytes_single, step_temporaries_single,
@@ -517,7 +526,7 @@ def expert_parallel_states(par: Parallelism, num_params: int, expert_params: int
     dense = num_params - expert_params
     share = expert_params // par.ep
     if padded:
-        local, shards = experts // par.ep, par.dp // par.ep
+        local, shards = experts // par.ep, copies
         share = share * -(-local // shards) * shards // local
 
     def part(n: int) -> tuple[int, int, int]:
@@ -525,18 +534,20 @@ def expert_parallel_states(par: Parallelism, num_params: int, expert_params: int
                 matmul_copy_bytes * n // num_params)
 
     d = model_states(replace(par, ep=1), dense, dense_unit, precision, *part(dense), root_unit)
-    e = model_states(replace(par, gpus=par.gpus // par.ep, ep=1), share, expert_unit // par.ep, precision,
-                     *part(share), 0)
+    e = model_states(replace(par, gpus=copies * par.pp * par.cp, tp=1, ep=1, sp=False, loss_parallel=False), share,
+                     expert_unit // par.ep, precision, *part(share), 0)
     if par.ep == 1:
         note = (f"FSDP2 shards the fused experts expert by expert: {experts} per layer over {par.dp} GPUs are "
                 f"{-(-experts // par.dp)} on the most loaded one")
     else:
-        copies = par.gpus // par.ep
         note = (f"Expert parallelism over {par.ep} GPUs: each holds 1/{par.ep} of the routed experts "
                 f"({expert_params // par.ep:,} parameters), " + (
                     "and no other GPU holds the same ones" if copies == 1 else
                     f"{'replicated' if par.strategy == 'ddp' else 'sharded'} over the {copies} GPUs that hold the "
-                    "same ones") + f"; the other {dense:,} parameters over all {par.gpus}")
+                    "same ones") + (f"; the other {dense:,} parameters over all {par.gpus}" if par.tp == 1 else
+                                    f", each expert whole (transformers' plan; the tokens split over the {par.tp} "
+                                    f"tensor-parallel GPUs before the all-to-all); the rest of the model "
+                                    f"({dense:,} parameters per GPU) split over {par.tp} tensor-parallel GPUs"))
     return ModelStates(
         {ph: d.parameters[ph] + e.parameters[ph] for ph in d.parameters},
         {ph: d.gradients[ph] + e.gradients[ph] for ph in d.gradients},

@@ -71,6 +71,8 @@ def signature(setup: TrainingSetup) -> dict[str, Any]:
         **({"galore_rank": setup.galore_rank} if setup.optimizer == "galore-adamw" else {}),
         # the rank of a tensor-parallel group is its own, narrower model (trace.ranks.tensor_parallel_config)
         **({"tp": setup.parallel.tp} if setup.parallel.tp > 1 else {}),
+        # beside expert parallelism its routed experts keep their width (transformers' plan)
+        **({"experts_whole": True} if setup.parallel.tp > 1 and setup.parallel.ep > 1 else {}),
         "tuning": {"method": ft.method, "rank": ft.rank, "targets": list(ft.targets), "dropout": ft.dropout,
                    "adapter_dtype": ft.adapter_dtype, "quant": ft.quant, "double_quant": ft.double_quant,
                    "trainable": list(ft.trainable), "prepare_kbit": ft.prepare_kbit}
@@ -331,7 +333,8 @@ def per_gpu_states(setup: TrainingSetup, fit: FitModel) -> tuple[Transform, Mode
             # the all-to-all dispatch and combine buffers of one MoE layer: every token's top-k hidden states out
             # and back, balanced routing (transformers', torchtitan's and Megatron-LM's token dispatchers)
             a_bytes = 4 if setup.precision == "fp32" else 2
-            buffers = 2 * setup.batch * setup.seq * st["top_k"] * st["hidden_size"] * a_bytes
+            # (beside tensor parallelism each GPU of the group sends its share of the tokens: transformers' plan)
+            buffers = 2 * -(-setup.batch * setup.seq // par.tp) * st["top_k"] * st["hidden_size"] * a_bytes
     else:
         unit = st["largest_module"] if par.strategy == "zero3" else st["layer_params"]
         states = model_states(par, st["num_params"], unit, setup.precision, state, temps, copies, st["root_unit"])
@@ -406,6 +409,13 @@ def estimate_fitted(setup: TrainingSetup, fit: FitModel) -> Estimate:
                                "the tokens. One MoE layer's all-to-all dispatch and combine buffers (tokens × top-k "
                                "× hidden, each way) are counted at the peaks, a small bound: traced, they live "
                                "inside the layer",)
+            if setup.parallel.tp > 1:
+                parallel_notes += (f"Beside tensor parallelism the experts' activations are a bound: the one-replica "
+                                   f"trace runs every token through them, where each of the {setup.parallel.tp} "
+                                   "tensor-parallel GPUs runs its share (transformers' plan). "
+                                   + ("The traced rank's fit replaces it once calibrated"
+                                      if rank_layout(setup) is not None else
+                                      "--method trace runs the rank itself"),)
     phases = {}
     for phase in PHASES:
         objects = fit.peak(phase, setup.batch, setup.seq, setup.grad_accum > 1, transform)
@@ -443,8 +453,10 @@ def _rank_fitted(setup: TrainingSetup, fit: FitModel) -> Estimate:
               if sharded else "One data-parallel GPU: FSDP2 has nothing to shard and is not applied (as torchtitan "
                               "skips it); one rank traced on the fake process group")
              + (f", each layer split over {par.tp} tensor-parallel GPUs by transformers' plan" if par.tp > 1 else "")
-             + (f", the routed experts split over {par.ep} of them (transformers' expert-parallel plan and all-to-all, "
-                "balanced routing: every GPU's experts get their share of the tokens)" if par.ep > 1 else "")
+             + (f", the routed experts split over {par.ep} GPUs (transformers' expert-parallel plan and all-to-all, "
+                "balanced routing: every GPU's experts get their share of the tokens"
+                + (", each expert whole and each GPU of a tensor-parallel group sending its share of the group's "
+                   "tokens" if par.tp > 1 else "") + ")" if par.ep > 1 else "")
              + ((", mixed precision as its MixedPrecisionPolicy (bf16 compute over fp32 shards)" if sharded
                  else ", mixed precision as autocast") if setup.precision == "mixed" else "")
              + ("; gradients reduce-scattered every micro-batch (torchtitan's way)"

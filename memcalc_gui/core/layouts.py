@@ -173,12 +173,13 @@ def candidates(setup: TrainingSetup, gpus: int | None = None, shape: ModelShape 
 
 
 def _ep_degrees(shape: ModelShape, dp: int, tp: int) -> tuple[int, ...]:
-    """The expert-parallel degrees of a layout: for a mixture of experts (without tensor parallelism, which expert
-    parallelism is not modelled beside), each of :data:`EP_DEGREES` that divides the experts and the data-parallel
-    GPUs; 1 otherwise."""
-    if not shape.num_experts or tp > 1:
+    """The expert-parallel degrees of a layout: for a mixture of experts, each of :data:`EP_DEGREES` that divides the
+    experts and the GPUs of a model replica's data- and tensor-parallel ranks, a multiple of ``tp`` (transformers'
+    layout: the experts run whole, the tokens of a tensor-parallel group split over its GPUs); 1 otherwise."""
+    if not shape.num_experts:
         return (1,)
-    return tuple(ep for ep in EP_DEGREES if ep <= dp and not dp % ep and not shape.num_experts % ep)
+    return tuple(ep for ep in EP_DEGREES if ep <= dp * tp and not (dp * tp) % ep and (ep == 1 or not ep % tp)
+                 and not shape.num_experts % ep)
 
 
 def communication(setup: TrainingSetup, par: Parallelism,
@@ -190,7 +191,8 @@ def communication(setup: TrainingSetup, par: Parallelism,
     m, v = setup.grad_accum, par.virtual_stages
     act = 4 if setup.precision == "fp32" else 2
     grad = 4 if setup.precision in ("fp32", "mixed") else 2
-    experts = spec.expert_params if par.ep > 1 else 0  # split over ep GPUs, reduced over the dp/ep that share them
+    experts = spec.expert_params if par.ep > 1 else 0  # split over ep GPUs (whole, beside tensor parallelism),
+    copies = par.dp * par.tp // par.ep  # reduced over the GPUs that hold the same ones
     rank_params = (spec.num_params - experts) // (par.tp * par.pp)
     hidden = setup.tokens * spec.hidden_size * act  # one micro-batch's hidden states
 
@@ -206,10 +208,10 @@ def communication(setup: TrainingSetup, par: Parallelism,
              (2 * hidden * m if par.pp > 1 else 0, leaves(par.pp, par.tp)),
              # expert parallelism: the experts' gradients over the replicas holding the same experts, and each MoE
              # layer's all-to-all, every token's top-k hidden states out and back in forward and again in backward
-             (ring(par.dp // par.ep) * experts // (par.tp * par.pp * par.ep) * grad * gathers,
-              leaves(par.dp // par.ep, par.tp * par.pp * par.ep)),
-             (4 * (par.ep - 1) / par.ep * spec.top_k * (spec.num_layers // par.pp) * hidden * m,
-              leaves(par.ep, par.tp * par.pp))]
+             # (a tensor-parallel group's GPUs each send their share of its tokens)
+             (ring(copies) * experts // (par.pp * par.ep) * grad * gathers, leaves(copies, par.pp * par.ep)),
+             (4 * (par.ep - 1) / par.ep * spec.top_k * (spec.num_layers // par.pp) * hidden / par.tp * m,
+              leaves(par.ep, par.pp))]
     sent = sum(b for b, _ in parts)
     comm_s = sum(b / (NETWORK_BYTES_PER_S if across else NVLINK_BYTES_PER_S) for b, across in parts)
     bubble = (par.pp - 1) / (m * v + par.pp - 1) if par.pp > 1 else 0.0

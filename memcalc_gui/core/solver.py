@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import heapq
+import math
 from bisect import bisect_right
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any, Final
 
-from .distributed import PREFERENCE, closest_offload
+from .distributed import PREFERENCE, Parallelism, closest_offload
 from .errors import InputError
 from .ledger import Estimate
 from .setup import LIMITS, TrainingSetup
@@ -702,6 +703,12 @@ def _every_lever_counts(setup: TrainingSetup, estimator: Estimator, combo: tuple
     return True
 
 
+def model_parallel_group(par: Parallelism) -> int:
+    """The GPUs a layout's count comes in multiples of: its tensor-, pipeline- and context-parallel group, as many of
+    them as split the experts (``ep`` GPUs of a stage's data- and tensor-parallel ones: transformers' layout)."""
+    return par.pp * par.cp * math.lcm(par.tp, par.ep) if par.ep > 1 else par.tp * par.pp * par.cp
+
+
 def _fewest_gpus(setup: TrainingSetup, estimator: Estimator, capacity: int, limit: int = 0) -> int | None:
     """The fewest GPUs (at most ``limit``, default :data:`MAX_GPUS`) with which ``setup``'s layout fits: one
     model-parallel group without replicas (no gradient buckets), or from two replicas on, where per-GPU memory never
@@ -709,8 +716,8 @@ def _fewest_gpus(setup: TrainingSetup, estimator: Estimator, capacity: int, limi
     limit = min(limit or MAX_GPUS, MAX_GPUS)
     par = setup.parallel
     # GPU counts come in whole model-parallel groups, and in as many of them as split the experts (expert
-    # parallelism needs a data-parallel count it divides): then more groups never need more memory per GPU
-    group = par.tp * par.pp * par.cp * par.ep
+    # parallelism needs a stage's GPUs a count it divides): then more groups never need more memory per GPU
+    group = model_parallel_group(par)
     groups = limit // group
     if groups < 1:
         return None
@@ -794,8 +801,8 @@ def gpu_plan(setup: TrainingSetup, estimator: Estimator) -> GpuPlan | None:
 
     par = setup.parallel
     # GPU counts come in whole model-parallel groups, and in as many of them as split the experts (expert
-    # parallelism needs a data-parallel count it divides): then more groups never need more memory per GPU
-    group = par.tp * par.pp * par.cp * par.ep
+    # parallelism needs a stage's GPUs a count it divides): then more groups never need more memory per GPU
+    group = model_parallel_group(par)
     mins: dict[str, int | None] = {}
     for strategy in PREFERENCE:
         top = MAX_GPUS // group

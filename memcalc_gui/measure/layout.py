@@ -103,9 +103,9 @@ def refusal(setup: TrainingSetup) -> str:
                 "or fsdp2, or estimate it")
     if par.offload != "none":
         return "offload is not run in a real multi-rank step; estimate it, or measure without --offload"
-    if par.ep > 1 and (par.strategy != "fsdp2" or par.tp > 1):
-        return ("expert parallelism is measured for real under FSDP2 without tensor parallelism (transformers' expert "
-                "layout, as the trace runs it); --method trace runs its other layouts per rank")
+    if par.ep > 1 and par.strategy != "fsdp2":
+        return ("expert parallelism is measured for real under FSDP2 (transformers' expert layout, as the trace runs "
+                "it); --method trace runs its other layouts per rank")
     if setup.tuning.method != "full" and (par.pp > 1 or par.tp > 1 or par.cp > 1 or par.strategy == "fsdp2"):
         return ("fine-tuning beside FSDP2 or model parallelism is not run in a real multi-rank step; DDP measures it, "
                 "the others estimate it")
@@ -227,7 +227,7 @@ def rank_job(setup: TrainingSetup) -> RankJob:
     if par.strategy == "ddp" and par.tp == 1 and par.cp == 1:
         return RankJob("ddp", world, None, config, (0,) * world, tuple(notes))
     if par.ep > 1:  # transformers' expert layout, FSDP2 over each expert's copies (trace.ranks.RankLayout)
-        return RankJob("ranks", world, RankLayout(dp_shard=par.dp, ep=par.ep,
+        return RankJob("ranks", world, RankLayout(dp_shard=par.dp, tp=par.tp, ep=par.ep,
                                                   reshard_after_forward=par.reshard_after_forward),
                        config, (0,) * world, tuple(notes))
     if par.strategy == "fsdp2" and par.tp == 1 and par.cp == 1:

@@ -353,8 +353,10 @@ def trace_estimate(
            "(transformers' expert-parallel plan and all-to-all, on the fake process group), balanced routing"]
           if setup.parallel.ep > 1 else []),
         *([f"Traced one rank of a {setup.parallel.tp}-way tensor-parallel group with transformers' plan for "
-           f"{cfg.get('model_type')} (PyTorch's column- and row-wise styles, transformers' own for the experts), on "
-           "the fake process group"] if setup.parallel.tp > 1 and setup.model is None else []),
+           f"{cfg.get('model_type')} (PyTorch's column- and row-wise styles, "
+           + ("the experts whole beside expert parallelism" if setup.parallel.ep > 1 else
+              "transformers' own for the experts") + "), on the fake process group"]
+          if setup.parallel.tp > 1 and setup.model is None else []),
         *([f"Traced pipeline rank {pipe_rank + 1} of {setup.parallel.pp} ("
            + ("the analytic ledger's most loaded" if len(pipe_ranks) == 1 else
               "the most loaded of ranks " + ", ".join(str(r + 1) for r in pipe_ranks) + ", each traced")
@@ -402,7 +404,8 @@ def _rank_rules(cfg: dict[str, Any], setup: TrainingSetup) -> tuple[tuple[str, .
     from .meta import structure_on_meta
     from .ranks import tensor_parallel_config
 
-    st = structure_on_meta(tensor_parallel_config(cfg, setup.parallel.tp) if setup.parallel.tp > 1 else cfg)
+    par = setup.parallel
+    st = structure_on_meta(tensor_parallel_config(cfg, par.tp, experts_whole=par.ep > 1) if par.tp > 1 else cfg)
     if setup.parallel.ep == 1:  # context parallelism shards the states with the data-parallel ranks (core.context)
         states = model_states(dataclasses.replace(setup.parallel, cp=1), st["num_params"], st["layer_params"],
                               setup.precision, 0, 0, 0, st["root_unit"])

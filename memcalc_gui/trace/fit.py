@@ -338,7 +338,8 @@ def calibrate(config: dict[str, Any], setup: TrainingSetup, num_params: int,
     if setup.parallel.tp > 1:  # one tensor-parallel rank: the narrower model transformers' plan makes of it
         from .ranks import tensor_parallel_config
 
-        cfg = tensor_parallel_config(cfg, setup.parallel.tp)
+        # (beside expert parallelism the routed experts run whole, transformers' plan: experts_whole)
+        cfg = tensor_parallel_config(cfg, setup.parallel.tp, experts_whole=setup.parallel.ep > 1)
     layers = next((int(cfg[k]) for k in ("num_hidden_layers", "n_layer", "num_layers")
                    if isinstance(cfg.get(k), int)), 0)
     if setup.parallel.pp > 1:  # a fit per checked rank, its layers a stage-chunk's

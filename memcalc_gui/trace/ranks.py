@@ -82,9 +82,10 @@ class RankLayout:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 4096:
                 raise InputError(name, f"must be an integer from 1 to 4096, got {value!r}")
-        if self.ep > 1 and self.tp > 1:  # transformers slices the tokens over tp before dispatch: not checked
-            raise InputError("ep", "expert beside tensor parallelism is not traced; the formulas do not model it "
-                                   "either")
+        if self.ep > 1 and self.tp > 1 and self.ep % self.tp:
+            raise InputError("ep", f"expert parallelism beside tensor parallelism needs ep a multiple of tp "
+                                   f"(transformers' DistributedConfig: a tensor-parallel group's ranks hold experts of "
+                                   f"one expert-parallel group), got ep {self.ep}, tp {self.tp}")
         if self.cp > 1 and self.ep > 1:
             raise InputError("cp", "context beside expert parallelism is not traced")
         if not isinstance(self.sp, bool) or (self.sp and self.tp == 1):
@@ -110,10 +111,12 @@ class RankLayout:
         return self.dp_replicate * self.dp_shard * self.cp * self.tp
 
 
-def tensor_parallel_config(config: dict[str, Any], tp: int, vocab: bool = False) -> dict[str, Any]:
+def tensor_parallel_config(config: dict[str, Any], tp: int, vocab: bool = False,
+                           experts_whole: bool = False) -> dict[str, Any]:
     """The config of the model one rank of a ``tp``-way group runs (``core.layout``: a tp-th of the heads, key/value
     heads and MLP features at the same head size; ``vocab``: a tp-th of the vocabulary), for families whose config
-    takes ``head_dim``."""
+    takes ``head_dim``. ``experts_whole``: the routed experts keep their width, as beside expert parallelism
+    (:func:`without_expert_rules`)."""
     from ..core.errors import UnsupportedFamilyError
     from ..core.layout import check_tensor_parallel
     from ..core.model import spec_from_config
@@ -121,7 +124,7 @@ def tensor_parallel_config(config: dict[str, Any], tp: int, vocab: bool = False)
     try:
         spec = spec_from_config(config)
     except UnsupportedFamilyError:  # a family without a block model (a mixture of experts): from its config
-        return _narrower_config(config, tp)
+        return _narrower_config(config, tp, experts_whole)
     check_tensor_parallel(spec, tp)
     if spec.family not in ("llama", "mistral", "qwen2", "qwen3", "gemma"):
         raise InputError("tp", f"the narrower-model trace of a tensor-parallel rank needs a config with head_dim; "
@@ -133,7 +136,7 @@ def tensor_parallel_config(config: dict[str, Any], tp: int, vocab: bool = False)
 
 
 
-def _narrower_config(config: dict[str, Any], tp: int) -> dict[str, Any]:
+def _narrower_config(config: dict[str, Any], tp: int, experts_whole: bool = False) -> dict[str, Any]:
     """The rank's config of a family without a block model: a tp-th of the heads, key/value heads and every width
     transformers' plan splits, at the same head size. Equal to the rank transformers' plan makes, byte for byte
     (tests/test_expert.py), for the families whose plan holds only the styles this trace applies."""
@@ -141,6 +144,8 @@ def _narrower_config(config: dict[str, Any], tp: int) -> dict[str, Any]:
     from .meta import auto_config
 
     plan = tp_plan(config)  # a plan of styles the narrower model stands for, or InputError
+    if experts_whole:
+        plan = without_expert_rules(config, plan)
     model_type, kwargs = transformers_kwargs(config)
     full = auto_config(model_type, kwargs)
     heads = int(full.num_attention_heads)
@@ -192,6 +197,19 @@ def tp_plan(config: dict[str, Any]) -> dict[str, str]:
     if not out:
         raise InputError("tp", f"transformers has no tensor-parallel plan for {model_type}")
     return out
+
+
+def without_expert_rules(config: dict[str, Any], plan: dict[str, str]) -> dict[str, str]:
+    """``plan`` (:func:`tp_plan`) less the rules on the modules the family's expert-parallel plan splits and their
+    children, as transformers resolves a tensor- beside an expert-parallel plan: the routed experts run whole on their
+    GPU (Megatron-LM's expert tensor parallelism of 1), the rest of the layer split over the tensor-parallel GPUs."""
+    from ..core.configfile import transformers_kwargs
+    from .meta import auto_config
+
+    model_type, kwargs = transformers_kwargs(config)
+    experts = [k.removeprefix("layers.*.") for k in getattr(auto_config(model_type, kwargs), "base_model_ep_plan",
+                                                                   None) or {}]
+    return {k: v for k, v in plan.items() if not any(k == e or k.startswith(e + ".") for e in experts)}
 
 
 def process_group(kind: str, world: int, rank: int = 0) -> contextlib.AbstractContextManager[None]:
@@ -262,6 +280,8 @@ def parallelizer(config: dict[str, Any], layout: RankLayout, precision: str, mes
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     plan = tp_plan(config) if layout.tp > 1 else {}
+    if layout.ep > 1:  # transformers' rule: a module with an expert-parallel rule keeps no tensor-parallel one
+        plan = without_expert_rules(config, plan)
     sharded_context = layout.cp > 1 and not layout.replicate_context
     dp_mesh = mesh["dp_shard", "cp"]._flatten("dp_shard_cp") if sharded_context else mesh["dp_shard"]
     tp_mesh, replicas = mesh["tp"], mesh["dp_replicate"]
@@ -274,13 +294,13 @@ def parallelizer(config: dict[str, Any], layout: RankLayout, precision: str, mes
 
     def apply(model: Any) -> None:
         layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+        experts: list[Any] = []
+        if layout.ep > 1:  # first: the tensor-parallel split makes every parameter left whole a replicated DTensor
+            experts = _split_experts(model, experts_mesh["ep"], tp_mesh)
         if plan:
             split_tensor_parallel(model, plan, tp_mesh, sequence=layout.sp, vocab=layout.loss_parallel)
-        experts: list[Any] = []
-        if layout.ep > 1:
-            experts = _split_experts(model, experts_mesh["ep"], tp_mesh)
-            if layout.fsdp_ranks == 1:
-                _replicate_the_rest(model, replicas)  # one kind of parameter for the optimizer, as FSDP2 makes it
+        elif layout.ep > 1 and layout.fsdp_ranks == 1:
+            _replicate_the_rest(model, replicas)  # one kind of parameter for the optimizer, as FSDP2 makes it
         if layout.fsdp_ranks > 1:
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
                 if precision == "mixed" else MixedPrecisionPolicy()
