@@ -384,21 +384,26 @@ def test_expert_beside_tensor_parallelism_runs_the_experts_whole_on_their_gpus()
     assert _ep_degrees(shape, dp=2, tp=4) == (1, 4, 8)
 
 
-def test_the_fitted_rank_of_expert_beside_tensor_parallelism_is_the_traced_one() -> None:
-    """FSDP2 over 8 GPUs, tp 2, the experts over 4: the rank fit (fully_shard, transformers' tensor- and
-    expert-parallel plans on the fake process group) equals ``--method trace`` at a shape it did not trace, within 1 %
-    (0.6 % measured); before it is calibrated the one-replica fit answers by rule, an upper bound: its trace runs every
-    token through the experts, each tensor-parallel GPU runs half of them (+6 to +17 % on this toy), and it says so."""
+@pytest.mark.parametrize(("gpus", "ep", "strategy", "precision", "ckpt"), [
+    (8, 4, "fsdp2", "mixed", "full"), (4, 2, "ddp", "fp32", "none")])
+def test_the_fitted_rank_of_expert_beside_tensor_parallelism_is_the_traced_one(gpus: int, ep: int, strategy: str,
+                                                                               precision: str, ckpt: str) -> None:
+    """tp 2 with the experts over ep of the GPUs, under FSDP2 and DDP: the rank fit (transformers' tensor- and
+    expert-parallel plans on the fake process group, fully_shard under FSDP2, DDP's buckets by rule) equals
+    ``--method trace`` at a shape it did not trace, within 1 % (0.6 % measured); before it is calibrated the
+    one-replica fit answers by rule, an upper bound: its trace runs every token through the experts, where each
+    tensor-parallel GPU runs half of them (+4 to +22 % on this toy), and it says so."""
     from memcalc_gui.core.fitted import estimate_fitted
     from memcalc_gui.trace.fake import trace_estimate
     from memcalc_gui.trace.fit import calibrate
 
-    setup = TrainingSetup(params=count_params_on_meta(MIXTRAL), batch=2, seq=64, precision="mixed",
-                          checkpointing="full", target_device="cpu",
-                          parallel=Parallelism(gpus=8, tp=2, ep=4, strategy="fsdp2"))
+    setup = TrainingSetup(params=count_params_on_meta(MIXTRAL), batch=2, seq=64, precision=precision,  # type: ignore
+                          checkpointing=ckpt, target_device="cpu",  # type: ignore[arg-type]
+                          parallel=Parallelism(gpus=gpus, tp=2, ep=ep, strategy=strategy))  # type: ignore[arg-type]
     fit = calibrate(MIXTRAL, setup, setup.params or 0)
     assert fit.rank is not None and fit.rank.signature["ranks"]["tp"] == 2
     ranked = estimate_fitted(setup, fit)
+    assert ranked.details["rank_fit"]
     rule = estimate_fitted(setup, calibrate(MIXTRAL, setup, setup.params or 0, rank=False))
     assert any("experts' activations are a bound" in n for n in rule.details["parallel_notes"])
     traced = trace_estimate(setup, MIXTRAL).estimate

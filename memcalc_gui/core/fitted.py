@@ -117,9 +117,14 @@ def rank_layout(setup: TrainingSetup) -> dict[str, Any] | None:
     one-replica fit calibrates the narrower model that stands for it). ``None`` for a layout the rank fit does not
     run (context, sequence or loss parallelism, offload, adapters): the rule stands there."""
     par = setup.parallel
-    if par.strategy != "fsdp2" or par.pp > 1 or par.gpus < 2 or par.cp > 1 or par.sp or par.loss_parallel \
-            or par.offload != "none" or setup.tuning.method != "full":
+    # DDP's rank too where the rule is only a bound: expert beside tensor parallelism, whose one-replica trace runs
+    # every token through the experts (each GPU of a tensor-parallel group runs its share)
+    ddp = par.strategy == "ddp" and par.tp > 1 and par.ep > 1
+    if not (par.strategy == "fsdp2" or ddp) or par.pp > 1 or par.gpus < 2 or par.cp > 1 or par.sp \
+            or par.loss_parallel or par.offload != "none" or setup.tuning.method != "full":
         return None
+    if ddp:
+        return {"dp_replicate": par.dp, "tp": par.tp, "ep": par.ep}
     return {"dp_shard": par.dp, "tp": par.tp, "ep": par.ep, "reshard_after_forward": par.reshard_after_forward}
 
 
@@ -441,17 +446,26 @@ def _rank_fitted(setup: TrainingSetup, fit: FitModel) -> Estimate:
     """The ledger of one rank of ``setup``'s FSDP2 layout from its own fit (:func:`rank_layout`): the moments as
     traced, nothing laid out by rule."""
     par = setup.parallel
+    # DDP's buckets, what the traced rank does not run: every gradient once more, from the moment DDP wraps the model
+    buckets = fit.peak("optimizer_step", 1, 1).get("gradients", 0) if par.strategy == "ddp" else 0
+
+    def with_buckets(_phase: str, comp: dict[str, float]) -> dict[str, float]:
+        return {**comp, "gradients": comp.get("gradients", 0.0) + buckets}
+
     phases = {}
     for phase in PHASES:
-        objects = fit.peak(phase, setup.batch, setup.seq, setup.grad_accum > 1)
+        objects = fit.peak(phase, setup.batch, setup.seq, setup.grad_accum > 1, with_buckets if buckets else None)
         phases[phase] = with_overheads(_resident(objects) if phase == "load" else objects, phase, setup)
     worst = max((v for k, v in fit.checked.items() if k in PHASES), default=0.0)
-    sharded = par.dp > 1
-    notes = ((f"FSDP2 as PyTorch runs it: fully_shard over {par.dp} data-parallel GPUs (each decoder layer a unit, "
-              "the root the rest; torchtitan's wrapping) on the fake process group"
-              + ("" if par.reshard_after_forward else ", not resharded after forward")
-              if sharded else "One data-parallel GPU: FSDP2 has nothing to shard and is not applied (as torchtitan "
-                              "skips it); one rank traced on the fake process group")
+    sharded = par.dp > 1 and par.strategy == "fsdp2"
+    ddp = (f"DDP over {par.dp} replicas, one rank traced on the fake process group; DDP's buckets (every gradient "
+           "once more) added by its rule" if par.strategy == "ddp" else "")
+    fsdp2 = (f"FSDP2 as PyTorch runs it: fully_shard over {par.dp} data-parallel GPUs (each decoder layer a unit, "
+             "the root the rest; torchtitan's wrapping) on the fake process group"
+             + ("" if par.reshard_after_forward else ", not resharded after forward")
+             if sharded else "One data-parallel GPU: FSDP2 has nothing to shard and is not applied (as torchtitan "
+                             "skips it); one rank traced on the fake process group")
+    notes = ((ddp or fsdp2)
              + (f", each layer split over {par.tp} tensor-parallel GPUs by transformers' plan" if par.tp > 1 else "")
              + (f", the routed experts split over {par.ep} GPUs (transformers' expert-parallel plan and all-to-all, "
                 "balanced routing: every GPU's experts get their share of the tokens"

@@ -104,12 +104,13 @@ def _trace(cfg: dict[str, Any], layers: int, b: int, s: int, setup: TrainingSetu
 
     par = setup.parallel
     if sharded:
+        from ..core.fitted import rank_layout
         from .ranks import RankLayout, trace_rank
 
         return trace_rank(
-            with_layers(cfg, layers), RankLayout(dp_shard=par.dp, tp=par.tp, ep=par.ep,
-                                                 reshard_after_forward=par.reshard_after_forward),
-            batch=b, seq=s, precision=setup.precision,  # FSDP2's MixedPrecisionPolicy in the trace itself
+            with_layers(cfg, layers), RankLayout(**rank_layout(setup) or {}),
+            # FSDP2's MixedPrecisionPolicy in the trace itself (DDP's rank: autocast, as one GPU runs it)
+            batch=b, seq=s, precision=setup.precision,
             optimizer=setup.optimizer, optimizer_impl=setup.optimizer_impl, attention=setup.attention,
             checkpointing=setup.checkpointing, use_cache=setup.use_cache, grad_accum=TRACED_MICRO_BATCHES,
             iterations=2, fake=True, keep_tracker=True, loss=setup.loss, loss_chunk=setup.loss_chunk,
