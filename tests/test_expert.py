@@ -380,6 +380,14 @@ def test_expert_beside_tensor_parallelism_runs_the_experts_whole_on_their_gpus()
     assert model_parallel_group(Parallelism(gpus=8, ep=8)) == 8
     shape = ModelShape(num_params=whole["num_params"], num_layers=4, hidden_size=128, num_experts=8,
                        expert_params=whole["expert_params"], top_k=2)
+    # Megatron-Core's layout with an expert tensor parallelism of 1: the distributed optimizer shards the dense part
+    # over the data-parallel GPUs and each expert over its copies, the world / (ep × pp): 16 / 8 = 2 here
+    par = Parallelism(gpus=16, tp=2, ep=8, strategy="megatron-distopt")
+    states = expert_parallel_states(par, narrow["num_params"], narrow["expert_params"], 0, 0, "mixed",
+                                    8 * narrow["num_params"], 0, 0, narrow["root_unit"])
+    dense = narrow["num_params"] - narrow["expert_params"]
+    assert states.parameters["backward"] + states.gradients["backward"] + states.optimizer_state == pytest.approx(
+        dense * (6 + 12 / 8) + narrow["expert_params"] / 8 * (6 + 12 / 2), rel=1e-6)
     assert _ep_degrees(shape, dp=4, tp=2) == (1, 2, 4, 8)  # of the 8 GPUs of one replica
     assert _ep_degrees(shape, dp=2, tp=4) == (1, 4, 8)
 
