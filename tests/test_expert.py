@@ -3,6 +3,7 @@ group, the per-GPU formulas against it, and the weights and optimizer bytes agai
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -419,6 +420,20 @@ def test_the_fitted_rank_of_expert_beside_tensor_parallelism_is_the_traced_one(g
         want = traced.phases[p].tensor_bytes
         assert ranked.phases[p].tensor_bytes == pytest.approx(want, rel=0.01), p
         assert rule.phases[p].tensor_bytes >= 0.99 * want, p
+    if strategy != "ddp":
+        return
+    # ZeRO-2, which is not traced: the same rank's activations and temporaries (from DDP's calibration, the same
+    # signature), its model states by DeepSpeed's rule as the one-replica answer lays them
+    zero2 = setup.with_changes(parallel=dataclasses.replace(setup.parallel, strategy="zero2"))
+    both = estimate_fitted(zero2, calibrate(MIXTRAL, zero2, setup.params or 0, cached_only=True))
+    alone = estimate_fitted(zero2, calibrate(MIXTRAL, zero2, setup.params or 0, rank=False))
+    assert any("one traced rank of the layout" in n for n in both.details["parallel_notes"])
+    for p in ("forward", "backward"):
+        for obj in ("activations", "temporaries"):
+            assert both.phases[p].objects.get(obj, 0) == ranked.phases[p].objects.get(obj, 0), (p, obj)
+        assert both.phases[p].tensor_bytes < alone.phases[p].tensor_bytes
+    for p in ("load", "optimizer_step"):
+        assert both.phases[p].objects == alone.phases[p].objects
 
 
 def test_a_real_step_of_expert_beside_tensor_parallelism_matches_the_trace() -> None:

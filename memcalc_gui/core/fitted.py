@@ -117,9 +117,10 @@ def rank_layout(setup: TrainingSetup) -> dict[str, Any] | None:
     one-replica fit calibrates the narrower model that stands for it). ``None`` for a layout the rank fit does not
     run (context, sequence or loss parallelism, offload, adapters): the rule stands there."""
     par = setup.parallel
-    # DDP's rank too where the rule is only a bound: expert beside tensor parallelism, whose one-replica trace runs
-    # every token through the experts (each GPU of a tensor-parallel group runs its share)
-    ddp = par.strategy == "ddp" and par.tp > 1 and par.ep > 1
+    # the rank of the replicated layout where the one-replica rule's activations are only a bound: expert beside tensor
+    # parallelism, whose one-replica trace runs every token through the experts (each GPU of a tensor-parallel group
+    # runs its share). DDP's ledger is that rank's; the strategies not traced lay their states over its activations
+    ddp = par.strategy != "fsdp2" and par.tp > 1 and par.ep > 1
     if not (par.strategy == "fsdp2" or ddp) or par.pp > 1 or par.gpus < 2 or par.cp > 1 or par.sp \
             or par.loss_parallel or par.offload != "none" or setup.tuning.method != "full":
         return None
@@ -303,9 +304,10 @@ def _poly(values: Any) -> Poly:
     return a, b, c, d, e, f
 
 
-def per_gpu_states(setup: TrainingSetup, fit: FitModel) -> tuple[Transform, ModelStates]:
+def per_gpu_states(setup: TrainingSetup, fit: FitModel, traced_rank: bool = False) -> tuple[Transform, ModelStates]:
     """The strategy's per-GPU model states for a fitted model, and the transform that puts them into each traced
-    moment (the activations and temporaries of one micro-batch stay as traced).
+    moment (the activations and temporaries of one micro-batch stay as traced). ``traced_rank``: the moments are
+    those of a traced rank of the layout (:func:`rank_layout`), whose all-to-all buffers are traced where they live.
 
     The single-GPU optimizer state, step temporaries and autocast copies are read off the fit itself; the unit
     sizes (largest decoder layer, largest module, root unit) come from the full-size model on the meta device.
@@ -334,7 +336,7 @@ def per_gpu_states(setup: TrainingSetup, fit: FitModel) -> tuple[Transform, Mode
             st["largest_dense_module"] if zero3 else st["layer_params"] - st["layer_expert_params"],
             st["largest_expert_module"] if zero3 else st["layer_expert_params"], setup.precision, state, temps,
             copies, st["root_unit"], st["num_experts"])
-        if par.ep > 1:
+        if par.ep > 1 and not traced_rank:
             # the all-to-all dispatch and combine buffers of one MoE layer: every token's top-k hidden states out
             # and back, balanced routing (transformers', torchtitan's and Megatron-LM's token dispatchers)
             a_bytes = 4 if setup.precision == "fp32" else 2
@@ -403,13 +405,22 @@ def estimate_fitted(setup: TrainingSetup, fit: FitModel) -> Estimate:
                           "runs, until that is calibrated",)
     if setup.parallel.pp > 1:
         return _pipeline_fitted(setup, fit)
-    if fit.rank is not None and fit.rank.signature == rank_signature(setup):
+    ranked = fit.rank is not None and fit.rank.signature == rank_signature(setup)
+    if ranked and setup.parallel.strategy in ("fsdp2", "ddp"):
+        assert fit.rank is not None
         return _rank_fitted(setup, fit.rank)
+    # a strategy not traced (ZeRO, FSDP1, Megatron-LM's) beside expert and tensor parallelism: the activations of the
+    # layout's traced rank (replicated, as DDP's), its model states by the strategy's rule
+    source = fit.rank if ranked and fit.rank is not None else fit
     host_bytes = 0
     if setup.parallel.is_distributed:
-        transform, states = per_gpu_states(setup, fit)
+        transform, states = per_gpu_states(setup, fit, traced_rank=ranked)
         parallel_notes, host_bytes = parallel_notes + states.notes, states.host_bytes
-        if setup.parallel.ep > 1:
+        if ranked:
+            parallel_notes += ("The activations and temporaries of one traced rank of the layout (transformers' "
+                               "tensor- and expert-parallel plans on the fake process group, balanced routing), the "
+                               "model states laid over them by the strategy's rule",)
+        elif setup.parallel.ep > 1:
             parallel_notes += ("Expert parallelism assumes balanced routing: every GPU's experts get their share of "
                                "the tokens. One MoE layer's all-to-all dispatch and combine buffers (tokens × top-k "
                                "× hidden, each way) are counted at the peaks, a small bound: traced, they live "
@@ -423,11 +434,11 @@ def estimate_fitted(setup: TrainingSetup, fit: FitModel) -> Estimate:
                                       "--method trace runs the rank itself"),)
     phases = {}
     for phase in PHASES:
-        objects = fit.peak(phase, setup.batch, setup.seq, setup.grad_accum > 1, transform)
+        objects = source.peak(phase, setup.batch, setup.seq, setup.grad_accum > 1, transform)
         if phase == "load":  # the model, and DDP's buckets made as it wraps the model
             objects = _resident(objects)
         phases[phase] = with_overheads(objects, phase, setup)
-    worst = max((v for k, v in fit.checked.items() if k in PHASES), default=0.0)
+    worst = max((v for k, v in source.checked.items() if k in PHASES), default=0.0)
     assumptions = (
         f"Fitted from fake-tensor traces of the real {fit.model_type} model (transformers) at "
         f"{' and '.join(str(k) for k in fit.layers)} layers: every moment's live bytes as "

@@ -109,8 +109,9 @@ def _trace(cfg: dict[str, Any], layers: int, b: int, s: int, setup: TrainingSetu
 
         return trace_rank(
             with_layers(cfg, layers), RankLayout(**rank_layout(setup) or {}),
-            # FSDP2's MixedPrecisionPolicy in the trace itself (DDP's rank: autocast, as one GPU runs it)
-            batch=b, seq=s, precision=setup.precision,
+            # FSDP2's MixedPrecisionPolicy in the trace itself; a replicated rank computes as one GPU does (autocast,
+            # or bf16 for the strategies that compute in it)
+            batch=b, seq=s, precision=setup.precision if par.strategy == "fsdp2" else traced_precision(setup),
             optimizer=setup.optimizer, optimizer_impl=setup.optimizer_impl, attention=setup.attention,
             checkpointing=setup.checkpointing, use_cache=setup.use_cache, grad_accum=TRACED_MICRO_BATCHES,
             iterations=2, fake=True, keep_tracker=True, loss=setup.loss, loss_chunk=setup.loss_chunk,
