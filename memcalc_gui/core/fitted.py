@@ -453,12 +453,24 @@ def estimate_fitted(setup: TrainingSetup, fit: FitModel) -> Estimate:
                              "parallel_notes": parallel_notes})
 
 
+def _ddp_buckets(setup: TrainingSetup, fit: FitModel) -> float:
+    """DDP's buckets beside a traced rank (which does not run DDP): every gradient once more, from the moment DDP
+    wraps the model, of what has replicas to reduce with; the routed experts' share (whole, 1/ep of them: the rank's
+    weights at load tell the rest) only where other GPUs hold the same ones (distributed.expert_parallel_states)."""
+    par = setup.parallel
+    grads = fit.peak("optimizer_step", 1, 1).get("gradients", 0)
+    weights = sum(fit.peak("load", 1, 1).values())
+    per_param = 2 if setup.precision == "bf16" else 4
+    experts = min(1.0, fit.structure.get("expert_params", 0) // par.ep * per_param / weights) if weights else 0.0
+    copies = par.dp * par.tp // par.ep
+    return grads * ((1 - experts) * (par.dp > 1) + experts * (copies > 1))
+
+
 def _rank_fitted(setup: TrainingSetup, fit: FitModel) -> Estimate:
     """The ledger of one rank of ``setup``'s FSDP2 layout from its own fit (:func:`rank_layout`): the moments as
     traced, nothing laid out by rule."""
     par = setup.parallel
-    # DDP's buckets, what the traced rank does not run: every gradient once more, from the moment DDP wraps the model
-    buckets = fit.peak("optimizer_step", 1, 1).get("gradients", 0) if par.strategy == "ddp" else 0
+    buckets = _ddp_buckets(setup, fit) if par.strategy == "ddp" else 0
 
     def with_buckets(_phase: str, comp: dict[str, float]) -> dict[str, float]:
         return {**comp, "gradients": comp.get("gradients", 0.0) + buckets}

@@ -534,7 +534,8 @@ def _calibrate(cfg: dict[str, Any], setup: TrainingSetup, num_params: int, model
                                   stages=stages)
     elif sharded:
         def on_rank(text: str) -> None:
-            say(f"one rank of FSDP2 over {setup.parallel.dp}: {text}")
+            over = "FSDP2" if setup.parallel.strategy == "fsdp2" else "the replicas"
+            say(f"one rank of {over} over {setup.parallel.dp}: {text}")
 
         fit = dataclasses.replace(_fit(cfg, setup, num_params, model_type, layers, counts, on_rank, sharded=True),
                                   calibration_s=time.perf_counter() - t0, structure=structure_on_meta(cfg))
