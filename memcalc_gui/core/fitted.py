@@ -113,18 +113,20 @@ def rank_layout(setup: TrainingSetup) -> dict[str, Any] | None:
     GPUs of one pipeline-free model, its routed experts split over ``ep`` of them, on the fake process group, as
     ``--method trace`` runs it. The rule of :func:`per_gpu_states` bounds FSDP2's gathered units by the root unit and
     two layers, up to 20 % over the traced rank where they weigh as much as the activations (bench/expert.py);
-    the traced rank needs no rule. With tensor parallelism the rank runs transformers' plan on the whole model (the
+    the traced rank needs no rule. Beside expert and tensor parallelism, under the other strategies, the rank of the
+    replicated layout (``dp_replicate``): DDP's ledger with its buckets by rule, and the activations the strategies
+    not traced lay their states over. With tensor parallelism the rank runs transformers' plan on the whole model (the
     one-replica fit calibrates the narrower model that stands for it). ``None`` for a layout the rank fit does not
     run (context, sequence or loss parallelism, offload, adapters): the rule stands there."""
     par = setup.parallel
     # the rank of the replicated layout where the one-replica rule's activations are only a bound: expert beside tensor
     # parallelism, whose one-replica trace runs every token through the experts (each GPU of a tensor-parallel group
     # runs its share). DDP's ledger is that rank's; the strategies not traced lay their states over its activations
-    ddp = par.strategy != "fsdp2" and par.tp > 1 and par.ep > 1
-    if not (par.strategy == "fsdp2" or ddp) or par.pp > 1 or par.gpus < 2 or par.cp > 1 or par.sp \
+    replicated = par.strategy != "fsdp2" and par.tp > 1 and par.ep > 1
+    if not (par.strategy == "fsdp2" or replicated) or par.pp > 1 or par.gpus < 2 or par.cp > 1 or par.sp \
             or par.loss_parallel or par.offload != "none" or setup.tuning.method != "full":
         return None
-    if ddp:
+    if replicated:
         return {"dp_replicate": par.dp, "tp": par.tp, "ep": par.ep}
     return {"dp_shard": par.dp, "tp": par.tp, "ep": par.ep, "reshard_after_forward": par.reshard_after_forward}
 
@@ -467,8 +469,8 @@ def _ddp_buckets(setup: TrainingSetup, fit: FitModel) -> float:
 
 
 def _rank_fitted(setup: TrainingSetup, fit: FitModel) -> Estimate:
-    """The ledger of one rank of ``setup``'s FSDP2 layout from its own fit (:func:`rank_layout`): the moments as
-    traced, nothing laid out by rule."""
+    """The ledger of one rank of ``setup``'s FSDP2 or DDP layout from its own fit (:func:`rank_layout`): the moments
+    as traced, nothing laid out by rule but DDP's buckets."""
     par = setup.parallel
     buckets = _ddp_buckets(setup, fit) if par.strategy == "ddp" else 0
 

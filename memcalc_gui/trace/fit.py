@@ -332,9 +332,9 @@ def calibrate(config: dict[str, Any], setup: TrainingSetup, num_params: int,
               progress: Callable[[str], None] | None = None, use_cache: bool = True,
               cached_only: bool = False, rank: bool = True) -> FitModel:
     """The fit of ``config`` for ``setup``'s signature: from the cache, or five small traces (a few seconds);
-    ``cached_only`` raises :class:`FitError` rather than tracing. Under an FSDP2 layout the fit of one of its ranks
-    comes with it (``FitModel.rank``; from the cache only when ``cached_only``); ``rank=False`` leaves it out (the
-    one-replica fit and its rule alone)."""
+    ``cached_only`` raises :class:`FitError` rather than tracing. Under an FSDP2 layout (and beside expert and
+    tensor parallelism) the fit of one of its ranks comes with it (``FitModel.rank``; from the cache only when
+    ``cached_only``); ``rank=False`` leaves it out (the one-replica fit and its rule alone)."""
     model_type, kwargs = transformers_kwargs(config)
     cfg = whole = {"model_type": model_type, **kwargs}
     if setup.parallel.tp > 1:  # one tensor-parallel rank: the narrower model transformers' plan makes of it
