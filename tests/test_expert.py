@@ -406,16 +406,17 @@ def test_the_fitted_rank_of_expert_beside_tensor_parallelism_is_the_traced_one(g
     from memcalc_gui.trace.fake import trace_estimate
     from memcalc_gui.trace.fit import calibrate
 
-    setup = TrainingSetup(params=count_params_on_meta(MIXTRAL), batch=2, seq=64, precision=precision,  # type: ignore
+    config = dict(MIXTRAL, num_hidden_layers=3)  # (three layers: a fit's calibration takes half of four's time)
+    setup = TrainingSetup(params=count_params_on_meta(config), batch=2, seq=64, precision=precision,  # type: ignore
                           checkpointing=ckpt, target_device="cpu",  # type: ignore[arg-type]
                           parallel=Parallelism(gpus=gpus, tp=2, ep=ep, strategy=strategy))  # type: ignore[arg-type]
-    fit = calibrate(MIXTRAL, setup, setup.params or 0)
+    fit = calibrate(config, setup, setup.params or 0)
     assert fit.rank is not None and fit.rank.signature["ranks"]["tp"] == 2
     ranked = estimate_fitted(setup, fit)
     assert ranked.details["rank_fit"]
-    rule = estimate_fitted(setup, calibrate(MIXTRAL, setup, setup.params or 0, rank=False))
+    rule = estimate_fitted(setup, calibrate(config, setup, setup.params or 0, rank=False))
     assert any("experts' activations are a bound" in n for n in rule.details["parallel_notes"])
-    traced = trace_estimate(setup, MIXTRAL).estimate
+    traced = trace_estimate(setup, config).estimate
     for p in PHASES:
         want = traced.phases[p].tensor_bytes
         assert ranked.phases[p].tensor_bytes == pytest.approx(want, rel=0.01), p
@@ -425,8 +426,8 @@ def test_the_fitted_rank_of_expert_beside_tensor_parallelism_is_the_traced_one(g
     # ZeRO-2, which is not traced: the same rank's activations and temporaries (from DDP's calibration, the same
     # signature), its model states by DeepSpeed's rule as the one-replica answer lays them
     zero2 = setup.with_changes(parallel=dataclasses.replace(setup.parallel, strategy="zero2"))
-    both = estimate_fitted(zero2, calibrate(MIXTRAL, zero2, setup.params or 0, cached_only=True))
-    alone = estimate_fitted(zero2, calibrate(MIXTRAL, zero2, setup.params or 0, rank=False))
+    both = estimate_fitted(zero2, calibrate(config, zero2, setup.params or 0, cached_only=True))
+    alone = estimate_fitted(zero2, calibrate(config, zero2, setup.params or 0, rank=False))
     assert any("one traced rank of the layout" in n for n in both.details["parallel_notes"])
     for p in ("forward", "backward"):
         for obj in ("activations", "temporaries"):
@@ -445,7 +446,9 @@ def test_a_real_step_of_expert_beside_tensor_parallelism_matches_the_trace() -> 
     kw = dict(STEP, precision="fp32", optimizer_impl="foreach", checkpointing="none")
     layout = RankLayout(dp_shard=2, tp=2, ep=2)
     fake = trace_rank(MIXTRAL, layout, **kw)
-    real = measure_sharded_step(MIXTRAL, world=4, strategy="ranks", layout=layout, **kw)
+    # three iterations: the optimizer step's peak is the lower of two steady ones (a gloo worker may free a buffer
+    # late inside one), the forward and backward the last one's (the router's tokens differ between them)
+    real = measure_sharded_step(MIXTRAL, world=4, strategy="ranks", layout=layout, iterations=3, **kw)
     for rank in real:  # (a real rank builds the model whole before sharding it: the weights it keeps)
         assert rank.phases["load"].live_bytes == pytest.approx(fake.phases["load"].live_bytes, rel=1e-3)
         assert rank.phases["optimizer_step"].peak_bytes == pytest.approx(fake.phases["optimizer_step"].peak_bytes,

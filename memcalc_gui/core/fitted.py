@@ -25,6 +25,7 @@ from .distributed import BF16_COMPUTE, ModelStates, check_experts, expert_parall
 from .errors import InputError
 from .layouts import MIN_GPUS_FOR, NOT_CALIBRATED, ModelShape, Search, search
 from .ledger import Estimate, with_overheads
+from .quick import precision_bytes
 from .result import Result
 from .setup import TrainingSetup, checkpoint_every
 from .solver import gpu_plan, solve
@@ -462,7 +463,7 @@ def _ddp_buckets(setup: TrainingSetup, fit: FitModel) -> float:
     par = setup.parallel
     grads = fit.peak("optimizer_step", 1, 1).get("gradients", 0)
     weights = sum(fit.peak("load", 1, 1).values())
-    per_param = 2 if setup.precision == "bf16" else 4
+    per_param = precision_bytes(setup)[0]  # the weights' bytes
     experts = min(1.0, fit.structure.get("expert_params", 0) // par.ep * per_param / weights) if weights else 0.0
     copies = par.dp * par.tp // par.ep
     return grads * ((1 - experts) * (par.dp > 1) + experts * (copies > 1))

@@ -167,7 +167,7 @@ def measure_training_step(
     premade: Any = None,
     pipeline: Callable[[Any], Any] | None = None,
     settle: Callable[[], None] | None = None,
-    settled: bool = False,
+    settled: bool | tuple[str, ...] = False,
 ) -> StepMeasurement:
     """Build the model from ``config`` and measure ``iterations`` training steps on CPU.
 
@@ -199,7 +199,8 @@ def measure_training_step(
     now and then inside the step). ``settled``: each phase's peak is its lowest over the steady iterations (the second
     on), not the last one's: a real rank's gloo worker threads free a finished collective's buffers a moment after
     the step lets go of them, now and then inside the next phase (seen once in about twenty 2-rank FSDP2 steps of a
-    small Mixtral, +9.5 % on one rank's optimizer step), while the steady iterations of a step otherwise agree.
+    small Mixtral, +9.5 % on one rank's optimizer step), while the steady iterations of a step otherwise agree. A
+    tuple of phases: those only (the others differ between iterations, as a router's tokens do).
     ``documents=n`` packs n documents into each row (``batch`` must be 1; padding-free packing as transformers'
     ``DataCollatorWithFlattening`` does it): ``position_ids`` restart at every document, from which transformers
     limits attention to each document. ``attention="flash"`` runs FlashAttention-2's variable-length attention as
@@ -892,7 +893,7 @@ def _summarize(
     n_params: int,
     live_end: list[int],
     round_to: int = 1,
-    settled: bool = False,
+    settled: bool | tuple[str, ...] = False,
 ) -> StepMeasurement:
     category_of, is_compute_copy = make_classifier(tracker)
 
@@ -920,7 +921,8 @@ def _summarize(
         """The iteration whose windows give ``ph``'s peak: the last, or (``settled``) the steady one lowest in it."""
         if ph == "load":
             return 0
-        steady = [r for r in records[1:] if ph in r.phase_peaks] if settled else []
+        steady = [r for r in records[1:] if ph in r.phase_peaks] \
+            if settled is True or (isinstance(settled, tuple) and ph in settled) else []
         if not steady:
             return iterations
         return min(reversed(steady), key=lambda r: r.phase_peaks[ph]).index

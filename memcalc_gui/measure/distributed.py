@@ -81,8 +81,10 @@ def _step(rank: int, world: int, kwargs: dict[str, Any], strategy: str, reshard_
 
     # gloo's workers let go of finished collectives' buffers at the barrier; a phase's peak is its lowest over the
     # steady iterations (a buffer they free late lands in one of them now and then), except where the iterations
-    # really differ: a router sends an expert-parallel rank other tokens as the weights change
-    kwargs = dict(kwargs, settle=dist.barrier, settled=getattr(layout, "ep", 1) == 1)
+    # really differ: a router sends an expert-parallel rank other tokens as the weights change (its optimizer step,
+    # which holds no tokens, is steady)
+    kwargs = dict(kwargs, settle=dist.barrier,
+                  settled=True if getattr(layout, "ep", 1) == 1 else ("optimizer_step",))
     if strategy == "fsdp2":
         return measure_training_step(**kwargs, parallelize=fsdp2_parallelize(kwargs["precision"],
                                                                              reshard_after_forward),
