@@ -120,16 +120,29 @@ def rank_layout(setup: TrainingSetup) -> dict[str, Any] | None:
     one-replica fit calibrates the narrower model that stands for it). ``None`` for a layout the rank fit does not
     run (context, sequence or loss parallelism, offload, adapters): the rule stands there."""
     par = setup.parallel
+    context = par.cp > 1
     # the rank of the replicated layout where the one-replica rule's activations are only a bound: expert beside tensor
     # parallelism, whose one-replica trace runs every token through the experts (each GPU of a tensor-parallel group
-    # runs its share). DDP's ledger is that rank's; the strategies not traced lay their states over its activations
-    replicated = par.strategy != "fsdp2" and par.tp > 1 and par.ep > 1
-    if not (par.strategy == "fsdp2" or replicated) or par.pp > 1 or par.gpus < 2 or par.cp > 1 or par.sp \
+    # runs its share), and context parallelism, whose ring attention the one-replica trace does not run. DDP's ledger
+    # is that rank's; the strategies not traced lay their states over its activations
+    replicated = par.strategy != "fsdp2" and ((par.tp > 1 and par.ep > 1) or context)
+    if not (par.strategy == "fsdp2" or replicated) or par.pp > 1 or par.gpus < 2 or par.sp \
             or par.loss_parallel or par.offload != "none" or setup.tuning.method != "full":
         return None
+    if context and (par.tp > 1 or par.cp not in CONTEXT_DEGREES):
+        return None
     if replicated:
+        if context:  # every context-parallel rank holds the model whole (the strategy shards over dp × cp)
+            return {"dp_replicate": par.dp, "cp": par.cp, "replicate_context": True}
         return {"dp_replicate": par.dp, "tp": par.tp, "ep": par.ep}
-    return {"dp_shard": par.dp, "tp": par.tp, "ep": par.ep, "reshard_after_forward": par.reshard_after_forward}
+    return {"dp_shard": par.dp, "tp": par.tp, "ep": par.ep, "reshard_after_forward": par.reshard_after_forward,
+            **({"cp": par.cp} if context else {})}  # FSDP2 over dp × cp, torchtitan's dp_shard_cp mesh
+
+
+#: The context-parallel degrees whose rank a fit traces: the calibration's sequences (64, 128 and 96 tokens,
+#: ``trace.fit.SHAPES`` and ``CHECK_SHAPE``) split into the 2·cp equal chunks of ring attention's balanced causal
+#: split (``context.check_ring``). Other degrees take the one-replica rule.
+CONTEXT_DEGREES = (2, 4, 8, 16)
 
 
 def rank_signature(setup: TrainingSetup) -> dict[str, Any] | None:
@@ -171,6 +184,9 @@ def pipeline_layout(setup: TrainingSetup) -> dict[str, Any]:
         raise InputError("ep", f"expert parallelism in a pipeline stage splits the experts over {par.ep} of the "
                                f"stage's {par.dp} data-parallel GPUs (Megatron-LM's and torchtitan's layout), "
                                "without tensor parallelism: ep must divide them")
+    if par.cp > 1:
+        raise InputError("cp", "context parallelism in the pipeline stages of a family without a block model is not "
+                               "fitted yet: its stages are traced without it")
     fsdp2 = par.strategy == "fsdp2"
     return {"pp": par.pp, "schedule": par.schedule, "virtual": par.virtual_stages,
             "microbatches": pipeline_microbatches(setup), "strategy": par.strategy,
@@ -314,8 +330,9 @@ def per_gpu_states(setup: TrainingSetup, fit: FitModel, traced_rank: bool = Fals
 
     The single-GPU optimizer state, step temporaries and autocast copies are read off the fit itself; the unit
     sizes (largest decoder layer, largest module, root unit) come from the full-size model on the meta device.
-    Rules as ``distributed.model_states`` (DeepSpeed's and FSDP's sharding) and ``analytic.per_gpu_ledger``."""
-    par = setup.parallel
+    Rules as ``distributed.model_states`` (DeepSpeed's and FSDP's sharding) and ``analytic.per_gpu_ledger``; context
+    parallelism shards the states over the data- and context-parallel GPUs together (``core.context``)."""
+    par = dataclasses.replace(setup.parallel, cp=1)  # the same GPUs: dp × cp of them share the states
     st = fit.structure
     if not all(k in st for k in STRUCTURE_KEYS):
         raise InputError("method", "this fit predates per-GPU budgets: calibrate again")
@@ -415,14 +432,26 @@ def estimate_fitted(setup: TrainingSetup, fit: FitModel) -> Estimate:
     # a strategy not traced (ZeRO, FSDP1, Megatron-LM's) beside expert and tensor parallelism: the activations of the
     # layout's traced rank (replicated, as DDP's), its model states by the strategy's rule
     source = fit.rank if ranked and fit.rank is not None else fit
+    cp = setup.parallel.cp
+    # a traced rank's fit is of the whole sequence (the rank runs its seq/cp tokens); one replica stands for a rank of
+    # the ring at seq/cp tokens
+    seq = setup.seq if ranked or cp == 1 else setup.seq // cp
     host_bytes = 0
     if setup.parallel.is_distributed:
         transform, states = per_gpu_states(setup, fit, traced_rank=ranked)
         parallel_notes, host_bytes = parallel_notes + states.notes, states.host_bytes
         if ranked:
-            parallel_notes += ("The activations and temporaries of one traced rank of the layout (transformers' "
-                               "tensor- and expert-parallel plans on the fake process group, balanced routing), the "
-                               "model states laid over them by the strategy's rule",)
+            plans = (f"PyTorch's ring attention over {cp} context-parallel GPUs, each its {setup.seq // cp:,} tokens "
+                     "of every sequence" if cp > 1 else
+                     "transformers' tensor- and expert-parallel plans, balanced routing")
+            parallel_notes += (f"The activations and temporaries of one traced rank of the layout ({plans}, on the "
+                               "fake process group), the model states laid over them by the strategy's rule",)
+        elif cp > 1:
+            parallel_notes += (f"Context parallelism over {cp} GPUs: one replica's step at {seq:,} tokens of each "
+                               "sequence stands for a rank of the ring, which also holds the key/value chunks ring "
+                               "attention gathers (a little more). "
+                               + ("The traced rank's fit replaces it once calibrated" if rank_layout(setup) is not None
+                                  else f"A rank of this layout is not traced ({_context_untraced(setup)})"),)
         elif setup.parallel.ep > 1:
             parallel_notes += ("Expert parallelism assumes balanced routing: every GPU's experts get their share of "
                                "the tokens. One MoE layer's all-to-all dispatch and combine buffers (tokens × top-k "
@@ -437,7 +466,7 @@ def estimate_fitted(setup: TrainingSetup, fit: FitModel) -> Estimate:
                                       "--method trace runs the rank itself"),)
     phases = {}
     for phase in PHASES:
-        objects = source.peak(phase, setup.batch, setup.seq, setup.grad_accum > 1, transform)
+        objects = source.peak(phase, setup.batch, seq, setup.grad_accum > 1, transform)
         if phase == "load":  # the model, and DDP's buckets made as it wraps the model
             objects = _resident(objects)
         phases[phase] = with_overheads(objects, phase, setup)
@@ -456,6 +485,17 @@ def estimate_fitted(setup: TrainingSetup, fit: FitModel) -> Estimate:
                              "parallel_notes": parallel_notes})
 
 
+def _context_untraced(setup: TrainingSetup) -> str:
+    """Why no rank of ``setup``'s context-parallel layout is traced for its fit (:func:`rank_layout`)."""
+    par = setup.parallel
+    if par.tp > 1:
+        return "context beside tensor parallelism of a family without a block model"
+    if par.cp not in CONTEXT_DEGREES:
+        return (f"the calibration's sequences split into 2·cp chunks for cp {', '.join(map(str, CONTEXT_DEGREES))}, "
+                f"not {par.cp}")
+    return "the traced rank runs without offload, sequence or loss parallelism, adapters or pipeline stages"
+
+
 def _ddp_buckets(setup: TrainingSetup, fit: FitModel) -> float:
     """DDP's buckets beside a traced rank (which does not run DDP): every gradient once more, from the moment DDP
     wraps the model, of what has replicas to reduce with; the routed experts' share (whole, 1/ep of them: the rank's
@@ -465,8 +505,9 @@ def _ddp_buckets(setup: TrainingSetup, fit: FitModel) -> float:
     weights = sum(fit.peak("load", 1, 1).values())
     per_param = precision_bytes(setup)[0]  # the weights' bytes
     experts = min(1.0, fit.structure.get("expert_params", 0) // par.ep * per_param / weights) if weights else 0.0
-    copies = par.dp * par.tp // par.ep
-    return grads * ((1 - experts) * (par.dp > 1) + experts * (copies > 1))
+    replicas = par.dp * par.cp  # the context-parallel ranks reduce their gradients with the data-parallel ones
+    copies = replicas * par.tp // par.ep
+    return grads * ((1 - experts) * (replicas > 1) + experts * (copies > 1))
 
 
 def _rank_fitted(setup: TrainingSetup, fit: FitModel) -> Estimate:
@@ -483,16 +524,20 @@ def _rank_fitted(setup: TrainingSetup, fit: FitModel) -> Estimate:
         objects = fit.peak(phase, setup.batch, setup.seq, setup.grad_accum > 1, with_buckets if buckets else None)
         phases[phase] = with_overheads(_resident(objects) if phase == "load" else objects, phase, setup)
     worst = max((v for k, v in fit.checked.items() if k in PHASES), default=0.0)
-    sharded = par.dp > 1 and par.strategy == "fsdp2"
-    ddp = (f"DDP over {par.dp} replicas, one rank traced on the fake process group; DDP's buckets (every gradient "
-           "once more) added by its rule" if par.strategy == "ddp" else "")
-    fsdp2 = (f"FSDP2 as PyTorch runs it: fully_shard over {par.dp} data-parallel GPUs (each decoder layer a unit, "
-             "the root the rest; torchtitan's wrapping) on the fake process group"
+    sharded = par.dp * par.cp > 1 and par.strategy == "fsdp2"
+    ddp = (f"DDP over {par.dp * par.cp} {'data- and context-parallel ranks' if par.cp > 1 else 'replicas'}, one rank "
+           "traced on the fake process group; DDP's buckets (every gradient once more) added by its rule"
+           if par.strategy == "ddp" else "")
+    fsdp2 = (f"FSDP2 as PyTorch runs it: fully_shard over {par.dp * par.cp} data-"
+             f"{' and context-' if par.cp > 1 else ''}parallel GPUs (each decoder layer a unit, the root the rest; "
+             "torchtitan's wrapping) on the fake process group"
              + ("" if par.reshard_after_forward else ", not resharded after forward")
              if sharded else "One data-parallel GPU: FSDP2 has nothing to shard and is not applied (as torchtitan "
                              "skips it); one rank traced on the fake process group")
     notes = ((ddp or fsdp2)
              + (f", each layer split over {par.tp} tensor-parallel GPUs by transformers' plan" if par.tp > 1 else "")
+             + (f", each sequence split over {par.cp} context-parallel GPUs (PyTorch's ring attention, the rank's "
+                f"{setup.seq // par.cp:,} tokens)" if par.cp > 1 else "")
              + (f", the routed experts split over {par.ep} GPUs (transformers' expert-parallel plan and all-to-all, "
                 "balanced routing: every GPU's experts get their share of the tokens"
                 + (", each expert whole and each GPU of a tensor-parallel group sending its share of the group's "

@@ -57,6 +57,9 @@ def estimate_quick(setup: TrainingSetup) -> Estimate:
     if par.pp > 1:
         raise InputError("pp", "pipeline parallelism splits a model's layers, which a bare parameter count does not "
                                "give: choose a preset or a config.json")
+    if par.cp > 1:
+        raise InputError("cp", "context parallelism splits a model's sequences through its attention, which a bare "
+                               "parameter count does not give: choose a preset or a config.json")
     if par.strategy not in ("ddp", "zero1", "zero2"):
         raise InputError("strategy", "ZeRO-3 and FSDP gather the largest layer at once, which a bare parameter "
                                      "count does not give: choose a preset or a config.json of a family memcalc "

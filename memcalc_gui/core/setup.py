@@ -255,10 +255,7 @@ class TrainingSetup:
             if self.tuning.method != "full":
                 raise InputError("tp", f"{self.tuning.method} beside tensor parallelism is not modelled yet")
         par = self.parallel
-        if par.cp > 1:
-            if self.model is None:
-                raise InputError("cp", "context parallelism splits a model's sequences: it needs an architecture (a "
-                                       "preset or config.json)")
+        if par.cp > 1:  # without a block model, the fitted method and the trace check the config (a bare count: quick)
             if self.tuning.method != "full":
                 raise InputError("cp", f"{self.tuning.method} beside context parallelism is not modelled yet")
             check_context_parallel(self)

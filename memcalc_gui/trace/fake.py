@@ -133,9 +133,11 @@ def refusal(setup: TrainingSetup) -> str:
         return ("sequence parallelism is traced as PyTorch runs it, torchtitan's plan beside FSDP2 (--strategy fsdp2); "
                 "beside DDP, ZeRO or Megatron-LM's optimizers it is Megatron-LM's, whose split linear inputs the "
                 "formulas follow")
-    if par.cp > 1 and (par.ep > 1 or setup.model is None):
-        return ("context parallelism is traced without expert parallelism, on a family with a block model; here the "
-                "formulas hold")
+    if par.cp > 1 and par.ep > 1:
+        return "context parallelism is traced without expert parallelism; here the formulas hold"
+    if par.cp > 1 and setup.model is None and (par.tp > 1 or par.pp > 1):
+        return ("context parallelism of a family without a block model is traced without tensor or pipeline "
+                "parallelism; here the fitted method's rule holds")
     if par.cp > 1 and par.pp > 1 and par.strategy != "fsdp2":
         return ("context parallelism in pipeline stages is traced as torchtitan runs it, each stage fully_shard-ed "
                 "over data parallel × context parallel (--strategy fsdp2); here the formulas hold")
@@ -236,8 +238,11 @@ def trace_estimate(
 
             fsdp2 = par.strategy == "fsdp2"
             compute = setup.precision  # under FSDP2, its MixedPrecisionPolicy in the trace itself
+            # (context parallelism: the rank runs its seq/cp tokens with ring attention, FSDP2 over dp × cp or every
+            # context-parallel rank holding the model whole under DDP)
             step = functools.partial(trace_rank, layout=RankLayout(
                 dp_shard=par.dp if fsdp2 else 1, dp_replicate=1 if fsdp2 else par.dp, tp=par.tp, ep=par.ep,
+                cp=par.cp, replicate_context=not fsdp2 and par.cp > 1,
                 reshard_after_forward=par.reshard_after_forward))
         elif sharded_rank:  # FSDP2 itself: fully_shard over the data- (and context-) parallel ranks
             from .ranks import RankLayout, trace_rank
@@ -367,7 +372,7 @@ def trace_estimate(
                       f"; its tensor-parallel rank as the model with a {setup.parallel.tp}th of the heads and MLP"
                       if setup.parallel.tp > 1 else "")] if setup.parallel.pp > 1 else []),
         *([f"Traced one rank of FSDP2 itself: fully_shard over {setup.parallel.dp * setup.parallel.cp} data-"
-           f"{'and context-' if setup.parallel.cp > 1 else ''}parallel ranks of the fake process group"
+           f"{' and context-' if setup.parallel.cp > 1 else ''}parallel ranks of the fake process group"
            + (f", each layer split {setup.parallel.tp} ways by tensor parallelism" if setup.parallel.tp > 1 else "")]
           if sharded_rank else []),
         *([f"Traced rank 1 of a {setup.parallel.cp}-way context-parallel ring: {setup.row_len // setup.parallel.cp:,} "

@@ -534,8 +534,10 @@ def _calibrate(cfg: dict[str, Any], setup: TrainingSetup, num_params: int, model
                                   stages=stages)
     elif sharded:
         def on_rank(text: str) -> None:
-            over = "FSDP2" if setup.parallel.strategy == "fsdp2" else "the replicas"
-            say(f"one rank of {over} over {setup.parallel.dp}: {text}")
+            par = setup.parallel
+            over = "FSDP2" if par.strategy == "fsdp2" else "the replicas"
+            ring = f" and a {par.cp}-way context-parallel ring" if par.cp > 1 else ""
+            say(f"one rank of {over} over {par.dp * par.cp}{ring}: {text}")
 
         fit = dataclasses.replace(_fit(cfg, setup, num_params, model_type, layers, counts, on_rank, sharded=True),
                                   calibration_s=time.perf_counter() - t0, structure=structure_on_meta(cfg))

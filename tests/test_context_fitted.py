@@ -1,0 +1,126 @@
+"""Context parallelism of a family without a block model (issue 17): the fitted method calibrates one rank of the ring
+(PyTorch's ring attention on the fake process group, FSDP2 over the data- and context-parallel GPUs, or every rank
+holding the model whole under DDP) and answers with it; the strategies not traced lay their states over that rank's
+activations, and what no rank fit covers takes one replica at seq/cp tokens, saying so."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from memcalc_gui.cli import main as cli_main
+from memcalc_gui.core.distributed import Parallelism
+from memcalc_gui.core.errors import InputError
+from memcalc_gui.core.estimate import estimate
+from memcalc_gui.core.fitted import CONTEXT_DEGREES, estimate_fitted, rank_layout
+from memcalc_gui.core.setup import TrainingSetup
+from memcalc_gui.core.vocab import PHASES
+from memcalc_gui.trace.meta import count_params_on_meta
+
+OPT = dict(model_type="opt", hidden_size=64, ffn_dim=128, num_attention_heads=4, num_hidden_layers=4, vocab_size=256,
+           max_position_embeddings=512, word_embed_proj_dim=64)
+MIXTRAL = dict(model_type="mixtral", hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+               num_hidden_layers=3, vocab_size=512, max_position_embeddings=512, num_local_experts=4,
+               num_experts_per_tok=2)
+
+
+def _setup(cfg: dict[str, object], **kw: object) -> TrainingSetup:
+    par = kw.pop("parallel")
+    return TrainingSetup(params=count_params_on_meta(cfg), parallel=par, **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("name", "strategy", "gpus", "cp", "precision", "batch", "seq", "accum"), [
+    ("opt", "fsdp2", 4, 2, "mixed", 3, 160, 2),  # 4 layers: the rank fit extrapolates from 3 and 4, checked at 5
+    ("mixtral", "ddp", 4, 2, "fp32", 2, 128, 1),
+])
+def test_the_fitted_rank_of_a_context_parallel_layout_is_the_traced_one(
+        name: str, strategy: str, gpus: int, cp: int, precision: str, batch: int, seq: int, accum: int,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """At a shape and accumulation no calibration traced, the fitted ledger is ``--method trace``'s rank of the same
+    layout to the byte (the trace's 512-byte rounding off, which the fit leaves out, as its assumptions say). Without
+    the rank's fit, one replica at seq/cp tokens stands in, says so, and misses what ring attention gathers."""
+    from memcalc_gui.trace import fake
+    from memcalc_gui.trace.fit import calibrate
+
+    monkeypatch.setattr(fake, "CUDA_ROUNDING", 1)
+    cfg = OPT if name == "opt" else MIXTRAL
+    setup = _setup(cfg, batch=batch, seq=seq, grad_accum=accum, precision=precision,
+                   parallel=Parallelism(gpus=gpus, cp=cp, strategy=strategy))
+    assert rank_layout(setup) is not None and rank_layout(setup)["cp"] == cp  # type: ignore[index]
+    fit = calibrate(cfg, setup, setup.params or 0)
+    assert fit.rank is not None
+    fitted = estimate_fitted(setup, fit)
+    assert fitted.details["rank_fit"]
+    assert any("ring attention" in n and f"{seq // cp:,} tokens" in n for n in fitted.details["parallel_notes"])
+    traced = fake.trace_estimate(setup, cfg)
+    assert any("context-parallel ring" in r for r in traced.rules)
+    for p in PHASES:
+        assert fitted.phases[p].tensor_bytes == pytest.approx(traced.estimate.phases[p].tensor_bytes, rel=1e-4), p
+    rule = estimate_fitted(setup, dataclasses.replace(fit, rank=None))
+    assert "rank_fit" not in rule.details
+    assert any("stands for a rank of the ring" in n for n in rule.details["parallel_notes"])
+    for p in ("forward", "backward"):  # the replica at seq/cp tokens holds less than the ring's rank
+        assert rule.phases[p].tensor_bytes < traced.estimate.phases[p].tensor_bytes, p
+
+
+def test_zero_beside_context_parallelism_lays_its_states_over_the_traced_ranks_activations() -> None:
+    """ZeRO-2 is not traced: over the same GPUs its activations are those of the DDP layout's traced rank (one fit
+    serves both), its optimizer state the replica's split over every data- and context-parallel GPU."""
+    from memcalc_gui.trace.fit import calibrate
+
+    par = dict(gpus=4, cp=2)  # the layout of the DDP case above: its fits, from the run's cache
+    ddp = _setup(MIXTRAL, batch=2, seq=128, precision="fp32", parallel=Parallelism(strategy="ddp", **par))
+    zero = ddp.with_changes(parallel=Parallelism(strategy="zero2", **par))
+    assert rank_layout(zero) == rank_layout(ddp) == {"dp_replicate": 2, "cp": 2, "replicate_context": True}
+    fits = [calibrate(MIXTRAL, s, s.params or 0) for s in (ddp, zero)]
+    assert fits[0].rank == fits[1].rank is not None
+    by_ddp, by_zero = (estimate_fitted(s, f) for s, f in zip((ddp, zero), fits, strict=True))
+    assert any("ring attention over 2" in n for n in by_zero.details["parallel_notes"])
+    for p in ("forward", "backward"):
+        assert by_zero.phases[p].objects["activations"] == by_ddp.phases[p].objects["activations"], p
+    state = fits[0].peak("optimizer_step", 1, 1)["optimizer_state"]  # the replica's: every parameter's moments
+    assert by_zero.phases["optimizer_step"].objects["optimizer_state"] == pytest.approx(state / 4, rel=1e-3)
+    assert by_ddp.phases["optimizer_step"].objects["optimizer_state"] == pytest.approx(state, rel=1e-3)
+
+
+def test_what_no_rank_fit_covers_is_answered_by_the_replica_and_says_why(tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """A degree the calibration's sequences do not split into 2·cp chunks, or context beside tensor parallelism,
+    takes the one-replica rule at seq/cp tokens and names the reason; a bare parameter count, a pipeline of such a
+    family and context beside expert parallelism are refused, naming the field."""
+    from memcalc_gui.trace.fake import refusal
+    from memcalc_gui.trace.fit import CHECK_SHAPE, SHAPES, calibrate
+
+    seqs = [s for _, s in (*SHAPES, CHECK_SHAPE)]
+    assert [cp for cp in range(2, 65) if all(s % (2 * cp) == 0 for s in seqs)] == list(CONTEXT_DEGREES)
+    wide = _setup(OPT, batch=1, seq=2048, parallel=Parallelism(gpus=32, cp=32, strategy="ddp"))
+    assert rank_layout(wide) is None
+    fit = calibrate(OPT, wide, wide.params or 0)
+    assert fit.rank is None
+    est = estimate_fitted(wide, fit)
+    assert any("stands for a rank of the ring" in n and "not 32" in n for n in est.details["parallel_notes"])
+    # one replica at 2,048/32 tokens: DDP over the 32 GPUs, each a sequence of 64 tokens
+    alone = estimate_fitted(_setup(OPT, batch=1, seq=64, parallel=Parallelism(gpus=32, strategy="ddp")), fit)
+    for p in PHASES:
+        assert est.phases[p].tensor_bytes == alone.phases[p].tensor_bytes, p
+    beside_tp = _setup(OPT, batch=1, seq=2048, parallel=Parallelism(gpus=8, cp=2, tp=2, strategy="fsdp2"))
+    assert rank_layout(beside_tp) is None and "tensor or pipeline" in refusal(beside_tp)
+
+    with pytest.raises(InputError) as exc:
+        estimate(TrainingSetup(params=7_000_000_000, parallel=Parallelism(gpus=2, cp=2)))
+    assert exc.value.field == "cp"
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(OPT))
+    common = ["estimate", "--config", str(cfg), "--batch", "1", "--seq", "2048", "--json"]
+    for argv in (["--gpus", "4", "--cp", "2", "--pp", "2", "--strategy", "ddp"],
+                 ["--gpus", "4", "--cp", "2", "--ep", "2", "--strategy", "fsdp2"]):
+        with pytest.raises(SystemExit) as stop:
+            cli_main([*common, *argv])
+        assert stop.value.code == 2
+        assert "--cp" in capsys.readouterr().err
