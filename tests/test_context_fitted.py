@@ -118,9 +118,11 @@ def test_what_no_rank_fit_covers_is_answered_by_the_replica_and_says_why(tmp_pat
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(OPT))
     common = ["estimate", "--config", str(cfg), "--batch", "1", "--seq", "2048", "--json"]
-    for argv in (["--gpus", "4", "--cp", "2", "--pp", "2", "--strategy", "ddp"],
-                 ["--gpus", "4", "--cp", "2", "--ep", "2", "--strategy", "fsdp2"]):
+    for argv in ([*common, "--gpus", "4", "--cp", "2", "--pp", "2", "--strategy", "ddp"],
+                 [*common, "--gpus", "4", "--cp", "2", "--ep", "2", "--strategy", "fsdp2"],
+                 # estimated, not run for real: the field to change is named
+                 ["measure", *common[1:-1], "--gpus", "2", "--cp", "2", "--strategy", "fsdp2"]):
         with pytest.raises(SystemExit) as stop:
-            cli_main([*common, *argv])
+            cli_main(argv)
         assert stop.value.code == 2
         assert "--cp" in capsys.readouterr().err

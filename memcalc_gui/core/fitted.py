@@ -117,8 +117,11 @@ def rank_layout(setup: TrainingSetup) -> dict[str, Any] | None:
     the traced rank needs no rule. Beside expert and tensor parallelism, under the other strategies, the rank of the
     replicated layout (``dp_replicate``): DDP's ledger with its buckets by rule, and the activations the strategies
     not traced lay their states over. With tensor parallelism the rank runs transformers' plan on the whole model (the
-    one-replica fit calibrates the narrower model that stands for it). ``None`` for a layout the rank fit does not
-    run (context, sequence or loss parallelism, offload, adapters): the rule stands there."""
+    one-replica fit calibrates the narrower model that stands for it). With context parallelism, the rank of the ring
+    (ring attention over its seq/cp tokens; FSDP2 over dp × cp, or the model whole on every rank under the other
+    strategies), without tensor or expert parallelism. ``None`` for a layout the rank fit does not run (sequence or
+    loss parallelism, offload, adapters, context beside tensor parallelism or at a degree the calibration's sequences
+    do not split): the rule stands there."""
     par = setup.parallel
     context = par.cp > 1
     # the rank of the replicated layout where the one-replica rule's activations are only a bound: expert beside tensor

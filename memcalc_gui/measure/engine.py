@@ -36,7 +36,7 @@ from ..core.units import format_bytes
 from ..core.vocab import PHASES
 from . import collect_garbage, exclusive_torch_job
 from .fitted import CONFIG_KEY, FittedScaling
-from .layout import PROCESS_BYTES, measured_world, rank_job, refusal, scale_layout, start_seconds
+from .layout import PROCESS_BYTES, check_measurable, measured_world, rank_job, scale_layout, start_seconds
 
 #: Fraction of the device's free memory a full-size measurement may plan to use.
 MEMORY_MARGIN = 0.6
@@ -449,9 +449,7 @@ def measure(
     info = detect_device(device)
     ranked = setup.parallel.is_distributed
     if ranked:  # the layout's ranks as CPU processes (measure.layout)
-        refused = refusal(setup)
-        if refused:
-            raise InputError("strategy", refused)
+        check_measurable(setup)
         if info.kind == "cuda":
             if device == "cuda":
                 raise MeasureError("a multi-GPU layout is measured as CPU processes over gloo; NCCL across GPUs is "

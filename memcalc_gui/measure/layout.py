@@ -96,6 +96,23 @@ def measured_world(par: Parallelism) -> int:
 
 def refusal(setup: TrainingSetup) -> str:
     """Why this layout cannot be measured for real ("" when it can)."""
+    return _refused(setup)[1]
+
+
+def check_measurable(setup: TrainingSetup) -> None:
+    """:class:`InputError` naming the field to change where this layout cannot be measured for real."""
+    field, reason = _refused(setup)
+    if reason:
+        raise InputError(field, reason)
+
+
+def _refused(setup: TrainingSetup) -> tuple[str, str]:
+    """The field and the reason of :func:`refusal` (the strategy's, unless another field is the one to change)."""
+    reason = _reason(setup)
+    return ("cp" if reason.startswith("a family without a block model") else "strategy"), reason
+
+
+def _reason(setup: TrainingSetup) -> str:
     par = setup.parallel
     if par.strategy not in ("ddp", "fsdp2"):
         return (f"a real multi-rank step runs PyTorch's own DDP and FSDP2; --strategy {par.strategy} is another "
@@ -201,9 +218,7 @@ def rank_job(setup: TrainingSetup) -> RankJob:
     from ..trace.pipeline import PipeRank
     from ..trace.ranks import RankLayout, tensor_parallel_config
 
-    refused = refusal(setup)
-    if refused:
-        raise InputError("strategy", refused)
+    check_measurable(setup)
     par = setup.parallel
     fitted = setup.extras.get(CONFIG_KEY) if setup.model is None else None  # a family without a block model
     if setup.model is None and not isinstance(fitted, dict):
