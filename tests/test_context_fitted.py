@@ -65,7 +65,7 @@ def test_the_fitted_rank_of_a_context_parallel_layout_is_the_traced_one(
     rule = estimate_fitted(setup, dataclasses.replace(fit, rank=None))
     assert "rank_fit" not in rule.details
     assert any("stands for a rank of the ring" in n for n in rule.details["parallel_notes"])
-    for p in ("forward", "backward"):  # the replica at seq/cp tokens holds less than the ring's rank
+    for p in ("forward", "backward"):  # here the replica at seq/cp tokens, without the ring's chunks, is under it
         assert rule.phases[p].tensor_bytes < traced.estimate.phases[p].tensor_bytes, p
 
 

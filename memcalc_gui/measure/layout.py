@@ -107,32 +107,29 @@ def check_measurable(setup: TrainingSetup) -> None:
 
 
 def _refused(setup: TrainingSetup) -> tuple[str, str]:
-    """The field and the reason of :func:`refusal` (the strategy's, unless another field is the one to change)."""
-    reason = _reason(setup)
-    return ("cp" if reason.startswith("a family without a block model") else "strategy"), reason
-
-
-def _reason(setup: TrainingSetup) -> str:
+    """The field to change and why (``("", "")`` when the layout is measured): the strategy's, unless another field
+    is the one to change."""
     par = setup.parallel
     if par.strategy not in ("ddp", "fsdp2"):
-        return (f"a real multi-rank step runs PyTorch's own DDP and FSDP2; --strategy {par.strategy} is another "
-                "engine's (DeepSpeed, FSDP1 or Megatron-LM), which memcalc does not run: measure the layout with ddp "
-                "or fsdp2, or estimate it")
+        return "strategy", (f"a real multi-rank step runs PyTorch's own DDP and FSDP2; --strategy {par.strategy} is "
+                            "another engine's (DeepSpeed, FSDP1 or Megatron-LM), which memcalc does not run: measure "
+                            "the layout with ddp or fsdp2, or estimate it")
     if par.offload != "none":
-        return "offload is not run in a real multi-rank step; estimate it, or measure without --offload"
+        return "strategy", "offload is not run in a real multi-rank step; estimate it, or measure without --offload"
     if par.ep > 1 and par.strategy != "fsdp2":
-        return ("expert parallelism is measured for real under FSDP2 (transformers' expert layout, as the trace runs "
-                "it); --method trace runs its other layouts per rank")
+        return "strategy", ("expert parallelism is measured for real under FSDP2 (transformers' expert layout, as the "
+                            "trace runs it); --method trace runs its other layouts per rank")
     if setup.tuning.method != "full" and (par.pp > 1 or par.tp > 1 or par.cp > 1 or par.strategy == "fsdp2"):
-        return ("fine-tuning beside FSDP2 or model parallelism is not run in a real multi-rank step; DDP measures it, "
-                "the others estimate it")
+        return "strategy", ("fine-tuning beside FSDP2 or model parallelism is not run in a real multi-rank step; DDP "
+                            "measures it, the others estimate it")
     if par.pp > 1 and par.cp > 1 and par.strategy != "fsdp2":
-        return ("context beside pipeline parallelism is run for real as torchtitan runs it, each stage fully_shard-ed "
-                "over data parallel × context parallel (--strategy fsdp2)")
+        return "strategy", ("context beside pipeline parallelism is run for real as torchtitan runs it, each stage "
+                            "fully_shard-ed over data parallel × context parallel (--strategy fsdp2)")
     if setup.model is None and par.cp > 1:
-        return ("a family without a block model is measured rank by rank under DDP or FSDP2, with tensor or pipeline "
-                "parallelism or without; its context parallelism is estimated (--method fitted or trace)")
-    return ""
+        return "cp", ("a family without a block model is measured rank by rank under DDP or FSDP2, with tensor or "
+                      "pipeline parallelism or without; its context parallelism is estimated (--method fitted or "
+                      "trace)")
+    return "", ""
 
 
 def _shrink(value: int, floor: int) -> int:
