@@ -61,6 +61,8 @@ def test_ddp_replicas_of_a_model_parallel_group_give_way_and_say_so() -> None:
     setup, changes = scale_layout(_setup(gpus=4, tp=2))
     assert (setup.parallel.gpus, setup.parallel.tp, setup.parallel.dp) == (2, 2, 1)
     assert "one data-parallel replica instead of 2" in changes[0]
+    ring = _setup(gpus=4, cp=2)  # beside context parallelism DDP runs over dp × cp: nothing gives way
+    assert scale_layout(ring) == (ring, [])
     job = rank_job(setup)
     assert job.strategy == "ranks" and job.world == 2 and job.layout.tp == 2 and job.layout.dp_shard == 1
 
@@ -81,6 +83,8 @@ def test_each_layout_runs_the_job_of_its_kind() -> None:
     assert narrow.world == 2 and narrow.config["num_attention_heads"] == 2 and narrow.notes
     ring = job(gpus=2, cp=2, strategy="fsdp2")
     assert ring.strategy == "ranks" and ring.layout.cp == 2 and not ring.layout.replicate_context
+    ddp_ring = job(gpus=4, cp=2)  # DDP over the data- and context-parallel ranks, each holding the model whole
+    assert ddp_ring.world == 4 and ddp_ring.layout.replicate_context and ddp_ring.layout.dp_replicate == 2
     staged_ring = job(gpus=8, pp=2, cp=2, strategy="fsdp2")  # each stage over dp 2 × cp 2
     assert staged_ring.strategy == "pipeline:1f1b" and staged_ring.world == 8
     assert staged_ring.stage_of == (0,) * 4 + (1,) * 4 and staged_ring.layout.cp == 2
@@ -151,6 +155,7 @@ def _measure(config: Path | dict, capsys: pytest.CaptureFixture[str], *flags: st
     # DTensor's tensor parallelism, torchtitan's sequence-parallel plan and fully_shard, really sent
     (("--gpus", "4", "--tp", "2", "--sp", "--strategy", "fsdp2"), 4),
     (("--gpus", "2", "--cp", "2", "--strategy", "fsdp2"), 2),  # PyTorch's ring attention over gloo
+    (("--gpus", "2", "--cp", "2", "--strategy", "ddp"), 2),  # DDP over the ring's ranks: its buckets, for real
     (("--gpus", "2", "--strategy", "ddp"), 2),  # DDP's buckets from the moment it wraps the model
 ])
 def test_every_rank_of_a_real_step_matches_its_estimate(tiny: Path, capsys: pytest.CaptureFixture[str],

@@ -50,19 +50,20 @@ def fsdp2_parallelize(precision: str, reshard_after_forward: bool) -> Any:
     return apply
 
 
-def ddp_parallelize() -> Any:
+def ddp_parallelize(group: Any = None) -> Any:
     """The ``parallelize`` callback of :func:`measure_training_step` for one DDP rank: the model wrapped in
-    ``DistributedDataParallel`` with its defaults (25 MiB buckets, ``gradient_as_bucket_view=False``)."""
+    ``DistributedDataParallel`` with its defaults (25 MiB buckets, ``gradient_as_bucket_view=False``), over ``group``
+    (the default process group when ``None``)."""
 
     def apply(model: Any) -> Any:
         import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel
 
-        wrapped = DistributedDataParallel(model)
+        wrapped = DistributedDataParallel(model, process_group=group)
         # DDP broadcasts rank 0's weights through a flat buffer, which gloo's worker thread lets go of a moment after
         # the call returns: now and then a rank's load still held it (3 × the weights instead of 2). A barrier, the
         # next collective on the same workers, waits for that.
-        dist.barrier()
+        dist.barrier(group)
         return wrapped
 
     return apply

@@ -9,8 +9,10 @@ This module decides, without torch, which processes that takes and what each run
   ``dp_shard × cp × tp`` mesh as :func:`memcalc_gui.trace.ranks.run_rank` builds it (transformers' tensor-parallel
   plan with ``parallelize_module``, torchtitan's sequence-parallel plan, PyTorch's ring attention, ``fully_shard``
   over the data- and context-parallel ranks).
-* **Tensor or context parallelism without data parallelism** (``--strategy ddp`` over one replica): the same mesh
-  without FSDP2.
+* **Tensor parallelism under DDP**: one replica's tensor-parallel group, the same mesh without FSDP2.
+* **Context parallelism under DDP** (with tensor parallelism or without): every rank of the ring holds the model
+  whole, wrapped in ``DistributedDataParallel`` over the data- and context-parallel ranks (after PyTorch's
+  ``_pre_dp_module_transform`` beside tensor parallelism), so its buckets are measured, not taken by rule.
 * **Pipeline parallelism** (``--pp``, any schedule; FSDP2 over each stage's data-parallel ranks): one stage per
   process under PyTorch's schedule, activations and gradients really sent. A tensor-parallel rank inside a stage is
   the model with a tp-th of the heads and MLP features (equal to the parallelized rank to the byte,
@@ -22,11 +24,12 @@ This module decides, without torch, which processes that takes and what each run
   transformers' expert layout as :func:`memcalc_gui.trace.ranks.run_rank` builds it, its all-to-all over gloo.
 
 Not run (refused, naming ``strategy``): ZeRO and FSDP1, which are DeepSpeed's and FSDP1's engines, not installed here;
-Megatron-LM; offload; expert parallelism beside DDP or tensor parallelism; context beside pipeline parallelism other
-than under FSDP2; context parallelism of a family without a block model. Such a family (compared with its fitted
-ledger: :mod:`.fitted`) runs its pipeline stages as a block model's do, its experts split inside them under FSDP2,
-each rank against its own fitted rank; its first, second and last ranks are fitted, so a layout of more stages is
-measured at 2 or 3 (:func:`scale_layout`).
+Megatron-LM; offload; expert parallelism beside DDP; context beside pipeline parallelism other than under FSDP2; DDP
+beside tensor and context parallelism of a mixture of experts (PyTorch's DDP wrapping hands transformers' expert
+kernels plain tensors beside DTensors). A family without a block model (compared with its fitted ledger:
+:mod:`.fitted`) runs its context-parallel ring as above and its pipeline stages as a block model's do, its experts
+split inside them under FSDP2, each rank against its own fitted rank; its first, second and last pipeline ranks are
+fitted, so a layout of more stages is measured at 2 or 3 (:func:`scale_layout`).
 
 A layout of more ranks than this machine runs (``MAX_CPU_RANKS`` processes) is scaled down: the data-parallel
 dimension first, then context, tensor and pipeline parallelism, each kept at 2 while another can give way, and the
@@ -40,6 +43,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from ..core.configfile import EXPERT_KEYS
 from ..core.distributed import Parallelism
 from ..core.errors import InputError
 from ..core.setup import TrainingSetup
@@ -125,11 +129,18 @@ def _refused(setup: TrainingSetup) -> tuple[str, str]:
     if par.pp > 1 and par.cp > 1 and par.strategy != "fsdp2":
         return "strategy", ("context beside pipeline parallelism is run for real as torchtitan runs it, each stage "
                             "fully_shard-ed over data parallel × context parallel (--strategy fsdp2)")
-    if setup.model is None and par.cp > 1:
-        return "cp", ("a family without a block model is measured rank by rank under DDP or FSDP2, with tensor or "
-                      "pipeline parallelism or without; its context parallelism is estimated (--method fitted or "
-                      "trace)")
+    if par.strategy == "ddp" and par.cp > 1 and par.tp > 1 and _has_experts(setup):
+        return "strategy", ("DDP beside tensor and context parallelism of a mixture of experts is not run for real: "
+                            "PyTorch's way of wrapping a tensor-parallel model in DDP hands transformers' expert "
+                            "kernels plain tensors beside DTensors; measure the layout under --strategy fsdp2, or "
+                            "estimate it")
     return "", ""
+
+
+def _has_experts(setup: TrainingSetup) -> bool:
+    """Whether ``setup``'s config routes tokens to experts (transformers' mixture-of-experts keys)."""
+    config = setup.extras.get(CONFIG_KEY) if setup.model is None else setup.model.raw
+    return isinstance(config, dict) and any(isinstance(config.get(k), int) and config[k] > 1 for k in EXPERT_KEYS)
 
 
 def _shrink(value: int, floor: int) -> int:
@@ -147,9 +158,10 @@ def scale_layout(setup: TrainingSetup, max_ranks: int = MAX_CPU_RANKS) -> tuple[
     does; FSDP2 keeps at least two ranks to shard over."""
     par = setup.parallel
     changes: list[str] = []
-    if par.strategy == "ddp" and par.dp > 1 and (par.pp > 1 or par.tp > 1 or par.cp > 1):
-        changes.append(f"one data-parallel replica instead of {par.dp} (DDP beside model parallelism is not run for "
-                       "real: PyTorch's DDP does not wrap a stage or a DTensor model)")
+    if par.strategy == "ddp" and par.dp > 1 and (par.pp > 1 or (par.tp > 1 and par.cp == 1)):
+        # (beside context parallelism DDP runs over the data- and context-parallel ranks: trace.ranks.parallelizer)
+        changes.append(f"one data-parallel replica instead of {par.dp} (DDP beside pipeline or tensor parallelism "
+                       "alone is not run for real: the step runs a stage, or one tensor-parallel group)")
         par = _with(par, dp=1)
     if par.sp and (par.pp > 1 or par.strategy != "fsdp2"):
         changes.append("no sequence parallelism (" + (
@@ -245,7 +257,8 @@ def rank_job(setup: TrainingSetup) -> RankJob:
     if par.strategy == "fsdp2" and par.tp == 1 and par.cp == 1:
         return RankJob("fsdp2", world, None, config, (0,) * world, tuple(notes))
     fsdp2 = par.strategy == "fsdp2"
-    layout = RankLayout(dp_shard=par.dp if fsdp2 else 1, tp=par.tp, cp=par.cp, loss_parallel=par.loss_parallel,
-                        sp=par.sp, reshard_after_forward=par.reshard_after_forward,
-                        replicate_context=not fsdp2 and par.cp > 1)
+    ring = not fsdp2 and par.cp > 1  # DDP over the data- and context-parallel ranks, each holding the model whole
+    layout = RankLayout(dp_shard=par.dp if fsdp2 else 1, dp_replicate=par.dp if ring else 1, tp=par.tp, cp=par.cp,
+                        loss_parallel=par.loss_parallel, sp=par.sp, reshard_after_forward=par.reshard_after_forward,
+                        replicate_context=ring)
     return RankJob("ranks", world, layout, config, (0,) * world, tuple(notes))

@@ -270,10 +270,12 @@ def device_mesh(layout: RankLayout) -> Any:
                             mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"))
 
 
-def parallelizer(config: dict[str, Any], layout: RankLayout, precision: str, mesh: Any) -> Any:
+def parallelizer(config: dict[str, Any], layout: RankLayout, precision: str, mesh: Any, ddp: bool = False) -> Any:
     """The ``parallelize(model)`` callback over ``mesh`` (:func:`device_mesh`): apply the TP plan to every decoder
     layer, then FSDP2 over the data-parallel ranks, with the context-parallel ones (mixed precision: bf16 gathers,
-    fp32 reduction, as torchtitan's defaults)."""
+    fp32 reduction, as torchtitan's defaults). ``ddp``: context-parallel ranks that hold the model whole
+    (``replicate_context``) are wrapped in ``DistributedDataParallel`` over the data- and context-parallel ranks, which
+    all-reduces their gradients (a real run; a trace takes DDP's buckets by rule, ``core.fitted``)."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -289,10 +291,13 @@ def parallelizer(config: dict[str, Any], layout: RankLayout, precision: str, mes
     if layout.ep > 1:  # transformers' expert view of the same ranks: (efsdp, ep)
         experts_mesh = init_device_mesh("cpu", (layout.world // layout.ep, layout.ep), mesh_dim_names=("efsdp", "ep"))
         meshes += [experts_mesh["efsdp"], experts_mesh["ep"]]
+    replicated_ring = ddp and layout.replicate_context and layout.cp > 1
+    if replicated_ring:
+        meshes.append(mesh["dp_replicate", "cp"]._flatten("dp_replicate_cp"))
     for m in meshes:
         m.get_coordinate()  # computed now, with real tensors
 
-    def apply(model: Any) -> None:
+    def apply(model: Any) -> Any:
         layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
         experts: list[Any] = []
         if layout.ep > 1:  # first: the tensor-parallel split makes every parameter left whole a replicated DTensor
@@ -312,6 +317,15 @@ def parallelizer(config: dict[str, Any], layout: RankLayout, precision: str, mes
             # backward that needs it at once (an explicit True would reshard it and gather it again)
             fully_shard(model, mesh=dp_mesh, mp_policy=policy,
                         reshard_after_forward=root_reshard(layout.reshard_after_forward))
+        if replicated_ring:
+            from ..measure.distributed import ddp_parallelize
+
+            if plan:  # DDP over plain tensors: PyTorch's step for DDP beside tensor parallelism
+                from torch.distributed.tensor.parallel.ddp import _pre_dp_module_transform
+
+                _pre_dp_module_transform(model)
+            return ddp_parallelize(meshes[-1].get_group())(model)
+        return None
 
     return apply
 
@@ -587,7 +601,7 @@ def run_rank(config: dict[str, Any], layout: RankLayout, *, fake: bool = True, g
         # the causal LM returns a view of its logits; the step does no in-place op on it (not the user's concern)
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
         mesh = device_mesh(layout)
-        apply = parallelizer(config, layout, kw["precision"], mesh)
+        apply = parallelizer(config, layout, kw["precision"], mesh, ddp=not fake)
         ring = ring_attention(mesh["cp"]) if layout.cp > 1 else contextlib.nullcontext([1])
         with _loss_parallel(layout.loss_parallel), ring as calls:
             m = measure_training_step(config, fake=fake, parallelize=apply, autocast=layout.fsdp_ranks == 1, **kw)
