@@ -119,9 +119,9 @@ def rank_layout(setup: TrainingSetup) -> dict[str, Any] | None:
     not traced lay their states over. With tensor parallelism the rank runs transformers' plan on the whole model (the
     one-replica fit calibrates the narrower model that stands for it). With context parallelism, the rank of the ring
     (ring attention over its seq/cp tokens; FSDP2 over dp × cp, or the model whole on every rank under the other
-    strategies), without tensor or expert parallelism. ``None`` for a layout the rank fit does not run (sequence or
-    loss parallelism, offload, adapters, context beside tensor parallelism or at a degree the calibration's sequences
-    do not split): the rule stands there."""
+    strategies), with tensor parallelism too (the ring runs over each tensor-parallel rank's heads), not beside
+    expert parallelism. ``None`` for a layout the rank fit does not run (sequence or loss parallelism, offload,
+    adapters, context parallelism at a degree the calibration's sequences do not split): the rule stands there."""
     par = setup.parallel
     context = par.cp > 1
     # the rank of the replicated layout where the one-replica rule's activations are only a bound: expert beside tensor
@@ -132,11 +132,11 @@ def rank_layout(setup: TrainingSetup) -> dict[str, Any] | None:
     if not (par.strategy == "fsdp2" or replicated) or par.pp > 1 or par.gpus < 2 or par.sp \
             or par.loss_parallel or par.offload != "none" or setup.tuning.method != "full":
         return None
-    if context and (par.tp > 1 or par.cp not in CONTEXT_DEGREES):
+    if context and par.cp not in CONTEXT_DEGREES:
         return None
     if replicated:
         if context:  # every context-parallel rank holds the model whole (the strategy shards over dp × cp)
-            return {"dp_replicate": par.dp, "cp": par.cp, "replicate_context": True}
+            return {"dp_replicate": par.dp, "tp": par.tp, "cp": par.cp, "replicate_context": True}
         return {"dp_replicate": par.dp, "tp": par.tp, "ep": par.ep}
     return {"dp_shard": par.dp, "tp": par.tp, "ep": par.ep, "reshard_after_forward": par.reshard_after_forward,
             **({"cp": par.cp} if context else {})}  # FSDP2 over dp × cp, torchtitan's dp_shard_cp mesh
@@ -179,7 +179,7 @@ def pipeline_layout(setup: TrainingSetup) -> dict[str, Any]:
         raise InputError("strategy", "pipeline stages of a family memcalc has no block model of are fitted under DDP "
                                      "or FSDP2 (PyTorch's schedule runs them) or Megatron-LM's optimizers (their "
                                      "states by rule); choose --strategy ddp, fsdp2, megatron or megatron-distopt")
-    if par.strategy == "fsdp2" and par.dp == 1:
+    if par.strategy == "fsdp2" and par.dp * par.cp == 1:
         raise InputError("strategy", f"FSDP2 over one data-parallel GPU per stage shards nothing ({par.gpus:,} GPUs "
                                      f"in {par.pp} stages of {par.tp} tensor-parallel GPU(s)): choose DDP, or more "
                                      "GPUs")
@@ -187,13 +187,19 @@ def pipeline_layout(setup: TrainingSetup) -> dict[str, Any]:
         raise InputError("ep", f"expert parallelism in a pipeline stage splits the experts over {par.ep} of the "
                                f"stage's {par.dp} data-parallel GPUs (Megatron-LM's and torchtitan's layout), "
                                "without tensor parallelism: ep must divide them")
-    if par.cp > 1:
-        raise InputError("cp", "context parallelism in the pipeline stages of a family without a block model is not "
-                               "fitted yet: its stages are traced without it")
+    if par.cp > 1 and par.strategy != "fsdp2":
+        raise InputError("strategy", "context parallelism in pipeline stages runs as torchtitan runs it, each stage "
+                                     "fully_shard-ed over data parallel × context parallel: choose --strategy fsdp2")
+    if par.cp > 1 and par.cp not in CONTEXT_DEGREES:
+        raise InputError("cp", f"the pipeline stages of a family without a block model are fitted from traces of "
+                               f"64 to 128 tokens, which split into 2·cp chunks for cp "
+                               f"{', '.join(map(str, CONTEXT_DEGREES))}, not {par.cp}")
     fsdp2 = par.strategy == "fsdp2"
     return {"pp": par.pp, "schedule": par.schedule, "virtual": par.virtual_stages,
             "microbatches": pipeline_microbatches(setup), "strategy": par.strategy,
             "dp_shard": par.dp if fsdp2 else 1, "reshard_after_forward": par.reshard_after_forward if fsdp2 else True,
+            # each stage's ring: its seq/cp tokens with ring attention, FSDP2 over dp × cp (torchtitan's dp_shard_cp)
+            **({"cp": par.cp} if par.cp > 1 else {}),
             # by rule, the experts are split by the states' rule too (expert_parallel_states): one replica traced
             **({"ep": par.ep} if par.ep > 1 and par.strategy in TRACED_PIPELINE_STRATEGIES else {})}
 
@@ -444,7 +450,9 @@ def estimate_fitted(setup: TrainingSetup, fit: FitModel) -> Estimate:
         transform, states = per_gpu_states(setup, fit, traced_rank=ranked)
         parallel_notes, host_bytes = parallel_notes + states.notes, states.host_bytes
         if ranked:
-            plans = (f"PyTorch's ring attention over {cp} context-parallel GPUs, each its {setup.seq // cp:,} tokens "
+            tp = setup.parallel.tp
+            plans = ((f"transformers' tensor-parallel plan over {tp} GPUs, " if tp > 1 else "")
+                     + f"PyTorch's ring attention over {cp} context-parallel GPUs, each its {setup.seq // cp:,} tokens "
                      "of every sequence" if cp > 1 else
                      "transformers' tensor- and expert-parallel plans, balanced routing")
             parallel_notes += (f"The activations and temporaries of one traced rank of the layout ({plans}, on the "
@@ -492,8 +500,6 @@ def estimate_fitted(setup: TrainingSetup, fit: FitModel) -> Estimate:
 def _context_untraced(setup: TrainingSetup) -> str:
     """Why no rank of ``setup``'s context-parallel layout is traced for its fit (:func:`rank_layout`)."""
     par = setup.parallel
-    if par.tp > 1:
-        return "context beside tensor parallelism of a family without a block model"
     if par.cp not in CONTEXT_DEGREES:
         return (f"the calibration's sequences split into 2·cp chunks for cp {', '.join(map(str, CONTEXT_DEGREES))}, "
                 f"not {par.cp}")
@@ -631,7 +637,11 @@ def _pipeline_fitted(setup: TrainingSetup, fit: FitModel) -> Estimate:
              f"checked): PyTorch's {par.schedule} schedule over {traced} of the {setup.grad_accum:,} micro-batch(es) "
              "traced on the fake process group"
              + (" (1F1B repeats after pp + 1)" if traced < setup.grad_accum else "")
-             + (f", each stage fully_shard-ed over its {par.dp} data-parallel GPUs (FSDP2)" if par.strategy == "fsdp2"
+             + (f", each stage fully_shard-ed over its {par.dp * par.cp} data- and context-parallel GPUs (FSDP2), "
+                f"each sequence split over {par.cp} of them (PyTorch's ring attention, the rank's "
+                f"{setup.seq // par.cp:,} tokens)" if par.strategy == "fsdp2" and par.cp > 1
+                else f", each stage fully_shard-ed over its {par.dp} data-parallel GPUs (FSDP2)"
+                if par.strategy == "fsdp2"
                 else f", one replica of each stage traced and its model states laid out over its {par.dp} "
                      "data-parallel GPUs by the strategy's rule" if by_rule
                 else f", each stage over its {par.dp} data-parallel GPUs" if par.ep > 1 else "")
@@ -681,9 +691,10 @@ def _untraced_microbatches(setup: TrainingSetup, fit: FitModel, rank: int, trace
         return {}
     first, last = rank == 0, rank == par.pp - 1
     half = setup.precision in ("bf16", "bf16-autocast") or (setup.precision == "mixed" and par.strategy in BF16_COMPUTE)
-    hidden = setup.batch * setup.seq * fit.structure.get("hidden_size", 0) * (2 if half else 4)
+    seq = setup.seq // par.cp  # a context-parallel stage sends, receives and reads its share of each sequence
+    hidden = setup.batch * seq * fit.structure.get("hidden_size", 0) * (2 if half else 4)
     out = {"temporaries": extra * hidden * ((not first) + (not last)),
-           "inputs": extra * setup.batch * setup.seq * 8,
+           "inputs": extra * setup.batch * seq * 8,
            "activations": extra * 4 * last}
     return {k: v for k, v in out.items() if v}
 

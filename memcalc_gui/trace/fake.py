@@ -135,9 +135,6 @@ def refusal(setup: TrainingSetup) -> str:
                 "formulas follow")
     if par.cp > 1 and par.ep > 1:
         return "context parallelism is traced without expert parallelism; here the formulas hold"
-    if par.cp > 1 and setup.model is None and (par.tp > 1 or par.pp > 1):
-        return ("context parallelism of a family without a block model is traced without tensor or pipeline "
-                "parallelism; here the fitted method's rule holds")
     if par.cp > 1 and par.pp > 1 and par.strategy != "fsdp2":
         return ("context parallelism in pipeline stages is traced as torchtitan runs it, each stage fully_shard-ed "
                 "over data parallel × context parallel (--strategy fsdp2); here the formulas hold")
