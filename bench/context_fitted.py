@@ -2,7 +2,7 @@
 traced rank of the same layout, on two toy families (a dense OPT and a Mixtral mixture of experts). Prints each case's
 fitted − traced difference per phase and a summary.
 
-    python bench/context_fitted.py [--quick] [--rule] [--tp]
+    python bench/context_fitted.py [--quick] [--rule] [--tp | --ep]
 
 The traced rank (``memcalc estimate --method trace --cp N``) runs its seq/N tokens with SDPA as PyTorch's own ring
 attention on the fake process group, ``fully_shard`` over the data- and context-parallel ranks under FSDP2, or the
@@ -10,7 +10,8 @@ model whole on every rank under DDP. The fitted ledger is the fit of that rank (
 ``--rule`` the one-replica fit at seq/N tokens that stands in until the rank is calibrated (and for context-parallel
 degrees the calibration's sequences do not split into 2·N chunks). The trace's 512-byte rounding of each allocation
 is off here: the fit leaves it out, as its assumptions say. ``--tp``: tensor parallelism 2 beside the ring (the
-Mixtral toy only: transformers has no tensor-parallel plan for OPT), each layout on twice the GPUs.
+Mixtral toy only: transformers has no tensor-parallel plan for OPT), each layout on twice the GPUs; ``--ep``: the
+Mixtral toy's routed experts split over 2 of the data- and context-parallel GPUs.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ FAMILIES = {
 
 
 def case(family: str, cp: int, gpus: int, strategy: str, precision: str, ckpt: str,
-         rule: bool = False, tp: int = 1) -> dict[str, float]:
+         rule: bool = False, tp: int = 1, ep: int = 1) -> dict[str, float]:
     """Fitted − traced, % of the traced rank, per phase (tensor bytes), at 2 × 512 tokens (no calibration shape)."""
     from memcalc_gui.core.fitted import estimate_fitted
     from memcalc_gui.trace import fake
@@ -52,7 +53,7 @@ def case(family: str, cp: int, gpus: int, strategy: str, precision: str, ckpt: s
     cfg = FAMILIES[family]
     setup = TrainingSetup(params=count_params_on_meta(cfg), batch=2, seq=512, precision=precision,  # type: ignore
                           checkpointing=ckpt,  # type: ignore[arg-type]
-                          parallel=Parallelism(gpus=gpus, cp=cp, tp=tp,  # type: ignore[arg-type]
+                          parallel=Parallelism(gpus=gpus, cp=cp, tp=tp, ep=ep,  # type: ignore[arg-type]
                                                strategy=strategy))
     fit = calibrate(cfg, setup, setup.params or 0)
     fitted = estimate_fitted(setup, dataclasses.replace(fit, rank=None) if rule else fit)
@@ -61,24 +62,24 @@ def case(family: str, cp: int, gpus: int, strategy: str, precision: str, ckpt: s
             for p in PHASES if p != "load"}
 
 
-def main(quick: bool = False, rule: bool = False, tp: int = 1) -> None:
+def main(quick: bool = False, rule: bool = False, tp: int = 1, ep: int = 1) -> None:
     warnings.filterwarnings("ignore")
     os.environ.setdefault("MEMCALC_CACHE_DIR", tempfile.mkdtemp(prefix="memcalc-fits-"))
     layouts = [(2, 2), (2, 4), (4, 8), (8, 8)] if not quick else [(2, 4), (8, 8)]  # (cp, gpus)
     shown = [p for p in PHASES if p != "load"]
-    families = [f for f in FAMILIES if tp == 1 or f != "opt"]
-    print(f"{'model':<9}{'cp':>3}{'tp':>3}{'gpus':>5} {'strategy':<6} {'precision':<9} {'ckpt':<5}"
+    families = [f for f in FAMILIES if tp == ep == 1 or f != "opt"]
+    print(f"{'model':<9}{'cp':>3}{'tp':>3}{'ep':>3}{'gpus':>5} {'strategy':<6} {'precision':<9} {'ckpt':<5}"
           + "".join(f"{p[:8]:>10}" for p in shown) + "   (fitted − traced, % of traced)")
     worst: dict[str, list[float]] = {}
     start = time.perf_counter()
     for family, (cp, gpus), strategy, precision, ckpt in itertools.product(
             families, layouts, ("ddp", "fsdp2"), ("fp32", "mixed"), ("none", "full")):
-        diff = case(family, cp, gpus * tp, strategy, precision, ckpt, rule, tp)
+        diff = case(family, cp, gpus * tp, strategy, precision, ckpt, rule, tp, ep)
         worst.setdefault(f"{family} {strategy}", []).append(max(abs(v) for v in diff.values()))
-        print(f"{family:<9}{cp:>3}{tp:>3}{gpus * tp:>5} {strategy:<6} {precision:<9} {ckpt:<5}"
+        print(f"{family:<9}{cp:>3}{tp:>3}{ep:>3}{gpus * tp:>5} {strategy:<6} {precision:<9} {ckpt:<5}"
               + "".join(f"{diff[p]:>+10.2f}" for p in shown), flush=True)
     print_summary(worst, start, title="model", width=14, limits=(0.1, 1, 5), unit="cases")
 
 
 if __name__ == "__main__":
-    main("--quick" in sys.argv, "--rule" in sys.argv, 2 if "--tp" in sys.argv else 1)
+    main("--quick" in sys.argv, "--rule" in sys.argv, 2 if "--tp" in sys.argv else 1, 2 if "--ep" in sys.argv else 1)

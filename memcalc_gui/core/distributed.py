@@ -202,8 +202,11 @@ class Parallelism:
         if self.gpus % (self.tp * self.pp * self.cp):
             raise InputError("cp", f"{self.gpus:,} GPUs cannot be split into context-parallel groups of {self.cp}: the "
                                    "GPU count must be a multiple of tp × pp × cp")
-        if self.cp > 1 and (self.ep > 1 or self.offload != "none"):
-            raise InputError("cp", "context parallelism beside expert parallelism or offload is not modelled yet")
+        if self.cp > 1 and self.offload != "none":
+            raise InputError("cp", "context parallelism beside offload is not modelled yet")
+        if self.cp > 1 and self.ep > 1 and (self.tp > 1 or self.pp > 1):
+            raise InputError("cp", "context beside expert parallelism is modelled without tensor parallelism or "
+                                   "pipeline stages so far")
         if self.schedule not in SCHEDULES:
             raise InputError("schedule", f"must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         v = self.virtual_stages

@@ -119,9 +119,10 @@ def rank_layout(setup: TrainingSetup) -> dict[str, Any] | None:
     not traced lay their states over. With tensor parallelism the rank runs transformers' plan on the whole model (the
     one-replica fit calibrates the narrower model that stands for it). With context parallelism, the rank of the ring
     (ring attention over its seq/cp tokens; FSDP2 over dp × cp, or the model whole on every rank under the other
-    strategies), with tensor parallelism too (the ring runs over each tensor-parallel rank's heads), not beside
-    expert parallelism. ``None`` for a layout the rank fit does not run (sequence or loss parallelism, offload,
-    adapters, context parallelism at a degree the calibration's sequences do not split): the rule stands there."""
+    strategies), with tensor or expert parallelism too (the ring runs over each tensor-parallel rank's heads; the
+    routed experts split over ep of the data- and context-parallel GPUs, as torchtitan lends them). ``None`` for a
+    layout the rank fit does not run (sequence or loss parallelism, offload, adapters, context parallelism at a degree
+    the calibration's sequences do not split): the rule stands there."""
     par = setup.parallel
     context = par.cp > 1
     # the rank of the replicated layout where the one-replica rule's activations are only a bound: expert beside tensor
@@ -136,7 +137,8 @@ def rank_layout(setup: TrainingSetup) -> dict[str, Any] | None:
         return None
     if replicated:
         if context:  # every context-parallel rank holds the model whole (the strategy shards over dp × cp)
-            return {"dp_replicate": par.dp, "tp": par.tp, "cp": par.cp, "replicate_context": True}
+            return {"dp_replicate": par.dp, "tp": par.tp, "cp": par.cp, "replicate_context": True,
+                    **({"ep": par.ep} if par.ep > 1 else {})}
         return {"dp_replicate": par.dp, "tp": par.tp, "ep": par.ep}
     return {"dp_shard": par.dp, "tp": par.tp, "ep": par.ep, "reshard_after_forward": par.reshard_after_forward,
             **({"cp": par.cp} if context else {})}  # FSDP2 over dp × cp, torchtitan's dp_shard_cp mesh
@@ -370,7 +372,9 @@ def per_gpu_states(setup: TrainingSetup, fit: FitModel, traced_rank: bool = Fals
             # and back, balanced routing (transformers', torchtitan's and Megatron-LM's token dispatchers)
             a_bytes = 4 if setup.precision == "fp32" else 2
             # (beside tensor parallelism each GPU of the group sends its share of the tokens: transformers' plan)
-            buffers = 2 * -(-setup.batch * setup.seq // par.tp) * st["top_k"] * st["hidden_size"] * a_bytes
+            # (with context parallelism each GPU its share of every sequence)
+            tokens = setup.batch * (setup.seq // setup.parallel.cp)
+            buffers = 2 * -(-tokens // par.tp) * st["top_k"] * st["hidden_size"] * a_bytes
     else:
         unit = st["largest_module"] if par.strategy == "zero3" else st["layer_params"]
         states = model_states(par, st["num_params"], unit, setup.precision, state, temps, copies, st["root_unit"])

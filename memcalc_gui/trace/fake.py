@@ -133,8 +133,6 @@ def refusal(setup: TrainingSetup) -> str:
         return ("sequence parallelism is traced as PyTorch runs it, torchtitan's plan beside FSDP2 (--strategy fsdp2); "
                 "beside DDP, ZeRO or Megatron-LM's optimizers it is Megatron-LM's, whose split linear inputs the "
                 "formulas follow")
-    if par.cp > 1 and par.ep > 1:
-        return "context parallelism is traced without expert parallelism; here the formulas hold"
     if par.cp > 1 and par.pp > 1 and par.strategy != "fsdp2":
         return ("context parallelism in pipeline stages is traced as torchtitan runs it, each stage fully_shard-ed "
                 "over data parallel × context parallel (--strategy fsdp2); here the formulas hold")
@@ -413,7 +411,8 @@ def _rank_rules(cfg: dict[str, Any], setup: TrainingSetup) -> tuple[tuple[str, .
                               setup.precision, 0, 0, 0, st["root_unit"])
         return states.notes, states.gradients["forward"] if setup.parallel.strategy == "ddp" else 0
     check_experts(str(cfg.get("model_type")), st["num_experts"], setup.parallel.ep)
-    states = expert_parallel_states(setup.parallel, st["num_params"], st["expert_params"],
+    # (context parallelism: the experts' copies over the data- and context-parallel ranks together)
+    states = expert_parallel_states(dataclasses.replace(setup.parallel, cp=1), st["num_params"], st["expert_params"],
                                     st["layer_params"] - st["layer_expert_params"], st["layer_expert_params"],
                                     setup.precision, 0, 0, 0, st["root_unit"], st["num_experts"])
     buckets = states.gradients["forward"] if setup.parallel.strategy == "ddp" else 0

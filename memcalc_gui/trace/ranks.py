@@ -86,11 +86,11 @@ class RankLayout:
             raise InputError("ep", f"expert parallelism beside tensor parallelism needs ep a multiple of tp "
                                    f"(transformers' DistributedConfig: a tensor-parallel group's ranks hold experts of "
                                    f"one expert-parallel group), got ep {self.ep}, tp {self.tp}")
-        if self.cp > 1 and self.ep > 1:
-            raise InputError("cp", "context beside expert parallelism is not traced")
         if not isinstance(self.sp, bool) or (self.sp and self.tp == 1):
             raise InputError("sp", "sequence parallelism splits what tensor parallelism leaves whole: it needs tp 2 or "
                                    "more")
+        if self.cp > 1 and self.ep > 1 and self.tp > 1:
+            raise InputError("cp", "context beside expert and tensor parallelism is not traced")
         if self.sp and self.ep > 1:
             raise InputError("sp", "sequence beside expert parallelism is not traced")
         if not isinstance(self.replicate_context, bool):
