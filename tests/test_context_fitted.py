@@ -55,7 +55,7 @@ def test_the_fitted_rank_of_a_context_parallel_layout_is_the_traced_one(
     setup = _setup(cfg, batch=batch, seq=seq, grad_accum=accum, precision=precision,
                    parallel=Parallelism(gpus=gpus, cp=cp, tp=tp, ep=ep, strategy=strategy))
     assert rank_layout(setup) is not None and rank_layout(setup)["cp"] == cp  # type: ignore[index]
-    assert (rank_layout(setup)["tp"], rank_layout(setup)["ep"]) == (tp, ep)  # type: ignore[index]
+    assert (rank_layout(setup)["tp"], rank_layout(setup).get("ep", 1)) == (tp, ep)  # type: ignore[union-attr]
     fit = calibrate(cfg, setup, setup.params or 0)
     assert fit.rank is not None
     fitted = estimate_fitted(setup, fit)
@@ -173,28 +173,29 @@ def test_a_real_step_of_the_ring_matches_the_fitted_rank(name: str, flags: tuple
 def test_the_fitted_ranks_of_a_ring_in_pipeline_stages_are_their_traced_schedules(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Pipeline stages of such a family with a ring inside each (torchtitan's layout: FSDP2 over each stage's dp × cp
-    ranks): calibrated on short stages over pp + 1 micro-batches, evaluated at 6-layer stages, a shape and a
-    micro-batch count it never traced, each checked rank equals its 1F1B schedule traced with every micro-batch.
-    Under DDP it is refused naming the strategy, as the trace refuses it."""
+    ranks, the routed experts split over ep of them): calibrated on short stages over pp + 1 micro-batches, evaluated
+    at 6-layer stages, a shape and a micro-batch count it never traced, each checked rank equals its 1F1B schedule
+    traced with every micro-batch. Under DDP it is refused naming the strategy, as the trace refuses it."""
     from memcalc_gui.core.fitted import pipeline_layout
     from memcalc_gui.trace import fake
     from memcalc_gui.trace.fit import calibrate
     from memcalc_gui.trace.pipeline import PipeRank, trace_pipeline_rank
 
     monkeypatch.setattr(fake, "CUDA_ROUNDING", 1)
-    pp, m, cp = 2, 5, 2
+    pp, m, cp, ep = 2, 5, 2, 2
     cfg = dict(MIXTRAL, num_hidden_layers=12)
     setup = _setup(cfg, batch=3, seq=160, grad_accum=m, precision="mixed", cuda_context_bytes=0, allocator_reserve=0.0,
-                   parallel=Parallelism(gpus=pp * cp, pp=pp, cp=cp, strategy="fsdp2"))
-    assert pipeline_layout(setup)["cp"] == cp
+                   parallel=Parallelism(gpus=pp * cp, pp=pp, cp=cp, ep=ep, strategy="fsdp2"))
+    assert (pipeline_layout(setup)["cp"], pipeline_layout(setup)["ep"]) == (cp, ep)
     fit = calibrate(cfg, setup, setup.params or 0)
     est = estimate_fitted(setup, fit)
-    assert any("ring attention, the rank's 80 tokens" in n for n in est.details["parallel_notes"])
+    assert any("ring attention, the rank's 80 tokens" in n and "routed experts split over 2" in n
+               for n in est.details["parallel_notes"])
     rows = {row["rank"]: row for row in est.details["pipeline_ranks"]}
     assert sorted(rows) == [0, 1]
     for rank, row in rows.items():
-        traced = trace_pipeline_rank(cfg, PipeRank(pp, rank, "1f1b", 1, m, dp_shard=1, cp=cp), batch=3, seq=160,
-                                     precision="mixed")
+        traced = trace_pipeline_rank(cfg, PipeRank(pp, rank, "1f1b", 1, m, dp_shard=1, cp=cp, ep=ep), batch=3,
+                                     seq=160, precision="mixed")
         for phase in ("forward", "backward", "optimizer_step"):
             assert row["tensor_bytes"][phase] == pytest.approx(traced.phases[phase].peak_bytes, rel=0.002), \
                 (rank, phase)

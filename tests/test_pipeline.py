@@ -442,7 +442,7 @@ def test_the_trace_method_traces_context_parallel_stages_with_ring_attention(tp:
     with pytest.raises(InputError, match="expert"):
         from memcalc_gui.trace.pipeline import PipeRank
 
-        PipeRank(2, cp=2, ep=2, dp_shard=2)
+        PipeRank(2, cp=2, ep=2, tp=2, dp_shard=2)  # the experts of a ring's stage split, beside TP too
 
 
 @pytest.mark.parametrize("precision", ["fp32", "mixed"])
@@ -816,10 +816,15 @@ def test_the_ring_attention_is_run_by_pytorchs_own_functions_and_restored_after(
     assert RankLayout(dp_shard=2, cp=4).fsdp_ranks == 8 and RankLayout(cp=4, replicate_context=True).fsdp_ranks == 1
     from memcalc_gui.trace.pipeline import PipeRank
 
-    for bad_stage in (dict(cp=0), dict(cp=True), dict(cp=2, ep=2, dp_shard=2), dict(cp=5000)):
+    for bad_stage in (dict(cp=0), dict(cp=True), dict(cp=5000)):
         with pytest.raises(InputError) as exc:
             PipeRank(2, **bad_stage)  # type: ignore[arg-type]
         assert exc.value.field == "cp", bad_stage
+    # the experts of a stage split over a number of its data- and context-parallel ranks that divides them
+    assert PipeRank(2, cp=2, ep=2, dp_shard=2).data == 2 and PipeRank(2, cp=2, ep=2, dp_shard=2).world == 8
+    with pytest.raises(InputError) as exc:
+        PipeRank(2, cp=2, ep=8, dp_shard=2)
+    assert exc.value.field == "ep"
     staged = PipeRank(2, 1, dp_shard=2, cp=2, tp=2)
     assert (staged.world, staged.global_rank) == (16, 8)  # the mesh pp × dp_shard × cp × tp, its second stage
 

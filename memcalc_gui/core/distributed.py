@@ -204,9 +204,8 @@ class Parallelism:
                                    "GPU count must be a multiple of tp × pp × cp")
         if self.cp > 1 and self.offload != "none":
             raise InputError("cp", "context parallelism beside offload is not modelled yet")
-        if self.cp > 1 and self.ep > 1 and (self.tp > 1 or self.pp > 1):
-            raise InputError("cp", "context beside expert parallelism is modelled without tensor parallelism or "
-                                   "pipeline stages so far")
+        if self.cp > 1 and self.ep > 1 and self.tp > 1:
+            raise InputError("cp", "context beside expert parallelism is modelled without tensor parallelism so far")
         if self.schedule not in SCHEDULES:
             raise InputError("schedule", f"must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         v = self.virtual_stages
@@ -237,9 +236,9 @@ class Parallelism:
         if self.sp and self.tp == 1:
             raise InputError("sp", "sequence parallelism splits what tensor parallelism leaves whole: it needs --tp 2 "
                                    "or more")
-        if self.pp > 1 and self.ep > 1 and (self.gpus // (self.tp * self.pp * self.cp)) % self.ep:
+        if self.pp > 1 and self.ep > 1 and (self.gpus // (self.tp * self.pp)) % self.ep:
             raise InputError("ep", f"expert parallelism splits the experts over {self.ep} of a pipeline stage's "
-                                   f"{self.gpus // (self.tp * self.pp * self.cp):,} data-parallel GPUs: it must "
+                                   f"{self.gpus // (self.tp * self.pp):,} data- and context-parallel GPUs: it must "
                                    "divide them")
         if self.pp > 1 and self.offload != "none":
             raise InputError("offload", "offload beside pipeline parallelism is not modelled yet")

@@ -185,10 +185,10 @@ def pipeline_layout(setup: TrainingSetup) -> dict[str, Any]:
         raise InputError("strategy", f"FSDP2 over one data-parallel GPU per stage shards nothing ({par.gpus:,} GPUs "
                                      f"in {par.pp} stages of {par.tp} tensor-parallel GPU(s)): choose DDP, or more "
                                      "GPUs")
-    if par.ep > 1 and (par.dp % par.ep or par.tp > 1):
+    if par.ep > 1 and ((par.dp * par.cp) % par.ep or par.tp > 1):
         raise InputError("ep", f"expert parallelism in a pipeline stage splits the experts over {par.ep} of the "
-                               f"stage's {par.dp} data-parallel GPUs (Megatron-LM's and torchtitan's layout), "
-                               "without tensor parallelism: ep must divide them")
+                               f"stage's {par.dp * par.cp} data- and context-parallel GPUs (Megatron-LM's and "
+                               "torchtitan's layout), without tensor parallelism: ep must divide them")
     if par.cp > 1 and par.strategy != "fsdp2":
         raise InputError("strategy", "context parallelism in pipeline stages runs as torchtitan runs it, each stage "
                                      "fully_shard-ed over data parallel × context parallel: choose --strategy fsdp2")

@@ -90,11 +90,10 @@ class PipeRank:
         if not isinstance(self.sp, bool) or (self.sp and self.tp == 1):
             raise InputError("sp", "sequence parallelism splits what tensor parallelism leaves whole: it needs tp 2 or "
                                    "more")
-        if self.ep > 1 and (self.tp > 1 or (self.dp_shard > 1 and self.dp_shard % self.ep)):
+        sharded = self.dp_shard * self.cp  # FSDP2's ranks of a stage (torchtitan's dp_shard_cp)
+        if self.ep > 1 and (self.tp > 1 or (sharded > 1 and sharded % self.ep)):
             raise InputError("ep", "expert parallelism in a pipeline stage is traced without tensor parallelism, over "
-                                   "a number of the stage's data-parallel ranks that divides them")
-        if self.cp > 1 and self.ep > 1:
-            raise InputError("cp", "context beside expert parallelism is not traced")
+                                   "a number of the stage's data- and context-parallel ranks that divides them")
         if not isinstance(self.loss_parallel, bool) or (self.loss_parallel and self.tp == 1):
             raise InputError("loss_parallel", "loss parallelism splits the vocabulary over the tensor-parallel ranks: "
                                               "it needs tp 2 or more")
@@ -114,8 +113,8 @@ class PipeRank:
     @property
     def data(self) -> int:
         """The data-parallel ranks of a stage the trace's mesh holds: FSDP2's, else the expert-parallel ones (one
-        replica of DDP's)."""
-        return max(self.dp_shard, self.ep)
+        replica of DDP's); beside context parallelism FSDP2's (the experts split over dp_shard × cp)."""
+        return max(self.dp_shard, self.ep) if self.cp == 1 else self.dp_shard
 
     @property
     def world(self) -> int:
@@ -158,8 +157,9 @@ def _meshes(layout: PipeRank) -> tuple[Any, Any, Any, tuple[Any, ...], Any]:
     data = mesh["dp_shard", "cp"]._flatten("dp_shard_cp") if layout.cp > 1 else mesh["dp_shard"]
     data.get_coordinate()
     experts: tuple[Any, ...] = ()
-    if layout.ep > 1:  # the same ranks, the stage's data-parallel ones seen as (copies of each expert, ep)
-        view = init_device_mesh("cpu", (layout.pp, layout.data // layout.ep, layout.ep, layout.tp),
+    if layout.ep > 1:  # the same ranks, the stage's data- (and context-) parallel ones seen as (copies of each
+        # expert, ep): torchtitan lends the expert-parallel ranks from dp_shard × cp
+        view = init_device_mesh("cpu", (layout.pp, layout.data * layout.cp // layout.ep, layout.ep, layout.tp),
                                 mesh_dim_names=("pp", "efsdp", "ep", "tp"))
         experts = (view["efsdp"], view["ep"], mesh["tp"])
         for m in experts:
