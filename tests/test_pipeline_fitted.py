@@ -76,6 +76,35 @@ def test_each_fitted_rank_equals_its_schedule_traced_with_every_micro_batch() ->
     assert again == fit
 
 
+def test_expert_beside_tensor_parallelism_in_stages_is_fitted_from_the_groups_own_traces() -> None:
+    """Each stage's tensor-parallel group run for real beside the split experts (transformers' layout: the group's 2
+    ranks hold 2 experts' groups, the tokens split over them before the all-to-all), not as the narrower model that
+    stands for a tensor-parallel rank without experts split: at 6-layer stages, a shape and micro-batch count no
+    calibration traced, every checked rank equals its 1F1B schedule traced with every micro-batch (load aside: a
+    transient growing with b·s at load sits below the calibration shapes' weights, as for every pipeline fit).
+    Megatron-LM's optimizers, whose states would come by rule over a replica that does not split its experts, are
+    refused."""
+    from memcalc_gui.core.fitted import pipeline_layout
+
+    pp, m, tp, ep = 2, 5, 2, 2
+    cfg = dict(MIXTRAL, num_hidden_layers=12)
+    setup = _setup(pp, m, 1, "ddp", precision="mixed",
+                   parallel=Parallelism(gpus=pp * tp, pp=pp, tp=tp, ep=ep, strategy="ddp"))
+    assert (pipeline_layout(setup)["tp"], pipeline_layout(setup)["ep"]) == (tp, ep)
+    fit = fitmod.calibrate(cfg, setup, 1)
+    est = estimate_fitted(setup, fit)
+    rows = {row["rank"]: row for row in est.details["pipeline_ranks"]}
+    assert sorted(rows) == [0, 1]
+    for rank, row in rows.items():
+        traced = trace_pipeline_rank(cfg, PipeRank(pp, rank, "1f1b", 1, m, tp=tp, ep=ep), batch=3, seq=80,
+                                     precision="mixed", optimizer_impl="foreach")
+        for phase in ("forward", "backward", "optimizer_step"):
+            assert row["phases"][phase] == pytest.approx(traced.phases[phase].peak_bytes, rel=0.002), (rank, phase)
+    with pytest.raises(InputError) as err:
+        pipeline_layout(setup.with_changes(parallel=Parallelism(gpus=4, pp=2, tp=2, ep=2, strategy="megatron")))
+    assert err.value.field == "strategy"
+
+
 def test_what_more_micro_batches_add_to_a_middle_rank() -> None:
     """A middle rank (neither first nor last) of 1F1B receives activations and gradients: each micro-batch beyond
     the traced ones adds one receive buffer of each, and its token ids (the batch every rank loads); what the rule adds

@@ -236,14 +236,11 @@ class Parallelism:
         if self.sp and self.tp == 1:
             raise InputError("sp", "sequence parallelism splits what tensor parallelism leaves whole: it needs --tp 2 "
                                    "or more")
-        if self.pp > 1 and self.ep > 1 and (self.gpus // (self.tp * self.pp)) % self.ep:
+        if self.pp > 1 and self.ep > 1 and (self.gpus // self.pp) % self.ep:
             raise InputError("ep", f"expert parallelism splits the experts over {self.ep} of a pipeline stage's "
-                                   f"{self.gpus // (self.tp * self.pp):,} data- and context-parallel GPUs: it must "
-                                   "divide them")
+                                   f"{self.gpus // self.pp:,} GPUs: it must divide them")
         if self.pp > 1 and self.offload != "none":
             raise InputError("offload", "offload beside pipeline parallelism is not modelled yet")
-        if self.tp > 1 and self.ep > 1 and self.pp > 1:
-            raise InputError("tp", "tensor beside expert parallelism in pipeline stages is not modelled yet")
         if self.tp > 1 and self.ep > 1 and self.ep % self.tp:
             raise InputError("ep", f"expert parallelism beside tensor parallelism needs ep a multiple of tp "
                                    f"(transformers' layout: the GPUs of a tensor-parallel group hold experts of one "

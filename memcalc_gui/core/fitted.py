@@ -23,7 +23,7 @@ from typing import Any
 from .configfile import dense_prefix_layers
 from .distributed import BF16_COMPUTE, ModelStates, check_experts, expert_parallel_states, model_states
 from .errors import InputError
-from .layouts import MIN_GPUS_FOR, NOT_CALIBRATED, ModelShape, Search, search
+from .layouts import MIN_GPUS_FOR, NOT_CALIBRATED, TRACED_PIPELINE_STRATEGIES, ModelShape, Search, search
 from .ledger import Estimate, with_overheads
 from .quick import precision_bytes
 from .result import Result
@@ -97,9 +97,6 @@ def traced_precision(setup: TrainingSetup) -> str:
     return "bf16" if bf16_compute(setup) else setup.precision
 
 
-#: The data-parallel strategies whose pipeline stages of a fitted family the schedule's own trace runs (each stage
-#: replicated, or ``fully_shard``-ed over its data-parallel ranks), as ``--method trace`` does.
-TRACED_PIPELINE_STRATEGIES = ("ddp", "fsdp2")
 #: And those whose stage is traced as one replica of its bf16 step, its model states then laid out by rule as for
 #: one GPU (:func:`per_gpu_states`): Megatron-LM's optimizers. (DeepSpeed's pipeline engine runs ZeRO stage 1 only,
 #: over autocast here, whose weight copies per micro-batch in flight the one-GPU rule does not follow: not offered.)
@@ -185,10 +182,15 @@ def pipeline_layout(setup: TrainingSetup) -> dict[str, Any]:
         raise InputError("strategy", f"FSDP2 over one data-parallel GPU per stage shards nothing ({par.gpus:,} GPUs "
                                      f"in {par.pp} stages of {par.tp} tensor-parallel GPU(s)): choose DDP, or more "
                                      "GPUs")
-    if par.ep > 1 and ((par.dp * par.cp) % par.ep or par.tp > 1):
+    if par.ep > 1 and (par.dp * par.cp * par.tp) % par.ep:
         raise InputError("ep", f"expert parallelism in a pipeline stage splits the experts over {par.ep} of the "
-                               f"stage's {par.dp * par.cp} data- and context-parallel GPUs (Megatron-LM's and "
-                               "torchtitan's layout), without tensor parallelism: ep must divide them")
+                               f"stage's {par.dp * par.cp * par.tp} GPUs (Megatron-LM's and torchtitan's layout): ep "
+                               "must divide them")
+    if par.ep > 1 and par.tp > 1 and par.strategy not in TRACED_PIPELINE_STRATEGIES:
+        raise InputError("strategy", "expert beside tensor parallelism in pipeline stages is fitted from the stage's "
+                                     "own traces under DDP and FSDP2 (transformers' layout, each tensor-parallel "
+                                     "group's ranks holding experts of one expert-parallel group); choose --strategy "
+                                     "ddp or fsdp2")
     if par.cp > 1 and par.strategy != "fsdp2":
         raise InputError("strategy", "context parallelism in pipeline stages runs as torchtitan runs it, each stage "
                                      "fully_shard-ed over data parallel × context parallel: choose --strategy fsdp2")
@@ -202,6 +204,9 @@ def pipeline_layout(setup: TrainingSetup) -> dict[str, Any]:
             "dp_shard": par.dp if fsdp2 else 1, "reshard_after_forward": par.reshard_after_forward if fsdp2 else True,
             # each stage's ring: its seq/cp tokens with ring attention, FSDP2 over dp × cp (torchtitan's dp_shard_cp)
             **({"cp": par.cp} if par.cp > 1 else {}),
+            # beside expert parallelism the stage's tensor-parallel group runs for real (transformers' plan; the
+            # tokens split over it before the all-to-all), not as the narrower model that stands for one of its ranks
+            **({"tp": par.tp} if par.tp > 1 and par.ep > 1 else {}),
             # by rule, the experts are split by the states' rule too (expert_parallel_states): one replica traced
             **({"ep": par.ep} if par.ep > 1 and par.strategy in TRACED_PIPELINE_STRATEGIES else {})}
 

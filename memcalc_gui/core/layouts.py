@@ -49,6 +49,11 @@ from .errors import InputError
 from .ledger import Estimate
 from .setup import TrainingSetup
 
+#: The data-parallel strategies whose pipeline stages of a fitted family the schedule's own trace runs (each stage
+#: replicated, or ``fully_shard``-ed over its data-parallel ranks), as ``--method trace`` does; the others' states come
+#: by rule over a traced replica (``core.fitted``), which does not split the experts beside tensor parallelism.
+TRACED_PIPELINE_STRATEGIES: Final = ("ddp", "fsdp2")
+
 #: Strategies the search tries, least communication first (``distributed.PREFERENCE``'s order).
 LAYOUT_STRATEGIES: Final = ("ddp", "megatron", "zero1", "megatron-distopt", "zero2", "zero3", "fsdp2")
 TP_DEGREES: Final = (1, 2, 4, 8)
@@ -154,6 +159,9 @@ def candidates(setup: TrainingSetup, gpus: int | None = None, shape: ModelShape 
                 for strategy in LAYOUT_STRATEGIES:
                     if pp > 1 and shape.pipeline_strategies is not None and strategy not in shape.pipeline_strategies:
                         continue
+                    if pp > 1 and tp > 1 and ep > 1 and not shape.block_model \
+                            and strategy not in TRACED_PIPELINE_STRATEGIES:
+                        continue  # expert beside tensor parallelism in stages: fitted from traced stages only
                     try:
                         split = tp > 1 and shape.block_model  # sequence and loss parallelism need a block model
                         # (the zero-bubble schedules are modelled without sequence parallelism, and beside FSDP2

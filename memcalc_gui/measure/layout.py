@@ -20,8 +20,10 @@ This module decides, without torch, which processes that takes and what each run
   context parallelism (under FSDP2) each stage runs on its dp × cp processes, ring attention between them and
   ``fully_shard`` over them all, as torchtitan runs it.
 
-* **Expert parallelism** (a mixture of experts, ``--ep`` under FSDP2 without tensor parallelism): one rank of
-  transformers' expert layout as :func:`memcalc_gui.trace.ranks.run_rank` builds it, its all-to-all over gloo.
+* **Expert parallelism** (a mixture of experts, ``--ep`` under FSDP2, beside tensor or context parallelism or
+  neither): one rank of transformers' expert layout as :func:`memcalc_gui.trace.ranks.run_rank` builds it, its
+  all-to-all over gloo; in pipeline stages beside tensor parallelism each stage's tensor-parallel group runs for real
+  (the narrower model would not split the experts' tokens over it).
 
 Not run (refused, naming ``strategy``): ZeRO and FSDP1, which are DeepSpeed's and FSDP1's engines, not installed here;
 Megatron-LM; offload; expert parallelism beside DDP; context beside pipeline parallelism other than under FSDP2; DDP
@@ -94,8 +96,14 @@ def start_seconds(processes: int, cores: int) -> float:
 def measured_world(par: Parallelism) -> int:
     """The processes a layout's measurement runs (a stage's tensor-parallel ranks are one narrower model)."""
     if par.pp > 1:  # (context parallelism in stages runs under FSDP2 only: refusal)
-        return par.pp * (par.dp * par.cp if par.strategy == "fsdp2" else 1)
+        return par.pp * (par.dp * par.cp if par.strategy == "fsdp2" else 1) * _stage_tp(par)
     return par.gpus
+
+
+def _stage_tp(par: Parallelism) -> int:
+    """The processes of a stage's tensor-parallel group: one (the narrower model stands for its rank) unless the
+    experts are split beside it, where transformers' layout runs the group for real."""
+    return par.tp if par.ep > 1 else 1
 
 
 def refusal(setup: TrainingSetup) -> str:
@@ -236,14 +244,14 @@ def rank_job(setup: TrainingSetup) -> RankJob:
     notes: list[str] = []
     if par.pp > 1:
         dp = par.dp if par.strategy == "fsdp2" else 1
-        if par.tp > 1:
+        if par.tp > 1 and _stage_tp(par) == 1:
             config = tensor_parallel_config(config, par.tp, par.loss_parallel)
             notes.append(f"each stage's tensor-parallel rank runs as the model with a {par.tp}th of the heads and MLP "
                          "features (the parallelized rank's step to the byte)")
         # (context parallelism: each stage's dp × cp ranks, its units sharded over them all; refusal)
         pipe = PipeRank(par.pp, 0, par.schedule, par.virtual_stages, setup.grad_accum, dp_shard=dp,
-                        reshard_after_forward=par.reshard_after_forward, cp=par.cp, ep=par.ep)
-        per_stage = dp * par.cp
+                        reshard_after_forward=par.reshard_after_forward, cp=par.cp, ep=par.ep, tp=_stage_tp(par))
+        per_stage = dp * par.cp * _stage_tp(par)
         world = par.pp * per_stage
         return RankJob(f"pipeline:{par.schedule}", world, pipe, config,
                        tuple(r // per_stage for r in range(world)), tuple(notes))

@@ -213,14 +213,18 @@ def trace_estimate(
             unguided = (fsdp2_pipeline and par.virtual_stages > 1) or setup.model is None
             pipe_ranks = ranks_to_check(par.pp) if unguided else (pipe_rank,)
 
+            # the stage's tensor-parallel group run for real: torchtitan's sequence-parallel plan, or transformers'
+            # layout of the experts beside it (the tokens split over the group before the all-to-all)
+            real_tp = par.sp or par.ep > 1
+
             def pipe_layout(r: int) -> Any:
                 return PipeRank(par.pp, r, par.schedule, par.virtual_stages, setup.grad_accum,
-                                dp_shard=par.dp if fsdp2_pipeline else 1, tp=par.tp if par.sp else 1, sp=par.sp,
+                                dp_shard=par.dp if fsdp2_pipeline else 1, tp=par.tp if real_tp else 1, sp=par.sp,
                                 reshard_after_forward=par.reshard_after_forward, ep=par.ep, cp=par.cp,
                                 loss_parallel=par.loss_parallel and par.sp)
 
             step = functools.partial(trace_pipeline_rank, layout=pipe_layout(pipe_rank))
-            if par.tp > 1 and not par.sp:
+            if par.tp > 1 and not real_tp:
                 # one tensor-parallel rank runs the narrower model (core.layout; tests/test_layout.py); with sequence
                 # parallelism the stage's layers are split for real, torchtitan's plan on top
                 from .ranks import tensor_parallel_config

@@ -90,10 +90,14 @@ class PipeRank:
         if not isinstance(self.sp, bool) or (self.sp and self.tp == 1):
             raise InputError("sp", "sequence parallelism splits what tensor parallelism leaves whole: it needs tp 2 or "
                                    "more")
-        sharded = self.dp_shard * self.cp  # FSDP2's ranks of a stage (torchtitan's dp_shard_cp)
-        if self.ep > 1 and (self.tp > 1 or (sharded > 1 and sharded % self.ep)):
-            raise InputError("ep", "expert parallelism in a pipeline stage is traced without tensor parallelism, over "
-                                   "a number of the stage's data- and context-parallel ranks that divides them")
+        if self.ep > 1 and self.tp > 1 and (self.ep % self.tp or self.cp > 1):
+            raise InputError("ep", "expert beside tensor parallelism in a pipeline stage is traced as transformers "
+                                   "lays it out, ep a multiple of tp (a tensor-parallel group's ranks hold experts of "
+                                   "one expert-parallel group), without context parallelism")
+        ranks = self.dp_shard * self.cp * self.tp  # the stage's ranks, which the experts are split over
+        if self.ep > 1 and self.dp_shard * self.cp > 1 and ranks % self.ep:
+            raise InputError("ep", "expert parallelism in a pipeline stage splits the experts over a number of the "
+                                   "stage's data-, context- and tensor-parallel ranks that divides them")
         if not isinstance(self.loss_parallel, bool) or (self.loss_parallel and self.tp == 1):
             raise InputError("loss_parallel", "loss parallelism splits the vocabulary over the tensor-parallel ranks: "
                                               "it needs tp 2 or more")
@@ -113,8 +117,9 @@ class PipeRank:
     @property
     def data(self) -> int:
         """The data-parallel ranks of a stage the trace's mesh holds: FSDP2's, else the expert-parallel ones (one
-        replica of DDP's); beside context parallelism FSDP2's (the experts split over dp_shard × cp)."""
-        return max(self.dp_shard, self.ep) if self.cp == 1 else self.dp_shard
+        replica of DDP's, each holding ep/tp of the experts' groups beside tensor parallelism); beside context
+        parallelism FSDP2's (the experts split over dp_shard × cp)."""
+        return max(self.dp_shard, self.ep // self.tp) if self.cp == 1 else self.dp_shard
 
     @property
     def world(self) -> int:
@@ -157,10 +162,11 @@ def _meshes(layout: PipeRank) -> tuple[Any, Any, Any, tuple[Any, ...], Any]:
     data = mesh["dp_shard", "cp"]._flatten("dp_shard_cp") if layout.cp > 1 else mesh["dp_shard"]
     data.get_coordinate()
     experts: tuple[Any, ...] = ()
-    if layout.ep > 1:  # the same ranks, the stage's data- (and context-) parallel ones seen as (copies of each
-        # expert, ep): torchtitan lends the expert-parallel ranks from dp_shard × cp
-        view = init_device_mesh("cpu", (layout.pp, layout.data * layout.cp // layout.ep, layout.ep, layout.tp),
-                                mesh_dim_names=("pp", "efsdp", "ep", "tp"))
+    if layout.ep > 1:  # the same ranks, a stage's seen as (copies of each expert, ep): torchtitan lends the
+        # expert-parallel ranks from dp_shard × cp; beside tensor parallelism ep runs over consecutive ranks, a
+        # tensor-parallel group's holding experts of one expert-parallel group (transformers' layout, trace.ranks)
+        view = init_device_mesh("cpu", (layout.pp, layout.data * layout.cp * layout.tp // layout.ep, layout.ep),
+                                mesh_dim_names=("pp", "efsdp", "ep"))
         experts = (view["efsdp"], view["ep"], mesh["tp"])
         for m in experts:
             m.get_coordinate()
@@ -194,20 +200,21 @@ def cutter(layout: PipeRank, dp_mesh: Any = None, precision: str = "fp32", tp_me
         if layout.num_stages - 1 not in layout.stages:
             inner.norm = torch.nn.Identity()
             model.lm_head = torch.nn.Identity()
-        if tp_mesh is not None:  # the stage's layers split as one rank of its tensor-parallel group
-            from .ranks import split_tensor_parallel, tp_plan
-
-            assert config is not None
-            split_tensor_parallel(model, tp_plan(config), tp_mesh, sequence=layout.sp, vocab=layout.loss_parallel,
-                                  first=0 in layout.stages, last=layout.num_stages - 1 in layout.stages, seq=seq)
         split: list[Any] = []
-        if experts:
+        if experts:  # first, as trace.ranks: the tensor-parallel split makes every parameter left whole a DTensor
             from .ranks import _replicate_the_rest, _split_experts
 
             efsdp, ep_mesh, ep_tp = experts
             split = _split_experts(model, ep_mesh, ep_tp)
-            if dp_mesh is None:
+            if dp_mesh is None and tp_mesh is None:
                 _replicate_the_rest(model, replicas)
+        if tp_mesh is not None:  # the stage's layers split as one rank of its tensor-parallel group
+            from .ranks import split_tensor_parallel, tp_plan, without_expert_rules
+
+            assert config is not None
+            plan = without_expert_rules(config, tp_plan(config)) if experts else tp_plan(config)
+            split_tensor_parallel(model, plan, tp_mesh, sequence=layout.sp, vocab=layout.loss_parallel,
+                                  first=0 in layout.stages, last=layout.num_stages - 1 in layout.stages, seq=seq)
         if dp_mesh is not None:
             from torch.distributed.fsdp import fully_shard
 

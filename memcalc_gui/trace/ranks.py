@@ -25,8 +25,8 @@ ledger makes and the one random router weights give.
 
 Context parallelism runs PyTorch's own ring attention (:mod:`.context`) over the mesh's ``cp`` dimension, the rank
 fed its ``seq/cp`` tokens. Sequence parallelism is torchtitan's plan on transformers' own layers (:class:`RankLayout`).
-Pipeline stages are traced by :mod:`.pipeline`. Not traced here (the formulas stand alone,
-``core.layout``): expert beside tensor or context parallelism. torch is imported inside functions only.
+Pipeline stages are traced by :mod:`.pipeline`. Expert parallelism is traced beside tensor or context parallelism,
+not beside both together or beside sequence parallelism. torch is imported inside functions only.
 """
 
 from __future__ import annotations
