@@ -173,9 +173,10 @@ def test_a_real_step_of_the_ring_matches_the_fitted_rank(name: str, flags: tuple
 def test_the_fitted_ranks_of_a_ring_in_pipeline_stages_are_their_traced_schedules(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Pipeline stages of such a family with a ring inside each (torchtitan's layout: FSDP2 over each stage's dp × cp
-    ranks, the routed experts split over ep of them): calibrated on short stages over pp + 1 micro-batches, evaluated
-    at 6-layer stages, a shape and a micro-batch count it never traced, each checked rank equals its 1F1B schedule
-    traced with every micro-batch. Under DDP it is refused naming the strategy, as the trace refuses it."""
+    ranks, the routed experts split over ep of them): calibrated over pp + 1 micro-batches, evaluated at a shape and a
+    micro-batch count it never traced, each checked rank equals its 1F1B schedule traced with every micro-batch. (Its
+    2-layer stages are traced at their own depth: extrapolating a stage's depth is tests/test_pipeline_fitted.py's.)
+    Under DDP it is refused naming the strategy, as the trace refuses it."""
     from memcalc_gui.core.fitted import pipeline_layout
     from memcalc_gui.trace import fake
     from memcalc_gui.trace.fit import calibrate
@@ -183,7 +184,7 @@ def test_the_fitted_ranks_of_a_ring_in_pipeline_stages_are_their_traced_schedule
 
     monkeypatch.setattr(fake, "CUDA_ROUNDING", 1)
     pp, m, cp, ep = 2, 5, 2, 2
-    cfg = dict(MIXTRAL, num_hidden_layers=12)
+    cfg = dict(MIXTRAL, num_hidden_layers=4)
     setup = _setup(cfg, batch=3, seq=160, grad_accum=m, precision="mixed", cuda_context_bytes=0, allocator_reserve=0.0,
                    parallel=Parallelism(gpus=pp * cp, pp=pp, cp=cp, ep=ep, strategy="fsdp2"))
     assert (pipeline_layout(setup)["cp"], pipeline_layout(setup)["ep"]) == (cp, ep)

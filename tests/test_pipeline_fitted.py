@@ -79,15 +79,15 @@ def test_each_fitted_rank_equals_its_schedule_traced_with_every_micro_batch() ->
 def test_expert_beside_tensor_parallelism_in_stages_is_fitted_from_the_groups_own_traces() -> None:
     """Each stage's tensor-parallel group run for real beside the split experts (transformers' layout: the group's 2
     ranks hold 2 experts' groups, the tokens split over them before the all-to-all), not as the narrower model that
-    stands for a tensor-parallel rank without experts split: at 6-layer stages, a shape and micro-batch count no
-    calibration traced, every checked rank equals its 1F1B schedule traced with every micro-batch (load aside: a
-    transient growing with b·s at load sits below the calibration shapes' weights, as for every pipeline fit).
-    Megatron-LM's optimizers, whose states would come by rule over a replica that does not split its experts, are
-    refused."""
+    stands for a tensor-parallel rank without experts split: at a shape and micro-batch count no calibration traced
+    (2-layer stages, traced at their own depth: the test above extrapolates the depth), every checked rank equals its
+    1F1B schedule traced with every micro-batch (load aside: a transient growing with b·s at load sits below the
+    calibration shapes' weights, as for every pipeline fit). Megatron-LM's optimizers, whose states would come by rule
+    over a replica that does not split its experts, are refused."""
     from memcalc_gui.core.fitted import pipeline_layout
 
     pp, m, tp, ep = 2, 5, 2, 2
-    cfg = dict(MIXTRAL, num_hidden_layers=12)
+    cfg = dict(MIXTRAL, num_hidden_layers=4)
     setup = _setup(pp, m, 1, "ddp", precision="mixed",
                    parallel=Parallelism(gpus=pp * tp, pp=pp, tp=tp, ep=ep, strategy="ddp"))
     assert (pipeline_layout(setup)["tp"], pipeline_layout(setup)["ep"]) == (tp, ep)

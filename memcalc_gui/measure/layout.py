@@ -94,7 +94,8 @@ def start_seconds(processes: int, cores: int) -> float:
 
 
 def measured_world(par: Parallelism) -> int:
-    """The processes a layout's measurement runs (a stage's tensor-parallel ranks are one narrower model)."""
+    """The processes a layout's measurement runs (a stage's tensor-parallel ranks are one narrower model, unless the
+    experts are split beside them)."""
     if par.pp > 1:  # (context parallelism in stages runs under FSDP2 only: refusal)
         return par.pp * (par.dp * par.cp if par.strategy == "fsdp2" else 1) * _stage_tp(par)
     return par.gpus
