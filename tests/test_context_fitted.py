@@ -38,8 +38,8 @@ def _setup(cfg: dict[str, object], **kw: object) -> TrainingSetup:
 @pytest.mark.parametrize(("name", "strategy", "gpus", "cp", "tp", "ep", "precision", "batch", "seq", "accum"), [
     ("opt", "fsdp2", 4, 2, 1, 1, "mixed", 3, 160, 2),  # 4 layers: the rank fit extrapolates from 3 and 4, checked at 5
     ("mixtral", "ddp", 8, 2, 2, 1, "fp32", 2, 128, 1),  # beside tensor parallelism 2: the ring over each rank's heads
-    # beside expert parallelism: the experts split over 2 of the 4 data- and context-parallel GPUs
-    ("mixtral", "fsdp2", 4, 2, 1, 2, "mixed", 3, 160, 2),
+    # beside expert and tensor parallelism: the experts split over 2 consecutive ranks (a tensor-parallel group)
+    ("mixtral", "fsdp2", 8, 2, 2, 2, "mixed", 3, 160, 2),
 ])
 def test_the_fitted_rank_of_a_context_parallel_layout_is_the_traced_one(
         name: str, strategy: str, gpus: int, cp: int, tp: int, ep: int, precision: str, batch: int, seq: int,
@@ -98,7 +98,7 @@ def test_what_no_rank_fit_covers_is_answered_by_the_replica_and_says_why(tmp_pat
                                                                           capsys: pytest.CaptureFixture[str]) -> None:
     """A degree the calibration's sequences do not split into 2·cp chunks takes the one-replica rule at seq/cp tokens
     and names the reason; a bare parameter count, a ring in pipeline stages other than under FSDP2 and context beside
-    expert and tensor parallelism are refused, naming the field."""
+    expert parallelism of a dense family are refused, naming the field."""
     from memcalc_gui.trace.fake import refusal
     from memcalc_gui.trace.fit import CHECK_SHAPE, SHAPES, calibrate
 
@@ -126,8 +126,7 @@ def test_what_no_rank_fit_covers_is_answered_by_the_replica_and_says_why(tmp_pat
     cfg.write_text(json.dumps(OPT))
     common = ["estimate", "--config", str(cfg), "--batch", "1", "--seq", "2048", "--json"]
     for argv, field in (([*common, "--gpus", "4", "--cp", "2", "--pp", "2", "--strategy", "ddp"], "--strategy"),
-                        ([*common, "--gpus", "8", "--cp", "2", "--ep", "2", "--tp", "2", "--strategy", "fsdp2"],
-                         "--cp")):
+                        ([*common, "--gpus", "4", "--cp", "2", "--ep", "2", "--strategy", "fsdp2"], "--ep")):
         with pytest.raises(SystemExit) as stop:
             cli_main(argv)
         assert stop.value.code == 2
@@ -145,8 +144,8 @@ def test_what_no_rank_fit_covers_is_answered_by_the_replica_and_says_why(tmp_pat
     ("mixtral", ("--gpus", "4", "--tp", "2", "--cp", "2", "--strategy", "fsdp2")),
     # DDP over the ring's ranks, each holding the model whole: its buckets really there
     ("opt", ("--gpus", "2", "--cp", "2", "--strategy", "ddp")),
-    # the experts split over the ring's ranks, transformers' all-to-all over gloo
-    ("mixtral", ("--gpus", "2", "--ep", "2", "--cp", "2", "--strategy", "fsdp2")),
+    # the experts split over each tensor-parallel group of the ring, transformers' all-to-all over gloo
+    ("mixtral", ("--gpus", "4", "--ep", "2", "--tp", "2", "--cp", "2", "--strategy", "fsdp2")),
 ])
 def test_a_real_step_of_the_ring_matches_the_fitted_rank(name: str, flags: tuple[str, ...], tmp_path: Path,
                                                          capsys: pytest.CaptureFixture[str]) -> None:
@@ -203,3 +202,6 @@ def test_the_fitted_ranks_of_a_ring_in_pipeline_stages_are_their_traced_schedule
     with pytest.raises(InputError) as exc:
         pipeline_layout(setup.with_changes(parallel=Parallelism(gpus=4, pp=2, cp=2, strategy="ddp")))
     assert exc.value.field == "strategy"
+    with pytest.raises(InputError) as exc:  # context, expert and tensor parallelism together: in stages, not traced
+        pipeline_layout(setup.with_changes(parallel=Parallelism(gpus=8, pp=2, cp=2, ep=2, tp=2, strategy="fsdp2")))
+    assert exc.value.field == "cp"

@@ -375,8 +375,11 @@ def test_expert_beside_tensor_parallelism_runs_the_experts_whole_on_their_gpus()
     with pytest.raises(InputError) as exc:
         Parallelism(gpus=8, tp=4, ep=2)
     assert exc.value.field == "ep" and "multiple of tp" in exc.value.reason
-    with pytest.raises(InputError) as exc:  # beside context parallelism too: not modelled
-        Parallelism(gpus=16, tp=2, ep=2, cp=2)
+    with pytest.raises(InputError) as exc:  # all three in pipeline stages: not traced (tests/test_context_fitted.py)
+        from memcalc_gui.core.fitted import pipeline_layout
+
+        pipeline_layout(TrainingSetup(params=1, parallel=Parallelism(gpus=16, tp=2, ep=2, cp=2, pp=2,
+                                                                     strategy="fsdp2")))
     assert exc.value.field == "cp"
     assert model_parallel_group(Parallelism(gpus=8, tp=2, ep=4)) == 4
     assert model_parallel_group(Parallelism(gpus=8, tp=2)) == 2

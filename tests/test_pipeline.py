@@ -808,7 +808,7 @@ def test_the_ring_attention_is_run_by_pytorchs_own_functions_and_restored_after(
     assert (cp_attention._cp_options.enable_load_balance, cp_attention._cp_options.rotate_method) == options
     assert torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default not in handlers
     # layouts the trace does not run are refused naming the field
-    for bad in (dict(cp=0), dict(cp=2, ep=2, tp=2), dict(dp_shard=2, cp=2, replicate_context=True),
+    for bad in (dict(cp=0), dict(cp=2, ep=3), dict(dp_shard=2, cp=2, replicate_context=True),
                 dict(cp=2, replicate_context="yes")):
         with pytest.raises(InputError) as exc:
             RankLayout(**bad)  # type: ignore[arg-type]

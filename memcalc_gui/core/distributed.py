@@ -204,8 +204,6 @@ class Parallelism:
                                    "GPU count must be a multiple of tp × pp × cp")
         if self.cp > 1 and self.offload != "none":
             raise InputError("cp", "context parallelism beside offload is not modelled yet")
-        if self.cp > 1 and self.ep > 1 and self.tp > 1:
-            raise InputError("cp", "context beside expert parallelism is modelled without tensor parallelism so far")
         if self.schedule not in SCHEDULES:
             raise InputError("schedule", f"must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         v = self.virtual_stages

@@ -194,6 +194,9 @@ def pipeline_layout(setup: TrainingSetup) -> dict[str, Any]:
     if par.cp > 1 and par.strategy != "fsdp2":
         raise InputError("strategy", "context parallelism in pipeline stages runs as torchtitan runs it, each stage "
                                      "fully_shard-ed over data parallel × context parallel: choose --strategy fsdp2")
+    if par.cp > 1 and par.ep > 1 and par.tp > 1:
+        raise InputError("cp", "context beside expert and tensor parallelism in pipeline stages is not traced (each "
+                               "pairing of the three is); without pipeline stages it is")
     if par.cp > 1 and par.cp not in CONTEXT_DEGREES:
         raise InputError("cp", f"the pipeline stages of a family without a block model are fitted from traces of "
                                f"64 to 128 tokens, which split into 2·cp chunks for cp "

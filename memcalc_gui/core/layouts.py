@@ -160,8 +160,10 @@ def candidates(setup: TrainingSetup, gpus: int | None = None, shape: ModelShape 
                     if pp > 1 and shape.pipeline_strategies is not None and strategy not in shape.pipeline_strategies:
                         continue
                     if pp > 1 and tp > 1 and ep > 1 and not shape.block_model \
-                            and strategy not in TRACED_PIPELINE_STRATEGIES:
-                        continue  # expert beside tensor parallelism in stages: fitted from traced stages only
+                            and (strategy not in TRACED_PIPELINE_STRATEGIES or par.cp > 1):
+                        # expert beside tensor parallelism in stages: fitted from traced stages only, and not beside
+                        # context parallelism too (core.fitted.pipeline_layout)
+                        continue
                     try:
                         split = tp > 1 and shape.block_model  # sequence and loss parallelism need a block model
                         # (the zero-bubble schedules are modelled without sequence parallelism, and beside FSDP2

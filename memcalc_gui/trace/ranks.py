@@ -89,8 +89,6 @@ class RankLayout:
         if not isinstance(self.sp, bool) or (self.sp and self.tp == 1):
             raise InputError("sp", "sequence parallelism splits what tensor parallelism leaves whole: it needs tp 2 or "
                                    "more")
-        if self.cp > 1 and self.ep > 1 and self.tp > 1:
-            raise InputError("cp", "context beside expert and tensor parallelism is not traced")
         if self.sp and self.ep > 1:
             raise InputError("sp", "sequence beside expert parallelism is not traced")
         if not isinstance(self.replicate_context, bool):
