@@ -25,8 +25,8 @@ ledger makes and the one random router weights give.
 
 Context parallelism runs PyTorch's own ring attention (:mod:`.context`) over the mesh's ``cp`` dimension, the rank
 fed its ``seq/cp`` tokens. Sequence parallelism is torchtitan's plan on transformers' own layers (:class:`RankLayout`).
-Pipeline stages are traced by :mod:`.pipeline`. Expert parallelism is traced beside tensor or context parallelism,
-not beside both together or beside sequence parallelism. torch is imported inside functions only.
+Pipeline stages are traced by :mod:`.pipeline`. Expert parallelism is traced beside tensor and context parallelism,
+not beside sequence parallelism. torch is imported inside functions only.
 """
 
 from __future__ import annotations
@@ -289,9 +289,11 @@ def parallelizer(config: dict[str, Any], layout: RankLayout, precision: str, mes
     if layout.ep > 1:  # transformers' expert view of the same ranks: (efsdp, ep)
         experts_mesh = init_device_mesh("cpu", (layout.world // layout.ep, layout.ep), mesh_dim_names=("efsdp", "ep"))
         meshes += [experts_mesh["efsdp"], experts_mesh["ep"]]
-    replicated_ring = ddp and layout.replicate_context and layout.cp > 1
-    if replicated_ring:
-        meshes.append(mesh["dp_replicate", "cp"]._flatten("dp_replicate_cp"))
+    # DDP's ranks beside a ring whose ranks hold the model whole: the data- and context-parallel ones
+    ring_replicas = mesh["dp_replicate", "cp"]._flatten("dp_replicate_cp") \
+        if ddp and layout.replicate_context and layout.cp > 1 else None
+    if ring_replicas is not None:
+        meshes.append(ring_replicas)
     for m in meshes:
         m.get_coordinate()  # computed now, with real tensors
 
@@ -315,14 +317,14 @@ def parallelizer(config: dict[str, Any], layout: RankLayout, precision: str, mes
             # backward that needs it at once (an explicit True would reshard it and gather it again)
             fully_shard(model, mesh=dp_mesh, mp_policy=policy,
                         reshard_after_forward=root_reshard(layout.reshard_after_forward))
-        if replicated_ring:
+        if ring_replicas is not None:
             from ..measure.distributed import ddp_parallelize
 
             if plan:  # DDP over plain tensors: PyTorch's step for DDP beside tensor parallelism
                 from torch.distributed.tensor.parallel.ddp import _pre_dp_module_transform
 
                 _pre_dp_module_transform(model)
-            return ddp_parallelize(meshes[-1].get_group())(model)
+            return ddp_parallelize(ring_replicas.get_group())(model)
         return None
 
     return apply
@@ -584,7 +586,8 @@ def run_rank(config: dict[str, Any], layout: RankLayout, *, fake: bool = True, g
     """One rank of ``layout`` stepped, on fake tensors (``fake``) or real ones, over the fake process group
     (``group="fake"``) or the one this process already belongs to (``"current"``: one of the real ranks
     :mod:`memcalc_gui.measure.distributed` launches). The traced and the measured rank are the same code: the same
-    mesh, the same parallelization, the same step."""
+    mesh, the same parallelization, the same step; only a real ring whose ranks hold the model whole is wrapped in
+    DDP as well, whose buckets the trace's ledger adds by rule (``core.fitted``, ``core.distributed``)."""
     from ..core.context import check_ring
     from ..measure import exclusive_torch_job
     from ..measure.cpu_step import measure_training_step
