@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,17 @@ OPT = dict(model_type="opt", hidden_size=64, ffn_dim=128, num_attention_heads=4,
 MIXTRAL = dict(model_type="mixtral", hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
                num_hidden_layers=3, vocab_size=512, max_position_embeddings=512, num_local_experts=4,
                num_experts_per_tok=2)
+
+
+@pytest.fixture(autouse=True)
+def private_cache(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """This module's fits in a folder of their own, shared by its tests (the ZeRO test reads the DDP case's fits):
+    the window's tests open the same Mixtral config and must not find its tensor-parallel fits in the run's cache (the
+    layout search weighs the calibrated layouts only, tests/test_ui.py)."""
+    run = os.environ.get("MEMCALC_CACHE_DIR")
+    folder = Path(run) / "context-fitted" if run else tmp_path_factory.getbasetemp() / "context-fitted"
+    monkeypatch.setenv("MEMCALC_CACHE_DIR", str(folder))
+    return folder
 
 
 def _setup(cfg: dict[str, object], **kw: object) -> TrainingSetup:
