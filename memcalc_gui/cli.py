@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from . import __version__, install_hint
-from .core.configfile import EXPERT_KEYS, code_keys
+from .core.configfile import code_keys, routed_experts
 from .core.distributed import MAX_PARALLEL_GPUS, OFFLOADS, SCHEDULES, STRATEGIES, Parallelism
 from .core.errors import InputError, MemcalcError, UnsupportedFamilyError, one_line
 from .core.finetune import ADAPTER_DTYPES, MAX_RANK, QUANTS, TUNINGS, FineTuning
@@ -360,7 +360,7 @@ def resolve_model(args: argparse.Namespace) -> tuple[ModelSpec | None, int | Non
         cfg, source = load_config_file(args.config), str(Path(args.config))
     router = getattr(args, "router_logits", None)
     if router is not None:
-        if not any(isinstance(cfg.get(k), int) and cfg[k] > 1 for k in EXPERT_KEYS):
+        if not routed_experts(cfg):
             raise InputError("router_logits", f"model_type {str(cfg.get('model_type'))[:40]!r} has no router (not a "
                                               "mixture of experts)")
         cfg = dict(cfg, output_router_logits=router == "on")

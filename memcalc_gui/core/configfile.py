@@ -177,6 +177,11 @@ _INT_KEYS: Final = frozenset({"n_embd", "n_head", "n_layer", "n_inner", "n_posit
 EXPERT_KEYS: Final = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
 
+def routed_experts(cfg: dict[str, Any]) -> int:
+    """The routed experts per layer a config names (:data:`EXPERT_KEYS`, the first above 1), 0 for a dense model."""
+    return next((int(cfg[k]) for k in EXPERT_KEYS if isinstance(cfg.get(k), int) and cfg[k] > 1), 0)
+
+
 def without_nulls(kwargs: dict[str, Any]) -> dict[str, Any]:
     """``kwargs`` without its null values (each then the config class's default): the second try when a config
     class rejects an explicit null. The first try keeps them, since a null can mean "none" where the class default

@@ -45,7 +45,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..core.configfile import EXPERT_KEYS
+from ..core.configfile import routed_experts
 from ..core.distributed import Parallelism
 from ..core.errors import InputError
 from ..core.setup import TrainingSetup
@@ -149,7 +149,7 @@ def _refused(setup: TrainingSetup) -> tuple[str, str]:
 def _has_experts(setup: TrainingSetup) -> bool:
     """Whether ``setup``'s config routes tokens to experts (transformers' mixture-of-experts keys)."""
     config = setup.extras.get(CONFIG_KEY) if setup.model is None else setup.model.raw
-    return isinstance(config, dict) and any(isinstance(config.get(k), int) and config[k] > 1 for k in EXPERT_KEYS)
+    return isinstance(config, dict) and routed_experts(config) > 0
 
 
 def _shrink(value: int, floor: int) -> int:

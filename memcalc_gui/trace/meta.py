@@ -9,7 +9,7 @@ import importlib.util
 import os
 from typing import Any
 
-from ..core.configfile import EXPERT_KEYS, transformers_kwargs, without_nulls
+from ..core.configfile import routed_experts, transformers_kwargs, without_nulls
 from ..core.errors import ConfigError
 
 
@@ -46,7 +46,7 @@ def structure_on_meta(config: dict[str, Any]) -> dict[str, int]:
     total = int(sum(p.numel() for p in model.parameters()))
     layers = max((m for m in model.modules() if type(m).__name__ == "ModuleList"), key=len, default=None)
     layer_sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers] if layers is not None else [0]
-    experts = next((int(config[k]) for k in EXPERT_KEYS if isinstance(config.get(k), int) and config[k] > 1), 0)
+    experts = routed_experts(config)
     top_k = next((int(config[k]) for k in _TOP_K_KEYS if isinstance(config.get(k), int) and config[k] > 0), 0)
     moe = bool(experts and top_k)
 
