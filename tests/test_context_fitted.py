@@ -208,7 +208,7 @@ def test_the_fitted_ranks_of_a_ring_in_pipeline_stages_are_their_traced_schedule
     for rank, row in rows.items():
         traced = trace_pipeline_rank(cfg, PipeRank(pp, rank, "1f1b", 1, m, dp_shard=1, cp=cp, ep=ep), batch=3,
                                      seq=160, precision="mixed")
-        for phase in ("forward", "backward", "optimizer_step"):
+        for phase in PHASES:
             assert row["tensor_bytes"][phase] == pytest.approx(traced.phases[phase].peak_bytes, rel=0.002), \
                 (rank, phase)
     with pytest.raises(InputError) as exc:

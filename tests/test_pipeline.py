@@ -314,6 +314,26 @@ def test_each_stage_ledger_matches_the_rank_traced_under_pytorchs_schedule(name:
             traced.phases["load"].objects["parameters"], abs=1024)
 
 
+def test_the_last_stages_load_is_its_weights_whatever_the_micro_batchs_logits() -> None:
+    """The stage's example output (a micro-batch's logits, given to ``PipelineStage`` on the meta device) holds no
+    memory: the last stage's load is its weights, in the fake trace and the real step, even where the logits of a
+    micro-batch outweigh them (before, the trace read them as a transient of the load: +188 % here)."""
+    from memcalc_gui.trace.pipeline import PipeRank, trace_pipeline_rank
+
+    cfg = dict(FAMILIES["llama"], vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+               num_key_value_heads=2, num_hidden_layers=4)
+    def load(fake: bool, batch: int, seq: int):  # type: ignore[no-untyped-def]
+        return trace_pipeline_rank(cfg, PipeRank(2, 1, "1f1b", 1, 2), fake=fake, batch=batch, seq=seq,
+                                   precision="fp32", optimizer_impl="foreach").phases["load"]
+
+    weights = load(True, 1, 16).peak_bytes
+    traced, real = load(True, 3, 160), load(False, 3, 160)
+    assert traced.peak_bytes == traced.objects["parameters"] == real.live_bytes == weights < 3 * 160 * 512 * 4
+    # the real step builds the whole model before it cuts the stage out (the trace builds it on the meta device):
+    # its load peaks at both stages' weights, not at the logits on top
+    assert real.peak_bytes < 3 * 160 * 512 * 4
+
+
 def test_the_fake_trace_of_a_rank_equals_its_real_step() -> None:
     """The fake-tensor trace of a pipeline rank is the step run with real tensors (on the fake process group the
     received activations and gradients are whatever the receive buffers hold; their sizes are what counts)."""

@@ -68,7 +68,7 @@ def test_each_fitted_rank_equals_its_schedule_traced_with_every_micro_batch() ->
         traced = trace_pipeline_rank(cfg, PipeRank(pp, rank, "1f1b", 1, m), batch=3, seq=80, precision="mixed",
                                      optimizer_impl="foreach")
         buckets = traced.phases["optimizer_step"].objects["gradients"]
-        for phase in ("forward", "backward", "optimizer_step"):
+        for phase in PHASES:
             assert row["phases"][phase] == pytest.approx(traced.phases[phase].peak_bytes + buckets, rel=0.002), \
                 (rank, phase)
     # JSON keeps the stages; a cached fit reads back whole
@@ -81,8 +81,7 @@ def test_expert_beside_tensor_parallelism_in_stages_is_fitted_from_the_groups_ow
     ranks hold 2 experts' groups, the tokens split over them before the all-to-all), not as the narrower model that
     stands for a tensor-parallel rank without experts split: at a shape and micro-batch count no calibration traced
     (2-layer stages, traced at their own depth: the test above extrapolates the depth), every checked rank equals its
-    1F1B schedule traced with every micro-batch (load aside: a transient growing with b·s at load sits below the
-    calibration shapes' weights, as for every pipeline fit). Megatron-LM's optimizers, whose states would come by rule
+    1F1B schedule traced with every micro-batch. Megatron-LM's optimizers, whose states would come by rule
     over a replica that does not split its experts, are refused."""
     from memcalc_gui.core.fitted import pipeline_layout
 
@@ -98,7 +97,7 @@ def test_expert_beside_tensor_parallelism_in_stages_is_fitted_from_the_groups_ow
     for rank, row in rows.items():
         traced = trace_pipeline_rank(cfg, PipeRank(pp, rank, "1f1b", 1, m, tp=tp, ep=ep), batch=3, seq=80,
                                      precision="mixed", optimizer_impl="foreach")
-        for phase in ("forward", "backward", "optimizer_step"):
+        for phase in PHASES:
             assert row["phases"][phase] == pytest.approx(traced.phases[phase].peak_bytes, rel=0.002), (rank, phase)
     with pytest.raises(InputError) as err:
         pipeline_layout(setup.with_changes(parallel=Parallelism(gpus=4, pp=2, tp=2, ep=2, strategy="megatron")))
@@ -250,7 +249,7 @@ def test_a_fitted_zero_bubble_rank_equals_its_schedule_traced() -> None:
     for row in est.details["pipeline_ranks"]:
         traced = trace_pipeline_rank(cfg, PipeRank(pp, row["rank"], "zbv", 2, m), batch=3, seq=80, precision="mixed",
                                      optimizer_impl="foreach")
-        for phase in ("forward", "backward", "optimizer_step"):
+        for phase in PHASES:
             assert row["phases"][phase] == pytest.approx(traced.phases[phase].peak_bytes, rel=0.002), \
                 (row["rank"], phase)
 

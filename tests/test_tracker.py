@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import subprocess
 import sys
@@ -107,6 +108,23 @@ def test_a_fake_collectives_wait_is_its_output_not_a_second_tensor() -> None:
         assert tr.live_bytes == 8000  # x and the all-reduce's output, once
         del x, y, z
     tr.close()
+
+
+def test_meta_tensors_hold_no_memory_real_or_fake() -> None:
+    """A tensor on the meta device is shapes only: a pipeline stage's example inputs and outputs are given on it, and
+    the last stage's logits-sized one read as a transient of its load before (in the fake trace and the real run)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    for fake in (False, True):
+        tr = LiveStorageTracker()
+        with FakeTensorMode() if fake else contextlib.nullcontext(), tr:
+            shapes = torch.empty(64, 1000, device="meta")
+            like = torch.empty_like(shapes)
+            assert tr.live_bytes == 0 and not tr.records, fake
+            x = torch.empty(1000)
+            assert tr.live_bytes == 4000, fake
+            del shapes, like, x
+        tr.close()
 
 
 def test_storage_owned_only_by_autograd_is_seen_until_graph_dies() -> None:

@@ -30,6 +30,10 @@ if TYPE_CHECKING:
 
 EventKind = Literal["alloc", "resize", "free", "begin", "end"]
 
+#: What the tracker counts, as a number: raised whenever a change makes it count differently, so that traces kept on
+#: disk from before (the fitted method's calibrations) are made anew. 2: meta-device tensors hold no memory.
+COUNTING_REVISION = 2
+
 #: Ops whose output, when cast from a parameter to a 16-bit dtype, is a "compute copy" of a weight.
 CAST_OPS: frozenset[str] = frozenset(
     {"aten._to_copy.default", "aten.to.dtype", "aten._to_copy.out"}
@@ -285,7 +289,7 @@ class LiveStorageTracker:
             source = self.sid_of(args[0])
         for leaf in (out,) if type(out) is refs.fake else refs.tree_flatten(out)[0]:
             if type(leaf) is refs.fake:  # the common case on fake tensors, without the checks below
-                if leaf.layout == refs.strided:
+                if leaf.layout == refs.strided and leaf.fake_device.type != "meta":
                     self._register(leaf, name, source_sid=source)
             elif isinstance(leaf, refs.tensor) and leaf.layout == refs.strided and _holds_memory(leaf):
                 self._register(_local(leaf), name, source_sid=source)
@@ -467,9 +471,13 @@ def _op_name(func: Any) -> str:
 def _holds_memory(tensor: Any) -> bool:
     """False for a real tensor whose storage has no data of its own: the autograd wrapper a functional collective
     returns before its wait (``_c10d_functional._wrap_tensor_autograd``), and views of it. Its storage reports the
-    output's size but refuses its data pointer; the memory is the collective's output, counted once already."""
+    output's size but refuses its data pointer; the memory is the collective's output, counted once already. False
+    too for a tensor on the meta device, fake or real: shapes only (a pipeline stage's example inputs and outputs,
+    given to ``PipelineStage`` on the meta device, read as a logits-sized transient at load before)."""
     local = _local(tensor)
-    if _is_fake(local) or local.device.type == "meta":
+    if local.device.type == "meta":
+        return False
+    if _is_fake(local):
         return True
     try:
         local.untyped_storage().data_ptr()

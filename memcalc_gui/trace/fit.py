@@ -86,8 +86,10 @@ def _key(cfg: dict[str, Any], setup: TrainingSetup, sig: dict[str, Any] | None =
     import transformers
 
     from .. import __version__
+    from ..measure.tracker import COUNTING_REVISION
 
     text = json.dumps({"config": cfg, "signature": sig or signature(setup), "memcalc": __version__,
+                       "tracker": COUNTING_REVISION,
                        "torch": torch.__version__, "transformers": transformers.__version__}, sort_keys=True,
                       default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:32]
