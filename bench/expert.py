@@ -2,7 +2,7 @@
 parallelism) against the traced rank of the same layout, on two toy models and on published ones at micro-batch
 1 × 4096 tokens. Prints each case's formula-vs-trace difference per phase and a summary.
 
-    python bench/expert.py [--quick] [--strategy ddp|fsdp2] [--rule] [--tp-ep]
+    python bench/expert.py [--quick] [--strategy ddp|fsdp2] [--rule] [--tp-ep] [--sp]
 
 The traced rank (``memcalc_gui.trace.ranks``, ``--method trace --ep``) is transformers' own expert parallelism on
 PyTorch's fake process group: the family's ``base_model_ep_plan``, its all-to-all token dispatch with balanced split
@@ -10,7 +10,8 @@ sizes, and under FSDP2 ``fully_shard`` over the experts' copies and over all ran
 is the single-GPU fit of the model with ``distributed.expert_parallel_states`` for the layout; under FSDP2 (with or
 without tensor parallelism) the fit of the traced rank itself (``core.fitted.rank_layout``), or with ``--rule`` the
 single-GPU fit and the rule (what the what-ifs and the GPU plan's other layouts use). ``--tp-ep``: only the rows of
-expert beside tensor parallelism.
+expert beside tensor parallelism. ``--sp``: only the rows with tensor parallelism, under FSDP2 with torchtitan's
+sequence-parallel plan on top (the one strategy a family without a block model runs it beside).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def config(name: str) -> dict[str, object]:
 
 
 def case(family: str, ep: int, gpus: int, strategy: str, precision: str, ckpt: str, tp: int = 1,
-         rule: bool = False) -> dict[str, float]:
+         rule: bool = False, sp: bool = False) -> dict[str, float]:
     """Fitted − traced, % of the traced rank, per phase (tensor bytes); ``rule``: without the rank's own fit."""
     import dataclasses
 
@@ -66,7 +67,8 @@ def case(family: str, ep: int, gpus: int, strategy: str, precision: str, ckpt: s
     batch, seq = (2, 64) if family in MOE else (1, 4096)
     setup = TrainingSetup(params=count_params_on_meta(cfg), batch=batch, seq=seq, precision=precision,  # type: ignore
                           checkpointing=ckpt, target_device="cpu",  # type: ignore[arg-type]
-                          parallel=Parallelism(gpus=gpus, ep=ep, tp=tp, strategy=strategy))  # type: ignore[arg-type]
+                          parallel=Parallelism(gpus=gpus, ep=ep, tp=tp, strategy=strategy,  # type: ignore[arg-type]
+                                               sp=sp))
     fit = calibrate(cfg, setup, setup.params or 0)
     fitted = estimate_fitted(setup, dataclasses.replace(fit, rank=None) if rule else fit)
     traced = trace_estimate(setup, cfg).estimate
@@ -75,7 +77,7 @@ def case(family: str, ep: int, gpus: int, strategy: str, precision: str, ckpt: s
 
 
 def main(quick: bool = False, strategies: tuple[str, ...] = ("ddp", "fsdp2"), rule: bool = False,
-         tp_ep: bool = False) -> None:
+         tp_ep: bool = False, sp: bool = False) -> None:
     warnings.filterwarnings("ignore")
     os.environ.setdefault("MEMCALC_CACHE_DIR", tempfile.mkdtemp(prefix="memcalc-fits-"))
     # (ep, tp, gpus)
@@ -87,6 +89,8 @@ def main(quick: bool = False, strategies: tuple[str, ...] = ("ddp", "fsdp2"), ru
         toy, full = [(2, 1, 2), (4, 1, 8), (1, 2, 4), (4, 2, 8)], [(8, 1, 8)]
     if tp_ep:  # those rows alone
         toy, full = [x for x in toy if x[0] > 1 and x[1] > 1], [x for x in full if x[0] > 1 and x[1] > 1]
+    if sp:  # sequence parallelism: the tensor-parallel rows, beside FSDP2
+        toy, full, strategies = [x for x in toy if x[1] > 1], [x for x in full if x[1] > 1], ("fsdp2",)
     shown = [p for p in PHASES if p != "load"]
     print(f"{'model':<18}{'ep':>3}{'tp':>3}{'gpus':>5} {'strategy':<6} {'precision':<9} {'ckpt':<5}"
           + "".join(f"{p[:8]:>10}" for p in shown) + "   (fitted − traced, % of traced)")
@@ -98,7 +102,7 @@ def main(quick: bool = False, strategies: tuple[str, ...] = ("ddp", "fsdp2"), ru
     for family, (ep, tp, gpus), strategy, precision, ckpt in cases:
         row = f"{family:<18}{ep:>3}{tp:>3}{gpus:>5} {strategy:<6} {precision:<9} {ckpt:<5}"
         try:
-            diff = case(family, ep, gpus, strategy, precision, ckpt, tp, rule)
+            diff = case(family, ep, gpus, strategy, precision, ckpt, tp, rule, sp)
         except InputError as exc:  # e.g. 60 experts over 8 GPUs, 2 key/value heads over 4
             print(f"{row}  n/a: {exc}")
             continue
@@ -110,4 +114,5 @@ def main(quick: bool = False, strategies: tuple[str, ...] = ("ddp", "fsdp2"), ru
 
 if __name__ == "__main__":
     chosen = sys.argv[sys.argv.index("--strategy") + 1] if "--strategy" in sys.argv else None
-    main("--quick" in sys.argv, (chosen,) if chosen else ("ddp", "fsdp2"), "--rule" in sys.argv, "--tp-ep" in sys.argv)
+    main("--quick" in sys.argv, (chosen,) if chosen else ("ddp", "fsdp2"), "--rule" in sys.argv, "--tp-ep" in sys.argv,
+         "--sp" in sys.argv)

@@ -398,15 +398,18 @@ def test_expert_beside_tensor_parallelism_runs_the_experts_whole_on_their_gpus()
     assert _ep_degrees(shape, dp=2, tp=4) == (1, 4, 8)
 
 
-@pytest.mark.parametrize(("gpus", "ep", "strategy", "precision", "ckpt"), [
-    (8, 4, "fsdp2", "mixed", "full"), (4, 4, "ddp", "fp32", "none")])
+@pytest.mark.parametrize(("gpus", "ep", "strategy", "precision", "ckpt", "sp"), [
+    (8, 4, "fsdp2", "mixed", "full", False), (4, 4, "ddp", "fp32", "none", False),
+    (4, 2, "fsdp2", "fp32", "none", True)])
 def test_the_fitted_rank_of_expert_beside_tensor_parallelism_is_the_traced_one(gpus: int, ep: int, strategy: str,
-                                                                               precision: str, ckpt: str) -> None:
-    """tp 2 with the experts over ep of the GPUs, under FSDP2 and DDP: the rank fit (transformers' tensor- and
-    expert-parallel plans on the fake process group, fully_shard under FSDP2, DDP's buckets by rule) equals
-    ``--method trace`` at a shape it did not trace, within 1 % (0.6 % measured); before it is calibrated the
-    one-replica fit answers by rule, an upper bound: its trace runs every token through the experts, where each
-    tensor-parallel GPU runs half of them (+4 to +22 % on this toy), and it says so."""
+                                                                               precision: str, ckpt: str,
+                                                                               sp: bool) -> None:
+    """tp 2 with the experts over ep of the GPUs, under FSDP2 and DDP, and with torchtitan's sequence-parallel plan
+    under FSDP2: the rank fit (transformers' tensor- and expert-parallel plans on the fake process group, fully_shard
+    under FSDP2, DDP's buckets by rule) equals ``--method trace`` at a shape it did not trace, within 1 % (0.6 %
+    measured); before it is calibrated the one-replica fit answers by rule, an upper bound: its trace runs every token
+    through the experts, where each tensor-parallel GPU runs half of them (+4 to +22 % on this toy), and keeps the
+    norms whole where sequence parallelism splits them, and it says so."""
     from memcalc_gui.core.fitted import estimate_fitted
     from memcalc_gui.trace.fake import trace_estimate
     from memcalc_gui.trace.fit import calibrate
@@ -414,13 +417,18 @@ def test_the_fitted_rank_of_expert_beside_tensor_parallelism_is_the_traced_one(g
     config = dict(MIXTRAL, num_hidden_layers=3)  # (three layers: a fit's calibration takes half of four's time)
     setup = TrainingSetup(params=count_params_on_meta(config), batch=2, seq=64, precision=precision,  # type: ignore
                           checkpointing=ckpt, target_device="cpu",  # type: ignore[arg-type]
-                          parallel=Parallelism(gpus=gpus, tp=2, ep=ep, strategy=strategy))  # type: ignore[arg-type]
+                          parallel=Parallelism(gpus=gpus, tp=2, ep=ep, strategy=strategy,  # type: ignore[arg-type]
+                                               sp=sp))
     fit = calibrate(config, setup, setup.params or 0)
     assert fit.rank is not None and fit.rank.signature["ranks"]["tp"] == 2
+    assert fit.rank.signature["ranks"].get("sp", False) == sp
     ranked = estimate_fitted(setup, fit)
     assert ranked.details["rank_fit"]
+    assert sp == any("sequence-parallel plan on top" in n for n in ranked.details["parallel_notes"])
     rule = estimate_fitted(setup, calibrate(config, setup, setup.params or 0, rank=False))
     assert any("experts' activations are a bound" in n for n in rule.details["parallel_notes"])
+    assert rule.details["upper_bound"] == sp
+    assert sp == any("sequence parallelism is not in this rule" in n for n in rule.details["parallel_notes"])
     traced = trace_estimate(setup, config).estimate
     for p in PHASES:
         want = traced.phases[p].tensor_bytes
@@ -442,16 +450,31 @@ def test_the_fitted_rank_of_expert_beside_tensor_parallelism_is_the_traced_one(g
         assert both.phases[p].objects == alone.phases[p].objects
 
 
-def test_a_real_step_of_expert_beside_tensor_parallelism_matches_the_trace() -> None:
-    """Four gloo processes (FSDP2 over 2 × TP 2, the experts over 2, whole): the weights and the optimizer step of
-    every rank equal the fake-process-group trace; the forward and backward peaks move with the router, which sends
-    each rank's experts unequal shares (balanced in the trace): within 5 % on each rank, 1 % on average. (At the third
-    iteration this toy's router puts the ranks at −2.9 % to +3.0 %, the same in every run; a gloo worker freeing a
-    buffer late adds up to 0.7 % to one rank now and then, which a 3 % bound failed on in CI.)"""
+def test_sequence_parallelism_without_a_block_model_is_torchtitans_beside_fsdp2_alone() -> None:
+    """A family without a block model runs sequence parallelism as the traced rank does (torchtitan's plan beside
+    FSDP2); elsewhere the setup names the field to change, and the fit traces no rank of it."""
+    from memcalc_gui.core.fitted import rank_layout
+
+    ok = TrainingSetup(params=10**6, parallel=Parallelism(gpus=8, tp=2, ep=4, sp=True, strategy="fsdp2"))
+    assert rank_layout(ok) == {"dp_shard": 4, "tp": 2, "ep": 4, "reshard_after_forward": True, "sp": True}
+    for change, field in (({"strategy": "ddp"}, "strategy"), ({"pp": 2}, "pp"), ({"cp": 2}, "cp")):
+        with pytest.raises(InputError) as err:
+            ok.with_changes(parallel=dataclasses.replace(ok.parallel, **change))
+        assert err.value.field == field and "torchtitan" in str(err.value), change
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_a_real_step_of_expert_beside_tensor_parallelism_matches_the_trace(sp: bool) -> None:
+    """Four gloo processes (FSDP2 over 2 × TP 2, the experts over 2, whole; with torchtitan's sequence-parallel plan
+    on top too): the weights and the optimizer step of every rank equal the fake-process-group trace; the forward and
+    backward peaks move with the router, which sends each rank's experts unequal shares (balanced in the trace):
+    within 5 % on each rank, 1 % on average. (At the third iteration this toy's router puts the ranks at −2.9 % to
+    +3.0 %, the same in every run; a gloo worker freeing a buffer late adds up to 0.7 % to one rank now and then,
+    which a 3 % bound failed on in CI.)"""
     from memcalc_gui.measure.distributed import measure_sharded_step
 
     kw = dict(STEP, precision="fp32", optimizer_impl="foreach", checkpointing="none")
-    layout = RankLayout(dp_shard=2, tp=2, ep=2)
+    layout = RankLayout(dp_shard=2, tp=2, ep=2, sp=sp)
     fake = trace_rank(MIXTRAL, layout, **kw)
     # three iterations: the optimizer step's peak is the lower of two steady ones (a gloo worker may free a buffer
     # late inside one), the forward and backward the last one's (the router's tokens differ between them)

@@ -243,8 +243,6 @@ class Parallelism:
             raise InputError("ep", f"expert parallelism beside tensor parallelism needs ep a multiple of tp "
                                    f"(transformers' layout: the GPUs of a tensor-parallel group hold experts of one "
                                    f"expert-parallel group), got ep {self.ep}, tp {self.tp}")
-        if self.tp > 1 and self.ep > 1 and self.sp:
-            raise InputError("sp", "sequence beside expert parallelism is not modelled yet")
         if self.tp > 1 and self.offload != "none":
             raise InputError("offload", "offload beside tensor parallelism is not modelled yet")
 

@@ -118,8 +118,10 @@ def rank_layout(setup: TrainingSetup) -> dict[str, Any] | None:
     (ring attention over its seq/cp tokens; FSDP2 over dp × cp, or the model whole on every rank under the other
     strategies), with tensor or expert parallelism too (the ring runs over each tensor-parallel rank's heads; the
     routed experts split over ep of the data- and context-parallel GPUs, as torchtitan lends them). ``None`` for a
-    layout the rank fit does not run (sequence or loss parallelism, offload, adapters, context parallelism at a degree
-    the calibration's sequences do not split): the rule stands there."""
+    layout the rank fit does not run (loss parallelism, offload, adapters, context parallelism at a degree the
+    calibration's sequences do not split, sequence parallelism but beside FSDP2 without a ring): the rule stands
+    there. With sequence parallelism (FSDP2), torchtitan's plan on top of transformers' split: the norms on the
+    rank's seq/tp tokens, attention and the MLP or the experts' block gathering them."""
     par = setup.parallel
     context = par.cp > 1
     # the rank of the replicated layout where the one-replica rule's activations are only a bound: expert beside tensor
@@ -127,7 +129,8 @@ def rank_layout(setup: TrainingSetup) -> dict[str, Any] | None:
     # runs its share), and context parallelism, whose ring attention the one-replica trace does not run. DDP's ledger
     # is that rank's; the strategies not traced lay their states over its activations
     replicated = par.strategy != "fsdp2" and ((par.tp > 1 and par.ep > 1) or context)
-    if not (par.strategy == "fsdp2" or replicated) or par.pp > 1 or par.gpus < 2 or par.sp \
+    if not (par.strategy == "fsdp2" or replicated) or par.pp > 1 or par.gpus < 2 \
+            or (par.sp and (par.strategy != "fsdp2" or context)) \
             or par.loss_parallel or par.offload != "none" or setup.tuning.method != "full":
         return None
     if context and par.cp not in CONTEXT_DEGREES:
@@ -138,7 +141,8 @@ def rank_layout(setup: TrainingSetup) -> dict[str, Any] | None:
                     **({"ep": par.ep} if par.ep > 1 else {})}
         return {"dp_replicate": par.dp, "tp": par.tp, "ep": par.ep}
     return {"dp_shard": par.dp, "tp": par.tp, "ep": par.ep, "reshard_after_forward": par.reshard_after_forward,
-            **({"cp": par.cp} if context else {})}  # FSDP2 over dp × cp, torchtitan's dp_shard_cp mesh
+            **({"cp": par.cp} if context else {}),  # FSDP2 over dp × cp, torchtitan's dp_shard_cp mesh
+            **({"sp": True} if par.sp else {})}  # torchtitan's sequence-parallel plan on transformers' split
 
 
 #: The context-parallel degrees whose rank a fit traces: the calibration's sequences (64, 128 and 96 tokens,
@@ -488,6 +492,14 @@ def estimate_fitted(setup: TrainingSetup, fit: FitModel) -> Estimate:
                                    + ("The traced rank's fit replaces it once calibrated"
                                       if rank_layout(setup) is not None else
                                       "--method trace runs the rank itself"),)
+    # sequence parallelism beside a family without a block model is the traced rank's alone: the one-replica rule
+    # keeps a tensor-parallel rank's norms and residual stream whole, more than the rank holds
+    sp_bound = setup.parallel.sp and not ranked
+    if sp_bound:
+        parallel_notes += ("An upper bound: sequence parallelism is not in this rule (one replica of a "
+                           "tensor-parallel rank, its norms and residual stream whole). "
+                           + ("The traced rank's fit replaces it once calibrated" if rank_layout(setup) is not None
+                              else "--method trace runs the rank itself"),)
     phases = {}
     for phase in PHASES:
         objects = source.peak(phase, setup.batch, seq, setup.grad_accum > 1, transform)
@@ -505,7 +517,8 @@ def estimate_fitted(setup: TrainingSetup, fit: FitModel) -> Estimate:
         *_overheads_said(setup),
     )
     return Estimate(setup=setup, method="fitted", phases=phases, assumptions=assumptions,
-                    details={"host_bytes": host_bytes, "fit_checked": dict(fit.checked), "upper_bound": stand_in,
+                    details={"host_bytes": host_bytes, "fit_checked": dict(fit.checked),
+                             "upper_bound": stand_in or sp_bound,
                              "parallel_notes": parallel_notes})
 
 
@@ -558,6 +571,8 @@ def _rank_fitted(setup: TrainingSetup, fit: FitModel) -> Estimate:
                              "skips it); one rank traced on the fake process group")
     notes = ((ddp or fsdp2)
              + (f", each layer split over {par.tp} tensor-parallel GPUs by transformers' plan" if par.tp > 1 else "")
+             + (" with torchtitan's sequence-parallel plan on top (the norms on the rank's "
+                f"{setup.seq // par.tp:,} tokens, attention and the MLP or experts gathering them)" if par.sp else "")
              + (f", each sequence split over {par.cp} context-parallel GPUs (PyTorch's ring attention, the rank's "
                 f"{setup.seq // par.cp:,} tokens)" if par.cp > 1 else "")
              + (f", the routed experts split over {par.ep} GPUs (transformers' expert-parallel plan and all-to-all, "

@@ -261,8 +261,14 @@ class TrainingSetup:
             check_context_parallel(self)
         if par.pp > 1 or par.sp:
             if self.model is None and par.sp:
-                raise InputError("sp", "sequence parallelism is modelled for the families memcalc has a block model "
-                                       "of (Korthikanti et al. 2022's split of their norms and residual stream)")
+                # without a block model (Korthikanti et al. 2022's split of the norms and residual stream), one rank
+                # of torchtitan's plan is traced: beside FSDP2, without pipeline stages or a ring
+                for wrong, field, what in ((par.strategy != "fsdp2", "strategy", "beside FSDP2 (--strategy fsdp2)"),
+                                           (par.pp > 1, "pp", "without pipeline stages"),
+                                           (par.cp > 1, "cp", "without context parallelism")):
+                    if wrong:
+                        raise InputError(field, "sequence parallelism of a family memcalc has no block model of is "
+                                                f"traced as torchtitan runs it, {what}")
             if self.model is not None:  # without one, the fitted method and the trace check the config's layers
                 check_pipeline(self.model, par.pp, par.virtual_stages)
             check_microbatches(par.schedule, par.pp, self.grad_accum)

@@ -260,7 +260,7 @@ def rank_job(setup: TrainingSetup) -> RankJob:
     if par.strategy == "ddp" and par.tp == 1 and par.cp == 1:
         return RankJob("ddp", world, None, config, (0,) * world, tuple(notes))
     if par.ep > 1:  # transformers' expert layout, FSDP2 over each expert's copies (trace.ranks.RankLayout)
-        return RankJob("ranks", world, RankLayout(dp_shard=par.dp, tp=par.tp, ep=par.ep, cp=par.cp,
+        return RankJob("ranks", world, RankLayout(dp_shard=par.dp, tp=par.tp, ep=par.ep, cp=par.cp, sp=par.sp,
                                                   reshard_after_forward=par.reshard_after_forward),
                        config, (0,) * world, tuple(notes))
     if par.strategy == "fsdp2" and par.tp == 1 and par.cp == 1:

@@ -241,7 +241,7 @@ def trace_estimate(
             # context-parallel rank holding the model whole under DDP)
             step = functools.partial(trace_rank, layout=RankLayout(
                 dp_shard=par.dp if fsdp2 else 1, dp_replicate=1 if fsdp2 else par.dp, tp=par.tp, ep=par.ep,
-                cp=par.cp, replicate_context=not fsdp2 and par.cp > 1,
+                cp=par.cp, replicate_context=not fsdp2 and par.cp > 1, sp=par.sp,
                 reshard_after_forward=par.reshard_after_forward))
         elif sharded_rank:  # FSDP2 itself: fully_shard over the data- (and context-) parallel ranks
             from .ranks import RankLayout, trace_rank

@@ -89,8 +89,6 @@ class RankLayout:
         if not isinstance(self.sp, bool) or (self.sp and self.tp == 1):
             raise InputError("sp", "sequence parallelism splits what tensor parallelism leaves whole: it needs tp 2 or "
                                    "more")
-        if self.sp and self.ep > 1:
-            raise InputError("sp", "sequence beside expert parallelism is not traced")
         if not isinstance(self.replicate_context, bool):
             raise InputError("cp", f"replicate_context must be true or false, got {self.replicate_context!r}")
         if self.replicate_context and self.dp_shard > 1:
@@ -464,16 +462,17 @@ def _split_layer(layer: Any, mesh: Any, plan: dict[str, str], sequence: bool = F
 
     modules, params = dict(layer.named_modules()), dict(layer.named_parameters())
     theirs = {k: v for k, v in plan.items() if k in params or v in EXPERT_STYLES}
-    if sequence and theirs:
-        raise InputError("sp", "sequence parallelism is traced on dense layers; this layer's experts are split by "
-                               "transformers' own styles")
     if sequence and not all(name in modules for name in SP_NORMS + SP_BLOCKS):
         raise InputError("sp", f"the sequence-parallel trace needs a llama-like decoder layer "
                                f"({', '.join(SP_NORMS + SP_BLOCKS)}); {type(layer).__name__} differs")
+    # a mixture of experts (its routed experts split by transformers' tensor- or expert-parallel styles): its block
+    # gives every rank the whole output (their all-reduce or all-gather), which sequence parallelism then cuts
+    moe = sequence and any(name.split(".")[-1] == "experts" for name in modules if name.startswith("mlp."))
     for key, style in plan.items():
         if key not in theirs and key in modules:
+            inside_moe = moe and key.startswith("mlp.")  # a shared expert's projection: the block's output is cut
             split = tp_api.RowwiseParallel(output_layouts=Shard(1)) if sequence and style == "rowwise" \
-                else getattr(tp_api, STYLES[style])()
+                and not inside_moe else getattr(tp_api, STYLES[style])()
             tp_api.parallelize_module(modules[key], mesh, split)
     if theirs:
         apply_tensor_parallelism(layer, mesh, {k: v for k, v in theirs.items() if k in params or k in modules})
@@ -484,8 +483,13 @@ def _split_layer(layer: Any, mesh: Any, plan: dict[str, str], sequence: bool = F
         tp_api.parallelize_module(modules["self_attn"], mesh, tp_api.PrepareModuleInput(
             input_kwarg_layouts={"hidden_states": Shard(1)}, desired_input_kwarg_layouts={"hidden_states": Replicate()},
             use_local_output=True))
-        tp_api.parallelize_module(modules["mlp"], mesh, tp_api.PrepareModuleInput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True))
+        if moe:  # gathered in, as torchtitan's MoE plan; the whole output cut to the rank's tokens (a local slice)
+            tp_api.parallelize_module(modules["mlp"], mesh, tp_api.PrepareModuleInputOutput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+                output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True))
+        else:
+            tp_api.parallelize_module(modules["mlp"], mesh, tp_api.PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True))
 
 
 #: The name this trace's balanced all-to-all is registered under in transformers' ``EPImplementationInterface``.
