@@ -452,12 +452,14 @@ def test_the_fitted_rank_of_expert_beside_tensor_parallelism_is_the_traced_one(g
 
 def test_sequence_parallelism_without_a_block_model_is_torchtitans_beside_fsdp2_alone() -> None:
     """A family without a block model runs sequence parallelism as the traced rank does (torchtitan's plan beside
-    FSDP2); elsewhere the setup names the field to change, and the fit traces no rank of it."""
-    from memcalc_gui.core.fitted import rank_layout
+    FSDP2, in pipeline stages too); elsewhere the setup names the field to change."""
+    from memcalc_gui.core.fitted import pipeline_layout, rank_layout
 
     ok = TrainingSetup(params=10**6, parallel=Parallelism(gpus=8, tp=2, ep=4, sp=True, strategy="fsdp2"))
     assert rank_layout(ok) == {"dp_shard": 4, "tp": 2, "ep": 4, "reshard_after_forward": True, "sp": True}
-    for change, field in (({"strategy": "ddp"}, "strategy"), ({"pp": 2}, "pp"), ({"cp": 2}, "cp")):
+    staged = ok.with_changes(parallel=dataclasses.replace(ok.parallel, gpus=16, pp=2))
+    assert (pipeline_layout(staged)["tp"], pipeline_layout(staged)["sp"]) == (2, True)
+    for change, field in (({"strategy": "ddp"}, "strategy"), ({"cp": 2}, "cp")):
         with pytest.raises(InputError) as err:
             ok.with_changes(parallel=dataclasses.replace(ok.parallel, **change))
         assert err.value.field == field and "torchtitan" in str(err.value), change

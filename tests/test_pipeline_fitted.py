@@ -104,6 +104,32 @@ def test_expert_beside_tensor_parallelism_in_stages_is_fitted_from_the_groups_ow
     assert err.value.field == "strategy"
 
 
+def test_sequence_parallel_stages_of_a_mixture_of_experts_are_fitted_from_their_own_traces() -> None:
+    """torchtitan's layout of a mixture of experts' stages: each fully_shard-ed over its data-parallel GPUs, its
+    layers split over its tensor-parallel group with the sequence-parallel plan on top (the stages send the rank's
+    seq/tp tokens), the experts over ep of the stage's GPUs. At a shape and micro-batch count no calibration traced
+    (the receive buffers of the micro-batches past pp + 1 added by rule at seq/tp tokens), every checked rank equals its
+    1F1B schedule traced with every micro-batch."""
+    from memcalc_gui.core.fitted import pipeline_layout
+
+    pp, m, dp, tp, ep = 2, 5, 2, 2, 2
+    cfg = dict(MIXTRAL, num_hidden_layers=4)
+    setup = _setup(pp, m, dp, "fsdp2", precision="mixed",
+                   parallel=Parallelism(gpus=pp * dp * tp, pp=pp, tp=tp, ep=ep, sp=True, strategy="fsdp2"))
+    assert pipeline_layout(setup)["tp"] == tp and pipeline_layout(setup)["sp"]
+    est = estimate_fitted(setup, fitmod.calibrate(cfg, setup, 1))
+    assert any("sequence-parallel plan on top (the stages send the rank's 40 tokens)" in n
+               for n in est.details["parallel_notes"])
+    rows = {row["rank"]: row for row in est.details["pipeline_ranks"]}
+    assert sorted(rows) == [0, 1]
+    for rank, row in rows.items():
+        traced = trace_pipeline_rank(cfg, PipeRank(pp, rank, "1f1b", 1, m, dp_shard=dp, tp=tp, ep=ep, sp=True),
+                                     batch=3, seq=80, precision="mixed", optimizer_impl="foreach")
+        for phase in PHASES:
+            assert row["tensor_bytes"][phase] == pytest.approx(traced.phases[phase].peak_bytes, rel=0.002), \
+                (rank, phase)
+
+
 def test_what_more_micro_batches_add_to_a_middle_rank() -> None:
     """A middle rank (neither first nor last) of 1F1B receives activations and gradients: each micro-batch beyond
     the traced ones adds one receive buffer of each, and its token ids (the batch every rank loads); what the rule adds

@@ -23,7 +23,15 @@ from typing import Any
 from .configfile import dense_prefix_layers
 from .distributed import BF16_COMPUTE, ModelStates, check_experts, expert_parallel_states, model_states
 from .errors import InputError
-from .layouts import MIN_GPUS_FOR, NOT_CALIBRATED, TRACED_PIPELINE_STRATEGIES, ModelShape, Search, search
+from .layouts import (
+    MIN_GPUS_FOR,
+    NOT_CALIBRATED,
+    TRACED_PIPELINE_STRATEGIES,
+    ModelShape,
+    Search,
+    search,
+    stage_group_runs,
+)
 from .ledger import Estimate, with_overheads
 from .quick import precision_bytes
 from .result import Result
@@ -212,8 +220,10 @@ def pipeline_layout(setup: TrainingSetup) -> dict[str, Any]:
             # each stage's ring: its seq/cp tokens with ring attention, FSDP2 over dp × cp (torchtitan's dp_shard_cp)
             **({"cp": par.cp} if par.cp > 1 else {}),
             # beside expert parallelism the stage's tensor-parallel group runs for real (transformers' plan; the
-            # tokens split over it before the all-to-all), not as the narrower model that stands for one of its ranks
-            **({"tp": par.tp} if par.tp > 1 and par.ep > 1 else {}),
+            # tokens split over it before the all-to-all), and with sequence parallelism (torchtitan's plan on top),
+            # not as the narrower model that stands for one of its ranks
+            **({"tp": par.tp} if stage_group_runs(par) else {}),
+            **({"sp": True} if par.sp else {}),
             # by rule, the experts are split by the states' rule too (expert_parallel_states): one replica traced
             **({"ep": par.ep} if par.ep > 1 and par.strategy in TRACED_PIPELINE_STRATEGIES else {})}
 
@@ -674,6 +684,9 @@ def _pipeline_fitted(setup: TrainingSetup, fit: FitModel) -> Estimate:
                 else f", each stage over its {par.dp} data-parallel GPUs" if par.ep > 1 else "")
              + (f", the routed experts split over {par.ep} of them (transformers' expert-parallel plan and all-to-all, "
                 "balanced routing)" if par.ep > 1 and not by_rule else "")
+             + (f", each stage's layers split over {par.tp} tensor-parallel GPUs by transformers' plan with "
+                f"torchtitan's sequence-parallel plan on top (the stages send the rank's {setup.seq // par.tp:,} "
+                "tokens)" if par.sp else "")
              + "; the embedding on the first stage, the final norm, the head and the loss on the last",
              *(("DDP keeps every gradient of the stage once more in its communication buckets "
                 "(gradient_as_bucket_view=False, the default)",) if chosen["buckets"] else ()),
@@ -719,7 +732,8 @@ def _untraced_microbatches(setup: TrainingSetup, fit: FitModel, rank: int, trace
     first, last = rank == 0, rank == par.pp - 1
     half = setup.precision in ("bf16", "bf16-autocast") or (setup.precision == "mixed" and par.strategy in BF16_COMPUTE)
     seq = setup.seq // par.cp  # a context-parallel stage sends, receives and reads its share of each sequence
-    hidden = setup.batch * seq * fit.structure.get("hidden_size", 0) * (2 if half else 4)
+    # under sequence parallelism a stage sends and receives its rank's seq/tp tokens of the hidden states
+    hidden = setup.batch * (seq // par.tp if par.sp else seq) * fit.structure.get("hidden_size", 0) * (2 if half else 4)
     out = {"temporaries": extra * hidden * ((not first) + (not last)),
            "inputs": extra * setup.batch * seq * 8,
            "activations": extra * 4 * last}

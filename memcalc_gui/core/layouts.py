@@ -54,6 +54,14 @@ from .setup import TrainingSetup
 #: by rule over a traced replica (``core.fitted``), which does not split the experts beside tensor parallelism.
 TRACED_PIPELINE_STRATEGIES: Final = ("ddp", "fsdp2")
 
+
+def stage_group_runs(par: Parallelism) -> bool:
+    """A pipeline stage's tensor-parallel group of a fitted family runs for real in its traces (transformers' plan,
+    and torchtitan's sequence-parallel one on top with ``sp``): beside expert parallelism (the tokens split over the
+    group before the all-to-all) and with sequence parallelism (the rank's seq/tp tokens between the blocks), neither
+    of which the narrower model that otherwise stands for one of its ranks has."""
+    return par.pp > 1 and par.tp > 1 and (par.ep > 1 or par.sp)
+
 #: Strategies the search tries, least communication first (``distributed.PREFERENCE``'s order).
 LAYOUT_STRATEGIES: Final = ("ddp", "megatron", "zero1", "megatron-distopt", "zero2", "zero3", "fsdp2")
 TP_DEGREES: Final = (1, 2, 4, 8)

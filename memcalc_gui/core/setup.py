@@ -262,9 +262,9 @@ class TrainingSetup:
         if par.pp > 1 or par.sp:
             if self.model is None and par.sp:
                 # without a block model (Korthikanti et al. 2022's split of the norms and residual stream), one rank
-                # of torchtitan's plan is traced: beside FSDP2, without pipeline stages or a ring
+                # of torchtitan's plan is traced (a pipeline stage's tensor-parallel group too): beside FSDP2, without
+                # a ring
                 for wrong, field, what in ((par.strategy != "fsdp2", "strategy", "beside FSDP2 (--strategy fsdp2)"),
-                                           (par.pp > 1, "pp", "without pipeline stages"),
                                            (par.cp > 1, "cp", "without context parallelism")):
                     if wrong:
                         raise InputError(field, "sequence parallelism of a family memcalc has no block model of is "

@@ -40,6 +40,7 @@ from ..core.fitted import (
     signature,
     traced_precision,
 )
+from ..core.layouts import stage_group_runs
 from ..core.setup import TrainingSetup, checkpoint_every
 from ..core.vocab import PHASES
 from .meta import structure_on_meta
@@ -125,7 +126,7 @@ def _trace(cfg: dict[str, Any], layers: int, b: int, s: int, setup: TrainingSetu
         lay = pipeline_layout(setup)
         layout = PipeRank(par.pp, rank or 0, par.schedule, par.virtual_stages, lay["microbatches"],
                           dp_shard=lay["dp_shard"], reshard_after_forward=lay["reshard_after_forward"],
-                          ep=lay.get("ep", 1), cp=lay.get("cp", 1), tp=lay.get("tp", 1))
+                          ep=lay.get("ep", 1), cp=lay.get("cp", 1), tp=lay.get("tp", 1), sp=lay.get("sp", False))
         # FSDP2's MixedPrecisionPolicy runs in the trace itself; DDP's stage runs autocast as one GPU does,
         # Megatron-LM's the bf16 step (its states by rule: core.fitted.per_gpu_states)
         return trace_pipeline_rank(
@@ -340,9 +341,9 @@ def calibrate(config: dict[str, Any], setup: TrainingSetup, num_params: int,
     model_type, kwargs = transformers_kwargs(config)
     cfg = whole = {"model_type": model_type, **kwargs}
     par = setup.parallel
-    if par.tp > 1 and not (par.pp > 1 and par.ep > 1):
-        # one tensor-parallel rank: the narrower model transformers' plan makes of it (beside expert parallelism in
-        # pipeline stages the plan runs for real: core.fitted.pipeline_layout)
+    if par.tp > 1 and not stage_group_runs(par):
+        # one tensor-parallel rank: the narrower model transformers' plan makes of it (beside expert or with sequence
+        # parallelism in pipeline stages the plan runs for real: core.layouts.stage_group_runs)
         from .ranks import tensor_parallel_config
 
         # (beside expert parallelism the routed experts run whole, transformers' plan: experts_whole)
