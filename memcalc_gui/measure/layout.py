@@ -48,6 +48,7 @@ from typing import Any
 from ..core.configfile import routed_experts
 from ..core.distributed import Parallelism
 from ..core.errors import InputError
+from ..core.layouts import stage_group_runs
 from ..core.setup import TrainingSetup
 from .fitted import CONFIG_KEY
 
@@ -103,8 +104,9 @@ def measured_world(par: Parallelism) -> int:
 
 def _stage_tp(par: Parallelism) -> int:
     """The processes of a stage's tensor-parallel group: one (the narrower model stands for its rank) unless the
-    experts are split beside it, where transformers' layout runs the group for real."""
-    return par.tp if par.ep > 1 else 1
+    experts are split beside it, where transformers' layout runs the group for real (a measurement's stages run
+    without sequence parallelism: :func:`scale_layout`)."""
+    return par.tp if stage_group_runs(par) else 1
 
 
 def refusal(setup: TrainingSetup) -> str:

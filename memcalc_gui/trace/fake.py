@@ -30,6 +30,7 @@ from ..core.distributed import BF16_COMPUTE, check_experts, expert_parallel_stat
 from ..core.errors import InputError, MemcalcError, one_line
 from ..core.estimate import estimate
 from ..core.layout import tensor_parallel_spec
+from ..core.layouts import stage_group_runs
 from ..core.ledger import Estimate, with_overheads
 from ..core.optimizer import optimizer_cost
 from ..core.pipeline import ranks_to_check, stage_spec
@@ -215,7 +216,7 @@ def trace_estimate(
 
             # the stage's tensor-parallel group run for real: torchtitan's sequence-parallel plan, or transformers'
             # layout of the experts beside it (the tokens split over the group before the all-to-all)
-            real_tp = par.sp or par.ep > 1
+            real_tp = stage_group_runs(par)
 
             def pipe_layout(r: int) -> Any:
                 return PipeRank(par.pp, r, par.schedule, par.virtual_stages, setup.grad_accum,
