@@ -509,7 +509,8 @@ def estimate_fitted(setup: TrainingSetup, fit: FitModel) -> Estimate:
         parallel_notes += ("An upper bound: sequence parallelism is not in this rule (one replica of a "
                            "tensor-parallel rank, its norms and residual stream whole). "
                            + ("The traced rank's fit replaces it once calibrated" if rank_layout(setup) is not None
-                              else "--method trace runs the rank itself"),)
+                              else "No rank of this layout is traced for the fit"
+                              + ("; the analytic method models it" if setup.model is not None else "")),)
     phases = {}
     for phase in PHASES:
         objects = source.peak(phase, setup.batch, seq, setup.grad_accum > 1, transform)
