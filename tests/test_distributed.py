@@ -142,6 +142,24 @@ def test_a_strategy_the_estimator_cannot_answer_is_not_weighed_rather_than_never
     assert dict((row[0], row[1]) for row in plan_rows(r))["FSDP2 (fully_shard)"] == "not weighed"
 
 
+def test_a_strategy_the_setup_does_not_model_for_the_layout_is_not_weighed_rather_than_never() -> None:
+    """Sequence parallelism of a family without a block model is modelled beside FSDP2 alone: the GPU plan says the
+    other strategies are not weighed, where "never" would claim they cannot fit."""
+    from memcalc_gui.core.solver import gpu_plan
+
+    cap = find_gpu("h100-80gb").capacity_bytes
+    setup = TrainingSetup(params=10**9, seq=4096, capacity_bytes=cap,
+                          parallel=Parallelism(gpus=8, tp=2, sp=True, strategy="fsdp2"))
+    setup.extras["fitted"] = True  # a config the fitted method traces (core.fitted.evaluate_fitted marks it)
+
+    def estimator(s: TrainingSetup):  # a stand-in for the fitted method: a block model's ledger of the layout
+        return estimate(TrainingSetup(model=preset_spec("llama-3.1-8b"), seq=4096, parallel=s.parallel))
+
+    plan = gpu_plan(setup, estimator)
+    assert plan is not None and plan.min_gpus["fsdp2"] is not None
+    assert set(plan.unweighed) == {s for s in plan.min_gpus if s != "fsdp2"}
+
+
 def test_cli_json_per_gpu(capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["estimate", "--preset", "llama-3.1-8b", "--gpus", "8", "--strategy", "zero2", "--offload",
                  "optimizer", "--gpu", "a100-80gb", "--json"])

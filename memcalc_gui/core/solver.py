@@ -764,7 +764,7 @@ class GpuPlan:
     best_strategy: str | None  # at setup.parallel.gpus; None if nothing fits
     best_peak_bytes: int | None
     #: Strategies the estimator could not answer for (a fitted model not calibrated for them, or a layout its method
-    #: does not cover): their ``None`` means "not weighed", not "never fits".
+    #: or the setup does not cover): their ``None`` means "not weighed", not "never fits".
     unweighed: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
@@ -794,7 +794,10 @@ def gpu_plan(setup: TrainingSetup, estimator: Estimator) -> GpuPlan | None:
     def peak(strategy: str, gpus: int) -> int | None:
         trial = _with_parallel(setup, strategy=strategy, gpus=gpus)
         try:
-            return None if trial is None else estimator(trial).peak_bytes
+            if trial is None:  # a layout the setup does not model under this strategy (sequence parallelism of a
+                # family without a block model beside DDP): not weighed, which "never" would misstate
+                raise InputError("strategy", "not modelled with this layout")
+            return estimator(trial).peak_bytes
         except InputError:  # a what-if the estimator cannot answer yet (a fitted model not calibrated for it)
             unanswered.add((strategy, gpus))
             return None
