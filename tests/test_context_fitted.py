@@ -47,26 +47,31 @@ def _setup(cfg: dict[str, object], **kw: object) -> TrainingSetup:
     return TrainingSetup(params=count_params_on_meta(cfg), parallel=par, **kw)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize(("name", "strategy", "gpus", "cp", "tp", "ep", "precision", "batch", "seq", "accum"), [
-    ("opt", "fsdp2", 4, 2, 1, 1, "mixed", 3, 160, 2),  # 4 layers: the rank fit extrapolates from 3 and 4, checked at 5
-    ("mixtral", "ddp", 8, 2, 2, 1, "fp32", 2, 128, 1),  # beside tensor parallelism 2: the ring over each rank's heads
+@pytest.mark.parametrize(("name", "strategy", "gpus", "cp", "tp", "ep", "precision", "batch", "seq", "accum", "sp"), [
+    # 4 layers: the rank fit extrapolates from 3 and 4, checked at 5
+    ("opt", "fsdp2", 4, 2, 1, 1, "mixed", 3, 160, 2, False),
+    ("mixtral", "ddp", 8, 2, 2, 1, "fp32", 2, 128, 1, False),  # beside tensor parallelism 2: the ring over its heads
     # beside expert and tensor parallelism: the experts split over 2 consecutive ranks (a tensor-parallel group)
-    ("mixtral", "fsdp2", 8, 2, 2, 2, "mixed", 3, 160, 2),
+    ("mixtral", "fsdp2", 8, 2, 2, 2, "mixed", 3, 160, 2, False),
+    # torchtitan's sequence-parallel plan on each tensor-parallel group of the ring: the norms on seq/cp/tp tokens
+    ("mixtral", "fsdp2", 4, 2, 2, 1, "fp32", 2, 128, 1, True),
 ])
 def test_the_fitted_rank_of_a_context_parallel_layout_is_the_traced_one(
         name: str, strategy: str, gpus: int, cp: int, tp: int, ep: int, precision: str, batch: int, seq: int,
-        accum: int, monkeypatch: pytest.MonkeyPatch) -> None:
+        accum: int, sp: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """At a shape and accumulation no calibration traced, the fitted ledger is ``--method trace``'s rank of the same
     layout to the byte (the trace's 512-byte rounding off, which the fit leaves out, as its assumptions say). Without
-    the rank's fit, one replica at seq/cp tokens stands in, says so, and misses what ring attention gathers."""
+    the rank's fit, one replica at seq/cp tokens stands in, says so, and misses what ring attention gathers (with
+    sequence parallelism it is an upper bound, and says that)."""
     from memcalc_gui.trace import fake
     from memcalc_gui.trace.fit import calibrate
 
     monkeypatch.setattr(fake, "CUDA_ROUNDING", 1)
     cfg = OPT if name == "opt" else MIXTRAL
     setup = _setup(cfg, batch=batch, seq=seq, grad_accum=accum, precision=precision,
-                   parallel=Parallelism(gpus=gpus, cp=cp, tp=tp, ep=ep, strategy=strategy))
+                   parallel=Parallelism(gpus=gpus, cp=cp, tp=tp, ep=ep, strategy=strategy, sp=sp))
     assert rank_layout(setup) is not None and rank_layout(setup)["cp"] == cp  # type: ignore[index]
+    assert rank_layout(setup).get("sp", False) == sp  # type: ignore[union-attr]
     assert (rank_layout(setup)["tp"], rank_layout(setup).get("ep", 1)) == (tp, ep)  # type: ignore[union-attr]
     fit = calibrate(cfg, setup, setup.params or 0)
     assert fit.rank is not None
@@ -80,6 +85,10 @@ def test_the_fitted_rank_of_a_context_parallel_layout_is_the_traced_one(
     rule = estimate_fitted(setup, dataclasses.replace(fit, rank=None))
     assert "rank_fit" not in rule.details
     assert any("stands for a rank of the ring" in n for n in rule.details["parallel_notes"])
+    if sp:
+        assert rule.details["upper_bound"] and fitted.details.get("upper_bound") is None
+        assert any(f"norms on the rank's {seq // cp // tp:,} tokens" in n for n in fitted.details["parallel_notes"])
+        return
     for p in ("forward", "backward"):  # the replica at seq/cp tokens, without the ring's chunks: under it, or over
         # it with the experts split (the rule's all-to-all buffers, a bound)
         assert (rule.phases[p].tensor_bytes < traced.estimate.phases[p].tensor_bytes) == (ep == 1), p
@@ -152,8 +161,9 @@ def test_what_no_rank_fit_covers_is_answered_by_the_replica_and_says_why(tmp_pat
 
 
 @pytest.mark.parametrize(("name", "flags"), [
-    # PyTorch's ring attention over gloo beside transformers' tensor-parallel plan, fully_shard over the ring
-    ("mixtral", ("--gpus", "4", "--tp", "2", "--cp", "2", "--strategy", "fsdp2")),
+    # PyTorch's ring attention over gloo beside transformers' tensor-parallel plan and torchtitan's sequence-parallel
+    # one, fully_shard over the ring
+    ("mixtral", ("--gpus", "4", "--tp", "2", "--cp", "2", "--sp", "--strategy", "fsdp2")),
     # DDP over the ring's ranks, each holding the model whole: its buckets really there
     ("opt", ("--gpus", "2", "--cp", "2", "--strategy", "ddp")),
     # the experts split over each tensor-parallel group of the ring, transformers' all-to-all over gloo

@@ -452,17 +452,21 @@ def test_the_fitted_rank_of_expert_beside_tensor_parallelism_is_the_traced_one(g
 
 def test_sequence_parallelism_without_a_block_model_is_torchtitans_beside_fsdp2_alone() -> None:
     """A family without a block model runs sequence parallelism as the traced rank does (torchtitan's plan beside
-    FSDP2, in pipeline stages too); elsewhere the setup names the field to change."""
+    FSDP2, in pipeline stages and beside a ring too, not both); elsewhere the setup names the field to change."""
     from memcalc_gui.core.fitted import pipeline_layout, rank_layout
 
     ok = TrainingSetup(params=10**6, parallel=Parallelism(gpus=8, tp=2, ep=4, sp=True, strategy="fsdp2"))
     assert rank_layout(ok) == {"dp_shard": 4, "tp": 2, "ep": 4, "reshard_after_forward": True, "sp": True}
     staged = ok.with_changes(parallel=dataclasses.replace(ok.parallel, gpus=16, pp=2))
     assert (pipeline_layout(staged)["tp"], pipeline_layout(staged)["sp"]) == (2, True)
-    for change, field in (({"strategy": "ddp"}, "strategy"), ({"cp": 2}, "cp")):
-        with pytest.raises(InputError) as err:
-            ok.with_changes(parallel=dataclasses.replace(ok.parallel, **change))
-        assert err.value.field == field and "torchtitan" in str(err.value), change
+    ring = ok.with_changes(parallel=dataclasses.replace(ok.parallel, ep=1, cp=2))
+    assert rank_layout(ring) == {"dp_shard": 2, "tp": 2, "ep": 1, "reshard_after_forward": True, "cp": 2, "sp": True}
+    with pytest.raises(InputError) as err:
+        pipeline_layout(ring.with_changes(parallel=dataclasses.replace(ring.parallel, gpus=16, pp=2)))
+    assert err.value.field == "cp"
+    with pytest.raises(InputError) as err:
+        ok.with_changes(parallel=dataclasses.replace(ok.parallel, strategy="ddp"))
+    assert err.value.field == "strategy" and "torchtitan" in str(err.value)
 
 
 @pytest.mark.parametrize("sp", [False, True])

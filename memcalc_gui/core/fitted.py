@@ -127,7 +127,7 @@ def rank_layout(setup: TrainingSetup) -> dict[str, Any] | None:
     strategies), with tensor or expert parallelism too (the ring runs over each tensor-parallel rank's heads; the
     routed experts split over ep of the data- and context-parallel GPUs, as torchtitan lends them). ``None`` for a
     layout the rank fit does not run (loss parallelism, offload, adapters, context parallelism at a degree the
-    calibration's sequences do not split, sequence parallelism but beside FSDP2 without a ring): the rule stands
+    calibration's sequences do not split, sequence parallelism but beside FSDP2): the rule stands
     there. With sequence parallelism (FSDP2), torchtitan's plan on top of transformers' split: the norms on the
     rank's seq/tp tokens, attention and the MLP or the experts' block gathering them."""
     par = setup.parallel
@@ -138,7 +138,7 @@ def rank_layout(setup: TrainingSetup) -> dict[str, Any] | None:
     # is that rank's; the strategies not traced lay their states over its activations
     replicated = par.strategy != "fsdp2" and ((par.tp > 1 and par.ep > 1) or context)
     if not (par.strategy == "fsdp2" or replicated) or par.pp > 1 or par.gpus < 2 \
-            or (par.sp and (par.strategy != "fsdp2" or context)) \
+            or (par.sp and par.strategy != "fsdp2") \
             or par.loss_parallel or par.offload != "none" or setup.tuning.method != "full":
         return None
     if context and par.cp not in CONTEXT_DEGREES:
@@ -206,6 +206,9 @@ def pipeline_layout(setup: TrainingSetup) -> dict[str, Any]:
     if par.cp > 1 and par.strategy != "fsdp2":
         raise InputError("strategy", "context parallelism in pipeline stages runs as torchtitan runs it, each stage "
                                      "fully_shard-ed over data parallel × context parallel: choose --strategy fsdp2")
+    if par.cp > 1 and par.sp:
+        raise InputError("cp", "context beside sequence parallelism in pipeline stages is not traced; without pipeline "
+                               "stages it is")
     if par.cp > 1 and par.ep > 1 and par.tp > 1:
         raise InputError("cp", "context beside expert and tensor parallelism in pipeline stages is not traced (each "
                                "pairing of the three is); without pipeline stages it is")
@@ -583,7 +586,8 @@ def _rank_fitted(setup: TrainingSetup, fit: FitModel) -> Estimate:
     notes = ((ddp or fsdp2)
              + (f", each layer split over {par.tp} tensor-parallel GPUs by transformers' plan" if par.tp > 1 else "")
              + (" with torchtitan's sequence-parallel plan on top (the norms on the rank's "
-                f"{setup.seq // par.tp:,} tokens, attention and the MLP or experts gathering them)" if par.sp else "")
+                f"{setup.seq // par.cp // par.tp:,} tokens, attention and the MLP or experts gathering them)"
+                if par.sp else "")
              + (f", each sequence split over {par.cp} context-parallel GPUs (PyTorch's ring attention, the rank's "
                 f"{setup.seq // par.cp:,} tokens)" if par.cp > 1 else "")
              + (f", the routed experts split over {par.ep} GPUs (transformers' expert-parallel plan and all-to-all, "

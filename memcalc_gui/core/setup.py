@@ -260,15 +260,11 @@ class TrainingSetup:
                 raise InputError("cp", f"{self.tuning.method} beside context parallelism is not modelled yet")
             check_context_parallel(self)
         if par.pp > 1 or par.sp:
-            if self.model is None and par.sp:
-                # without a block model (Korthikanti et al. 2022's split of the norms and residual stream), one rank
-                # of torchtitan's plan is traced (a pipeline stage's tensor-parallel group too): beside FSDP2, without
-                # a ring
-                for wrong, field, what in ((par.strategy != "fsdp2", "strategy", "beside FSDP2 (--strategy fsdp2)"),
-                                           (par.cp > 1, "cp", "without context parallelism")):
-                    if wrong:
-                        raise InputError(field, "sequence parallelism of a family memcalc has no block model of is "
-                                                f"traced as torchtitan runs it, {what}")
+            # without a block model (Korthikanti et al. 2022's split of the norms and residual stream), one rank of
+            # torchtitan's plan is traced (a pipeline stage's tensor-parallel group too): beside FSDP2
+            if self.model is None and par.sp and par.strategy != "fsdp2":
+                raise InputError("strategy", "sequence parallelism of a family memcalc has no block model of is "
+                                             "traced as torchtitan runs it, beside FSDP2 (--strategy fsdp2)")
             if self.model is not None:  # without one, the fitted method and the trace check the config's layers
                 check_pipeline(self.model, par.pp, par.virtual_stages)
             check_microbatches(par.schedule, par.pp, self.grad_accum)
