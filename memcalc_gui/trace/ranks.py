@@ -24,9 +24,10 @@ the trace takes balanced routing (every rank sends and receives ``tokens × top-
 ledger makes and the one random router weights give.
 
 Context parallelism runs PyTorch's own ring attention (:mod:`.context`) over the mesh's ``cp`` dimension, the rank
-fed its ``seq/cp`` tokens. Sequence parallelism is torchtitan's plan on transformers' own layers (:class:`RankLayout`).
-Pipeline stages are traced by :mod:`.pipeline`. Expert parallelism is traced beside tensor and context parallelism,
-not beside sequence parallelism. torch is imported inside functions only.
+fed its ``seq/cp`` tokens. Sequence parallelism is torchtitan's plan on transformers' own layers (:class:`RankLayout`),
+a mixture-of-experts block gathering the rank's tokens and its whole output cut back to them (:func:`_split_layer`).
+Pipeline stages are traced by :mod:`.pipeline`. Expert parallelism is traced beside tensor, sequence and context
+parallelism. torch is imported inside functions only.
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ class RankLayout:
     replicate_context: bool = False
     #: Sequence parallelism beside tensor parallelism, PyTorch's way (torchtitan's plan): the norms run on the rank's
     #: ``seq/tp`` tokens (``SequenceParallel``), attention and the MLP gather them (``PrepareModuleInput``), the
-    #: row-wise projections reduce-scatter back (``RowwiseParallel(output_layouts=Shard(1))``).
+    #: row-wise projections reduce-scatter back (``RowwiseParallel(output_layouts=Shard(1))``); a mixture-of-experts
+    #: block's whole output is cut back to the rank's tokens (``PrepareModuleInputOutput``).
     sp: bool = False
 
     def __post_init__(self) -> None:
