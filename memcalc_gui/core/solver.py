@@ -794,13 +794,14 @@ def gpu_plan(setup: TrainingSetup, estimator: Estimator) -> GpuPlan | None:
     def peak(strategy: str, gpus: int) -> int | None:
         trial = _with_parallel(setup, strategy=strategy, gpus=gpus)
         try:
-            if trial is None:  # a layout the setup does not model under this strategy (sequence parallelism of a
-                # family without a block model beside DDP): not weighed, which "never" would misstate
-                raise InputError("strategy", "not modelled with this layout")
-            return estimator(trial).peak_bytes
+            # None: a layout the setup does not model under this strategy (sequence parallelism of a family without
+            # a block model beside DDP): not weighed, which "never" would misstate
+            answer = None if trial is None else estimator(trial).peak_bytes
         except InputError:  # a what-if the estimator cannot answer yet (a fitted model not calibrated for it)
+            answer = None
+        if answer is None:
             unanswered.add((strategy, gpus))
-            return None
+        return answer
 
     par = setup.parallel
     # GPU counts come in whole model-parallel groups, and in as many of them as split the experts (expert
