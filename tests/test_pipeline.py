@@ -741,13 +741,15 @@ def test_a_real_pipeline_with_context_parallel_stages_matches_the_trace_and_the_
     """Four gloo processes, two stages each run over two context-parallel ranks (PyTorch's ring attention for real,
     fully_shard over them, activations and gradients really sent): each rank's peaks within 0.5 % of the trace of its
     stage (measured: the first of each stage's ring up to one of its fp32 hidden states over, as the two-stage pipeline
-    above, the second up to three under; 0.5 % is eight) and within 2 % of the ledger. It failed once in a loaded
-    full run (2026-12-05) without saying by how much; the message now does."""
+    above, the second up to three under; 0.5 % is eight) and within 2 % of the ledger. It failed twice in loaded full
+    runs (2026-12-05; 2026-12-06: the first rank of the second stage's ring 3.6 hidden states over in backward, a gloo
+    worker letting go of a buffer late): three iterations, each phase's peak the lower steady one, as the other real
+    multi-process tests take it."""
     from memcalc_gui.measure.distributed import measure_sharded_step
     from memcalc_gui.trace.pipeline import PipeRank
 
     real = measure_sharded_step(LLAMA8, world=4, strategy="pipeline:1f1b", layout=PipeRank(2, 0, "1f1b", 1, 4, cp=2),
-                                precision="mixed", grad_accum=4, optimizer_impl="foreach", iterations=2, **STEP)
+                                precision="mixed", grad_accum=4, optimizer_impl="foreach", iterations=3, **STEP)
     hidden = STEP["batch"] * STEP["seq"] // 2 * LLAMA8["hidden_size"] * 4  # a rank's half of the sequence, fp32
     for stage in (0, 1):
         traced = _traced(LLAMA8, 2, stage, 4, "mixed", cp=2)
