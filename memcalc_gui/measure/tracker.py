@@ -383,6 +383,12 @@ def _mode_class() -> type:
             kwargs: dict[str, Any] | None = None,
         ) -> Any:
             refs = _torch_refs()
+            if func is refs.device:
+                # ``tensor.device`` of a tensor subclass (autograd's engine asks it of every gradient): no memory, and
+                # two thirds of a fake step's ops. A fake tensor answers it as FakeTensor.__torch_dispatch__ does.
+                if type(args[0]) is refs.fake and not args[0].fake_mode.in_kernel_invocation:
+                    return args[0].fake_device
+                return func(*args, **(kwargs or {}))
             if func is refs.local_scalar_dense and args and isinstance(args[0], refs.fake):
                 # ``.item()`` of a fake tensor has no value (Adafactor reads norms and its step counter this
                 # way). Memory never depends on such a scalar: read it as one and go on tracing.
@@ -445,6 +451,7 @@ class _TorchRefs:
     tree_flatten: Callable[[Any], Any]
     local_scalar_dense: Any
     wait_tensor: Any
+    device: Any
 
 
 @cache
@@ -454,7 +461,8 @@ def _torch_refs() -> _TorchRefs:
     from torch.utils._pytree import tree_flatten
 
     return _TorchRefs(torch.Tensor, FakeTensor, torch.strided, tree_flatten,
-                      torch.ops.aten._local_scalar_dense.default, torch.ops._c10d_functional.wait_tensor.default)
+                      torch.ops.aten._local_scalar_dense.default, torch.ops._c10d_functional.wait_tensor.default,
+                      torch.ops.prim.device.default)
 
 
 #: ``str(op)`` per op overload (formatted anew on each call otherwise)
