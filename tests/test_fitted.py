@@ -361,3 +361,32 @@ def test_the_autocast_fit_stands_in_for_a_bf16_strategy_as_a_bound() -> None:
     # pipeline layouts wait for their own calibration (no autocast bound stands in for a stage's schedule): 2 stages
     # of the 6 layers, not 4
     assert {par.pp for par in waiting} == {1, 2}
+
+
+@pytest.mark.parametrize(("cfg", "layout", "ckpt"), [(OPT, None, "full"), (MIXTRAL, {"dp_shard": 2, "tp": 2}, "none")],
+                         ids=["opt-one-gpu", "mixtral-fsdp2-tp"])
+def test_a_calibration_traces_one_micro_batch_in_its_first_iteration_and_the_same_steady_one(
+        cfg: dict, layout: dict | None, ckpt: str) -> None:
+    """The calibration's first iteration runs one micro-batch (it only makes the optimizer's state and what the step
+    creates lazily): the second iteration, which the fit reads, is the same to the byte as after a whole first one."""
+    from memcalc_gui.measure.cpu_step import measure_training_step
+    from memcalc_gui.trace.ranks import RankLayout, trace_rank
+
+    assert fitmod.WARMUP_MICRO_BATCHES == 1
+    small = dict(cfg, num_hidden_layers=2)
+    step = dict(batch=2, seq=64, precision="mixed", optimizer_impl="foreach", checkpointing=ckpt, grad_accum=2,
+                iterations=2, fake=True, keep_tracker=True)
+
+    def run(**kw: object) -> object:
+        if layout is None:
+            return measure_training_step(small, **step, **kw)  # type: ignore[arg-type]
+        return trace_rank(small, RankLayout(**layout), **step, **kw)
+
+    whole, warm = run(), run(warmup_micro_batches=1)
+    windows = warm.tracker.windows()  # type: ignore[attr-defined]
+    assert ("forward", 1, 0) in windows and ("forward", 1, 1) not in windows and ("forward", 2, 1) in windows
+    assert len(warm.tracker.events) < 0.85 * len(whole.tracker.events)  # type: ignore[attr-defined]
+    for phase in PHASES:
+        assert warm.phases[phase].peak_bytes == whole.phases[phase].peak_bytes, phase  # type: ignore[attr-defined]
+        assert warm.phases[phase].objects == whole.phases[phase].objects, phase  # type: ignore[attr-defined]
+        assert warm.phases[phase].live_bytes == whole.phases[phase].live_bytes, phase  # type: ignore[attr-defined]

@@ -168,6 +168,7 @@ def measure_training_step(
     pipeline: Callable[[Any], Any] | None = None,
     settle: Callable[[], None] | None = None,
     settled: bool | tuple[str, ...] = False,
+    warmup_micro_batches: int | None = None,
 ) -> StepMeasurement:
     """Build the model from ``config`` and measure ``iterations`` training steps on CPU.
 
@@ -201,6 +202,10 @@ def measure_training_step(
     the step lets go of them, now and then inside the next phase (seen once in about twenty 2-rank FSDP2 steps of a
     small Mixtral, +9.5 % on one rank's optimizer step), while the steady iterations of a step otherwise agree. A
     tuple of phases: those only (the others differ between iterations, as a router's tokens do).
+    ``warmup_micro_batches=n`` runs only the first n micro-batches in the first iteration (at least one): it creates
+    the optimizer's state and whatever the step makes lazily, but its peaks are not the steady ones, which the later
+    iterations give with all ``grad_accum`` micro-batches (a calibration's traces read the second iteration only,
+    :mod:`memcalc_gui.trace.fit`; one micro-batch fewer there is about a fifth of a trace's ops).
     ``documents=n`` packs n documents into each row (``batch`` must be 1; padding-free packing as transformers'
     ``DataCollatorWithFlattening`` does it): ``position_ids`` restart at every document, from which transformers
     limits attention to each document. ``attention="flash"`` runs FlashAttention-2's variable-length attention as
@@ -225,7 +230,7 @@ def measure_training_step(
                 loss_chunk=loss_chunk, optimizer_in_backward=optimizer_in_backward,
                 activation_offload=activation_offload, parallelize=parallelize, autocast=autocast,
                 documents=documents, galore_rank=galore_rank, galore_gap=galore_gap, premade=premade,
-                pipeline=pipeline, settle=settle,
+                pipeline=pipeline, settle=settle, warmup_micro_batches=warmup_micro_batches,
             )
 
     def announce(phase: str, it: int, micro: int = 0) -> None:
@@ -342,7 +347,9 @@ def measure_training_step(
                 if stepper is not None:
                     announce("forward", it)
                     windows = stepper.step(input_ids, lambda name, micro, it=it: tracker.phase(name, it, micro))
-                for micro in range(grad_accum if stepper is None else 0):
+                first = grad_accum if warmup_micro_batches is None or it > 1 else max(1, min(warmup_micro_batches,
+                                                                                             grad_accum))
+                for micro in range(first if stepper is None else 0):
                     announce("forward", it, micro)
                     with tracker.phase("forward", it, micro), packed():
                         value = step_forward(runner, input_ids, precision if autocast else "fp32", loss, loss_chunk,

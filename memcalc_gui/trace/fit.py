@@ -55,6 +55,10 @@ CHECK_LAYERS = 4  # LAYERS[0] + 2: the counts of layer_counts() without a period
 #: The most layers a fit's check traces (checkpointing every N-th layer repeats every N layers; a larger N is traced
 #: in full instead).
 MAX_FIT_LAYERS = 24
+#: The micro-batches of a calibration trace's first iteration, which only makes the optimizer's state and what the step
+#: creates lazily (the fit reads the second; a pipeline rank's schedule runs them all): one fewer there is about a
+#: fifth of a trace's ops (docs/speed.md).
+WARMUP_MICRO_BATCHES = 1
 #: The largest relative error per phase the validation trace may show.
 TOLERANCE = 0.005
 _MONOMIALS = ((0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2))  # (power of b, power of s), in BASIS order
@@ -118,7 +122,8 @@ def _trace(cfg: dict[str, Any], layers: int, b: int, s: int, setup: TrainingSetu
             optimizer=setup.optimizer, optimizer_impl=setup.optimizer_impl, attention=setup.attention,
             checkpointing=setup.checkpointing, use_cache=setup.use_cache, grad_accum=TRACED_MICRO_BATCHES,
             iterations=2, fake=True, keep_tracker=True, loss=setup.loss, loss_chunk=setup.loss_chunk,
-            optimizer_in_backward=setup.optimizer_in_backward, galore_rank=setup.galore_rank, galore_gap=1)
+            optimizer_in_backward=setup.optimizer_in_backward, galore_rank=setup.galore_rank, galore_gap=1,
+            warmup_micro_batches=WARMUP_MICRO_BATCHES)
     if par.pp > 1:
         from ..core.fitted import pipeline_layout
         from .pipeline import PipeRank, trace_pipeline_rank
@@ -143,7 +148,8 @@ def _trace(cfg: dict[str, Any], layers: int, b: int, s: int, setup: TrainingSetu
             grad_accum=TRACED_MICRO_BATCHES, iterations=2, fake=True, keep_tracker=True,
             tuning=setup.tuning if setup.tuning.method != "full" else None, loss=setup.loss,
             loss_chunk=setup.loss_chunk, optimizer_in_backward=setup.optimizer_in_backward,
-            activation_offload=setup.activation_offload, galore_rank=setup.galore_rank, galore_gap=1)
+            activation_offload=setup.activation_offload, galore_rank=setup.galore_rank, galore_gap=1,
+            warmup_micro_batches=WARMUP_MICRO_BATCHES)
 
 
 def _monomial(delta_a: int, delta_b: int) -> Poly:
