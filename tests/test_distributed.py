@@ -133,12 +133,12 @@ def test_a_strategy_the_estimator_cannot_answer_is_not_weighed_rather_than_never
         return estimate(s)
 
     plan = gpu_plan(setup, estimator)
-    assert plan is not None and plan.unweighed == ("fsdp2",)
+    assert plan is not None and plan.unweighed == ("fsdp2",) and plan.unmodelled == ()
     assert plan.min_gpus["fsdp2"] is None and plan.min_gpus["ddp"] is None
     r = evaluate(setup)
     r = type(r)(r.estimate, r.verdict, plan)
     first = plan_sentences(r)[0]
-    assert "FSDP2: not weighed yet" in first and ": never)" in first  # DDP never fits a 70B model here
+    assert "FSDP2: not weighed yet" in first and ": never; " in first  # DDP never fits a 70B model here
     assert dict((row[0], row[1]) for row in plan_rows(r))["FSDP2 (fully_shard)"] == "not weighed"
 
 
@@ -157,7 +157,18 @@ def test_a_strategy_the_setup_does_not_model_for_the_layout_is_not_weighed_rathe
 
     plan = gpu_plan(setup, estimator)
     assert plan is not None and plan.min_gpus["fsdp2"] is not None
-    assert set(plan.unweighed) == {s for s in plan.min_gpus if s != "fsdp2"}
+    assert set(plan.unweighed) == set(plan.unmodelled) == {s for s in plan.min_gpus if s != "fsdp2"}
+    assert plan.to_json()["unmodelled"] == list(plan.unmodelled)
+    # the words say the layout is not modelled under those strategies (no calibration would weigh them), not "yet"
+    from memcalc_gui.view.plan_text import plan_rows, plan_sentences
+
+    r = evaluate(setup.with_changes(model=preset_spec("llama-3.1-8b")))
+    r = type(r)(r.estimate, r.verdict, plan)
+    first = plan_sentences(r)[0]
+    assert "DDP, ZeRO-1" in first and "not modelled for this layout" in first
+    assert "never" not in first and "not weighed yet" not in first
+    rows = dict((row[0], row[1:]) for row in plan_rows(r))
+    assert rows["DDP (replicated)"][0] == "not modelled" and rows["FSDP2 (fully_shard) — best"][0] == "4"
 
 
 def test_cli_json_per_gpu(capsys: pytest.CaptureFixture[str]) -> None:

@@ -766,10 +766,15 @@ class GpuPlan:
     #: Strategies the estimator could not answer for (a fitted model not calibrated for them, or a layout its method
     #: or the setup does not cover): their ``None`` means "not weighed", not "never fits".
     unweighed: tuple[str, ...] = ()
+    #: Those of :attr:`unweighed` the setup or the estimator's method does not model for this layout at all (sequence
+    #: parallelism of a family without a block model beside DDP, ZeRO in its pipeline stages): no calibration would
+    #: weigh them, where the others wait for one.
+    unmodelled: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return {"min_gpus": dict(self.min_gpus), "best_strategy": self.best_strategy,
-                "best_peak_bytes": self.best_peak_bytes, "unweighed": list(self.unweighed)}
+                "best_peak_bytes": self.best_peak_bytes, "unweighed": list(self.unweighed),
+                "unmodelled": list(self.unmodelled)}
 
 
 def _with_parallel(setup: TrainingSetup, **changes: Any) -> TrainingSetup | None:
@@ -790,15 +795,21 @@ def gpu_plan(setup: TrainingSetup, estimator: Estimator) -> GpuPlan | None:
         return None
 
     unanswered: set[tuple[str, int]] = set()
+    refused: set[tuple[str, int]] = set()
 
     def peak(strategy: str, gpus: int) -> int | None:
         trial = _with_parallel(setup, strategy=strategy, gpus=gpus)
+        if trial is None:
+            refused.add((strategy, gpus))
         try:
             # None: a layout the setup does not model under this strategy (sequence parallelism of a family without
             # a block model beside DDP): not weighed, which "never" would misstate
             answer = None if trial is None else estimator(trial).peak_bytes
-        except InputError:  # a what-if the estimator cannot answer yet (a fitted model not calibrated for it)
+        except InputError as exc:  # a what-if the estimator cannot answer yet (a fitted model not calibrated for it:
+            # the field "method"), or a layout its method does not model (it names the field that rules it out)
             answer = None
+            if exc.field != "method":
+                refused.add((strategy, gpus))
         if answer is None:
             unanswered.add((strategy, gpus))
         return answer
@@ -835,5 +846,6 @@ def gpu_plan(setup: TrainingSetup, estimator: Estimator) -> GpuPlan | None:
             best, best_peak = strategy, p
             break
     # not weighed: no answer at the most GPUs, the count that decides "never"
-    unweighed = tuple(s for s in PREFERENCE if mins.get(s) is None and (s, (MAX_GPUS // group) * group) in unanswered)
-    return GpuPlan(mins, best, best_peak, unweighed)
+    most = (MAX_GPUS // group) * group
+    unweighed = tuple(s for s in PREFERENCE if mins.get(s) is None and (s, most) in unanswered)
+    return GpuPlan(mins, best, best_peak, unweighed, tuple(s for s in unweighed if (s, most) in refused))

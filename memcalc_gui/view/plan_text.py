@@ -150,13 +150,19 @@ def plan_sentences(result: Result) -> list[str]:
     kind = f"GPUs ({gpu_name(setup)})" if setup.gpu else "GPUs of this capacity"
     fitting = [f"{STRATEGY_SHORT.get(s, s)} {n:,}" for s, n in min_gpus_items(result) if n is not None]
     never = [STRATEGY_SHORT.get(s, s) for s, n in min_gpus_items(result) if n is None and s not in plan.unweighed]
-    unweighed = [STRATEGY_SHORT.get(s, s) for s, n in min_gpus_items(result) if n is None and s in plan.unweighed]
+    unweighed = [STRATEGY_SHORT.get(s, s) for s, n in min_gpus_items(result)
+                 if n is None and s in plan.unweighed and s not in plan.unmodelled]
+    unmodelled = [STRATEGY_SHORT.get(s, s) for s, n in min_gpus_items(result) if n is None and s in plan.unmodelled]
     first = f"Fewest {kind} per strategy: " + (", ".join(fitting) if fitting else
-                                               "none fits" if never or not unweighed else "none weighed yet")
-    if never:
-        first += f" ({', '.join(never)}: never)" if fitting else ""
-    if unweighed and (fitting or never):
-        first += f" ({', '.join(unweighed)}: not weighed yet)"
+                                               "none fits" if never or not (unweighed or unmodelled) else
+                                               "none weighed yet" if unweighed else "none modelled for this layout")
+    notes = [f"{', '.join(never)}: never"] if never and fitting else []
+    if unweighed and (fitting or never or unmodelled):
+        notes.append(f"{', '.join(unweighed)}: not weighed yet")
+    if unmodelled and (fitting or never or unweighed):
+        notes.append(f"{', '.join(unmodelled)}: not modelled for this layout")
+    if notes:
+        first += f" ({'; '.join(notes)})"
     gpus = setup.parallel.gpus
     if plan.best_strategy is None:
         second = f"No strategy fits with {gpus:,} GPU{'s' if gpus != 1 else ''}"
@@ -223,19 +229,22 @@ def plan_rows(result: Result) -> list[tuple[str, str, str, str]]:
         if strategy not in plan.min_gpus:
             continue
         n = plan.min_gpus[strategy]
+        refused_by = ""
         try:
             trial = setup.with_changes(parallel=replace(setup.parallel, strategy=strategy))
             peak: int | None = estimate(trial).peak_bytes
-        except InputError:
-            peak = None
+        except InputError as exc:
+            peak, refused_by = None, exc.field
         if peak is None:
-            peak_text, fit = "—", f"not with {setup.parallel.offload} offload"
+            peak_text, fit = "—", (f"not with {setup.parallel.offload} offload" if refused_by == "offload"
+                                   else "not modelled")
         else:
             peak_text = format_bytes(peak)
             fit = "—" if cap is None else ("fits" if peak <= cap else "over")
         label = STRATEGY_LABELS.get(strategy, strategy)
         if strategy == plan.best_strategy:
             label += BEST_MARK
-        rows.append((label, f"{n:,}" if n is not None else "not weighed" if strategy in plan.unweighed else "never",
+        rows.append((label, f"{n:,}" if n is not None else "not modelled" if strategy in plan.unmodelled
+                     else "not weighed" if strategy in plan.unweighed else "never",
                      peak_text, fit))
     return rows
