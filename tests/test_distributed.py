@@ -133,7 +133,7 @@ def test_a_strategy_the_estimator_cannot_answer_is_not_weighed_rather_than_never
         return estimate(s)
 
     plan = gpu_plan(setup, estimator)
-    assert plan is not None and plan.unweighed == ("fsdp2",) and plan.unmodelled == ()
+    assert plan is not None and plan.unweighed == ("fsdp2",) and plan.unmodelled == {}
     assert plan.min_gpus["fsdp2"] is None and plan.min_gpus["ddp"] is None
     r = evaluate(setup)
     r = type(r)(r.estimate, r.verdict, plan)
@@ -158,7 +158,7 @@ def test_a_strategy_the_setup_does_not_model_for_the_layout_is_not_weighed_rathe
     plan = gpu_plan(setup, estimator)
     assert plan is not None and plan.min_gpus["fsdp2"] is not None
     assert set(plan.unweighed) == set(plan.unmodelled) == {s for s in plan.min_gpus if s != "fsdp2"}
-    assert plan.to_json()["unmodelled"] == list(plan.unmodelled)
+    assert plan.to_json()["unmodelled"] == {s: "strategy" for s in plan.unweighed}  # the field that rules them out
     # the words say the layout is not modelled under those strategies (no calibration would weigh them), not "yet"
     from memcalc_gui.view.plan_text import plan_rows, plan_sentences
 
@@ -169,6 +169,21 @@ def test_a_strategy_the_setup_does_not_model_for_the_layout_is_not_weighed_rathe
     assert "never" not in first and "not weighed yet" not in first
     rows = dict((row[0], row[1:]) for row in plan_rows(r))
     assert rows["DDP (replicated)"][0] == "not modelled" and rows["FSDP2 (fully_shard) — best"][0] == "4"
+
+
+def test_an_offload_a_strategy_has_not_is_named_in_the_plan() -> None:
+    """With optimizer offload DDP and Megatron-LM are not modelled (DDP cannot offload): the plan names the offload,
+    neither "never" nor "not weighed yet"."""
+    from memcalc_gui.view.plan_text import plan_rows, plan_sentences
+
+    setup = TrainingSetup(model=preset_spec("llama-3.1-8b"), capacity_bytes=find_gpu("a100-80gb").capacity_bytes,
+                          parallel=Parallelism(gpus=8, strategy="zero2", offload="optimizer"))
+    r = evaluate(setup)
+    assert r.plan is not None and r.plan.unmodelled == dict.fromkeys(("ddp", "megatron", "megatron-distopt"), "offload")
+    first = plan_sentences(r)[0]
+    assert first.endswith("(DDP, Megatron DDP, Megatron dist-opt: not with optimizer offload).")
+    rows = {row[0]: row[1:] for row in plan_rows(r)}
+    assert rows["DDP (replicated)"] == ("—", "—", "not with optimizer offload")
 
 
 def test_cli_json_per_gpu(capsys: pytest.CaptureFixture[str]) -> None:

@@ -767,21 +767,14 @@ class GpuPlan:
     #: or the setup does not cover): their ``None`` means "not weighed", not "never fits".
     unweighed: tuple[str, ...] = ()
     #: Those of :attr:`unweighed` the setup or the estimator's method does not model for this layout at all (sequence
-    #: parallelism of a family without a block model beside DDP, ZeRO in its pipeline stages): no calibration would
-    #: weigh them, where the others wait for one.
-    unmodelled: tuple[str, ...] = ()
+    #: parallelism of a family without a block model beside DDP, ZeRO in its pipeline stages, an offload DDP has
+    #: not), each with the field that rules it out: no calibration would weigh them, where the others wait for one.
+    unmodelled: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {"min_gpus": dict(self.min_gpus), "best_strategy": self.best_strategy,
                 "best_peak_bytes": self.best_peak_bytes, "unweighed": list(self.unweighed),
-                "unmodelled": list(self.unmodelled)}
-
-
-def _with_parallel(setup: TrainingSetup, **changes: Any) -> TrainingSetup | None:
-    try:
-        return setup.with_changes(parallel=replace(setup.parallel, **changes))
-    except InputError:
-        return None
+                "unmodelled": dict(self.unmodelled)}
 
 
 def gpu_plan(setup: TrainingSetup, estimator: Estimator) -> GpuPlan | None:
@@ -795,21 +788,19 @@ def gpu_plan(setup: TrainingSetup, estimator: Estimator) -> GpuPlan | None:
         return None
 
     unanswered: set[tuple[str, int]] = set()
-    refused: set[tuple[str, int]] = set()
+    refused: dict[tuple[str, int], str] = {}  # → the field that rules the layout out
 
     def peak(strategy: str, gpus: int) -> int | None:
-        trial = _with_parallel(setup, strategy=strategy, gpus=gpus)
-        if trial is None:
-            refused.add((strategy, gpus))
+        # None: a layout the setup does not model under this strategy (sequence parallelism of a family without a
+        # block model beside DDP, an offload the strategy has not), or a what-if the estimator cannot answer yet (a
+        # fitted model not calibrated for it: the field "method"): not weighed, which "never" would misstate
+        changes: dict[str, Any] = {"strategy": strategy, "gpus": gpus}
         try:
-            # None: a layout the setup does not model under this strategy (sequence parallelism of a family without
-            # a block model beside DDP): not weighed, which "never" would misstate
-            answer = None if trial is None else estimator(trial).peak_bytes
-        except InputError as exc:  # a what-if the estimator cannot answer yet (a fitted model not calibrated for it:
-            # the field "method"), or a layout its method does not model (it names the field that rules it out)
+            answer: int | None = estimator(setup.with_changes(parallel=replace(setup.parallel, **changes))).peak_bytes
+        except InputError as exc:
             answer = None
             if exc.field != "method":
-                refused.add((strategy, gpus))
+                refused[(strategy, gpus)] = exc.field
         if answer is None:
             unanswered.add((strategy, gpus))
         return answer
@@ -848,4 +839,4 @@ def gpu_plan(setup: TrainingSetup, estimator: Estimator) -> GpuPlan | None:
     # not weighed: no answer at the most GPUs, the count that decides "never"
     most = (MAX_GPUS // group) * group
     unweighed = tuple(s for s in PREFERENCE if mins.get(s) is None and (s, most) in unanswered)
-    return GpuPlan(mins, best, best_peak, unweighed, tuple(s for s in unweighed if (s, most) in refused))
+    return GpuPlan(mins, best, best_peak, unweighed, {s: refused[(s, most)] for s in unweighed if (s, most) in refused})

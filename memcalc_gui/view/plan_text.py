@@ -152,15 +152,21 @@ def plan_sentences(result: Result) -> list[str]:
     never = [STRATEGY_SHORT.get(s, s) for s, n in min_gpus_items(result) if n is None and s not in plan.unweighed]
     unweighed = [STRATEGY_SHORT.get(s, s) for s, n in min_gpus_items(result)
                  if n is None and s in plan.unweighed and s not in plan.unmodelled]
-    unmodelled = [STRATEGY_SHORT.get(s, s) for s, n in min_gpus_items(result) if n is None and s in plan.unmodelled]
+    unmodelled = [STRATEGY_SHORT.get(s, s) for s, n in min_gpus_items(result)
+                  if n is None and plan.unmodelled.get(s, "offload") != "offload"]
+    offload = [STRATEGY_SHORT.get(s, s) for s, n in min_gpus_items(result)
+               if n is None and plan.unmodelled.get(s) == "offload"]
+    without = f"not with {setup.parallel.offload} offload"
     first = f"Fewest {kind} per strategy: " + (", ".join(fitting) if fitting else
-                                               "none fits" if never or not (unweighed or unmodelled) else
-                                               "none weighed yet" if unweighed else "none modelled for this layout")
+                                               "none fits" if never or not (unweighed or unmodelled or offload) else
+                                               "none weighed yet" if unweighed else
+                                               "none modelled for this layout" if unmodelled else f"none {without}")
     notes = [f"{', '.join(never)}: never"] if never and fitting else []
-    if unweighed and (fitting or never or unmodelled):
-        notes.append(f"{', '.join(unweighed)}: not weighed yet")
-    if unmodelled and (fitting or never or unweighed):
-        notes.append(f"{', '.join(unmodelled)}: not modelled for this layout")
+    others = bool(fitting or never)
+    for names, words in ((unweighed, "not weighed yet"), (unmodelled, "not modelled for this layout"),
+                         (offload, without)):
+        if names and (others or len([n for n in (unweighed, unmodelled, offload) if n]) > 1):
+            notes.append(f"{', '.join(names)}: {words}")
     if notes:
         first += f" ({'; '.join(notes)})"
     gpus = setup.parallel.gpus
@@ -244,7 +250,8 @@ def plan_rows(result: Result) -> list[tuple[str, str, str, str]]:
         label = STRATEGY_LABELS.get(strategy, strategy)
         if strategy == plan.best_strategy:
             label += BEST_MARK
-        rows.append((label, f"{n:,}" if n is not None else "not modelled" if strategy in plan.unmodelled
+        rows.append((label, f"{n:,}" if n is not None else
+                     ("—" if plan.unmodelled[strategy] == "offload" else "not modelled") if strategy in plan.unmodelled
                      else "not weighed" if strategy in plan.unweighed else "never",
                      peak_text, fit))
     return rows
