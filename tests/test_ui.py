@@ -776,22 +776,29 @@ if w.advice_in_tabs:
 cards = len([b for b in w.advice.buttons if b.isVisible() and b.visibleRegion().boundingRect().height() > 0])
 ticks = w.chart.plot.getAxis("bottom").height() <= w.chart.plot.getViewBox().sceneBoundingRect().top() + \
     w.chart.height() - w.chart.plot.getViewBox().sceneBoundingRect().bottom()
+plan = w.advice.plan  # the GPU plan's sentences whole: as tall as its text at its width, its button below it
+plan_whole = not plan.isVisible() or (plan.height() >= plan.heightForWidth(plan.width()) > 0
+                                      and (not w.advice.use_plan.isVisible()
+                                           or w.advice.use_plan.geometry().top() > plan.geometry().bottom()))
 print("hbar", t.horizontalScrollBar().isVisible(), "rows_fit", rows_fit, "tabs", w.advice_in_tabs,
-      "chart", w.chart.height() >= w.chart.minimumHeight() and ticks, "cards", cards)
+      "chart", w.chart.height() >= w.chart.minimumHeight() and ticks, "plan", plan_whole, "cards", cards)
 """
 MULTI_GPU = {"preset": "llama-3.1-70b", "gpus": "8", "strategy": "fsdp-full-shard", "offload": "both"}
+#: a GPU plan of five lines with a strategy to use (its button below it): its last line was cut off at 1280 × 720
+PLAN = {"gpus": "8", "strategy": "zero2", "offload": "optimizer", "gpu": "a100-80gb"}
 
 
 @pytest.mark.parametrize(("scale", "width", "height", "changes"), [
     ("1", 1280, 720, {}), ("1.5", 1280, 720, {}), ("1", 1280, 720, MULTI_GPU), ("1.5", 1280, 720, MULTI_GPU),
     ("1", 1366, 768, {}), ("1", 1366, 768, MULTI_GPU), ("1", 1024, 700, {}), ("1", 1024, 700, MULTI_GPU),
     ("1", 1203, 662, {}), ("1", 1203, 662, MULTI_GPU),  # the window's default size on a 1280×720 screen
-], ids=lambda v: str(v) if not isinstance(v, dict) else ("multi" if v else "default"))
+    ("1", 1280, 720, PLAN), ("1.5", 1280, 720, PLAN),
+], ids=lambda v: str(v) if not isinstance(v, dict) else ("plan" if v is PLAN else "multi" if v else "default"))
 def test_ledger_is_whole_and_advice_reachable_on_laptop_screens(scale, width, height, changes, tmp_path):
     """The ledger shows its four phase columns and ten rows without scrolling at 1280×720 (also at 150 % scaling,
     a 1080p screen), 1366×768 and 1024×700, for one GPU and for a distributed setup (whose banner folds its
-    reasons away); at least one suggestion card is on screen — beside the ledger, or in its own tab when the
-    window is narrow."""
+    reasons away); the GPU plan's sentences are whole (they scroll with the cards); at least one suggestion card is
+    on screen — beside the ledger, or in its own tab when the window is narrow."""
     import subprocess
     import sys
 
@@ -801,7 +808,7 @@ def test_ledger_is_whole_and_advice_reachable_on_laptop_screens(scale, width, he
     assert proc.returncode == 0, proc.stderr[-2000:]
     line = proc.stdout.strip().splitlines()[-1]
     narrow = width < 1240
-    assert line.startswith(f"hbar False rows_fit True tabs {narrow} chart True cards "), line
+    assert line.startswith(f"hbar False rows_fit True tabs {narrow} chart True plan True cards "), line
     assert int(line.split()[-1]) >= 1
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from PySide6.QtCore import Qt, Signal
-from PySide6.QtGui import QKeyEvent, QMouseEvent, QPalette
+from PySide6.QtGui import QKeyEvent, QMouseEvent, QPalette, QResizeEvent
 from PySide6.QtWidgets import (
     QFrame,
     QHBoxLayout,
@@ -239,6 +239,27 @@ class SuggestionCard(QFrame):
         super().keyPressEvent(event)
 
 
+class WrappedLabel(QLabel):
+    """A word-wrapped label that keeps the height its text needs at its width: a layout short of room (the window at
+    1280 × 720) otherwise squeezes a plain one below it and cuts its last line off (the GPU plan's "per GPU)")."""
+
+    def __init__(self, text: str = "", parent: QWidget | None = None) -> None:
+        super().__init__(text, parent)
+        self.setWordWrap(True)
+
+    def _keep_height(self) -> None:
+        if self.width() > 0:
+            self.setMinimumHeight(self.heightForWidth(self.width()))
+
+    def setText(self, text: str) -> None:
+        super().setText(text)
+        self._keep_height()
+
+    def resizeEvent(self, event: QResizeEvent) -> None:
+        super().resizeEvent(event)
+        self._keep_height()
+
+
 class AdvicePanel(QWidget):
     """The largest micro-batch that fits and the ranked suggestions; clicking one applies it."""
 
@@ -262,23 +283,6 @@ class AdvicePanel(QWidget):
         self.use_max.setVisible(False)  # until a result has a larger micro-batch to use
         row.addWidget(self.use_max)
         lay.addLayout(row)
-        # the GPU plan of a distributed setup (core.solver.gpu_plan): fewest GPUs per strategy, best strategy
-        self.plan = QLabel("")
-        self.plan.setObjectName("gpuPlan")
-        self.plan.setWordWrap(True)
-        self.plan.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        self.plan.setToolTip("The fewest GPUs of the chosen kind each strategy needs (same micro-batch, offload "
-                             "and GPU), and the strategy with the least communication that fits at the current "
-                             "GPU count (order: DDP, ZeRO-1, ZeRO-2, FSDP shard-grad-op, hybrid, ZeRO-3, FSDP "
-                             "full shard).")
-        lay.addWidget(self.plan)
-        self.use_plan = QPushButton("")
-        self.use_plan.setObjectName("usePlan")
-        self.use_plan.clicked.connect(self._use_plan)
-        lay.addWidget(self.use_plan, 0, Qt.AlignmentFlag.AlignLeft)
-        self.plan.setVisible(False)
-        self.use_plan.setVisible(False)
-        self._plan_action: tuple[str, dict[str, Any]] | None = None
         self.heading = QLabel("Cheapest changes that fit first; click one to apply it (Ctrl+Z undoes).")
         self.heading.setVisible(False)  # said by the box's title and tooltip: the cards get the room
         area = QScrollArea()
@@ -289,6 +293,24 @@ class AdvicePanel(QWidget):
         self._list = QVBoxLayout(inner)
         self._list.setContentsMargins(0, 0, 0, 0)
         self._list.setSpacing(4)
+        # the GPU plan of a distributed setup (core.solver.gpu_plan): fewest GPUs per strategy, best strategy; it
+        # scrolls with the cards below it (at 1280 × 720 the box is too short for both: a plan above the scrolled
+        # cards lost its last line, under its button)
+        self.plan = WrappedLabel("")
+        self.plan.setObjectName("gpuPlan")
+        self.plan.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.plan.setToolTip("The fewest GPUs of the chosen kind each strategy needs (same micro-batch, offload "
+                             "and GPU), and the strategy with the least communication that fits at the current "
+                             "GPU count (order: DDP, ZeRO-1, ZeRO-2, FSDP shard-grad-op, hybrid, ZeRO-3, FSDP "
+                             "full shard).")
+        self._list.addWidget(self.plan)
+        self.use_plan = QPushButton("")
+        self.use_plan.setObjectName("usePlan")
+        self.use_plan.clicked.connect(self._use_plan)
+        self._list.addWidget(self.use_plan, 0, Qt.AlignmentFlag.AlignLeft)
+        self.plan.setVisible(False)
+        self.use_plan.setVisible(False)
+        self._plan_action: tuple[str, dict[str, Any]] | None = None
         self.buttons: list[SuggestionCard] = []
         for _ in range(MAX_SUGGESTIONS):
             b = SuggestionCard()
