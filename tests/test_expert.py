@@ -467,6 +467,14 @@ def test_sequence_parallelism_without_a_block_model_is_torchtitans_beside_fsdp2_
     with pytest.raises(InputError) as err:
         ok.with_changes(parallel=dataclasses.replace(ok.parallel, strategy="ddp"))
     assert err.value.field == "strategy" and "torchtitan" in str(err.value)
+    # tp over every GPU: FSDP2 would shard nothing (it says choose DDP), and beside DDP the answer is not "FSDP2" but
+    # the way out, naming sequence parallelism (the two refusals used to send the user back and forth)
+    with pytest.raises(InputError) as err:
+        dataclasses.replace(ok.parallel, gpus=2, ep=1)
+    assert err.value.field == "strategy" and "choose DDP" in str(err.value)
+    with pytest.raises(InputError) as err:
+        ok.with_changes(parallel=dataclasses.replace(ok.parallel, gpus=2, ep=1, strategy="ddp"))
+    assert err.value.field == "sp" and "twice the GPUs, or leave sequence parallelism out" in str(err.value)
 
 
 @pytest.mark.parametrize("sp", [False, True])

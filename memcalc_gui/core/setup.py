@@ -263,6 +263,11 @@ class TrainingSetup:
             # without a block model (Korthikanti et al. 2022's split of the norms and residual stream), one rank of
             # torchtitan's plan is traced (a pipeline stage's tensor-parallel group too): beside FSDP2
             if self.model is None and par.sp and par.strategy != "fsdp2":
+                if par.dp * par.cp == 1:  # FSDP2 would shard nothing there (Parallelism refuses it): no way round
+                    raise InputError("sp", "sequence parallelism of a family memcalc has no block model of is traced "
+                                           "as torchtitan runs it, beside FSDP2 over two or more data-parallel GPUs; "
+                                           f"here the {par.gpus:,} GPU(s) are all tensor-parallel or pipeline "
+                                           "stages: give twice the GPUs, or leave sequence parallelism out")
                 raise InputError("strategy", "sequence parallelism of a family memcalc has no block model of is "
                                              "traced as torchtitan runs it, beside FSDP2 (--strategy fsdp2)")
             if self.model is not None:  # without one, the fitted method and the trace check the config's layers
