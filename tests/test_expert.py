@@ -452,7 +452,8 @@ def test_the_fitted_rank_of_expert_beside_tensor_parallelism_is_the_traced_one(g
 
 def test_sequence_parallelism_without_a_block_model_is_torchtitans_beside_fsdp2_alone() -> None:
     """A family without a block model runs sequence parallelism as the traced rank does (torchtitan's plan beside
-    FSDP2, in pipeline stages and beside a ring too, not both); elsewhere the setup names the field to change."""
+    FSDP2, in pipeline stages and beside a ring too, not both; or with every GPU of one replica tensor-parallel under
+    DDP, no FSDP applied); elsewhere the setup names the field to change."""
     from memcalc_gui.core.fitted import pipeline_layout, rank_layout
 
     ok = TrainingSetup(params=10**6, parallel=Parallelism(gpus=8, tp=2, ep=4, sp=True, strategy="fsdp2"))
@@ -467,14 +468,53 @@ def test_sequence_parallelism_without_a_block_model_is_torchtitans_beside_fsdp2_
     with pytest.raises(InputError) as err:
         ok.with_changes(parallel=dataclasses.replace(ok.parallel, strategy="ddp"))
     assert err.value.field == "strategy" and "torchtitan" in str(err.value)
-    # tp over every GPU: FSDP2 would shard nothing (it says choose DDP), and beside DDP the answer is not "FSDP2" but
-    # the way out, naming sequence parallelism (the two refusals used to send the user back and forth)
+    # tp over every GPU: FSDP2 would shard nothing (it says choose DDP), and under DDP the one replica's rank runs
+    # torchtitan's plan alone (the two refusals used to send the user back and forth)
     with pytest.raises(InputError) as err:
         dataclasses.replace(ok.parallel, gpus=2, ep=1)
     assert err.value.field == "strategy" and "choose DDP" in str(err.value)
-    with pytest.raises(InputError) as err:
-        ok.with_changes(parallel=dataclasses.replace(ok.parallel, gpus=2, ep=1, strategy="ddp"))
-    assert err.value.field == "sp" and "twice the GPUs, or leave sequence parallelism out" in str(err.value)
+    alone = ok.with_changes(parallel=dataclasses.replace(ok.parallel, gpus=2, ep=1, strategy="ddp"))
+    assert rank_layout(alone) == {"dp_shard": 1, "tp": 2, "ep": 1, "sp": True}
+    for other in (dict(strategy="zero1"), dict(strategy="ddp", gpus=4, pp=2)):  # not traced: the way out named
+        with pytest.raises(InputError) as err:
+            ok.with_changes(parallel=dataclasses.replace(alone.parallel, **other))
+        assert err.value.field == "sp" and "give twice the GPUs, or leave sequence parallelism out" in str(err.value)
+
+
+def test_sequence_parallelism_over_every_gpu_of_one_replica_is_fitted_traced_and_measured(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Every GPU tensor-parallel with torchtitan's sequence-parallel plan (``--strategy ddp``, one replica: no DDP
+    and no FSDP applied, as torchtitan runs ``dp_shard = 1``): the fitted rank is ``--method trace``'s to the
+    byte, under the same layout without sequence parallelism (the norms on the rank's seq/tp tokens), and two real
+    gloo ranks measure what it says (weights exact, every phase within 0.5 %)."""
+    from memcalc_gui.core.fitted import estimate_fitted
+    from memcalc_gui.trace import fake
+    from memcalc_gui.trace.fit import calibrate
+
+    monkeypatch.setattr(fake, "CUDA_ROUNDING", 1)
+    config = dict(MIXTRAL, num_hidden_layers=3, num_local_experts=4)
+    n = count_params_on_meta(config)
+    setup = TrainingSetup(params=n, batch=3, seq=160, precision="mixed", grad_accum=2,
+                          parallel=Parallelism(gpus=2, tp=2, sp=True, strategy="ddp"))
+    fitted = estimate_fitted(setup, calibrate(config, setup, n))
+    assert fitted.details["rank_fit"] and "One replica" in fitted.details["parallel_notes"][0]
+    traced = fake.trace_estimate(setup, config)
+    assert any("sequence-parallel plan" in r for r in traced.rules)
+    plain = setup.with_changes(parallel=dataclasses.replace(setup.parallel, sp=False))
+    without = estimate_fitted(plain, calibrate(config, plain, n))
+    for p in PHASES:
+        assert fitted.phases[p].tensor_bytes == pytest.approx(traced.estimate.phases[p].tensor_bytes, rel=1e-4), p
+    assert fitted.phases["forward"].tensor_bytes < without.phases["forward"].tensor_bytes
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(config))
+    assert cli_main(["measure", "--config", str(cfg), "--batch", "2", "--seq", "128", "--precision", "mixed",
+                     "--gpus", "2", "--tp", "2", "--sp", "--strategy", "ddp", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert not out["scaled"] and len(out["ranks"]) == 2
+    assert not any("sequence parallelism" in n for n in out.get("changes", []))  # run with it, not dropped
+    for r in out["ranks"]:
+        for phase, error in r["error_pct"].items():
+            assert abs(error) < (0.1 if phase in ("load", "optimizer_step") else 0.5), (r["label"], phase, error)
 
 
 @pytest.mark.parametrize("sp", [False, True])

@@ -35,7 +35,7 @@ from .layouts import (
 from .ledger import Estimate, with_overheads
 from .quick import precision_bytes
 from .result import Result
-from .setup import TrainingSetup, checkpoint_every
+from .setup import TrainingSetup, checkpoint_every, one_replica_sequence_parallel
 from .solver import gpu_plan, solve
 from .vocab import PHASES, TENSOR_OBJECTS
 
@@ -127,22 +127,26 @@ def rank_layout(setup: TrainingSetup) -> dict[str, Any] | None:
     strategies), with tensor or expert parallelism too (the ring runs over each tensor-parallel rank's heads; the
     routed experts split over ep of the data- and context-parallel GPUs, as torchtitan lends them). ``None`` for a
     layout the rank fit does not run (loss parallelism, offload, adapters, context parallelism at a degree the
-    calibration's sequences do not split, sequence parallelism but beside FSDP2): the rule stands
-    there. With sequence parallelism (FSDP2), torchtitan's plan on top of transformers' split: the norms on the
-    rank's seq/tp tokens, attention and the MLP or the experts' block gathering them."""
+    calibration's sequences do not split, sequence parallelism but beside FSDP2 or over every GPU of one replica):
+    the rule stands there. With sequence parallelism, torchtitan's plan on top of transformers' split: the norms on
+    the rank's seq/tp tokens, attention and the MLP or the experts' block gathering them (under DDP with every GPU
+    tensor-parallel, the rank of that plan alone, as torchtitan runs it without FSDP)."""
     par = setup.parallel
     context = par.cp > 1
     # the rank of the replicated layout where the one-replica rule's activations are only a bound: expert beside tensor
     # parallelism, whose one-replica trace runs every token through the experts (each GPU of a tensor-parallel group
     # runs its share), and context parallelism, whose ring attention the one-replica trace does not run. DDP's ledger
     # is that rank's; the strategies not traced lay their states over its activations
-    replicated = par.strategy != "fsdp2" and ((par.tp > 1 and par.ep > 1) or context)
-    if not (par.strategy == "fsdp2" or replicated) or par.pp > 1 or par.gpus < 2 \
-            or (par.sp and par.strategy != "fsdp2") \
+    alone = one_replica_sequence_parallel(par)  # every GPU tensor-parallel: torchtitan's plan, no FSDP applied
+    replicated = par.strategy != "fsdp2" and ((par.tp > 1 and par.ep > 1) or context) and not alone
+    if not (par.strategy == "fsdp2" or replicated or alone) or par.pp > 1 or par.gpus < 2 \
+            or (par.sp and par.strategy != "fsdp2" and not alone) \
             or par.loss_parallel or par.offload != "none" or setup.tuning.method != "full":
         return None
     if context and par.cp not in CONTEXT_DEGREES:
         return None
+    if alone:
+        return {"dp_shard": 1, "tp": par.tp, "ep": par.ep, "sp": True}
     if replicated:
         if context:  # every context-parallel rank holds the model whole (the strategy shards over dp × cp)
             return {"dp_replicate": par.dp, "tp": par.tp, "cp": par.cp, "replicate_context": True,
@@ -563,7 +567,8 @@ def _rank_fitted(setup: TrainingSetup, fit: FitModel) -> Estimate:
     """The ledger of one rank of ``setup``'s FSDP2 or DDP layout from its own fit (:func:`rank_layout`): the moments
     as traced, nothing laid out by rule but DDP's buckets."""
     par = setup.parallel
-    buckets = _ddp_buckets(setup, fit) if par.strategy == "ddp" else 0
+    # one replica (every GPU tensor-parallel): no DDP to wrap the model, as torchtitan runs it
+    buckets = _ddp_buckets(setup, fit) if par.strategy == "ddp" and not one_replica_sequence_parallel(par) else 0
 
     def with_buckets(_phase: str, comp: dict[str, float]) -> dict[str, float]:
         return {**comp, "gradients": comp.get("gradients", 0.0) + buckets}
@@ -574,7 +579,10 @@ def _rank_fitted(setup: TrainingSetup, fit: FitModel) -> Estimate:
         phases[phase] = with_overheads(_resident(objects) if phase == "load" else objects, phase, setup)
     worst = max((v for k, v in fit.checked.items() if k in PHASES), default=0.0)
     sharded = par.dp * par.cp > 1 and par.strategy == "fsdp2"
-    ddp = (f"DDP over {par.dp * par.cp} {'data- and context-parallel ranks' if par.cp > 1 else 'replicas'}, one rank "
+    ddp = ("One replica: every GPU tensor-parallel, no data-parallel GPUs for DDP to reduce over (torchtitan applies "
+           "no FSDP there either, and no DDP buckets are added); one rank traced on the fake process group"
+           if one_replica_sequence_parallel(par) else
+           f"DDP over {par.dp * par.cp} {'data- and context-parallel ranks' if par.cp > 1 else 'replicas'}, one rank "
            "traced on the fake process group; DDP's buckets (every gradient once more) added by its rule"
            if par.strategy == "ddp" else "")
     fsdp2 = (f"FSDP2 as PyTorch runs it: fully_shard over {par.dp * par.cp} data-"

@@ -97,6 +97,14 @@ def find_gpu(name: str) -> GPU:
     raise InputError("gpu", f"unknown GPU {name!r}; available: {', '.join(g.id for g in presets)}")
 
 
+def one_replica_sequence_parallel(par: Parallelism) -> bool:
+    """Sequence parallelism with every GPU of the one replica tensor-parallel (``--strategy ddp``, no data- or
+    context-parallel GPUs, no pipeline stages): torchtitan's plan with no FSDP applied, as it runs with
+    ``dp_shard = 1``; DDP has nothing to reduce there. For a family without a block model this is traced (the other
+    strategies' one-replica layouts are refused: FSDP2 would shard nothing)."""
+    return par.sp and par.strategy == "ddp" and par.dp * par.cp == 1 and par.pp == 1
+
+
 def checkpoint_every(value: object) -> int | None:
     """How often layers are checkpointed: ``None`` for none, 1 for every layer (``full``), N for ``every:N`` (layers
     N, 2N, … counted from the first, as torchtitan's ``ac_freq`` picks them). Raises :class:`InputError`."""
@@ -262,12 +270,12 @@ class TrainingSetup:
         if par.pp > 1 or par.sp:
             # without a block model (Korthikanti et al. 2022's split of the norms and residual stream), one rank of
             # torchtitan's plan is traced (a pipeline stage's tensor-parallel group too): beside FSDP2
-            if self.model is None and par.sp and par.strategy != "fsdp2":
-                if par.dp * par.cp == 1:  # FSDP2 would shard nothing there (Parallelism refuses it): no way round
+            if self.model is None and par.sp and par.strategy != "fsdp2" and not one_replica_sequence_parallel(par):
+                if par.dp * par.cp == 1:  # FSDP2 would shard nothing there (Parallelism refuses it)
                     raise InputError("sp", "sequence parallelism of a family memcalc has no block model of is traced "
-                                           "as torchtitan runs it, beside FSDP2 over two or more data-parallel GPUs; "
-                                           f"here the {par.gpus:,} GPU(s) are all tensor-parallel or pipeline "
-                                           "stages: give twice the GPUs, or leave sequence parallelism out")
+                                           "as torchtitan runs it: beside FSDP2, or with every GPU tensor-parallel "
+                                           "under DDP (one replica, no pipeline stages); give twice the GPUs, or leave "
+                                           "sequence parallelism out")
                 raise InputError("strategy", "sequence parallelism of a family memcalc has no block model of is "
                                              "traced as torchtitan runs it, beside FSDP2 (--strategy fsdp2)")
             if self.model is not None:  # without one, the fitted method and the trace check the config's layers

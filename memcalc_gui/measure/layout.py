@@ -49,7 +49,7 @@ from ..core.configfile import routed_experts
 from ..core.distributed import Parallelism
 from ..core.errors import InputError
 from ..core.layouts import stage_group_runs
-from ..core.setup import TrainingSetup
+from ..core.setup import TrainingSetup, one_replica_sequence_parallel
 from .fitted import CONFIG_KEY
 
 #: CPU processes a measurement runs at most (the issue's 2–4 ranks of a scaled-down model; each holds torch).
@@ -174,7 +174,8 @@ def scale_layout(setup: TrainingSetup, max_ranks: int = MAX_CPU_RANKS) -> tuple[
         changes.append(f"one data-parallel replica instead of {par.dp} (DDP beside pipeline or tensor parallelism "
                        "alone is not run for real: the step runs a stage, or one tensor-parallel group)")
         par = _with(par, dp=1)
-    if par.sp and (par.pp > 1 or par.strategy != "fsdp2"):
+    if par.sp and (par.pp > 1 or par.strategy != "fsdp2") \
+            and not (setup.model is None and one_replica_sequence_parallel(par)):  # torchtitan's plan, no FSDP
         changes.append("no sequence parallelism (" + (
             "a pipeline stage's tensor-parallel rank runs as the narrower model, which has no sequence to split"
             if par.pp > 1 else "beside DDP it is Megatron-LM's way, which is not run here; PyTorch's runs with FSDP2")

@@ -35,7 +35,7 @@ from ..core.ledger import Estimate, with_overheads
 from ..core.optimizer import optimizer_cost
 from ..core.pipeline import ranks_to_check, stage_spec
 from ..core.result import Result
-from ..core.setup import TrainingSetup
+from ..core.setup import TrainingSetup, one_replica_sequence_parallel
 from ..core.solver import Verdict, gpu_plan, solve
 from ..core.timeline import Timeline
 from ..core.vocab import PHASES
@@ -130,7 +130,7 @@ def refusal(setup: TrainingSetup) -> str:
     """Why the trace does not run ``setup`` ("" when it does): what fake tensors on a CPU cannot run, said once for
     the CLI's error and the window's "not traced" note."""
     par = setup.parallel
-    if par.sp and par.strategy != "fsdp2":
+    if par.sp and par.strategy != "fsdp2" and not (setup.model is None and one_replica_sequence_parallel(par)):
         return ("sequence parallelism is traced as PyTorch runs it, torchtitan's plan beside FSDP2 (--strategy fsdp2); "
                 "beside DDP, ZeRO or Megatron-LM's optimizers it is Megatron-LM's, whose split linear inputs the "
                 "formulas follow")
@@ -360,7 +360,10 @@ def trace_estimate(
         *([f"Traced one rank of a {setup.parallel.tp}-way tensor-parallel group with transformers' plan for "
            f"{cfg.get('model_type')} (PyTorch's column- and row-wise styles, "
            + ("the experts whole beside expert parallelism" if setup.parallel.ep > 1 else
-              "transformers' own for the experts") + "), on the fake process group"]
+              "transformers' own for the experts") + ")"
+           + (", torchtitan's sequence-parallel plan on top (the norms on the rank's "
+              f"{setup.row_len // setup.parallel.cp // setup.parallel.tp:,} tokens)" if setup.parallel.sp else "")
+           + ", on the fake process group"]
           if setup.parallel.tp > 1 and setup.model is None else []),
         *([f"Traced pipeline rank {pipe_rank + 1} of {setup.parallel.pp} ("
            + ("the analytic ledger's most loaded" if len(pipe_ranks) == 1 else

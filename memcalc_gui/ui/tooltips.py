@@ -230,7 +230,9 @@ TOOLTIPS: dict[str, str] = {
         "— the norms and the residual stream — is split along the sequence over the tensor-parallel GPUs "
         "(Korthikanti et al. 2022, \"Reducing Activation Recomputation in Large Transformer Models\"). With FSDP2 "
         "as PyTorch runs it (torchtitan's plan: attention and the MLP gather the sequence first and keep that "
-        "gathered input); with DDP, ZeRO or Megatron-LM as Megatron-LM runs it (the gathered input is not kept)."
+        "gathered input); with DDP, ZeRO or Megatron-LM as Megatron-LM runs it (the gathered input is not kept). "
+        "A model traced without a block model (a mixture of experts, Gemma 2, …) runs PyTorch's plan: beside "
+        "FSDP2, or under DDP when every GPU is tensor-parallel (one replica)."
     ),
     "loss_parallel": (
         "With tensor parallelism: the embedding's rows and the LM head's columns are split over the tensor-parallel "
