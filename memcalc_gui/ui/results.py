@@ -248,8 +248,8 @@ class WrappedLabel(QLabel):
         self.setWordWrap(True)
 
     def _keep_height(self) -> None:
-        if self.width() > 0:
-            self.setMinimumHeight(self.heightForWidth(self.width()))
+        height = self.heightForWidth(self.width()) if self.width() > 0 else -1
+        self.setMinimumHeight(max(height, 0))  # -1: no text to wrap
 
     def setText(self, text: str) -> None:
         super().setText(text)
