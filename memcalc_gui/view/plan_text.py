@@ -150,23 +150,23 @@ def plan_sentences(result: Result) -> list[str]:
     kind = f"GPUs ({gpu_name(setup)})" if setup.gpu else "GPUs of this capacity"
     fitting = [f"{STRATEGY_SHORT.get(s, s)} {n:,}" for s, n in min_gpus_items(result) if n is not None]
     never = [STRATEGY_SHORT.get(s, s) for s, n in min_gpus_items(result) if n is None and s not in plan.unweighed]
-    unweighed = [STRATEGY_SHORT.get(s, s) for s, n in min_gpus_items(result)
-                 if n is None and s in plan.unweighed and s not in plan.unmodelled]
-    unmodelled = [STRATEGY_SHORT.get(s, s) for s, n in min_gpus_items(result)
-                  if n is None and plan.unmodelled.get(s, "offload") != "offload"]
-    offload = [STRATEGY_SHORT.get(s, s) for s, n in min_gpus_items(result)
-               if n is None and plan.unmodelled.get(s) == "offload"]
     without = f"not with {setup.parallel.offload} offload"
-    first = f"Fewest {kind} per strategy: " + (", ".join(fitting) if fitting else
-                                               "none fits" if never or not (unweighed or unmodelled or offload) else
-                                               "none weighed yet" if unweighed else
-                                               "none modelled for this layout" if unmodelled else f"none {without}")
+    # the strategies no answer weighs, by why: a calibration to come, a layout not modelled, an offload they have not
+    unanswered: dict[str, list[str]] = {}
+    for s, n in min_gpus_items(result):
+        if n is None and s in plan.unweighed:
+            field = plan.unmodelled.get(s)
+            words = "not weighed yet" if field is None else without if field == "offload" else \
+                "not modelled for this layout"
+            unanswered.setdefault(words, []).append(STRATEGY_SHORT.get(s, s))
+    order = ("not weighed yet", "not modelled for this layout", without)
+    head = next((w for w in order if w in unanswered), "")
+    first = f"Fewest {kind} per strategy: " + (", ".join(fitting) if fitting else "none fits" if never or not head
+                                               else head.replace("not ", "none ", 1) if head != without
+                                               else f"none ({without})")
     notes = [f"{', '.join(never)}: never"] if never and fitting else []
-    others = bool(fitting or never)
-    for names, words in ((unweighed, "not weighed yet"), (unmodelled, "not modelled for this layout"),
-                         (offload, without)):
-        if names and (others or len([n for n in (unweighed, unmodelled, offload) if n]) > 1):
-            notes.append(f"{', '.join(names)}: {words}")
+    if fitting or never or len(unanswered) > 1:
+        notes += [f"{', '.join(unanswered[w])}: {w}" for w in order if w in unanswered]
     if notes:
         first += f" ({'; '.join(notes)})"
     gpus = setup.parallel.gpus
