@@ -219,3 +219,18 @@ def test_a_bare_parameter_count_with_zero2_answers_like_deepspeed():
     assert offload.phases["optimizer_step"].objects["optimizer_state"] == 0 and offload.details["host_bytes"] > 0
     with pytest.raises(InputError, match="largest layer"):
         estimate(TrainingSetup(params=2_851_000_000, parallel=Parallelism(gpus=8, strategy="zero3")))
+
+
+def test_the_banner_names_one_replica_without_a_data_parallel_strategy_over_one() -> None:
+    """Every GPU tensor-parallel under DDP is one replica: the banner says so, not "× DDP (replicated) over 1"; with
+    replicas the strategy and their count stay."""
+    from memcalc_gui.view.plan_text import parallel_label, strategy_text
+
+    one = TrainingSetup(model=preset_spec("llama-3.1-8b"), parallel=Parallelism(gpus=2, tp=2, sp=True,
+                                                                                    strategy="ddp"))
+    assert strategy_text(one) == "TP 2 + SP, one replica (no data parallelism)"
+    assert parallel_label(one).startswith("2 GPUs, TP 2 + SP, one replica")
+    two = one.with_changes(parallel=Parallelism(gpus=4, tp=2, sp=True, strategy="ddp"))
+    assert strategy_text(two) == "TP 2 + SP × DDP (replicated) over 2"
+    zero = one.with_changes(parallel=Parallelism(gpus=2, tp=2, strategy="zero1"))
+    assert strategy_text(zero) == "TP 2 × ZeRO-1 (optimizer state sharded) over 1"

@@ -38,7 +38,8 @@ def gpu_name(setup: TrainingSetup) -> str:
 
 
 def strategy_text(setup: TrainingSetup) -> str:
-    """``ZeRO-3 (+ parameters sharded)[ (8 GPUs per node)][, optimizer state offloaded to the CPU]``."""
+    """``ZeRO-3 (+ parameters sharded)[ (8 GPUs per node)][, optimizer state offloaded to the CPU]``; model
+    parallelism under DDP over one replica reads ``TP 2 + SP, one replica (no data parallelism)``."""
     par = setup.parallel
     text = STRATEGY_LABELS.get(par.strategy, par.strategy)
     if par.strategy == "fsdp-hybrid":
@@ -47,7 +48,9 @@ def strategy_text(setup: TrainingSetup) -> str:
         text += ", not resharded after forward"
     if par.offload != "none":
         text += f", {OFFLOAD_TEXT[par.offload]}"
-    if par.model_parallel_text:
+    if par.model_parallel_text and par.strategy == "ddp" and par.dp == 1:
+        text = f"{par.model_parallel_text}, one replica (no data parallelism)"  # DDP has nothing to reduce
+    elif par.model_parallel_text:
         text = f"{par.model_parallel_text} × {text} over {par.dp:,}"
     if par.ep > 1:
         text += f", routed experts split over {par.ep} (expert parallel)"
