@@ -106,6 +106,7 @@ FLAGS = {
     "stage": "--stage",
     "top": "--top",
     "reshard_after_forward": "--reshard-after-forward",
+    "dp_replicate": "--dp-replicate",
     "tuning": "--tuning",
     "lora_rank": "--lora-rank",
     "lora_targets": "--lora-targets",
@@ -219,6 +220,10 @@ def _add_setup_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reshard-after-forward", default="on", choices=("on", "off"),
                    help="with --strategy fsdp2: free each layer's gathered weights after its forward (on, the "
                         "default) or keep them until its backward (off: less communication, more memory)")
+    p.add_argument("--dp-replicate", default="1", metavar="N",
+                   help="with --strategy fsdp2: hybrid sharding (HSDP, torchtitan's data_parallel_replicate_degree): "
+                        "the data-parallel GPUs form N replicas, each fully_shard-ed over its share (default 1: one "
+                        "group over all of them)")
     p.add_argument("--ep", default="1", metavar="N",
                    help="expert parallelism: a mixture of experts' routed experts split over N of the GPUs (default 1)")
     p.add_argument("--tp", default="1", metavar="N",
@@ -442,7 +447,9 @@ def setup_from_args(args: argparse.Namespace) -> tuple[TrainingSetup, list[str]]
                                                                    "virtual_stages", MAX_PARALLEL_GPUS),
                                  sp=bool(getattr(args, "sp", False)),
                                  loss_parallel=bool(getattr(args, "loss_parallel", False)),
-                                 reshard_after_forward=getattr(args, "reshard_after_forward", "on") == "on")
+                                 reshard_after_forward=getattr(args, "reshard_after_forward", "on") == "on",
+                                 dp_replicate=parse_positive_int(getattr(args, "dp_replicate", "1"), "dp_replicate",
+                                                                 MAX_PARALLEL_GPUS))
     if args.cuda_context is not None:
         kw["cuda_context_bytes"] = parse_size(args.cuda_context, "cuda_context", allow_zero=True)
     if args.allocator_reserve is not None:
@@ -507,6 +514,8 @@ def format_ledger(result: Result) -> str:
                         if par.pp > 1 else "")
                      + (f", context parallel {par.cp}" if par.cp > 1 else "")
                      + (f" × data parallel {par.dp}" if par.tp > 1 or par.pp > 1 or par.cp > 1 else "")
+                     + (f" as {par.dp_replicate} replicas of {par.dp // par.dp_replicate} sharded GPUs (hybrid "
+                        "sharding)" if par.dp_replicate > 1 else "")
                      + " — the ledger is per GPU")
     for row in est.details.get("pipeline_ranks", ()):
         lines.append(f"Stage      pipeline rank {row['rank'] + 1} of {par.pp}: peak {format_bytes(row['peak_bytes'])}"
@@ -546,7 +555,9 @@ def format_ledger(result: Result) -> str:
         lines.append(f"Host memory for offload: {format_bytes(host)} per node")
     if result.plan is not None:
         mins = ", ".join(f"{k} {v if v is not None else '—'}" for k, v in result.plan.min_gpus.items())
-        lines.append(f"Fewest GPUs of this kind per strategy: {mins}")
+        lines.append("Fewest GPUs of this kind per strategy" + (" (each over all data-parallel GPUs, FSDP2 without "
+                                                                 "hybrid replicas)" if par.dp_replicate > 1 else "")
+                     + f": {mins}")
         lines.append(f"Best strategy with {par.gpus} GPUs: {result.plan.best_strategy or 'none fits'}")
     if verdict.suggestions:
         lines.append("")

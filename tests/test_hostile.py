@@ -293,7 +293,7 @@ def test_no_code_a_config_names_ever_runs(name, evil_folder, tmp_path):
 HOSTILE_VALUES = ["", " ", "0", "-1", "1.5", "abc", "1e308", "1e400", "-1e400", "nan", "inf", "-inf", "9" * 5000,
                   "1" + "0" * 30, "0x10", "1_000", "４", "\u202e12", "4k", "1e12", "2**64", "--", "-0", "1e-320"]
 NUMBER_FLAGS = ["--batch", "--seq", "--grad-accum", "--gpus", "--node-size", "--capacity", "--cuda-context",
-                "--allocator-reserve", "--params"]
+                "--allocator-reserve", "--params", "--dp-replicate"]
 
 
 @pytest.mark.parametrize("value", HOSTILE_VALUES)
@@ -303,6 +303,8 @@ def test_estimate_answers_hostile_numbers(flag, value, capsys):
     argv = ["estimate", *model, "--gpu", "a100-80gb"]
     if flag == "--params":
         argv = ["estimate", "--gpu", "a100-80gb"]
+    if flag == "--dp-replicate":  # FSDP2's option: read under it
+        argv += ["--strategy", "fsdp2", "--gpus", "8"]
     rc, out, err, s = run_cli([*argv, f"{flag}={value}"], capsys)
     assert_answered(rc, out, err, s, limit_s=5)
 
@@ -494,7 +496,8 @@ number_text = st.one_of(st.text(max_size=20), st.integers(-(2**100), 2**100).map
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(flag=st.sampled_from(NUMBER_FLAGS), value=number_text,
-       extra=st.sampled_from([[], ["--strategy", "zero3", "--gpus", "8"], ["--checkpointing", "full"]]))
+       extra=st.sampled_from([[], ["--strategy", "zero3", "--gpus", "8"], ["--checkpointing", "full"],
+                              ["--strategy", "fsdp2", "--gpus", "16", "--dp-replicate", "2"]]))
 def test_generated_arguments(capsys, flag, value, extra):
     model = [] if flag == "--params" else ["--preset", "qwen2.5-0.5b"]
     if flag != "--params" and "--gpus" in extra and flag == "--gpus":

@@ -165,9 +165,13 @@ class Parallelism:
     #: Context parallelism: each sequence split over this many GPUs, attention run as ring attention over the chunks
     #: (torchtitan's ``context_parallel``); the sharded state is split over ``dp × cp``, as torchtitan's mesh does.
     cp: int = 1
+    #: FSDP2's hybrid sharding (HSDP, torchtitan's ``data_parallel_replicate_degree``): the data-parallel GPUs form
+    #: ``dp_replicate`` replicas, each ``fully_shard``-ed over its ``dp / dp_replicate`` GPUs (× ``cp``), on a 2-D
+    #: mesh; the gradients are reduce-scattered within a replica and then all-reduced across replicas in place.
+    dp_replicate: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("gpus", "node_size", "ep", "tp", "pp", "virtual_stages", "cp"):
+        for name in ("gpus", "node_size", "ep", "tp", "pp", "virtual_stages", "cp", "dp_replicate"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InputError(name, f"must be a positive integer, got {value!r}")
@@ -222,6 +226,8 @@ class Parallelism:
             raise InputError("strategy", f"FSDP2 over one data-parallel GPU shards nothing ({self.gpus:,} GPU(s) in "
                                          f"{self.pp} pipeline stage(s) of {self.tp} tensor-parallel GPU(s)), and "
                                          "torchtitan applies no fully_shard there: choose DDP, or twice the GPUs")
+        if self.dp_replicate > 1:
+            self._check_hybrid()
         if self.pp == 1 and (self.schedule != "1f1b"):
             raise InputError("schedule", "a pipeline schedule needs pipeline stages (--pp 2 or more)")
         if not isinstance(self.sp, bool):
@@ -245,6 +251,36 @@ class Parallelism:
                                    f"expert-parallel group), got ep {self.ep}, tp {self.tp}")
         if self.tp > 1 and self.offload != "none":
             raise InputError("offload", "offload beside tensor parallelism is not modelled yet")
+
+    def _check_hybrid(self) -> None:
+        """FSDP2's hybrid sharding: replicas of FSDP2 groups that still shard (:class:`InputError` naming the field)."""
+        r = self.dp_replicate
+        if self.strategy != "fsdp2":
+            raise InputError("dp_replicate", "replicas of sharded groups are FSDP2's hybrid sharding (--strategy "
+                                             "fsdp2; FSDP1's is --strategy fsdp-hybrid, DDP replicates every GPU "
+                                             "already)")
+        if self.dp % r:
+            raise InputError("dp_replicate", f"{self.dp:,} data-parallel GPU(s) cannot form {r:,} equal replicas: "
+                                             "dp_replicate must divide gpus / (tp × pp × cp)")
+        if (self.dp // r) * self.cp < 2:
+            raise InputError("dp_replicate", f"{r:,} replicas of {self.dp // r:,} GPU(s) leave FSDP2 nothing to shard: "
+                                             "choose DDP, or fewer replicas")
+        for on, what in ((self.pp > 1, "pipeline stages"), (self.ep > 1, "expert parallelism")):
+            if on:
+                raise InputError("dp_replicate", f"FSDP2's hybrid sharding beside {what} is not modelled yet: "
+                                                 "leave dp_replicate at 1")
+
+    @property
+    def fsdp2_ranks(self) -> int:
+        """The GPUs FSDP2 shards each parameter over: the data- and context-parallel ones (torchtitan's
+        ``dp_shard_cp``), within one replica under hybrid sharding."""
+        return self.dp * self.cp // self.dp_replicate
+
+    @property
+    def hybrid_text(self) -> str:
+        """`` in each of 2 replicas (hybrid sharding: the gradients then all-reduced across them)``, or ""."""
+        return (f" in each of {self.dp_replicate} replicas (hybrid sharding: the gradients then all-reduced across "
+                "them)") if self.dp_replicate > 1 else ""
 
     @property
     def dp(self) -> int:
@@ -273,7 +309,7 @@ class Parallelism:
             return 1
         if self.strategy == "fsdp-hybrid":
             return min(self.dp, max(1, self.node_size // (self.tp * self.pp)))
-        return self.dp
+        return self.dp // self.dp_replicate  # FSDP2's hybrid sharding: within one replica
 
     @property
     def is_distributed(self) -> bool:
@@ -369,7 +405,8 @@ def model_states(
         c["unit_grads"] = largest_unit * g
         if s == "fsdp2" and mixed:  # reduce_dtype=fp32: the unit's bf16 gradients are cast up to reduce-scatter
             c["unit_grads"] += largest_unit * 4
-        notes.append(f"{STRATEGY_LABELS[s]}: the largest unit gathered at once has {largest_unit:,} parameters")
+        notes.append(f"{STRATEGY_LABELS[s]}: the largest unit gathered at once has {largest_unit:,} parameters"
+                     + (f"; sharded over {n:,} GPUs{par.hybrid_text}" if par.dp_replicate > 1 else ""))
     host = 0
     if par.offload != "none":
         if s.startswith("fsdp"):

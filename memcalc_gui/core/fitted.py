@@ -152,7 +152,9 @@ def rank_layout(setup: TrainingSetup) -> dict[str, Any] | None:
             return {"dp_replicate": par.dp, "tp": par.tp, "cp": par.cp, "replicate_context": True,
                     **({"ep": par.ep} if par.ep > 1 else {})}
         return {"dp_replicate": par.dp, "tp": par.tp, "ep": par.ep}
-    return {"dp_shard": par.dp, "tp": par.tp, "ep": par.ep, "reshard_after_forward": par.reshard_after_forward,
+    return {"dp_shard": par.dp // par.dp_replicate, "tp": par.tp, "ep": par.ep,
+            "reshard_after_forward": par.reshard_after_forward,
+            **({"dp_replicate": par.dp_replicate} if par.dp_replicate > 1 else {}),  # FSDP2's hybrid sharding
             **({"cp": par.cp} if context else {}),  # FSDP2 over dp × cp, torchtitan's dp_shard_cp mesh
             **({"sp": True} if par.sp else {})}  # torchtitan's sequence-parallel plan on transformers' split
 
@@ -585,9 +587,9 @@ def _rank_fitted(setup: TrainingSetup, fit: FitModel) -> Estimate:
            f"DDP over {par.dp * par.cp} {'data- and context-parallel ranks' if par.cp > 1 else 'replicas'}, one rank "
            "traced on the fake process group; DDP's buckets (every gradient once more) added by its rule"
            if par.strategy == "ddp" else "")
-    fsdp2 = (f"FSDP2 as PyTorch runs it: fully_shard over {par.dp * par.cp} data-"
-             f"{' and context-' if par.cp > 1 else ''}parallel GPUs (each decoder layer a unit, the root the rest; "
-             "torchtitan's wrapping) on the fake process group"
+    fsdp2 = (f"FSDP2 as PyTorch runs it: fully_shard over {par.fsdp2_ranks} data-"
+             f"{' and context-' if par.cp > 1 else ''}parallel GPUs{par.hybrid_text} (each decoder layer a unit, "
+             "the root the rest; torchtitan's wrapping) on the fake process group"
              + ("" if par.reshard_after_forward else ", not resharded after forward")
              if sharded else "One data-parallel GPU: FSDP2 has nothing to shard and is not applied (as torchtitan "
                              "skips it); one rank traced on the fake process group")

@@ -107,7 +107,9 @@ class ModelShape:
 def layout_label(p: Parallelism) -> str:
     """``TP 8 + SP + loss parallel × PP 2 (1F1B) × FSDP2 over 4[, experts over 2][ (no reshard after forward)]``."""
     return (p.model_parallel_text + " × " if p.model_parallel_text else "") + \
-        f"{STRATEGY_SHORT.get(p.strategy, p.strategy)} over {p.dp:,}" + (f", experts over {p.ep}" if p.ep > 1 else "") \
+        f"{STRATEGY_SHORT.get(p.strategy, p.strategy)} over {p.dp:,}" \
+        + (f" ({p.dp_replicate} replicas)" if p.dp_replicate > 1 else "") \
+        + (f", experts over {p.ep}" if p.ep > 1 else "") \
         + (" (no reshard after forward)" if p.strategy == "fsdp2" and not p.reshard_after_forward else "")
 
 

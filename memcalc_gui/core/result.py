@@ -84,6 +84,7 @@ class Result:
             "pp": est.setup.parallel.pp,
             "sp": est.setup.parallel.sp,
             "cp": est.setup.parallel.cp,
+            "dp_replicate": est.setup.parallel.dp_replicate,
             "pipeline_rank": est.details.get("pipeline_rank"),
             "pipeline_ranks": list(est.details.get("pipeline_ranks", ())),
             "reshard_after_forward": est.setup.parallel.reshard_after_forward,

@@ -433,6 +433,7 @@ class TrainingSetup:
             "cp": self.parallel.cp,
             "loss_parallel": self.parallel.loss_parallel,
             "reshard_after_forward": self.parallel.reshard_after_forward,
+            "dp_replicate": self.parallel.dp_replicate,
             "tuning": self.tuning.method,
             **({"lora_rank": self.tuning.rank, "lora_targets": list(self.tuning.targets),
                 "lora_dropout": self.tuning.dropout, "adapter_dtype": self.tuning.adapter_dtype}

@@ -256,6 +256,7 @@ LEVER_COSTS: dict[str, int] = {
     "sp": 2,  # the tensor-parallel all-reduces become reduce-scatter + all-gather of the same volume
     "loss-parallel": 2,  # the head's logits stay split: one all-reduce of per-token statistics
     "strategy:zero2": 5,  # shards optimizer state and gradients only: the least extra communication
+    "dp_replicate": 5,  # FSDP2's collectives over every data-parallel GPU, across nodes
     "gpus": 4,
     "optimizer-fused": 1,
     "attention-sdpa": 1,
@@ -268,7 +269,7 @@ MAX_FIXES = 3
 GPU_GROWTH = 8
 MAX_EVALUATIONS = 400
 SHARDED = ("zero2", "zero3", "fsdp-full-shard", "fsdp2")
-PARALLEL_KEYS = ("gpus", "strategy", "offload", "node_size", "ep", "tp", "cp", "sp", "loss_parallel")
+PARALLEL_KEYS = ("gpus", "strategy", "offload", "node_size", "ep", "tp", "cp", "sp", "loss_parallel", "dp_replicate")
 #: Change keys that edit the fine-tuning method (core.finetune.FineTuning's fields, as the CLI names them).
 TUNING_KEYS = {"tuning": "method", "lora_rank": "rank", "lora_targets": "targets", "lora_dropout": "dropout",
                "adapter_dtype": "adapter_dtype", "quant": "quant", "double_quant": "double_quant",
@@ -405,6 +406,10 @@ def levers(setup: TrainingSetup) -> list[Lever]:
         for strategy in SHARDED:
             out.append(Lever("strategy", f"strategy:{strategy}", f"shard with {STRATEGY_TITLES[strategy]}",
                              {"strategy": strategy}, "more communication per step than DDP"))
+    if par.dp_replicate > 1:
+        out.append(Lever("dp_replicate", "dp_replicate", f"shard over all {par.fsdp2_ranks * par.dp_replicate:,} "
+                         "data-parallel GPUs (FSDP2 without hybrid replicas)", {"dp_replicate": 1},
+                         "the all-gathers and reduce-scatters span every data-parallel GPU, across nodes"))
     if par.offload in ("none", "params"):
         out.append(Lever("offload", "offload-optimizer", "offload the optimizer state to the CPU",
                          {"offload": "optimizer"}, "PCIe traffic every step; host memory for the state"))
@@ -705,8 +710,9 @@ def _every_lever_counts(setup: TrainingSetup, estimator: Estimator, combo: tuple
 
 def model_parallel_group(par: Parallelism) -> int:
     """The GPUs a layout's count comes in multiples of: its tensor-, pipeline- and context-parallel group, as many of
-    them as split the experts (``ep`` GPUs of a stage's data- and tensor-parallel ones: transformers' layout)."""
-    return par.pp * par.cp * math.lcm(par.tp, par.ep) if par.ep > 1 else par.tp * par.pp * par.cp
+    them as split the experts (``ep`` GPUs of a stage's data- and tensor-parallel ones: transformers' layout), times
+    FSDP2's hybrid replicas (a count of GPUs is then that many replicas of as many shards as groups)."""
+    return par.pp * par.cp * math.lcm(par.tp, par.ep) if par.ep > 1 else par.tp * par.pp * par.cp * par.dp_replicate
 
 
 def _fewest_gpus(setup: TrainingSetup, estimator: Estimator, capacity: int, limit: int = 0) -> int | None:
@@ -794,7 +800,9 @@ def gpu_plan(setup: TrainingSetup, estimator: Estimator) -> GpuPlan | None:
         # None: a layout the setup does not model under this strategy (sequence parallelism of a family without a
         # block model beside DDP, an offload the strategy has not), or a what-if the estimator cannot answer yet (a
         # fitted model not calibrated for it: the field "method"): not weighed, which "never" would misstate
-        changes: dict[str, Any] = {"strategy": strategy, "gpus": gpus}
+        # (each strategy over all the data-parallel GPUs: FSDP2's hybrid replicas are FSDP2's alone, and their count
+        # would leave most GPU counts without a layout)
+        changes: dict[str, Any] = {"strategy": strategy, "gpus": gpus, "dp_replicate": 1}
         try:
             answer: int | None = estimator(setup.with_changes(parallel=replace(setup.parallel, **changes))).peak_bytes
         except InputError as exc:
@@ -805,7 +813,7 @@ def gpu_plan(setup: TrainingSetup, estimator: Estimator) -> GpuPlan | None:
             unanswered.add((strategy, gpus))
         return answer
 
-    par = setup.parallel
+    par = replace(setup.parallel, dp_replicate=1)  # (the plan weighs each strategy without hybrid replicas)
     # GPU counts come in whole model-parallel groups, and in as many of them as split the experts (expert
     # parallelism needs a stage's GPUs a count it divides): then more groups never need more memory per GPU
     group = model_parallel_group(par)

@@ -188,6 +188,19 @@ def scale_layout(setup: TrainingSetup, max_ranks: int = MAX_CPU_RANKS) -> tuple[
         changes.append(f"pipeline stages {pp} instead of {par.pp} (a family without a block model has its first, "
                        "second and last ranks fitted)")
         par = _with(par, pp=pp)
+    if par.dp_replicate > 1 and measured_world(par) > max_ranks:
+        # FSDP2's hybrid sharding gives way first: two replicas of (at most) two shards, else one replica
+        r, shards = par.dp_replicate, par.dp // par.dp_replicate
+        trial = dataclasses.replace(_with(dataclasses.replace(par, dp_replicate=1), dp=2 * min(shards, 2)),
+                                    dp_replicate=2)
+        if measured_world(trial) <= max_ranks:
+            changes.append(f"hybrid sharding over 2 replicas of {min(shards, 2)} GPUs instead of {r} replicas of "
+                           f"{shards}")
+            par = trial
+        else:
+            changes.append(f"one replica (FSDP2 over its {shards} GPUs) instead of {r} replicas (hybrid sharding "
+                           "beside the other dimensions needs more processes than this machine runs)")
+            par = _with(dataclasses.replace(par, dp_replicate=1), dp=shards)
     sizes = {"dp": par.dp, "cp": par.cp, "tp": par.tp, "pp": par.pp}
     original = dict(sizes)
 
@@ -266,11 +279,13 @@ def rank_job(setup: TrainingSetup) -> RankJob:
         return RankJob("ranks", world, RankLayout(dp_shard=par.dp, tp=par.tp, ep=par.ep, cp=par.cp, sp=par.sp,
                                                   reshard_after_forward=par.reshard_after_forward),
                        config, (0,) * world, tuple(notes))
-    if par.strategy == "fsdp2" and par.tp == 1 and par.cp == 1:
+    if par.strategy == "fsdp2" and par.tp == 1 and par.cp == 1 and par.dp_replicate == 1:
         return RankJob("fsdp2", world, None, config, (0,) * world, tuple(notes))
     fsdp2 = par.strategy == "fsdp2"
     ring = not fsdp2 and par.cp > 1  # DDP over the data- and context-parallel ranks, each holding the model whole
-    layout = RankLayout(dp_shard=par.dp if fsdp2 else 1, dp_replicate=par.dp if ring else 1, tp=par.tp, cp=par.cp,
+    # (FSDP2's hybrid sharding: its replicas × shards mesh, trace.ranks)
+    layout = RankLayout(dp_shard=par.dp // par.dp_replicate if fsdp2 else 1,
+                        dp_replicate=par.dp if ring else par.dp_replicate, tp=par.tp, cp=par.cp,
                         loss_parallel=par.loss_parallel, sp=par.sp, reshard_after_forward=par.reshard_after_forward,
                         replicate_context=ring)
     return RankJob("ranks", world, layout, config, (0,) * world, tuple(notes))

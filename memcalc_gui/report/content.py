@@ -339,6 +339,9 @@ def _setup_rows(result: Result) -> list[tuple[str, str]]:
                                              if par.is_distributed else "")))
     if par.is_distributed:
         rows.append(("Strategy", STRATEGY_LABELS.get(par.strategy, par.strategy)))
+        if par.dp_replicate > 1:
+            rows.append(("Hybrid sharding", f"{par.dp_replicate:,} replicas, each sharded over {par.fsdp2_ranks:,} "
+                                            "GPUs (gradients all-reduced across replicas)"))
         if par.model_parallel_text:
             rows.append(("Layout", f"{par.model_parallel_text} × data parallel {par.dp:,}"))
         if pipeline_text(result):

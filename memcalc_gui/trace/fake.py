@@ -241,7 +241,8 @@ def trace_estimate(
             # (context parallelism: the rank runs its seq/cp tokens with ring attention, FSDP2 over dp × cp or every
             # context-parallel rank holding the model whole under DDP)
             step = functools.partial(trace_rank, layout=RankLayout(
-                dp_shard=par.dp if fsdp2 else 1, dp_replicate=1 if fsdp2 else par.dp, tp=par.tp, ep=par.ep,
+                dp_shard=par.dp // par.dp_replicate if fsdp2 else 1, dp_replicate=par.dp_replicate if fsdp2 else par.dp,
+                tp=par.tp, ep=par.ep,
                 cp=par.cp, replicate_context=not fsdp2 and par.cp > 1, sp=par.sp,
                 reshard_after_forward=par.reshard_after_forward))
         elif sharded_rank:  # FSDP2 itself: fully_shard over the data- (and context-) parallel ranks
@@ -249,7 +250,8 @@ def trace_estimate(
 
             compute = setup.precision  # its MixedPrecisionPolicy in the trace itself
             step = functools.partial(trace_rank, layout=RankLayout(
-                dp_shard=par.dp, tp=par.tp, cp=par.cp, loss_parallel=par.loss_parallel, sp=par.sp,
+                dp_shard=par.dp // par.dp_replicate, dp_replicate=par.dp_replicate, tp=par.tp, cp=par.cp,
+                loss_parallel=par.loss_parallel, sp=par.sp,
                 reshard_after_forward=par.reshard_after_forward))
         elif par.tp > 1 or par.cp > 1:
             # one rank of the tensor-parallel group and of the context-parallel ring (its seq/cp tokens, attention as
@@ -374,8 +376,9 @@ def trace_estimate(
                       "sequence-parallel plan" if setup.parallel.sp else
                       f"; its tensor-parallel rank as the model with a {setup.parallel.tp}th of the heads and MLP"
                       if setup.parallel.tp > 1 else "")] if setup.parallel.pp > 1 else []),
-        *([f"Traced one rank of FSDP2 itself: fully_shard over {setup.parallel.dp * setup.parallel.cp} data-"
-           f"{' and context-' if setup.parallel.cp > 1 else ''}parallel ranks of the fake process group"
+        *([f"Traced one rank of FSDP2 itself: fully_shard over {setup.parallel.fsdp2_ranks} data-"
+           f"{' and context-' if setup.parallel.cp > 1 else ''}parallel ranks{setup.parallel.hybrid_text} of the fake "
+           "process group"
            + (f", each layer split {setup.parallel.tp} ways by tensor parallelism" if setup.parallel.tp > 1 else "")]
           if sharded_rank else []),
         *([f"Traced rank 1 of a {setup.parallel.cp}-way context-parallel ring: {setup.row_len // setup.parallel.cp:,} "

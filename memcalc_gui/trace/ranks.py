@@ -53,9 +53,10 @@ REPLICATED = ("replicated_with_grad_allreduce",)
 
 @dataclass(frozen=True)
 class RankLayout:
-    """The mesh of a traced rank: ``dp_replicate`` replicas × ``dp_shard`` FSDP2 shards × ``tp`` tensor-parallel
-    ranks, with the routed experts split over ``ep`` of them (transformers' expert view of the same ranks:
-    ``world / ep`` copies of each expert, FSDP2-sharded over those copies when ``dp_shard`` > 1)."""
+    """The mesh of a traced rank: ``dp_replicate`` replicas (whole, or FSDP2's hybrid sharding where ``dp_shard``
+    > 1) × ``dp_shard`` FSDP2 shards × ``tp`` tensor-parallel ranks, with the routed experts split over ``ep`` of
+    them (transformers' expert view of the same ranks: ``world / ep`` copies of each expert, FSDP2-sharded over those
+    copies when ``dp_shard`` > 1)."""
 
     dp_shard: int = 1
     tp: int = 1
@@ -98,6 +99,11 @@ class RankLayout:
         if self.world % self.ep:
             raise InputError("ep", f"expert parallelism over {self.ep} ranks needs a world it divides, got "
                                    f"{self.world}")
+
+    @property
+    def hybrid(self) -> bool:
+        """FSDP2's hybrid sharding: ``dp_replicate`` replicas, each ``fully_shard``-ed over its own ranks."""
+        return self.dp_replicate > 1 and self.fsdp_ranks > 1
 
     @property
     def fsdp_ranks(self) -> int:
@@ -284,6 +290,12 @@ def parallelizer(config: dict[str, Any], layout: RankLayout, precision: str, mes
         plan = without_expert_rules(config, plan)
     sharded_context = layout.cp > 1 and not layout.replicate_context
     dp_mesh = mesh["dp_shard", "cp"]._flatten("dp_shard_cp") if sharded_context else mesh["dp_shard"]
+    if layout.hybrid:  # FSDP2's hybrid sharding: its 2-D mesh, replicas × shards (torchtitan's HSDP)
+        import warnings
+
+        with warnings.catch_warnings():  # torchtitan's slice of the flattened dim (torch 2.10 says it will change)
+            warnings.filterwarnings("ignore", "Slicing a flattened dim", UserWarning)
+            dp_mesh = mesh["dp_replicate", "dp_shard_cp" if sharded_context else "dp_shard"]
     tp_mesh, replicas = mesh["tp"], mesh["dp_replicate"]
     meshes = [dp_mesh, tp_mesh, replicas, mesh["cp"]]
     if layout.ep > 1:  # transformers' expert view of the same ranks: (efsdp, ep)

@@ -44,6 +44,8 @@ def strategy_text(setup: TrainingSetup) -> str:
     text = STRATEGY_LABELS.get(par.strategy, par.strategy)
     if par.strategy == "fsdp-hybrid":
         text += f" ({par.node_size} GPUs per node)"
+    if par.dp_replicate > 1:
+        text += f", hybrid: {par.dp_replicate} replicas of {par.dp // par.dp_replicate:,}"
     if not par.reshard_after_forward:
         text += ", not resharded after forward"
     if par.offload != "none":
@@ -151,6 +153,8 @@ def plan_sentences(result: Result) -> list[str]:
             return ["Choose a GPU or a capacity to find the fewest GPUs each strategy needs."]
         return []
     kind = f"GPUs ({gpu_name(setup)})" if setup.gpu else "GPUs of this capacity"
+    if setup.parallel.dp_replicate > 1:  # (core.solver.gpu_plan weighs each strategy over all data-parallel GPUs)
+        kind += ", each strategy over all data-parallel GPUs (FSDP2 without hybrid replicas),"
     fitting = [f"{STRATEGY_SHORT.get(s, s)} {n:,}" for s, n in min_gpus_items(result) if n is not None]
     never = [STRATEGY_SHORT.get(s, s) for s, n in min_gpus_items(result) if n is None and s not in plan.unweighed]
     without = f"not with {setup.parallel.offload} offload"

@@ -1,0 +1,167 @@
+"""FSDP2's hybrid sharding (HSDP, ``--dp-replicate``): replicas of ``fully_shard`` groups on a 2-D mesh, as torchtitan
+runs ``data_parallel_replicate_degree``. A GPU holds what FSDP2 over its replica's GPUs holds: the ledger, the trace
+of one rank on the fake process group and four real gloo ranks say the same."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.techniques import FAMILIES
+from memcalc_gui.cli import main as cli_main
+from memcalc_gui.core.distributed import Parallelism
+from memcalc_gui.core.errors import InputError
+from memcalc_gui.core.estimate import estimate
+from memcalc_gui.core.model import preset_spec, spec_from_config
+from memcalc_gui.core.result import evaluate
+from memcalc_gui.core.setup import TrainingSetup, find_gpu
+from memcalc_gui.core.vocab import PHASES
+
+
+def _hybrid(setup: TrainingSetup, replicas: int) -> TrainingSetup:
+    """``setup`` with ``replicas`` times the GPUs, as that many replicas of its FSDP2 group."""
+    par = setup.parallel
+    return setup.with_changes(parallel=dataclasses.replace(par, gpus=par.gpus * replicas, dp_replicate=replicas))
+
+
+@pytest.mark.parametrize(("gpus", "tp", "cp", "replicas", "ckpt"), [
+    (8, 1, 1, 2, "none"), (8, 1, 1, 4, "full"), (16, 2, 1, 2, "none"), (16, 1, 2, 4, "full"), (4, 1, 2, 3, "none"),
+])
+def test_a_hybrid_gpu_holds_what_fsdp2_over_its_replica_holds(gpus: int, tp: int, cp: int, replicas: int,
+                                                              ckpt: str) -> None:
+    """Each phase's objects under R replicas of an FSDP2 group equal that group's alone (the all-reduce across
+    replicas runs in place on the reduce-scattered shard), and differ from FSDP2 over all the GPUs."""
+    one = TrainingSetup(model=preset_spec("llama-3.1-8b"), seq=8192, checkpointing=ckpt,
+                        parallel=Parallelism(gpus=gpus, tp=tp, cp=cp, strategy="fsdp2"))
+    group, hybrid = estimate(one), estimate(_hybrid(one, replicas))
+    for p in PHASES:
+        assert hybrid.phases[p].objects == group.phases[p].objects, p
+    flat = estimate(one.with_changes(parallel=dataclasses.replace(one.parallel, gpus=gpus * replicas)))
+    assert flat.phases["optimizer_step"].objects["optimizer_state"] < \
+        hybrid.phases["optimizer_step"].objects["optimizer_state"]
+    assert any(f"in each of {replicas} replicas" in a for a in hybrid.assumptions)
+
+
+@pytest.mark.parametrize(("changes", "words"), [
+    (dict(gpus=8, strategy="zero3", dp_replicate=2), "FSDP2's hybrid sharding"),
+    (dict(gpus=6, strategy="fsdp2", dp_replicate=4), "equal replicas"),
+    (dict(gpus=4, strategy="fsdp2", dp_replicate=4), "nothing to shard"),
+    (dict(gpus=8, strategy="fsdp2", dp_replicate=2, pp=2), "pipeline stages"),
+    (dict(gpus=8, strategy="fsdp2", dp_replicate=2, ep=2), "expert parallelism"),
+    (dict(gpus=8, strategy="fsdp2", dp_replicate=0), "positive"),
+])
+def test_a_hybrid_layout_that_cannot_be_is_refused_naming_the_replicas(changes: dict, words: str) -> None:
+    with pytest.raises(InputError) as info:
+        Parallelism(**changes)
+    assert info.value.field == "dp_replicate" and words in info.value.reason
+
+
+def test_the_cli_takes_replicas_prints_them_and_suggests_dropping_them(capsys: pytest.CaptureFixture[str]) -> None:
+    common = ["estimate", "--preset", "llama-3.1-70b", "--seq", "4096", "--gpus", "32", "--strategy", "fsdp2",
+              "--checkpointing", "full", "--gpu", "h100-80gb"]
+    assert cli_main([*common, "--dp-replicate", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "as 4 replicas of 8 sharded GPUs (hybrid sharding)" in out
+    assert "Shard over all 32 data-parallel GPUs (FSDP2 without hybrid replicas)" in out  # the way to fit
+    assert "(each over all data-parallel GPUs, FSDP2 without hybrid replicas)" in out  # what the plan weighs
+    assert cli_main([*common, "--dp-replicate", "4", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["dp_replicate"] == 4 and data["setup"]["dp_replicate"] == 4 and not data["fits"]
+    for bad, words in (("3", "equal replicas"), ("x", "positive")):
+        with pytest.raises(SystemExit) as info:
+            cli_main([*common, "--dp-replicate", bad])
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "--dp-replicate" in err and words in err
+
+
+def test_the_plan_and_the_gpu_count_suggestion_keep_whole_replicas() -> None:
+    """The fewest-GPUs answer of a hybrid layout is a count of whole replicas, each with something to shard; the plan
+    weighs each strategy without replicas, so every strategy gets an answer."""
+    setup = TrainingSetup(model=preset_spec("llama-3.1-70b"), seq=4096, checkpointing="full",
+                          capacity_bytes=find_gpu("h100-80gb").capacity_bytes,
+                          parallel=Parallelism(gpus=16, strategy="fsdp2", dp_replicate=4))
+    r = evaluate(setup)
+    assert not r.verdict.fits and r.plan is not None and not r.plan.unmodelled
+    assert r.plan.min_gpus["fsdp2"] == 19  # FSDP2 over every GPU: 19 shards fit
+    more = [s for s in r.verdict.suggestions if "GPUs of this kind" in s.title and len(s.changes) == 1]
+    assert more and more[0].changes["gpus"] % 4 == 0 and more[0].changes["gpus"] // 4 >= 19
+
+
+def _toy(**changes: object) -> TrainingSetup:
+    return TrainingSetup(model=spec_from_config(FAMILIES["llama"]), batch=2, seq=128, precision="mixed",
+                         checkpointing="full", **changes)  # type: ignore[arg-type]
+
+
+def test_a_traced_hybrid_rank_runs_the_2d_mesh_and_equals_its_replicas_fsdp2() -> None:
+    """One rank of 2 replicas × FSDP2 over 2 (× TP 2), traced with ``fully_shard`` on the 2-D mesh of the fake process
+    group: to the byte the rank of FSDP2 over 2 alone, and within 0.5 % of the ledger."""
+    from memcalc_gui.trace.fake import trace_estimate
+
+    for tp in (1, 2):
+        group = _toy(parallel=Parallelism(gpus=2 * tp, tp=tp, strategy="fsdp2"))
+        hybrid = _hybrid(group, 2)
+        a, b = trace_estimate(group), trace_estimate(hybrid)
+        assert any("fully_shard over 2 data-parallel ranks in each of 2 replicas" in r for r in b.rules)
+        for p in PHASES:
+            assert b.estimate.phases[p].tensor_bytes == a.estimate.phases[p].tensor_bytes, (tp, p)
+        assert max(map(abs, b.difference_pct().values())) < 0.5, (tp, b.difference_pct())
+
+
+def test_four_real_ranks_of_two_replicas_match_the_ledger() -> None:
+    """Four gloo processes, 2 replicas × FSDP2 over 2, each rank measured with the tracker: every phase within 0.5 %
+    of the ledger, which shards over 2, not 4."""
+    from memcalc_gui.measure.engine import measure
+
+    setup = _toy(target_device="cpu", parallel=Parallelism(gpus=4, strategy="fsdp2", dp_replicate=2))
+    result = measure(setup, device="cpu")
+    assert not result.scaled and len(result.ranks) == 4
+    for rank in result.ranks:
+        for phase, error in rank.error_pct.items():
+            assert abs(error) < 0.5, (rank.label, phase, error)
+    flat = estimate(setup.with_changes(parallel=Parallelism(gpus=4, strategy="fsdp2")))
+    held = result.ranks[0].phases["optimizer_step"].peak_bytes
+    assert held > flat.phases["optimizer_step"].tensor_bytes * 1.2  # the states of 1/2, not 1/4
+
+
+def test_a_family_without_a_block_model_fits_its_hybrid_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """A mixture of experts (no block model) under hybrid sharding: the fitted method calibrates the rank on the 2-D
+    mesh, and ``--method trace`` agrees with it within 0.1 %."""
+    from memcalc_gui.trace import fake
+
+    monkeypatch.setattr(fake, "CUDA_ROUNDING", 1)
+    config = dict(FAMILIES["llama"], model_type="mixtral", num_local_experts=4, num_experts_per_tok=2,
+                  num_hidden_layers=2)
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(config))
+    common = ["estimate", "--config", str(cfg), "--batch", "2", "--seq", "128", "--precision", "mixed", "--gpus", "4",
+              "--strategy", "fsdp2", "--dp-replicate", "2", "--json"]
+    assert cli_main(common) == 0
+    fitted = json.loads(capsys.readouterr().out)
+    assert fitted["method"] == "fitted"
+    assert any("in each of 2 replicas" in a for a in fitted["assumptions"])
+    assert cli_main([*common, "--method", "trace"]) == 0
+    traced = json.loads(capsys.readouterr().out)
+    for p in PHASES:
+        assert fitted["phases"][p]["total_bytes"] == pytest.approx(traced["phases"][p]["total_bytes"], rel=1e-3), p
+
+
+def test_the_hybrid_rank_is_fully_shard_on_the_2d_mesh() -> None:
+    """The parallelizer shards each parameter over its replica and replicates it across replicas (FSDP2's HSDP
+    placements), where the rank of FSDP2 over every GPU shards it over all four."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from memcalc_gui.measure.cpu_step import build_model
+    from memcalc_gui.trace.ranks import RankLayout, device_mesh, fake_process_group, parallelizer
+
+    for layout, placements in ((RankLayout(dp_shard=2, dp_replicate=2), (Replicate(), Shard(0))),
+                               (RankLayout(dp_shard=4), (Shard(0),))):
+        with fake_process_group(4):
+            model = build_model(FAMILIES["llama"], precision="fp32")
+            parallelizer(FAMILIES["llama"], layout, "fp32", device_mesh(layout))(model)
+            weight = model.model.layers[0].mlp.down_proj.weight
+            assert tuple(weight.placements) == placements and weight.device_mesh.ndim == len(placements)
