@@ -167,6 +167,8 @@ def test_offload_offers_only_what_differs_for_the_strategy(window, qtbot):
     (dict(node_size="-2", strategy="fsdp-hybrid", gpus="16"), "node_size", "positive"),
     (dict(model_kind="params", params="7B", strategy="zero3", gpus="8"), "strategy", "largest layer"),
     (dict(gpus="4", tp="2", pp="2", strategy="fsdp2"), "strategy", "shards nothing"),
+    (dict(gpus="6", strategy="fsdp2", dp_replicate="4"), "dp_replicate", "equal replicas"),
+    (dict(gpus="8", strategy="fsdp2", dp_replicate="two"), "dp_replicate", "positive"),
 ])
 def test_invalid_combination_is_marked_inline_and_the_last_result_stays(window, fields, field, words):
     w = window
@@ -384,3 +386,30 @@ def test_the_wheel_over_an_unfocused_choice_scrolls_the_form_and_keeps_the_choic
                         Qt.MouseButton.NoButton, Qt.KeyboardModifier.NoModifier, Qt.ScrollPhase.NoScrollPhase, False)
     QApplication.sendEvent(combo, event)
     assert combo.currentData() == before
+
+
+def test_fsdp2_hybrid_replicas_are_a_window_control(window):
+    """The replicas field is live under FSDP2 only and keeps its text under the others; two replicas of 16 GPUs hold
+    what FSDP2 over 16 holds (the banner and the report say hybrid), and the suggestion to drop them applies as one
+    undoable step."""
+    from memcalc_gui.report.content import _setup_rows
+
+    w = window
+    assert set_fields(w, gpus="32", strategy="zero3", dp_replicate="2")
+    assert not w.inputs.dp_replicate.isEnabled() and w.result.setup.parallel.dp_replicate == 1
+    w.inputs.strategy.setCurrentIndex(STRATEGIES.index("fsdp2"))
+    assert w.inputs.dp_replicate.isEnabled()
+    assert w.refresh()
+    par = w.result.setup.parallel
+    assert par.dp_replicate == 2 and par.fsdp2_ranks == 16
+    assert "hybrid: 2 replicas of 16" in w.banner.detail.text()
+    rows = dict(_setup_rows(w.result))
+    assert rows["Hybrid sharding"].startswith("2 replicas, each sharded over 16 GPUs")
+    alone = evaluate(w.result.setup.with_changes(parallel=Parallelism(gpus=16, strategy="fsdp2")))
+    assert w.result.estimate.peak_bytes == alone.estimate.peak_bytes
+    assert set_fields(w, gpus="8", dp_replicate="4", checkpointing="none")  # 4 replicas of 2 do not fit
+    drop = next(s for s in w.result.verdict.suggestions if s.changes == {"dp_replicate": 1})
+    w.apply_changes(drop.title, drop.changes)
+    assert w.result.setup.parallel.dp_replicate == 1 and w.inputs.dp_replicate.text() == "1"
+    w.undo()
+    assert w.result.setup.parallel.dp_replicate == 4

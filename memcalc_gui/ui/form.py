@@ -103,6 +103,7 @@ class FormState:
     schedule: str = "1f1b"
     virtual_stages: str = "2"  # read under the interleaved schedule only
     reshard_after_forward: str = "true"  # FSDP2's reshard_after_forward
+    dp_replicate: str = "1"  # FSDP2's hybrid sharding: replicas of sharded groups
     offload: str = "none"
     # fine-tuning (core.finetune.FineTuning); the LoRA fields apply to lora and qlora, trainable to frozen
     tuning: str = "full"
@@ -238,6 +239,7 @@ _FIELD_MAP: Final = {
     "schedule": "pp",  # the schedule and stages-per-GPU sit beside the pipeline field
     "virtual_stages": "pp",
     "reshard_after_forward": "reshard_after_forward",
+    "dp_replicate": "dp_replicate",
     "offload": "offload",
     "parallel": "strategy",
     "tuning": "tuning",
@@ -494,6 +496,9 @@ def build_setup(state: FormState, cache: ModelCache) -> TrainingSetup:
     attempt("tp", lambda: parse_positive_int(state.tp or "1", "tp", MAX_PARALLEL_GPUS))
     attempt("pp", lambda: parse_positive_int(state.pp or "1", "pp", MAX_PARALLEL_GPUS))
     attempt("cp", lambda: parse_positive_int(state.cp or "1", "cp", MAX_PARALLEL_GPUS))
+    # (read under FSDP2 only: the field keeps its text while another strategy is chosen)
+    attempt("dp_replicate", lambda: parse_positive_int(state.dp_replicate or "1", "dp_replicate", MAX_PARALLEL_GPUS)
+            if state.strategy == "fsdp2" else 1)
     attempt("virtual_stages", lambda: parse_positive_int(state.virtual_stages or "2", "virtual_stages", 4096)
             if state.schedule in VIRTUAL_STAGES else 1)
     attempt("tuning", lambda: tuning_from_state(state))
@@ -523,6 +528,7 @@ def build_setup(state: FormState, cache: ModelCache) -> TrainingSetup:
             loss_parallel=state.loss_parallel == "true" and tp > 1,
             reshard_after_forward=state.reshard_after_forward != "false",
             offload=state.offload,  # type: ignore[arg-type]
+            dp_replicate=values.pop("dp_replicate"),
         )
     except InputError as exc:
         raise FormErrors({form_field(exc, state): exc.reason}) from None

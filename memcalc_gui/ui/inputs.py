@@ -496,6 +496,11 @@ class InputPanel(QWidget):
         self.reshard_after_forward.setChecked(True)
         self.boxes["reshard_after_forward"] = FieldBox(self.reshard_after_forward)
         gform.addRow(self.boxes["reshard_after_forward"])
+        self.dp_replicate = IntEdit()
+        self.dp_replicate.setObjectName("dpReplicate")
+        self.dp_replicate.setPlaceholderText("1")
+        self.dp_replicate.setToolTip(TOOLTIPS["dp_replicate"])
+        self._row(gform, "FSDP2 replicas:", "dp_replicate", self.dp_replicate)
         self.node_size = IntEdit()
         self.node_size.setPlaceholderText("8")
         self._row(gform, "GPUs per &node:", "node_size", self.node_size)
@@ -528,7 +533,7 @@ class InputPanel(QWidget):
 
         for edit in (self.preset.lineEdit(), self.config_path, self.hub_id, self.params, self.batch, self.seq,
                      self.grad_accum, self.capacity, self.gpus, self.tp, self.cp, self.pp, self.virtual_stages,
-                     self.node_size,
+                     self.node_size, self.dp_replicate,
                      self.ep, self.cuda_context, self.allocator_reserve):
             edit.installEventFilter(self._undo_filter)
         self._scroll_filter = _ScrollNotChoose(self)
@@ -565,7 +570,7 @@ class InputPanel(QWidget):
         self.preset.currentTextChanged.connect(self._changed)
         for edit in (self.config_path, self.hub_id, self.params, self.batch, self.seq, self.grad_accum,
                      self.cuda_context, self.allocator_reserve, self.gpus, self.node_size, self.ep,
-                     self.virtual_stages, self.cp):
+                     self.virtual_stages, self.cp, self.dp_replicate):
             edit.textChanged.connect(self._changed)
         for edit in (self.tp, self.pp):
             edit.textChanged.connect(self._on_model_parallel)
@@ -625,7 +630,7 @@ class InputPanel(QWidget):
                  self.optimizer, self.optimizer_impl, self.galore_rank, self.optimizer_in_backward, self.gpu,
                  self.capacity, self.gpus, self.tp, self.sp, self.loss_parallel, self.cp, self.pp, self.schedule,
                  self.virtual_stages,
-                 self.strategy, self.reshard_after_forward, self.node_size,
+                 self.strategy, self.reshard_after_forward, self.dp_replicate, self.node_size,
                  self.ep, self.offload, self.cuda_context, self.allocator_reserve, self.layouts_button]
         for a, b in itertools.pairwise(chain):
             QWidget.setTabOrder(a, b)
@@ -723,8 +728,12 @@ class InputPanel(QWidget):
         self.virtual_stages.setEnabled(number(self.pp) > 1 and self.schedule.currentData() in VIRTUAL_STAGES)
 
     def _sync_reshard(self) -> None:
-        """Reshard after forward is FSDP2's option: the box is live for fsdp2 only (its choice is kept)."""
-        self.reshard_after_forward.setEnabled(self.strategy.currentData() == "fsdp2")
+        """Reshard after forward and hybrid replicas are FSDP2's options: live for fsdp2 only (their choice kept)."""
+        fsdp2 = self.strategy.currentData() == "fsdp2"
+        self.reshard_after_forward.setEnabled(fsdp2)
+        self.dp_replicate.setEnabled(fsdp2)
+        if "dp_replicate" in self.labels:
+            self.labels["dp_replicate"].setEnabled(fsdp2)
 
     def _sync_offload(self, wanted: str | None = None) -> None:
         """Offer the offload kinds that differ for the chosen strategy, keeping the closest to ``wanted`` (or to
@@ -915,6 +924,7 @@ class InputPanel(QWidget):
             virtual_stages=self.virtual_stages.text(),
             reshard_after_forward="true" if self.reshard_after_forward.isChecked() or
             self.strategy.currentData() != "fsdp2" else "false",
+            dp_replicate=self.dp_replicate.text(),
             offload=self.offload.currentData(),
         )
 
@@ -930,7 +940,8 @@ class InputPanel(QWidget):
                     self.preset.setCurrentIndex(i)
                 self.preset.setEditText(state.preset)
             for name in ("config_path", "hub_id", "params", "batch", "seq", "grad_accum", "capacity", "cuda_context",
-                         "allocator_reserve", "gpus", "tp", "pp", "cp", "virtual_stages", "node_size", "ep"):
+                         "allocator_reserve", "gpus", "tp", "pp", "cp", "virtual_stages", "node_size", "ep",
+                         "dp_replicate"):
                 edit: QLineEdit = getattr(self, name)
                 value = getattr(state, name)
                 if edit.text() != value:

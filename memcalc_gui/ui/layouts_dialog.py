@@ -41,7 +41,8 @@ def layout_changes(layout: Layout | Parallelism) -> dict[str, str]:
     p = layout.parallel if isinstance(layout, Layout) else layout
     return {"gpus": str(p.gpus), "tp": str(p.tp), "pp": str(p.pp), "strategy": p.strategy, "ep": str(p.ep),
             "sp": "true" if p.sp else "false", "loss_parallel": "true" if p.loss_parallel else "false",
-            "reshard_after_forward": "true" if p.reshard_after_forward else "false"}
+            "reshard_after_forward": "true" if p.reshard_after_forward else "false",
+            "dp_replicate": str(p.dp_replicate)}
 
 
 def _waiting(found: Search) -> tuple[list[Parallelism], list[Parallelism]]:

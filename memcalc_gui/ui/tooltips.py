@@ -203,6 +203,13 @@ TOOLTIPS: dict[str, str] = {
         "Tokens per chunk of the chunked loss. Empty: Liger's rule, next_power_of_2(ceil(tokens / ceil(V / H))), "
         "so that one chunk's logits are about as large as the hidden states."
     ),
+    "dp_replicate": (
+        "FSDP2's hybrid sharding (HSDP; torchtitan's data_parallel_replicate_degree): the data-parallel GPUs form "
+        "this many replicas, each fully_shard-ed over its own GPUs (a 2-D device mesh). Each GPU holds 1/(its "
+        "replica's GPUs) of the weights, gradients and optimizer state; the gradients are reduce-scattered within a "
+        "replica, then all-reduced across replicas. 1 (the default) shards over every data-parallel GPU. Typically "
+        "one replica per node, so the all-gathers stay on NVLink."
+    ),
     "reshard_after_forward": (
         "FSDP2 (torch.distributed.fsdp.fully_shard): free each decoder layer's gathered weights after its forward "
         "and gather them again for its backward (on, the default), or keep every layer gathered from its forward to "
