@@ -165,3 +165,25 @@ def test_the_hybrid_rank_is_fully_shard_on_the_2d_mesh() -> None:
             parallelizer(FAMILIES["llama"], layout, "fp32", device_mesh(layout))(model)
             weight = model.model.layers[0].mlp.down_proj.weight
             assert tuple(weight.placements) == placements and weight.device_mesh.ndim == len(placements)
+
+
+def test_the_layout_search_weighs_one_replica_per_node_beside_fsdp2_across_nodes() -> None:
+    """An FSDP2 layout whose data-parallel GPUs span nodes comes with its hybrid twin, one replica per node: more
+    memory per GPU (a node's share of the states), faster by the rough step model (the all-gathers on NVLink, only the
+    shard's all-reduce between nodes); within one node, under other strategies or beside pipeline stages, none."""
+    from memcalc_gui.core.layouts import candidates, layout_label, search
+
+    setup = TrainingSetup(model=preset_spec("llama-3.1-8b"), seq=8192, grad_accum=8,
+                          capacity_bytes=find_gpu("h100-80gb").capacity_bytes, gpu="h100-80gb",
+                          parallel=Parallelism(gpus=32))
+    found = {(lay.parallel.tp, lay.parallel.pp, lay.parallel.strategy, lay.parallel.dp_replicate): lay
+             for lay in search(setup, estimate, min_gpus_for=0)}
+    hybrids = [key for key in found if key[3] > 1]
+    assert {(tp, r) for tp, _pp, _s, r in hybrids} == {(1, 4), (2, 4), (4, 4)}  # 8 GPUs of a node per replica
+    assert all(pp == 1 and s == "fsdp2" for _tp, pp, s, _r in hybrids)
+    for tp, pp, s, r in hybrids:
+        twin, flat = found[(tp, pp, s, r)], found[(tp, pp, s, 1)]
+        assert twin.peak_bytes > flat.peak_bytes and twin.seconds_per_token < flat.seconds_per_token
+        assert twin.peak_bytes == estimate(setup.with_changes(parallel=twin.parallel)).peak_bytes
+    assert layout_label(found[(2, 1, "fsdp2", 4)].parallel).endswith("FSDP2 over 16 (4 replicas of 4)")
+    assert not any(p.dp_replicate > 1 for p in candidates(setup, gpus=8))  # one node: nothing to gain

@@ -28,7 +28,7 @@ def test_candidates_split_the_gpus_and_the_model() -> None:
     spec = setup.model
     assert spec is not None
     found = candidates(setup)
-    assert found and len({(p.tp, p.pp, p.strategy) for p in found}) == len(found)
+    assert found and len({(p.tp, p.pp, p.strategy, p.dp_replicate) for p in found}) == len(found)
     for p in found:
         assert p.gpus == 64 and p.tp * p.pp * p.dp == 64 and p.tp <= p.node_size
         assert spec.num_layers % p.pp == 0 and spec.num_kv_heads % p.tp == 0

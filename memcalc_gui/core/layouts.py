@@ -17,6 +17,9 @@ a GPU sends, ring collectives moving ``2(n − 1)/n`` of the buffer for an all-r
 
 - data parallelism: the rank's gradients all-reduced once per step (DDP, ZeRO-1/2, Megatron: reduce-scatter +
   all-gather of the same volume), and the weights gathered again in forward and backward for ZeRO-3/FSDP (3×);
+  under FSDP2's hybrid sharding that within a replica, then the reduced shard all-reduced across the replicas. An
+  FSDP2 layout whose data-parallel GPUs span nodes comes with its hybrid twin, one replica per node
+  (torchtitan's HSDP: the all-gathers on NVLink, more memory per GPU);
 - tensor parallelism: four all-reduces (or their sequence-parallel reduce-scatter/all-gather pairs) of the hidden
   states per layer and micro-batch, two in forward and two in backward (Shoeybi et al. 2019);
 - pipeline parallelism: the stage's output and its gradient once per micro-batch;
@@ -105,10 +108,11 @@ class ModelShape:
 
 
 def layout_label(p: Parallelism) -> str:
-    """``TP 8 + SP + loss parallel × PP 2 (1F1B) × FSDP2 over 4[, experts over 2][ (no reshard after forward)]``."""
+    """``TP 8 + SP + loss parallel × PP 2 (1F1B) × FSDP2 over 4[ (2 replicas of 2)][, experts over 2][ (no reshard
+    after forward)]``."""
     return (p.model_parallel_text + " × " if p.model_parallel_text else "") + \
         f"{STRATEGY_SHORT.get(p.strategy, p.strategy)} over {p.dp:,}" \
-        + (f" ({p.dp_replicate} replicas)" if p.dp_replicate > 1 else "") \
+        + (f" ({p.dp_replicate} replicas of {p.dp // p.dp_replicate})" if p.dp_replicate > 1 else "") \
         + (f", experts over {p.ep}" if p.ep > 1 else "") \
         + (" (no reshard after forward)" if p.strategy == "fsdp2" and not p.reshard_after_forward else "")
 
@@ -189,7 +193,26 @@ def candidates(setup: TrainingSetup, gpus: int | None = None, shape: ModelShape 
                     except InputError:
                         continue
                     out.append(layout)
+                    hybrid = _hybrid(setup, layout)
+                    if hybrid is not None:
+                        out.append(hybrid)
     return out
+
+
+def _hybrid(setup: TrainingSetup, par: Parallelism) -> Parallelism | None:
+    """FSDP2's hybrid twin of ``par`` where its data-parallel group spans nodes: one replica per node, each
+    ``fully_shard``-ed over its node's data-parallel GPUs (torchtitan's HSDP), or ``None``."""
+    if par.strategy != "fsdp2" or par.pp > 1 or par.ep > 1:
+        return None
+    shards = par.node_size // (par.tp * par.cp)
+    if shards * par.cp < 2 or shards >= par.dp or par.dp % shards:
+        return None
+    try:
+        twin = dataclasses.replace(par, dp_replicate=par.dp // shards)
+        setup.with_changes(parallel=twin)
+    except InputError:
+        return None
+    return twin
 
 
 def _ep_degrees(shape: ModelShape, dp: int, tp: int) -> tuple[int, ...]:
@@ -223,7 +246,10 @@ def communication(setup: TrainingSetup, par: Parallelism,
         return group * stride > par.node_size
 
     gathers = 3 if par.strategy == "zero3" or par.strategy.startswith("fsdp") else 1
-    parts = [(ring(par.dp) * rank_params * grad * gathers, leaves(par.dp, par.tp * par.pp)),
+    shards, replicas = par.dp // par.dp_replicate, par.dp_replicate
+    parts = [(ring(shards) * rank_params * grad * gathers, leaves(shards, par.tp * par.pp)),
+             # FSDP2's hybrid sharding: then each reduce-scattered shard all-reduced across the replicas
+             (ring(replicas) * rank_params // shards * grad, leaves(replicas, shards * par.tp * par.pp)),
              (ring(par.tp) * 4 * (spec.num_layers // par.pp) * hidden * m, leaves(par.tp, 1)),
              (2 * hidden * m if par.pp > 1 else 0, leaves(par.pp, par.tp)),
              # expert parallelism: the experts' gradients over the replicas holding the same experts, and each MoE
