@@ -146,3 +146,21 @@ def test_hostile_fine_tuning_fields_mark_themselves(window, field):
         else:
             assert set(w.inputs.errors()) == {field}, (text, w.inputs.errors())
             assert w.result is good and w.banner.stale_note.isVisible()
+
+
+def test_hostile_replica_counts_mark_the_field(window):
+    """FSDP2's replicas field under hostile text: marked (or used when it divides the GPUs), the last good result
+    kept, nothing raises; under another strategy the text is kept and not read."""
+    w = window
+    w.apply_state(w.inputs.state().replace(preset="qwen2.5-0.5b", gpus="16", strategy="fsdp2"))
+    assert w.refresh()
+    for text in [*HOSTILE_TEXT, "2", "3", "16", "8"]:
+        good = w.result
+        w.apply_state(w.inputs.state().replace(dp_replicate=text))
+        if w.refresh():
+            assert w.result.setup.parallel.dp_replicate == int(text or "1")
+        else:
+            assert set(w.inputs.errors()) == {"dp_replicate"}, (text, w.inputs.errors())
+            assert w.result is good and w.banner.stale_note.isVisible()
+    w.apply_state(w.inputs.state().replace(dp_replicate="abc", strategy="zero3"))
+    assert w.refresh() and w.result.setup.parallel.dp_replicate == 1 and w.inputs.state().dp_replicate == "abc"

@@ -265,10 +265,9 @@ class Parallelism:
         if (self.dp // r) * self.cp < 2:
             raise InputError("dp_replicate", f"{r:,} replicas of {self.dp // r:,} GPU(s) leave FSDP2 nothing to shard: "
                                              "choose DDP, or fewer replicas")
-        for on, what in ((self.pp > 1, "pipeline stages"), (self.ep > 1, "expert parallelism")):
-            if on:
-                raise InputError("dp_replicate", f"FSDP2's hybrid sharding beside {what} is not modelled yet: "
-                                                 "leave dp_replicate at 1")
+        if self.ep > 1:
+            raise InputError("dp_replicate", "FSDP2's hybrid sharding beside expert parallelism is not modelled yet: "
+                                             "leave dp_replicate at 1")
 
     @property
     def fsdp2_ranks(self) -> int:

@@ -225,7 +225,9 @@ def pipeline_layout(setup: TrainingSetup) -> dict[str, Any]:
     fsdp2 = par.strategy == "fsdp2"
     return {"pp": par.pp, "schedule": par.schedule, "virtual": par.virtual_stages,
             "microbatches": pipeline_microbatches(setup), "strategy": par.strategy,
-            "dp_shard": par.dp if fsdp2 else 1, "reshard_after_forward": par.reshard_after_forward if fsdp2 else True,
+            "dp_shard": par.dp // par.dp_replicate if fsdp2 else 1,
+            "reshard_after_forward": par.reshard_after_forward if fsdp2 else True,
+            **({"dp_replicate": par.dp_replicate} if par.dp_replicate > 1 else {}),  # FSDP2's hybrid sharding
             # each stage's ring: its seq/cp tokens with ring attention, FSDP2 over dp × cp (torchtitan's dp_shard_cp)
             **({"cp": par.cp} if par.cp > 1 else {}),
             # beside expert parallelism the stage's tensor-parallel group runs for real (transformers' plan; the
@@ -689,10 +691,11 @@ def _pipeline_fitted(setup: TrainingSetup, fit: FitModel) -> Estimate:
              f"checked): PyTorch's {par.schedule} schedule over {traced} of the {setup.grad_accum:,} micro-batch(es) "
              "traced on the fake process group"
              + (" (1F1B repeats after pp + 1)" if traced < setup.grad_accum else "")
-             + (f", each stage fully_shard-ed over its {par.dp * par.cp} data- and context-parallel GPUs (FSDP2), "
-                f"each sequence split over {par.cp} of them (PyTorch's ring attention, the rank's "
+             + (f", each stage fully_shard-ed over its {par.fsdp2_ranks} data- and context-parallel GPUs (FSDP2)"
+                f"{par.hybrid_text}, each sequence split over {par.cp} of them (PyTorch's ring attention, the rank's "
                 f"{setup.seq // par.cp:,} tokens)" if par.strategy == "fsdp2" and par.cp > 1
-                else f", each stage fully_shard-ed over its {par.dp} data-parallel GPUs (FSDP2)"
+                else f", each stage fully_shard-ed over its {par.fsdp2_ranks} data-parallel GPUs (FSDP2)"
+                f"{par.hybrid_text}"
                 if par.strategy == "fsdp2"
                 else f", one replica of each stage traced and its model states laid out over its {par.dp} "
                      "data-parallel GPUs by the strategy's rule" if by_rule

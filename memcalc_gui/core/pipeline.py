@@ -803,7 +803,8 @@ class _Fsdp2Chunks:
         self.unit_w = 2 if setup.precision in ("mixed", "bf16", "bf16-autocast") else 4
         self.acc_w = 4 if setup.precision == "mixed" else self.unit_w  # the policy's reduce dtype
         self.mixed = setup.precision == "mixed"
-        self.shards = par.dp * par.cp  # the stage's units are sharded over dp × cp (torchtitan's dp_shard_cp)
+        # the stage's units are sharded over dp × cp (torchtitan's dp_shard_cp), within a replica under hybrid sharding
+        self.shards = par.fsdp2_ranks
         self.m = m
         self.forwarded: set[int] = set()
         self.accumulated: set[int] = set()  # chunks whose gradients are in the accumulators

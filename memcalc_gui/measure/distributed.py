@@ -105,7 +105,7 @@ def _step(rank: int, world: int, kwargs: dict[str, Any], strategy: str, reshard_
 
         pipe = layout if layout is not None else PipeRank(world, 0, strategy.split(":", 1)[1], 1,
                                                           kwargs["grad_accum"])
-        pipe = dataclasses.replace(pipe, rank=rank // (pipe.data * pipe.cp * pipe.tp))
+        pipe = dataclasses.replace(pipe, rank=rank // (pipe.dp_replicate * pipe.data * pipe.cp * pipe.tp))
         config = kwargs.pop("config")
         stage: StepMeasurement = trace_pipeline_rank(config, pipe, fake=False, group="current", seed=0, **kwargs)
         return stage

@@ -266,8 +266,9 @@ def rank_job(setup: TrainingSetup) -> RankJob:
             notes.append(f"each stage's tensor-parallel rank runs as the model with a {par.tp}th of the heads and MLP "
                          "features (the parallelized rank's step to the byte)")
         # (context parallelism: each stage's dp × cp ranks, its units sharded over them all; refusal)
-        pipe = PipeRank(par.pp, 0, par.schedule, par.virtual_stages, setup.grad_accum, dp_shard=dp,
-                        reshard_after_forward=par.reshard_after_forward, cp=par.cp, ep=par.ep, tp=_stage_tp(par))
+        pipe = PipeRank(par.pp, 0, par.schedule, par.virtual_stages, setup.grad_accum, dp_shard=dp // par.dp_replicate,
+                        reshard_after_forward=par.reshard_after_forward, cp=par.cp, ep=par.ep, tp=_stage_tp(par),
+                        dp_replicate=par.dp_replicate)
         per_stage = dp * par.cp * _stage_tp(par)
         world = par.pp * per_stage
         return RankJob(f"pipeline:{par.schedule}", world, pipe, config,

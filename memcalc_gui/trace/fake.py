@@ -220,7 +220,8 @@ def trace_estimate(
 
             def pipe_layout(r: int) -> Any:
                 return PipeRank(par.pp, r, par.schedule, par.virtual_stages, setup.grad_accum,
-                                dp_shard=par.dp if fsdp2_pipeline else 1, tp=par.tp if real_tp else 1, sp=par.sp,
+                                dp_shard=par.dp // par.dp_replicate if fsdp2_pipeline else 1,
+                                dp_replicate=par.dp_replicate, tp=par.tp if real_tp else 1, sp=par.sp,
                                 reshard_after_forward=par.reshard_after_forward, ep=par.ep, cp=par.cp,
                                 loss_parallel=par.loss_parallel and par.sp)
 
@@ -372,7 +373,10 @@ def trace_estimate(
               "the most loaded of ranks " + ", ".join(str(r + 1) for r in pipe_ranks) + ", each traced")
            + ") under "
            f"PyTorch's {setup.parallel.schedule} schedule over {setup.grad_accum} micro-batch(es), on the fake process "
-           "group" + (f"; its layers split over {setup.parallel.tp} tensor-parallel ranks with torchtitan's "
+           "group"
+           + (f"; each stage fully_shard-ed over {setup.parallel.fsdp2_ranks} ranks{setup.parallel.hybrid_text}"
+              if fsdp2_pipeline and setup.parallel.dp_replicate > 1 else "")
+           + (f"; its layers split over {setup.parallel.tp} tensor-parallel ranks with torchtitan's "
                       "sequence-parallel plan" if setup.parallel.sp else
                       f"; its tensor-parallel rank as the model with a {setup.parallel.tp}th of the heads and MLP"
                       if setup.parallel.tp > 1 else "")] if setup.parallel.pp > 1 else []),

@@ -131,7 +131,8 @@ def _trace(cfg: dict[str, Any], layers: int, b: int, s: int, setup: TrainingSetu
         lay = pipeline_layout(setup)
         layout = PipeRank(par.pp, rank or 0, par.schedule, par.virtual_stages, lay["microbatches"],
                           dp_shard=lay["dp_shard"], reshard_after_forward=lay["reshard_after_forward"],
-                          ep=lay.get("ep", 1), cp=lay.get("cp", 1), tp=lay.get("tp", 1), sp=lay.get("sp", False))
+                          ep=lay.get("ep", 1), cp=lay.get("cp", 1), tp=lay.get("tp", 1), sp=lay.get("sp", False),
+                          dp_replicate=lay.get("dp_replicate", 1))
         # FSDP2's MixedPrecisionPolicy runs in the trace itself; DDP's stage runs autocast as one GPU does,
         # Megatron-LM's the bf16 step (its states by rule: core.fitted.per_gpu_states)
         return trace_pipeline_rank(

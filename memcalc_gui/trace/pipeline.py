@@ -65,9 +65,12 @@ class PipeRank:
     #: Loss parallelism (with ``tp``): the first stage's embedding and the last stage's head split over the vocabulary
     #: (torchtitan's plan), the logits left sharded and the loss computed under ``loss_parallel()``.
     loss_parallel: bool = False
+    #: FSDP2's hybrid sharding of each stage: ``dp_replicate`` replicas of its ``dp_shard`` (× ``cp``) FSDP2 ranks, on
+    #: the 2-D mesh (mesh ``pp × dp_replicate × dp_shard × cp × tp``, torchtitan's order).
+    dp_replicate: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("pp", "virtual", "microbatches", "dp_shard", "tp", "ep", "cp"):
+        for name in ("pp", "virtual", "microbatches", "dp_shard", "tp", "ep", "cp", "dp_replicate"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 4096:
                 raise InputError(name, f"must be an integer from 1 to 4096, got {value!r}")
@@ -98,6 +101,9 @@ class PipeRank:
         if self.ep > 1 and self.dp_shard * self.cp > 1 and ranks % self.ep:
             raise InputError("ep", "expert parallelism in a pipeline stage splits the experts over a number of the "
                                    "stage's data-, context- and tensor-parallel ranks that divides them")
+        if self.dp_replicate > 1 and (self.dp_shard * self.cp == 1 or self.ep > 1):
+            raise InputError("dp_replicate", "a stage's hybrid replicas are of FSDP2 groups with something to shard, "
+                                             "without expert parallelism")
         if not isinstance(self.loss_parallel, bool) or (self.loss_parallel and self.tp == 1):
             raise InputError("loss_parallel", "loss parallelism splits the vocabulary over the tensor-parallel ranks: "
                                               "it needs tp 2 or more")
@@ -123,13 +129,13 @@ class PipeRank:
 
     @property
     def world(self) -> int:
-        return self.pp * self.data * self.cp * self.tp
+        return self.pp * self.dp_replicate * self.data * self.cp * self.tp
 
     @property
     def global_rank(self) -> int:
-        """This rank in the ``pp × data × cp × tp`` mesh (the first of its stage's data-, context- and
+        """This rank in the ``pp × dp_replicate × data × cp × tp`` mesh (the first of its stage's data-, context- and
         tensor-parallel ranks)."""
-        return self.rank * self.data * self.cp * self.tp
+        return self.rank * self.dp_replicate * self.data * self.cp * self.tp
 
 
 def stage_layers(num_layers: int, num_stages: int, stage: int) -> range:
@@ -155,11 +161,17 @@ def _meshes(layout: PipeRank) -> tuple[Any, Any, Any, tuple[Any, ...], Any]:
     mesh (built now, outside any fake mode)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (layout.pp, layout.data, layout.cp, layout.tp),
-                            mesh_dim_names=("pp", "dp_shard", "cp", "tp"))
-    for name in ("pp", "dp_shard", "cp", "tp"):
+    mesh = init_device_mesh("cpu", (layout.pp, layout.dp_replicate, layout.data, layout.cp, layout.tp),
+                            mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp", "tp"))
+    for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp"):
         mesh[name].get_coordinate()
     data = mesh["dp_shard", "cp"]._flatten("dp_shard_cp") if layout.cp > 1 else mesh["dp_shard"]
+    if layout.dp_replicate > 1:  # FSDP2's hybrid sharding: the stage's 2-D mesh, replicas × shards
+        import warnings
+
+        with warnings.catch_warnings():  # torchtitan's slice of the flattened dim (torch 2.10 says it will change)
+            warnings.filterwarnings("ignore", "Slicing a flattened dim", UserWarning)
+            data = mesh["dp_replicate", "dp_shard_cp" if layout.cp > 1 else "dp_shard"]
     data.get_coordinate()
     experts: tuple[Any, ...] = ()
     if layout.ep > 1:  # the same ranks, a stage's seen as (copies of each expert, ep): torchtitan lends the

@@ -44,8 +44,6 @@ def strategy_text(setup: TrainingSetup) -> str:
     text = STRATEGY_LABELS.get(par.strategy, par.strategy)
     if par.strategy == "fsdp-hybrid":
         text += f" ({par.node_size} GPUs per node)"
-    if par.dp_replicate > 1:
-        text += f", hybrid: {par.dp_replicate} replicas of {par.dp // par.dp_replicate:,}"
     if not par.reshard_after_forward:
         text += ", not resharded after forward"
     if par.offload != "none":
@@ -54,6 +52,8 @@ def strategy_text(setup: TrainingSetup) -> str:
         text = f"{par.model_parallel_text}, one replica (no data parallelism)"  # DDP has nothing to reduce
     elif par.model_parallel_text:
         text = f"{par.model_parallel_text} × {text} over {par.dp:,}"
+    if par.dp_replicate > 1:
+        text += f", hybrid: {par.dp_replicate} replicas of {par.dp // par.dp_replicate:,}"
     if par.ep > 1:
         text += f", routed experts split over {par.ep} (expert parallel)"
     return text
@@ -86,6 +86,8 @@ def chart_scope(setup: TrainingSetup) -> str:
     if par.model_parallel_text:
         text = (f"{par.gpus:,} GPUs: {par.model_parallel_text} × {STRATEGY_SHORT.get(par.strategy, par.strategy)} "
                 f"over {par.dp:,}")
+    if par.dp_replicate > 1:
+        text += f" ({par.dp_replicate} replicas)"
     if not par.reshard_after_forward:
         text += " (no reshard)"
     if par.offload != "none":
