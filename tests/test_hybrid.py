@@ -169,7 +169,7 @@ def test_the_hybrid_rank_is_fully_shard_on_the_2d_mesh() -> None:
 def test_the_layout_search_weighs_one_replica_per_node_beside_fsdp2_across_nodes() -> None:
     """An FSDP2 layout whose data-parallel GPUs span nodes comes with its hybrid twin, one replica per node: more
     memory per GPU (a node's share of the states), faster by the rough step model (the all-gathers on NVLink, only the
-    shard's all-reduce between nodes); within one node, under other strategies or beside pipeline stages, none."""
+    shard's all-reduce between nodes), in pipeline stages too; within one node or under other strategies, none."""
     from memcalc_gui.core.layouts import candidates, layout_label, search
 
     setup = TrainingSetup(model=preset_spec("llama-3.1-8b"), seq=8192, grad_accum=8,
@@ -178,8 +178,10 @@ def test_the_layout_search_weighs_one_replica_per_node_beside_fsdp2_across_nodes
     found = {(lay.parallel.tp, lay.parallel.pp, lay.parallel.strategy, lay.parallel.dp_replicate): lay
              for lay in search(setup, estimate, min_gpus_for=0)}
     hybrids = [key for key in found if key[3] > 1]
-    assert {(tp, r) for tp, _pp, _s, r in hybrids} == {(1, 4), (2, 4), (4, 4)}  # 8 GPUs of a node per replica
-    assert all(pp == 1 and s == "fsdp2" for _tp, pp, s, _r in hybrids)
+    assert {(tp, r) for tp, pp, _s, r in hybrids if pp == 1} == {(1, 4), (2, 4), (4, 4)}  # a node per replica
+    # a pipeline's stages too: each stage's data-parallel GPUs, one replica per node
+    assert {(tp, pp, r) for tp, pp, _s, r in hybrids if pp == 2} == {(1, 2, 2), (2, 2, 2), (4, 2, 2)}
+    assert all(s == "fsdp2" and 32 // (pp * tp * r) * tp == 8 for tp, pp, s, r in hybrids)
     for tp, pp, s, r in hybrids:
         twin, flat = found[(tp, pp, s, r)], found[(tp, pp, s, 1)]
         assert twin.peak_bytes > flat.peak_bytes and twin.seconds_per_token < flat.seconds_per_token

@@ -148,6 +148,7 @@ class Layout:
     def to_json(self) -> dict[str, Any]:
         p = self.parallel
         return {"label": self.label, "gpus": p.gpus, "tp": p.tp, "pp": p.pp, "dp": p.dp, "ep": p.ep, "sp": p.sp,
+                "dp_replicate": p.dp_replicate,
                 "loss_parallel": p.loss_parallel, "strategy": p.strategy, "schedule": p.schedule,
                 "reshard_after_forward": p.reshard_after_forward,
                 "peak_bytes": self.peak_bytes, "fits": self.fits, "seconds_per_token": self.seconds_per_token,
@@ -193,16 +194,18 @@ def candidates(setup: TrainingSetup, gpus: int | None = None, shape: ModelShape 
                     except InputError:
                         continue
                     out.append(layout)
-                    hybrid = _hybrid(setup, layout)
+                    hybrid = _hybrid(setup, layout, shape)
                     if hybrid is not None:
                         out.append(hybrid)
     return out
 
 
-def _hybrid(setup: TrainingSetup, par: Parallelism) -> Parallelism | None:
+def _hybrid(setup: TrainingSetup, par: Parallelism, shape: ModelShape) -> Parallelism | None:
     """FSDP2's hybrid twin of ``par`` where its data-parallel group spans nodes: one replica per node, each
-    ``fully_shard``-ed over its node's data-parallel GPUs (torchtitan's HSDP), or ``None``."""
-    if par.strategy != "fsdp2" or par.pp > 1 or par.ep > 1:
+    ``fully_shard``-ed over its node's data-parallel GPUs (torchtitan's HSDP), or ``None``. (Not beside expert
+    parallelism, which hybrid sharding is not modelled with; pipeline stages for a block model only, where a family
+    without one would wait for one more calibration of each stage.)"""
+    if par.strategy != "fsdp2" or par.ep > 1 or (par.pp > 1 and not shape.block_model):
         return None
     shards = par.node_size // (par.tp * par.cp)
     if shards * par.cp < 2 or shards >= par.dp or par.dp % shards:
