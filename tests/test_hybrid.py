@@ -230,3 +230,19 @@ def test_eight_real_ranks_of_hybrid_pipeline_stages_match_their_trace() -> None:
         for rank in real[4 * stage:4 * stage + 4]:
             for p in ("forward", "backward", "optimizer_step"):
                 assert rank.phases[p].peak_bytes == pytest.approx(traced.phases[p].peak_bytes, rel=1e-3), (stage, p)
+
+
+def test_the_fitted_rule_shards_fused_experts_over_one_replica() -> None:
+    """The rule a family without a block model falls back on (FSDP2 shards transformers' fused experts expert by
+    expert): 8 experts over 2 replicas of 6 GPUs hold what 6 GPUs alone hold, 2 experts on the most loaded one."""
+    from memcalc_gui.core.distributed import expert_parallel_states
+
+    def states(par: Parallelism) -> tuple[dict[str, int], int, str]:
+        s = expert_parallel_states(par, 10_000_000, 8_000_000, 1_000, 1_000, "fp32", 80_000_000, 0, 0, 100,
+                                   experts=8)
+        return s.parameters, s.optimizer_state, s.notes[0]
+
+    assert states(Parallelism(gpus=12, strategy="fsdp2", dp_replicate=2)) == \
+        states(Parallelism(gpus=6, strategy="fsdp2"))
+    assert "over 6 GPUs are 2 on the most loaded one" in states(Parallelism(gpus=12, strategy="fsdp2",
+                                                                            dp_replicate=2))[2]

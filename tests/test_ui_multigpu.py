@@ -413,3 +413,16 @@ def test_fsdp2_hybrid_replicas_are_a_window_control(window):
     assert w.result.setup.parallel.dp_replicate == 1 and w.inputs.dp_replicate.text() == "1"
     w.undo()
     assert w.result.setup.parallel.dp_replicate == 4
+
+
+def test_every_form_field_has_words_for_its_error() -> None:
+    """A marked field is named in the banner and the status bar in words, never by its internal name
+    (``dp_replicate``, ``virtual_stages``)."""
+    import dataclasses
+
+    from memcalc_gui.ui.form import _FIELD_MAP
+    from memcalc_gui.ui.main_window import FIELD_NAMES
+
+    fields = {f.name for f in dataclasses.fields(FormState)} | set(_FIELD_MAP.values())
+    assert fields <= set(FIELD_NAMES), sorted(fields - set(FIELD_NAMES))
+    assert all("_" not in name or name == "use_cache" for name in FIELD_NAMES.values())

@@ -261,13 +261,13 @@ class Parallelism:
                                              "already)")
         if self.dp % r:
             raise InputError("dp_replicate", f"{self.dp:,} data-parallel GPU(s) cannot form {r:,} equal replicas: "
-                                             "dp_replicate must divide gpus / (tp × pp × cp)")
+                                             "the replica count must divide gpus / (tp × pp × cp)")
         if (self.dp // r) * self.cp < 2:
             raise InputError("dp_replicate", f"{r:,} replicas of {self.dp // r:,} GPU(s) leave FSDP2 nothing to shard: "
                                              "choose DDP, or fewer replicas")
         if self.ep > 1:
             raise InputError("dp_replicate", "FSDP2's hybrid sharding beside expert parallelism is not modelled yet: "
-                                             "leave dp_replicate at 1")
+                                             "leave the replicas at 1")
 
     @property
     def fsdp2_ranks(self) -> int:
@@ -549,15 +549,15 @@ def expert_parallel_states(par: Parallelism, num_params: int, expert_params: int
     # the GPUs of one pipeline stage hold every expert ep times over: gpus / (pp · cp · ep) copies of each (with tensor
     # parallelism the experts run whole, transformers' plan, so its GPUs count as copies too)
     copies = max(1, par.dp * par.tp // par.ep) if par.ep > 1 else par.dp
-    padded = par.strategy == "fsdp2" and experts > 0 and (experts // par.ep) % copies != 0
+    padded = par.strategy == "fsdp2" and experts > 0 and (experts // par.ep) % (copies // par.dp_replicate) != 0
     if par.ep == 1 and not padded:
         unit = expert_unit + dense_unit  # not split: the caller's unit
         return model_states(par, num_params, unit, precision, state_bytes_single, step_temporaries_single,
                             matmul_copy_bytes, root_unit)
     dense = num_params - expert_params
     share = expert_params // par.ep
-    if padded:
-        local, shards = experts // par.ep, copies
+    if padded:  # (FSDP2's hybrid sharding: over one replica's copies)
+        local, shards = experts // par.ep, copies // par.dp_replicate
         share = share * -(-local // shards) * shards // local
 
     def part(n: int) -> tuple[int, int, int]:
@@ -568,8 +568,8 @@ def expert_parallel_states(par: Parallelism, num_params: int, expert_params: int
     e = model_states(replace(par, gpus=copies * par.pp * par.cp, tp=1, ep=1, sp=False, loss_parallel=False), share,
                      expert_unit // par.ep, precision, *part(share), 0)
     if par.ep == 1:
-        note = (f"FSDP2 shards the fused experts expert by expert: {experts} per layer over {par.dp} GPUs are "
-                f"{-(-experts // par.dp)} on the most loaded one")
+        note = (f"FSDP2 shards the fused experts expert by expert: {experts} per layer over {par.shards} GPUs are "
+                f"{-(-experts // par.shards)} on the most loaded one")
     else:
         note = (f"Expert parallelism over {par.ep} GPUs: each holds 1/{par.ep} of the routed experts "
                 f"({expert_params // par.ep:,} parameters), " + (

@@ -41,7 +41,8 @@ or the head only where they live) for one micro-batch, plus what the schedule ad
   the step ends; under ZB-V rank 0 holds the first and the last stage (``_zero_bubble_walk``). Modelled beside DDP,
   FSDP2 without resharding after forward (``_Fsdp2Chunks``: the units gathered from each chunk's first forward, each
   ``W``'s gradients set on the gathered weights and moved into the accumulators by the chunk's next ``I``) and tensor
-  parallelism, without checkpointing, sequence or context parallelism (:func:`check_zero_bubble` says why);
+  parallelism, without sequence or context parallelism (:func:`check_zero_bubble` says why) or, in this ledger,
+  checkpointing (:func:`check_zero_bubble_ledger`: the fitted method and the trace run it);
 - FSDP2 (``fully_shard``) under a pipeline schedule: PyTorch's stage runs every backward but the last without
   gradient sync and without resharding (``PipelineStage.backward_maybe_with_nosync``), so the stage's gathered
   weights stay and its unsharded gradients (fp32 under the mixed-precision policy) accumulate through the step. What
@@ -231,20 +232,26 @@ def in_flight(schedule: str, pp: int, rank: int, microbatches: int, virtual: int
     raise InputError("schedule", f"unknown pipeline schedule {schedule!r}")
 
 
-def check_zero_bubble(setup: TrainingSetup) -> None:
-    """:class:`InputError` for what the zero-bubble ledger does not cover: it is traced for block-model families on
-    pipeline × DDP and pipeline × FSDP2 layouts (FSDP2 without resharding after forward: ``Parallelism`` refuses the
-    other, whose weight gradients PyTorch gets wrong), tensor parallelism inside a stage included (not sequence or
-    context parallelism), without checkpointing. (A family without a block model is fitted from traces of its rank's
-    own schedule, so checkpointing is no rule there.) Under checkpointing PyTorch's deferred weight-gradient step
-    recomputes a checkpointed layer once per weight it differentiates and keeps every recomputation until it ends
-    (traced: a backward 1.3–1.6× that of interleaved 1F1B on 2-layer stages), which no rule here follows yet."""
-    par = setup.parallel
-    if setup.checkpointing != "none" and setup.model is not None:
+def check_zero_bubble_ledger(setup: TrainingSetup) -> None:
+    """:class:`InputError` where the analytic zero-bubble ledger has no rule: with checkpointing. PyTorch's deferred
+    weight-gradient step recomputes a checkpointed layer once per weight it differentiates and keeps every
+    recomputation until it ends (traced: a backward 1.3–1.6× that of interleaved 1F1B on 2-layer stages), which no
+    rule here follows yet; the fitted method (traces of the rank's own schedule) and the trace run it."""
+    if setup.parallel.schedule in ZERO_BUBBLE and setup.checkpointing != "none":
         raise InputError("checkpointing", "the zero-bubble schedules' deferred weight gradients recompute a "
                                           "checkpointed layer once per weight and keep each recomputation until that "
-                                          "weight-gradient step ends; that is not modelled yet: use 1F1B or "
-                                          "interleaved 1F1B with checkpointing, or a zero-bubble schedule without")
+                                          "weight-gradient step ends, which the analytic ledger does not model: the "
+                                          "fitted method or the trace runs it (memcalc estimate --method fitted or "
+                                          "--method trace); or use 1F1B or interleaved 1F1B with checkpointing")
+
+
+def check_zero_bubble(setup: TrainingSetup) -> None:
+    """:class:`InputError` for what the zero-bubble schedules are not modelled with: they are traced for block-model
+    families on pipeline × DDP and pipeline × FSDP2 layouts (FSDP2 without resharding after forward: ``Parallelism``
+    refuses the other, whose weight gradients PyTorch gets wrong), tensor parallelism inside a stage included (not
+    sequence or context parallelism). (With checkpointing the analytic ledger refuses them:
+    :func:`check_zero_bubble_ledger`.)"""
+    par = setup.parallel
     if par.sp:
         raise InputError("sp", "sequence parallelism beside the zero-bubble schedules is not modelled yet: beside DDP "
                                "the ledger's is Megatron-LM's, which saves the linears' inputs split, and PyTorch's "
@@ -330,6 +337,7 @@ def pipeline_estimate(setup: TrainingSetup) -> Estimate:
     each checked rank's phase peaks, ``details["pipeline_rank"]`` which one this is."""
     from .analytic import estimate_analytic
 
+    check_zero_bubble_ledger(setup)
     par = setup.parallel
     assert setup.model is not None
     spec = setup.model

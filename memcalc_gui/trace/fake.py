@@ -74,7 +74,7 @@ class TraceResult:
         method. A family without a block model has none: its what-ifs come from ``basis`` (the fitted result of
         the same setup) when given, else the verdict stands alone."""
         setup = self.estimate.setup
-        if setup.model is None:
+        if setup.model is None or self.analytic is None:  # (or a layout the analytic ledger refuses)
             cap, peak = setup.capacity_bytes, self.estimate.peak_bytes
             fits = None if cap is None else peak <= cap
             headroom = None if cap is None else cap - peak
@@ -204,14 +204,15 @@ def trace_estimate(
         if par.pp > 1:  # the most loaded pipeline rank, run by PyTorch's schedule on the fake process group
             from .pipeline import PipeRank, trace_pipeline_rank
 
-            if setup.model is not None:
+            guided = setup.model is not None and not analytic_refusal(setup)
+            if guided:
                 pipe_rank = int(estimate(setup).details.get("pipeline_rank", 0))
             if fsdp2_pipeline:  # each stage fully_shard-ed over its data- (and context-) parallel ranks, in the trace
                 compute = setup.precision
             # interleaved under FSDP2 the ranks the ledger checks can be closer to each other than its accuracy
             # (each chunk's units are gathered and resharded on their own): they are all traced, and the most loaded
             # one reported; so are a family's without a block model (no ledger to pick one)
-            unguided = (fsdp2_pipeline and par.virtual_stages > 1) or setup.model is None
+            unguided = (fsdp2_pipeline and par.virtual_stages > 1) or not guided
             pipe_ranks = ranks_to_check(par.pp) if unguided else (pipe_rank,)
 
             # the stage's tensor-parallel group run for real: torchtitan's sequence-parallel plan, or transformers'
@@ -397,8 +398,20 @@ def trace_estimate(
     est = Estimate(setup=setup, method="trace", phases=phases, assumptions=tuple(rules) + notes,
                    details={"seconds": seconds, "modules": modules, "host_bytes": host_bytes,
                             "offloaded_activation_bytes": offloaded, "parallel_notes": notes})
-    analytic = estimate(setup) if setup.model is not None else None
+    analytic = estimate(setup) if setup.model is not None and not analytic_refusal(setup) else None
     return TraceResult(est, modules, seconds, analytic, rules, timeline)
+
+
+def analytic_refusal(setup: TrainingSetup) -> str:
+    """Why the analytic ledger has no rule for a setup the trace runs ("" when it has one): the zero-bubble
+    schedules with checkpointing (``core.pipeline.check_zero_bubble_ledger``)."""
+    from ..core.pipeline import check_zero_bubble_ledger
+
+    try:
+        check_zero_bubble_ledger(setup)
+    except InputError as exc:
+        return exc.reason
+    return ""
 
 
 def fsdp2_rank(setup: TrainingSetup) -> bool:
