@@ -49,13 +49,19 @@ def test_a_hybrid_gpu_holds_what_fsdp2_over_its_replica_holds(gpus: int, tp: int
     (dict(gpus=8, strategy="zero3", dp_replicate=2), "FSDP2's hybrid sharding"),
     (dict(gpus=6, strategy="fsdp2", dp_replicate=4), "equal replicas"),
     (dict(gpus=4, strategy="fsdp2", dp_replicate=4), "nothing to shard"),
-    (dict(gpus=8, strategy="fsdp2", dp_replicate=2, ep=2), "expert parallelism"),
+    (dict(gpus=8, strategy="fsdp2", dp_replicate=2, ep=2, pp=2), "expert parallelism in pipeline stages"),
     (dict(gpus=8, strategy="fsdp2", dp_replicate=0), "positive"),
 ])
 def test_a_hybrid_layout_that_cannot_be_is_refused_naming_the_replicas(changes: dict, words: str) -> None:
     with pytest.raises(InputError) as info:
         Parallelism(**changes)
     assert info.value.field == "dp_replicate" and words in info.value.reason
+
+
+def test_experts_split_within_one_replica() -> None:
+    with pytest.raises(InputError, match="one replica's 4") as info:
+        Parallelism(gpus=8, strategy="fsdp2", dp_replicate=2, ep=8)
+    assert info.value.field == "ep"
 
 
 def test_the_cli_takes_replicas_prints_them_and_suggests_dropping_them(capsys: pytest.CaptureFixture[str]) -> None:
@@ -244,5 +250,41 @@ def test_the_fitted_rule_shards_fused_experts_over_one_replica() -> None:
 
     assert states(Parallelism(gpus=12, strategy="fsdp2", dp_replicate=2)) == \
         states(Parallelism(gpus=6, strategy="fsdp2"))
+    for kw in (dict(ep=2), dict(ep=4, tp=2), dict(ep=4)):  # the experts split too: within each replica
+        hybrid = states(Parallelism(gpus=8, strategy="fsdp2", dp_replicate=2, **kw))  # type: ignore[arg-type]
+        assert hybrid[:2] == states(Parallelism(gpus=4, strategy="fsdp2", **kw))[:2], kw  # type: ignore[arg-type]
+        assert "replicas" in hybrid[2]
     assert "over 6 GPUs are 2 on the most loaded one" in states(Parallelism(gpus=12, strategy="fsdp2",
                                                                             dp_replicate=2))[2]
+
+
+def test_a_hybrid_rank_of_expert_parallelism_is_traced_and_run_on_the_replicas_mesh() -> None:
+    """The routed experts split over 2 GPUs inside each of 2 replicas (× TP 2 with the experts whole, transformers'
+    layout), FSDP2's hybrid sharding on the dense part and on the experts' copies (the experts' mesh ``replicas ×
+    copies × ep``): the traced rank equals FSDP2 over one replica to the byte; four real gloo ranks hold the traced
+    weights and optimizer step exactly, forward and backward within the router's imbalance."""
+    import sys
+
+    from memcalc_gui.measure.distributed import measure_sharded_step
+    from memcalc_gui.trace.ranks import RankLayout, trace_rank
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_expert import MIXTRAL, STEP
+
+    kw = dict(STEP, precision="fp32", optimizer_impl="foreach", checkpointing="none")
+    config = dict(MIXTRAL, num_hidden_layers=2)
+    hybrids = {}
+    for tp in (1, 2):
+        alone = trace_rank(config, RankLayout(dp_shard=2, tp=tp, ep=2), **kw)
+        hybrids[tp] = hybrid = trace_rank(config, RankLayout(dp_shard=2, tp=tp, ep=2, dp_replicate=2), **kw)
+        for p in PHASES:
+            assert hybrid.phases[p].peak_bytes == alone.phases[p].peak_bytes, (tp, p)
+    layout, traced = RankLayout(dp_shard=2, dp_replicate=2, ep=2), hybrids[1]
+    real = measure_sharded_step(config, world=4, strategy="ranks", layout=layout, iterations=3, **kw)
+    for rank in real:
+        assert rank.phases["load"].live_bytes == pytest.approx(traced.phases["load"].live_bytes, rel=1e-3)
+        assert rank.phases["optimizer_step"].peak_bytes == pytest.approx(traced.phases["optimizer_step"].peak_bytes,
+                                                                         rel=1e-3)
+    for p in ("forward", "backward"):
+        errors = [rank.phases[p].peak_bytes / traced.phases[p].peak_bytes - 1 for rank in real]
+        assert max(map(abs, errors)) < 0.05 and abs(sum(errors) / len(errors)) < 0.01, (p, errors)

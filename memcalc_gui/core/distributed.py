@@ -265,9 +265,12 @@ class Parallelism:
         if (self.dp // r) * self.cp < 2:
             raise InputError("dp_replicate", f"{r:,} replicas of {self.dp // r:,} GPU(s) leave FSDP2 nothing to shard: "
                                              "choose DDP, or fewer replicas")
-        if self.ep > 1:
-            raise InputError("dp_replicate", "FSDP2's hybrid sharding beside expert parallelism is not modelled yet: "
-                                             "leave the replicas at 1")
+        if self.ep > 1 and self.pp > 1:
+            raise InputError("dp_replicate", "FSDP2's hybrid sharding beside expert parallelism in pipeline stages is "
+                                             "not modelled yet: leave the replicas at 1")
+        if self.ep > 1 and (self.gpus // r) % self.ep:
+            raise InputError("ep", f"beside FSDP2's hybrid sharding the experts split over {self.ep} GPUs of one "
+                                   f"replica's {self.gpus // r:,}: ep must divide them")
 
     @property
     def fsdp2_ranks(self) -> int:
@@ -549,15 +552,17 @@ def expert_parallel_states(par: Parallelism, num_params: int, expert_params: int
     # the GPUs of one pipeline stage hold every expert ep times over: gpus / (pp · cp · ep) copies of each (with tensor
     # parallelism the experts run whole, transformers' plan, so its GPUs count as copies too)
     copies = max(1, par.dp * par.tp // par.ep) if par.ep > 1 else par.dp
-    padded = par.strategy == "fsdp2" and experts > 0 and (experts // par.ep) % (copies // par.dp_replicate) != 0
+    # FSDP2's hybrid sharding: the experts sharded over one replica's copies of them, as FSDP2 over that replica
+    replica_copies = copies // par.dp_replicate
+    padded = par.strategy == "fsdp2" and experts > 0 and (experts // par.ep) % replica_copies != 0
     if par.ep == 1 and not padded:
         unit = expert_unit + dense_unit  # not split: the caller's unit
         return model_states(par, num_params, unit, precision, state_bytes_single, step_temporaries_single,
                             matmul_copy_bytes, root_unit)
     dense = num_params - expert_params
     share = expert_params // par.ep
-    if padded:  # (FSDP2's hybrid sharding: over one replica's copies)
-        local, shards = experts // par.ep, copies // par.dp_replicate
+    if padded:
+        local, shards = experts // par.ep, replica_copies
         share = share * -(-local // shards) * shards // local
 
     def part(n: int) -> tuple[int, int, int]:
@@ -565,8 +570,8 @@ def expert_parallel_states(par: Parallelism, num_params: int, expert_params: int
                 matmul_copy_bytes * n // num_params)
 
     d = model_states(replace(par, ep=1), dense, dense_unit, precision, *part(dense), root_unit)
-    e = model_states(replace(par, gpus=copies * par.pp * par.cp, tp=1, ep=1, sp=False, loss_parallel=False), share,
-                     expert_unit // par.ep, precision, *part(share), 0)
+    e = model_states(replace(par, gpus=replica_copies * par.pp * par.cp, tp=1, ep=1, sp=False, loss_parallel=False,
+                             dp_replicate=1), share, expert_unit // par.ep, precision, *part(share), 0)
     if par.ep == 1:
         note = (f"FSDP2 shards the fused experts expert by expert: {experts} per layer over {par.shards} GPUs are "
                 f"{-(-experts // par.shards)} on the most loaded one")
@@ -574,8 +579,13 @@ def expert_parallel_states(par: Parallelism, num_params: int, expert_params: int
         note = (f"Expert parallelism over {par.ep} GPUs: each holds 1/{par.ep} of the routed experts "
                 f"({expert_params // par.ep:,} parameters), " + (
                     "and no other GPU holds the same ones" if copies == 1 else
-                    f"{'replicated' if par.strategy == 'ddp' else 'sharded'} over the {copies} GPUs that hold the "
-                    "same ones") + (f"; the other {dense:,} parameters over all {par.gpus}" if par.tp == 1 else
+                    f"whole on one GPU of each of the {par.dp_replicate} replicas (hybrid sharding)"
+                    if replica_copies == 1 else
+                    f"{'replicated' if par.strategy == 'ddp' else 'sharded'} over the {replica_copies} GPUs that hold "
+                    "the same ones" + (f" in each of {par.dp_replicate} replicas" if par.dp_replicate > 1 else ""))
+                + (f"; the other {dense:,} parameters over all {par.gpus}" if par.tp == 1 and par.dp_replicate == 1
+                                    else f"; the other {dense:,} parameters over each replica's "
+                                    f"{par.gpus // par.dp_replicate}" if par.tp == 1 else
                                     f", each expert whole (transformers' plan; the tokens split over the {par.tp} "
                                     f"tensor-parallel GPUs before the all-to-all); the rest of the model "
                                     f"({dense:,} parameters per GPU) split over {par.tp} tensor-parallel GPUs"))

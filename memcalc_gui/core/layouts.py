@@ -202,10 +202,10 @@ def candidates(setup: TrainingSetup, gpus: int | None = None, shape: ModelShape 
 
 def _hybrid(setup: TrainingSetup, par: Parallelism, shape: ModelShape) -> Parallelism | None:
     """FSDP2's hybrid twin of ``par`` where its data-parallel group spans nodes: one replica per node, each
-    ``fully_shard``-ed over its node's data-parallel GPUs (torchtitan's HSDP), or ``None``. (Not beside expert
-    parallelism, which hybrid sharding is not modelled with; pipeline stages for a block model only, where a family
-    without one would wait for one more calibration of each stage.)"""
-    if par.strategy != "fsdp2" or par.ep > 1 or (par.pp > 1 and not shape.block_model):
+    ``fully_shard``-ed over its node's data-parallel GPUs (torchtitan's HSDP), or ``None``. (Pipeline stages for a
+    block model only, where a family without one would wait for one more calibration of each stage; the experts
+    split within a replica, and not in pipeline stages: ``Parallelism`` refuses the others.)"""
+    if par.strategy != "fsdp2" or (par.pp > 1 and not shape.block_model):
         return None
     shards = par.node_size // (par.tp * par.cp)
     if shards * par.cp < 2 or shards >= par.dp or par.dp % shards:

@@ -191,9 +191,12 @@ def scale_layout(setup: TrainingSetup, max_ranks: int = MAX_CPU_RANKS) -> tuple[
     if par.dp_replicate > 1 and measured_world(par) > max_ranks:
         # FSDP2's hybrid sharding gives way first: two replicas of (at most) two shards, else one replica
         r, shards = par.dp_replicate, par.dp // par.dp_replicate
-        trial = dataclasses.replace(_with(dataclasses.replace(par, dp_replicate=1), dp=2 * min(shards, 2)),
-                                    dp_replicate=2)
-        if measured_world(trial) <= max_ranks:
+        try:  # (the experts must split within a replica)
+            trial: Parallelism | None = dataclasses.replace(
+                _with(dataclasses.replace(par, dp_replicate=1), dp=2 * min(shards, 2)), dp_replicate=2)
+        except InputError:
+            trial = None
+        if trial is not None and measured_world(trial) <= max_ranks:
             changes.append(f"hybrid sharding over 2 replicas of {min(shards, 2)} GPUs instead of {r} replicas of "
                            f"{shards}")
             par = trial
@@ -277,7 +280,8 @@ def rank_job(setup: TrainingSetup) -> RankJob:
     if par.strategy == "ddp" and par.tp == 1 and par.cp == 1:
         return RankJob("ddp", world, None, config, (0,) * world, tuple(notes))
     if par.ep > 1:  # transformers' expert layout, FSDP2 over each expert's copies (trace.ranks.RankLayout)
-        return RankJob("ranks", world, RankLayout(dp_shard=par.dp, tp=par.tp, ep=par.ep, cp=par.cp, sp=par.sp,
+        return RankJob("ranks", world, RankLayout(dp_shard=par.dp // par.dp_replicate, dp_replicate=par.dp_replicate,
+                                                  tp=par.tp, ep=par.ep, cp=par.cp, sp=par.sp,
                                                   reshard_after_forward=par.reshard_after_forward),
                        config, (0,) * world, tuple(notes))
     if par.strategy == "fsdp2" and par.tp == 1 and par.cp == 1 and par.dp_replicate == 1:

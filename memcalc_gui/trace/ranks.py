@@ -299,8 +299,12 @@ def parallelizer(config: dict[str, Any], layout: RankLayout, precision: str, mes
     tp_mesh, replicas = mesh["tp"], mesh["dp_replicate"]
     meshes = [dp_mesh, tp_mesh, replicas, mesh["cp"]]
     if layout.ep > 1:  # transformers' expert view of the same ranks: (efsdp, ep)
-        experts_mesh = init_device_mesh("cpu", (layout.world // layout.ep, layout.ep), mesh_dim_names=("efsdp", "ep"))
+        r = layout.dp_replicate if layout.hybrid else 1  # FSDP2's hybrid sharding: (replicas, efsdp, ep)
+        experts_mesh = init_device_mesh("cpu", (r, layout.world // (r * layout.ep), layout.ep),
+                                        mesh_dim_names=("erep", "efsdp", "ep"))
         meshes += [experts_mesh["efsdp"], experts_mesh["ep"]]
+        experts_dp = experts_mesh["erep", "efsdp"] if layout.hybrid else experts_mesh["efsdp"]
+        meshes.append(experts_dp)
     # DDP's ranks beside a ring whose ranks hold the model whole: the data- and context-parallel ones
     ring_replicas = mesh["dp_replicate", "cp"]._flatten("dp_replicate_cp") \
         if ddp and layout.replicate_context and layout.cp > 1 else None
@@ -322,7 +326,7 @@ def parallelizer(config: dict[str, Any], layout: RankLayout, precision: str, mes
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
                 if precision == "mixed" else MixedPrecisionPolicy()
             for module in experts:  # transformers' order: the experts over their copies first
-                fully_shard(module, mesh=experts_mesh["efsdp"], mp_policy=policy, reshard_after_forward=True)
+                fully_shard(module, mesh=experts_dp, mp_policy=policy, reshard_after_forward=True)
             for layer in layers:
                 fully_shard(layer, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=layout.reshard_after_forward)
             # the root as torchtitan wraps it: PyTorch's default, which keeps it gathered from its forward into the
