@@ -9,6 +9,8 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from bench.techniques import FAMILIES
 from memcalc_gui.cli import main as cli_main
@@ -288,3 +290,40 @@ def test_a_hybrid_rank_of_expert_parallelism_is_traced_and_run_on_the_replicas_m
     for p in ("forward", "backward"):
         errors = [rank.phases[p].peak_bytes / traced.phases[p].peak_bytes - 1 for rank in real]
         assert max(map(abs, errors)) < 0.05 and abs(sum(errors) / len(errors)) < 0.01, (p, errors)
+
+
+@settings(max_examples=80, deadline=None)
+@given(tp=st.sampled_from([1, 2, 4]), cp=st.sampled_from([1, 2]), pp=st.sampled_from([1, 2]),
+       shards=st.integers(1, 4), replicas=st.integers(2, 5), ep=st.sampled_from([1, 2, 4, 8]),
+       ckpt=st.sampled_from(["none", "full"]), reshard=st.booleans())
+def test_any_hybrid_layout_holds_what_one_replica_holds(tp: int, cp: int, pp: int, shards: int, replicas: int,
+                                                        ep: int, ckpt: str, reshard: bool) -> None:
+    """Every hybrid layout the setup accepts (or an InputError naming a field: never another exception) gives each
+    GPU what FSDP2 over one replica gives it: the block model's ledger, and the experts' rule of a mixture of
+    experts."""
+    from memcalc_gui.core.distributed import expert_parallel_states
+
+    one = shards * cp * tp * pp
+    try:
+        hybrid = Parallelism(gpus=one * replicas, tp=tp, cp=cp, pp=pp, strategy="fsdp2", dp_replicate=replicas,
+                             reshard_after_forward=reshard, ep=ep, schedule="1f1b")
+        alone = dataclasses.replace(hybrid, gpus=one, dp_replicate=1)
+    except InputError as exc:
+        assert exc.field in ("dp_replicate", "ep", "strategy", "reshard_after_forward"), exc
+        return
+    args = (10_000_000, 8_000_000 if ep > 1 else 0, 1_000, 1_000, "mixed", 80_000_000, 0, 0, 100)
+    a, b = (expert_parallel_states(p, *args, experts=8) for p in (hybrid, alone))  # type: ignore[arg-type]
+    assert (a.parameters, a.gradients, a.optimizer_state) == (b.parameters, b.gradients, b.optimizer_state)
+    if ep > 1:
+        return
+    base = TrainingSetup(model=preset_spec("llama-3.2-1b"), seq=4096, checkpointing=ckpt, grad_accum=2)
+    try:
+        hybrid_est = estimate(base.with_changes(parallel=hybrid))
+    except InputError as exc:
+        assert exc.field != "dp_replicate", exc
+        with pytest.raises(InputError):
+            estimate(base.with_changes(parallel=alone))
+        return
+    alone_est = estimate(base.with_changes(parallel=alone))
+    for p in PHASES:
+        assert hybrid_est.phases[p].objects == alone_est.phases[p].objects, p

@@ -553,7 +553,7 @@ def expert_parallel_states(par: Parallelism, num_params: int, expert_params: int
     # parallelism the experts run whole, transformers' plan, so its GPUs count as copies too)
     copies = max(1, par.dp * par.tp // par.ep) if par.ep > 1 else par.dp
     # FSDP2's hybrid sharding: the experts sharded over one replica's copies of them, as FSDP2 over that replica
-    replica_copies = copies // par.dp_replicate
+    replica_copies = max(1, copies // par.dp_replicate)
     padded = par.strategy == "fsdp2" and experts > 0 and (experts // par.ep) % replica_copies != 0
     if par.ep == 1 and not padded:
         unit = expert_unit + dense_unit  # not split: the caller's unit
