@@ -104,11 +104,12 @@ def _toy(**changes: object) -> TrainingSetup:
 
 
 def test_a_traced_hybrid_rank_runs_the_2d_mesh_and_equals_its_replicas_fsdp2() -> None:
-    """One rank of 2 replicas × FSDP2 over 2 (× TP 2), traced with ``fully_shard`` on the 2-D mesh of the fake process
-    group: to the byte the rank of FSDP2 over 2 alone, and within 0.5 % of the ledger."""
+    """One rank of 2 replicas × FSDP2 over 2, traced with ``fully_shard`` on the 2-D mesh of the fake process group:
+    to the byte the rank of FSDP2 over 2 alone, and within 0.5 % of the ledger. (Beside TP 2 with sequence
+    parallelism: the interleaved pipeline case below.)"""
     from memcalc_gui.trace.fake import trace_estimate
 
-    for tp in (1, 2):
+    for tp in (1,):
         group = _toy(parallel=Parallelism(gpus=2 * tp, tp=tp, strategy="fsdp2"))
         hybrid = _hybrid(group, 2)
         a, b = trace_estimate(group), trace_estimate(hybrid)
