@@ -900,6 +900,9 @@ def _zero_bubble_walk(setup: TrainingSetup, rank: int, m: int, specs: list[Model
     reached: set[int] = set()
     input_grads = 0  # gradients left on the receive buffers by the I's so far
     whole = int(acc.phases["optimizer_step"].objects.get("gradients", 0))  # the stage's gradients
+    # DDP's buckets (every gradient once more, made as DDP wraps each chunk: its load-phase gradients) are held from
+    # the start for every chunk, its W reached yet or not; ``grads`` counts them with each chunk's gradients
+    buckets = [int(ledgers[c][0].phases["load"].objects.get("gradients", 0)) for c in range(v)]
     # per chunk: an MLP projection's weight (a later W peaks at the top layer's MLP, the head's group after it lower:
     # traced), the 16-bit copies and the output gradients still held there (that projection's and the head's)
     # autocast's 16-bit weight copies, and the 16-bit weight gradients a matmul makes of them before the cast
@@ -941,7 +944,7 @@ def _zero_bubble_walk(setup: TrainingSetup, rank: int, m: int, specs: list[Model
     for kind, c in rank_schedule(par.schedule, par.pp, rank, m, v, window=True):
         spec = specs[c]
         # (a tied head on ZB-V's rank 0 is the embedding's weight: its gradient is one, the stage's count)
-        made = min(sum(grads[o] for o in reached), whole)
+        made = min(sum(buckets) + sum(grads[o] - buckets[o] for o in reached), whole)
         if kind == "F":
             if fsdp2 is not None:
                 fsdp2.forward(c)
@@ -985,8 +988,8 @@ def _zero_bubble_walk(setup: TrainingSetup, rank: int, m: int, specs: list[Model
             note("backward", base("backward", int(own.get("parameters", 0))
                                   - int(ledgers[c][0].phases["load"].objects["parameters"]),
                                   int(own.get("activations", 0)), int(own.get("temporaries", 0)),
-                                  min(made - (grads[c] if c in reached else 0) + int(own.get("gradients", 0)),
-                                      whole)))
+                                  min(made - (grads[c] if c in reached else buckets[c])
+                                      + int(own.get("gradients", 0)), whole)))
         else:
             # The W runs weight group by weight group, bottom layer first, each freeing its output gradient and its
             # matmul's saved weight copy as it goes. The first sets each weight's gradient as it makes it and peaks
@@ -996,7 +999,7 @@ def _zero_bubble_walk(setup: TrainingSetup, rank: int, m: int, specs: list[Model
             big, top_copies, top_captured = tops[c]
             if c not in reached:
                 note("backward", base("backward", 0, entry[1], big * half,
-                                      min(made + grads[c], whole)))
+                                      min(made + grads[c] - buckets[c], whole)))
             else:
                 note("backward", base("backward", entry[2], entry[1], entry[4] + stream, made))
                 note("backward", base("backward", min(entry[2], top_copies), entry[1],
