@@ -3,6 +3,7 @@ per-GPU chart, banner and plan; inline errors for invalid combinations; settings
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -413,6 +414,14 @@ def test_fsdp2_hybrid_replicas_are_a_window_control(window):
     assert w.result.setup.parallel.dp_replicate == 1 and w.inputs.dp_replicate.text() == "1"
     w.undo()
     assert w.result.setup.parallel.dp_replicate == 4
+    # a layout chosen in Find layouts sets the replicas too: a hybrid twin's, or 1 for a layout without them
+    from memcalc_gui.ui.layouts_dialog import layout_changes
+
+    twin = Parallelism(gpus=32, tp=2, sp=True, loss_parallel=True, strategy="fsdp2", dp_replicate=2)
+    w.apply_changes("layout", layout_changes(twin))
+    assert w.result.setup.parallel == dataclasses.replace(twin, node_size=w.result.setup.parallel.node_size)
+    w.apply_changes("layout", layout_changes(dataclasses.replace(twin, dp_replicate=1)))
+    assert w.result.setup.parallel.dp_replicate == 1
 
 
 def test_every_form_field_has_words_for_its_error() -> None:
