@@ -4,8 +4,9 @@ case's formula-vs-trace difference per phase for the first, second and last rank
     python bench/pipeline.py [--quick] [--zero-bubble]
 
 ``--zero-bubble`` runs only the zero-bubble schedules' rows (ScheduleInterleavedZeroBubble and ScheduleZBVZeroBubble,
-without checkpointing: the analytic ledger has no rule for it beside them), beside DDP and beside FSDP2 over 2 ranks of each stage
-(without resharding after forward, the one way PyTorch's deferred weight step gets the gradients right).
+without checkpointing: the analytic ledger has no rule for it beside them), beside DDP and beside FSDP2 over 2 ranks
+of each stage (without resharding after forward, the one way PyTorch's deferred weight step gets the gradients
+right).
 
 The trace (``memcalc_gui.trace.pipeline``) cuts the real transformers model into stages, runs ScheduleGPipe,
 Schedule1F1B or ScheduleInterleaved1F1B on PyTorch's fake process group (with FSDP2 over each stage's data-parallel

@@ -533,7 +533,14 @@ def test_a_real_step_of_expert_beside_tensor_parallelism_matches_the_trace(sp: b
     # three iterations: the optimizer step's peak is the lower of two steady ones (a gloo worker may free a buffer
     # late inside one), the forward and backward the last one's (the router's tokens differ between them)
     real = measure_sharded_step(MIXTRAL, world=4, strategy="ranks", layout=layout, iterations=3, **kw)
-    for rank in real:  # (a real rank builds the model whole before sharding it: the weights it keeps)
+    assert_routed_ranks_match(real, fake)
+
+
+def assert_routed_ranks_match(real: list, fake: object) -> None:
+    """Real expert-parallel ranks against their trace: the weights they keep (a real rank builds the model whole
+    before sharding it) and the optimizer step within 0.1 %; forward and backward within 5 % on each rank and 1 % on
+    average (the router sends each rank's experts unequal shares, balanced in the trace)."""
+    for rank in real:
         assert rank.phases["load"].live_bytes == pytest.approx(fake.phases["load"].live_bytes, rel=1e-3)
         assert rank.phases["optimizer_step"].peak_bytes == pytest.approx(fake.phases["optimizer_step"].peak_bytes,
                                                                          rel=1e-3)

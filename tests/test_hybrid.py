@@ -96,6 +96,15 @@ def test_the_plan_and_the_gpu_count_suggestion_keep_whole_replicas() -> None:
     assert r.plan.min_gpus["fsdp2"] == 19  # FSDP2 over every GPU: 19 shards fit
     more = [s for s in r.verdict.suggestions if "GPUs of this kind" in s.title and len(s.changes) == 1]
     assert more and more[0].changes["gpus"] % 4 == 0 and more[0].changes["gpus"] // 4 >= 19
+    # GPU counts come in whole replicas of whole model-parallel (and expert-splitting) groups: each such count is a
+    # layout, so the fewest-GPUs search never steps on a count the setup refuses
+    from memcalc_gui.core.solver import model_parallel_group
+
+    for kw in (dict(tp=2), dict(ep=4), dict(tp=2, ep=4), dict(cp=2)):
+        par = Parallelism(gpus=64, strategy="fsdp2", dp_replicate=2, **kw)  # type: ignore[arg-type]
+        group = model_parallel_group(par)
+        for k in range(2, 6):
+            dataclasses.replace(par, gpus=k * group)  # raises where the count is no layout
 
 
 def _toy(**changes: object) -> TrainingSetup:
@@ -272,7 +281,7 @@ def test_a_hybrid_rank_of_expert_parallelism_is_traced_and_run_on_the_replicas_m
     from memcalc_gui.trace.ranks import RankLayout, trace_rank
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from test_expert import MIXTRAL, STEP
+    from test_expert import MIXTRAL, STEP, assert_routed_ranks_match
 
     kw = dict(STEP, precision="fp32", optimizer_impl="foreach", checkpointing="none")
     config = dict(MIXTRAL, num_hidden_layers=2)
@@ -283,14 +292,8 @@ def test_a_hybrid_rank_of_expert_parallelism_is_traced_and_run_on_the_replicas_m
         for p in PHASES:
             assert hybrid.phases[p].peak_bytes == alone.phases[p].peak_bytes, (tp, p)
     layout, traced = RankLayout(dp_shard=2, dp_replicate=2, ep=2), hybrids[1]
-    real = measure_sharded_step(config, world=4, strategy="ranks", layout=layout, iterations=3, **kw)
-    for rank in real:
-        assert rank.phases["load"].live_bytes == pytest.approx(traced.phases["load"].live_bytes, rel=1e-3)
-        assert rank.phases["optimizer_step"].peak_bytes == pytest.approx(traced.phases["optimizer_step"].peak_bytes,
-                                                                         rel=1e-3)
-    for p in ("forward", "backward"):
-        errors = [rank.phases[p].peak_bytes / traced.phases[p].peak_bytes - 1 for rank in real]
-        assert max(map(abs, errors)) < 0.05 and abs(sum(errors) / len(errors)) < 0.01, (p, errors)
+    assert_routed_ranks_match(measure_sharded_step(config, world=4, strategy="ranks", layout=layout, iterations=3,
+                                                   **kw), traced)
 
 
 @settings(max_examples=80, deadline=None)

@@ -712,7 +712,7 @@ def model_parallel_group(par: Parallelism) -> int:
     """The GPUs a layout's count comes in multiples of: its tensor-, pipeline- and context-parallel group, as many of
     them as split the experts (``ep`` GPUs of a stage's data- and tensor-parallel ones: transformers' layout), times
     FSDP2's hybrid replicas (a count of GPUs is then that many replicas of as many shards as groups)."""
-    return par.pp * par.cp * math.lcm(par.tp, par.ep) if par.ep > 1 else par.tp * par.pp * par.cp * par.dp_replicate
+    return (par.pp * par.cp * math.lcm(par.tp, par.ep) if par.ep > 1 else par.tp * par.pp * par.cp) * par.dp_replicate
 
 
 def _fewest_gpus(setup: TrainingSetup, estimator: Estimator, capacity: int, limit: int = 0) -> int | None:
