@@ -39,10 +39,11 @@ def slow_half_dtypes() -> tuple[Any, ...]:
     import torch
 
     mkldnn = torch.ops.mkldnn
+    onednn = bool(torch.backends.mkldnn.is_available())  # type: ignore[no-untyped-call]
     slow = []
-    if not (torch.backends.mkldnn.is_available() and mkldnn._is_mkldnn_bf16_supported()):
+    if not (onednn and mkldnn._is_mkldnn_bf16_supported()):
         slow.append(torch.bfloat16)
-    if not (torch.backends.mkldnn.is_available() and mkldnn._is_mkldnn_fp16_supported()):
+    if not (onednn and mkldnn._is_mkldnn_fp16_supported()):
         slow.append(torch.float16)
     return tuple(slow)
 
@@ -78,11 +79,11 @@ def fast_half_gemm() -> Iterator[None]:
         if _users == 0:
             half = slow_half_dtypes()
             if half:
-                library = torch.library.Library("aten", "IMPL")
+                library = torch.library.Library("aten", "IMPL")  # type: ignore[no-untyped-call]
                 with warnings.catch_warnings():  # "Overriding a previously registered kernel": the point
                     warnings.simplefilter("ignore", UserWarning)
                     for name in _OPS:
-                        library.impl(name, _kernel(name, half), "CPU")
+                        library.impl(name, _kernel(name, half), "CPU")  # type: ignore[no-untyped-call]
                 _library = library
         _users += 1
     try:
