@@ -273,7 +273,8 @@ def measure_training_step(
         if callable(getattr(premade, "tie_weights", None)):
             premade.tie_weights()
     try:
-        freeze.enter_context(fast_half_gemm())  # 16-bit products in fp32 where this CPU lacks them: same memory, faster
+        if precision != "fp32":  # 16-bit products in fp32 where this CPU lacks them: same memory, faster
+            freeze.enter_context(fast_half_gemm())
         with tracker:
             announce("load", 0)
             with tracker.phase("load", 0):
