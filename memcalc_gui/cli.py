@@ -259,8 +259,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(est)
     _add_setup_args(est)
     est.add_argument("--method", choices=("quick", "analytic", "fitted", "trace"), default=None,
-                     help="quick (seed heuristic), analytic (default for an architecture) or trace (the real step "
-                          "on fake tensors; needs torch and transformers)")
+                     help="quick (seed heuristic), analytic (default for an architecture), fitted (default for a "
+                          "family without a block model: small fake-tensor traces of the real model, evaluated for "
+                          "this shape) or trace (the real step on fake tensors); fitted and trace need torch and "
+                          "transformers")
     est.add_argument("--json", action="store_true", help="print one JSON object (schema 1)")
     est.add_argument("--snapshot-out", metavar="FILE",
                      help="with --method trace: write the predicted allocations and frees as a memory snapshot "

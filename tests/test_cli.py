@@ -205,3 +205,14 @@ def test_bad_fine_tuning_flags_name_the_flag(capsys: pytest.CaptureFixture[str],
     code, out, err = run(capsys, "estimate", "--preset", "llama-3.2-1b", *argv)
     assert code == 2 and out == ""
     assert err.startswith(f"memcalc: error: {flag}:") and err.count("\n") == 1, err
+
+
+def test_the_method_help_describes_every_method_it_accepts() -> None:
+    """``--method`` accepts fitted, and its help said only what quick, analytic and trace do."""
+    from memcalc_gui.cli import build_parser
+
+    estimate = next(a for a in build_parser()._subparsers._group_actions[0].choices["estimate"]._actions  # type: ignore
+                    if "--method" in a.option_strings)
+    assert estimate.choices
+    for method in estimate.choices:
+        assert f"{method} (" in estimate.help, method
