@@ -871,7 +871,10 @@ def test_one_unit_on_one_screen_even_for_absurd_sizes(window):
 
 def test_source_switch_keeps_each_model_row_level_with_its_label(window):
     """Switching Source to config.json and back used to leave the Preset field centred in a two-row-tall stack,
-    below its label. Every page now takes only its own height, and its field is level with the label."""
+    below its label. Every page now takes only its own height, and its field is level with the label. The Hub page
+    with its error line ("give a Hub id") was 106 px tall for a 92 px page: a QStackedWidget takes the tallest
+    height-for-width of all its pages, hidden ones too. The check waits for the refresh that shows the error lines;
+    it used to pass on the layout before them, and failed every time on a loaded machine."""
     from PySide6.QtCore import QPoint
 
     w = window
@@ -884,8 +887,9 @@ def test_source_switch_keeps_each_model_row_level_with_its_label(window):
     for kind in ("config", "preset", "params", "hub", "preset", "config"):
         inputs.model_kind.setCurrentIndex(inputs.model_kind.findData(kind))
         field = fields[kind]
-        settled = time.monotonic() + 10  # the layout settles over a few posted LayoutRequest events (the suite's
-        while time.monotonic() < settled:  # 100 rounds of 5 ms were not enough on a loaded 2-core machine)
+        w.refresh()  # the estimate of this source, and its fields' error lines, now
+        settled = time.monotonic() + 10  # the layout settles over a few posted LayoutRequest events
+        while time.monotonic() < settled:
             QApplication.processEvents()
             if inputs.model_stack.height() <= inputs.model_stack.currentWidget().sizeHint().height() + 2 and \
                     abs(centre_y(field) - centre_y(inputs.model_label)) <= 3:

@@ -22,7 +22,6 @@ from PySide6.QtWidgets import (
     QLineEdit,
     QPushButton,
     QSizePolicy,
-    QStackedWidget,
     QStyle,
     QStyledItemDelegate,
     QStyleOptionViewItem,
@@ -184,6 +183,50 @@ class FieldBox(QWidget):
         self.error.setPalette(pal)
 
 
+class PageStack(QWidget):
+    """Pages shown one at a time (the model's sources), as tall as the page on show.
+
+    ``QStackedWidget`` is as tall as the tallest height-for-width of all its pages, hidden ones included: Qt's
+    ``QStackedLayout.heightForWidth`` asks every page, whatever its size policy. With the Hub id's error line on screen,
+    the hidden config page (106 px at the form's width, measured) made the Hub row 14 px taller than its own page
+    (92 px), and the field sat below its label. Here the other pages are hidden in a box layout, which leaves them
+    out of every size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._box = QVBoxLayout(self)
+        self._box.setContentsMargins(0, 0, 0, 0)
+        self._box.setSpacing(0)
+        self._pages: list[QWidget] = []
+        self._current = 0
+
+    def addWidget(self, page: QWidget) -> None:  # QStackedWidget's names, so that it can stand in for one
+        self._box.addWidget(page)
+        self._pages.append(page)
+        page.setVisible(len(self._pages) - 1 == self._current)
+
+    def count(self) -> int:
+        return len(self._pages)
+
+    def widget(self, index: int) -> QWidget:
+        return self._pages[index]
+
+    def currentIndex(self) -> int:
+        return self._current
+
+    def currentWidget(self) -> QWidget:
+        return self._pages[self._current]
+
+    def setCurrentIndex(self, index: int) -> None:
+        if not 0 <= index < len(self._pages):
+            raise IndexError(f"page {index} of {len(self._pages)}")
+        self._current = index
+        for i, page in enumerate(self._pages):  # hide first, then show: the new page never shares the row
+            if i != index:
+                page.setVisible(False)
+        self._pages[index].setVisible(True)
+
+
 def _combo(items: dict[str, str], tooltip: str) -> QComboBox:
     combo = QComboBox()
     for value, label in items.items():
@@ -257,7 +300,7 @@ class InputPanel(QWidget):
         mform = self._form(model_group)
         self.model_kind = _combo(MODEL_KIND_LABELS, TOOLTIPS["model_kind"])
         self._row(mform, "&Source:", "model_kind", self.model_kind)
-        self.model_stack = QStackedWidget()
+        self.model_stack = PageStack()
         self.model_stack.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Maximum)
 
         self.preset = QComboBox()
@@ -666,14 +709,7 @@ class InputPanel(QWidget):
     def _sync_kind(self) -> None:
         kind = self.model_kind.currentData()
         index = {"preset": 0, "config": 1, "hub": 2, "params": 3}.get(kind, 0)
-        self.model_stack.setCurrentIndex(index)
-        # a stacked widget is as tall as its tallest page (the config page has a button row) and centres the
-        # others: only the current page may ask for room, so the Preset row stays one line, level with its label
-        for i in range(self.model_stack.count()):
-            page = self.model_stack.widget(i)
-            policy = QSizePolicy.Policy.Preferred if i == index else QSizePolicy.Policy.Ignored
-            page.setSizePolicy(policy, policy)
-        self.model_stack.updateGeometry()
+        self.model_stack.setCurrentIndex(index)  # as tall as this page (PageStack)
         pages = {0: ("&Preset:", self.preset), 1: ("&JSON file:", self.config_path), 2: ("&Hub id:", self.hub_id),
                  3: ("&Parameters:", self.params)}
         label, buddy = pages[index]
