@@ -37,6 +37,8 @@ from PySide6.QtCore import QPoint, QRect
 from PySide6.QtWidgets import (QAbstractButton, QAbstractSpinBox, QComboBox, QLineEdit, QScrollArea, QTabBar,
                                QWidget)
 from memcalc_gui.app import create_application
+from memcalc_gui.ui import measure_panel
+measure_panel.DETECT_DELAY_MS = None  # no device probe: its thread (importing torch) outlived the check, and Qt aborts
 app = create_application([])
 from memcalc_gui.ui.form import default_state
 from memcalc_gui.ui.main_window import MainWindow
@@ -78,6 +80,7 @@ for index in range(w.tabs.count()):  # every page of the ledger's tabs ("What to
     if w.tabs.widget(index) is w.advice_box:
         out["cards"] = sum(1 for b in w.advice.buttons if b.isVisible() and reachable(b))
 print(json.dumps(out))
+w.close()
 """
 MULTI_GPU_OVER = {"preset": "llama-3.1-70b", "gpus": "8", "strategy": "fsdp-full-shard", "offload": "none"}
 
