@@ -96,6 +96,7 @@ FLAGS = {
     "node_size": "--node-size",
     "offload": "--offload",
     "ep": "--ep",
+    "etp": "--etp",
     "tp": "--tp",
     "pp": "--pp",
     "cp": "--cp",
@@ -226,6 +227,10 @@ def _add_setup_args(p: argparse.ArgumentParser) -> None:
                         "group over all of them)")
     p.add_argument("--ep", default="1", metavar="N",
                    help="expert parallelism: a mixture of experts' routed experts split over N of the GPUs (default 1)")
+    p.add_argument("--etp", default="1", metavar="N",
+                   help="expert tensor parallelism, Megatron-LM's --expert-tensor-parallel-size: each routed expert's "
+                        "weights split over N GPUs besides --ep (with --strategy megatron or megatron-distopt; "
+                        "default 1, every expert whole)")
     p.add_argument("--tp", default="1", metavar="N",
                    help="tensor parallelism: each layer's heads and MLP split over N GPUs as transformers' plans split "
                         "them (default 1); the strategy runs over the GPUs / N data-parallel replicas")
@@ -441,6 +446,7 @@ def setup_from_args(args: argparse.Namespace) -> tuple[TrainingSetup, list[str]]
                                  strategy=args.strategy, offload=args.offload,
                                  node_size=parse_positive_int(args.node_size, "node_size", MAX_PARALLEL_GPUS),
                                  ep=parse_positive_int(getattr(args, "ep", "1"), "ep", MAX_PARALLEL_GPUS),
+                                 etp=parse_positive_int(getattr(args, "etp", "1"), "etp", MAX_PARALLEL_GPUS),
                                  tp=parse_positive_int(getattr(args, "tp", "1"), "tp", MAX_PARALLEL_GPUS),
                                  pp=parse_positive_int(getattr(args, "pp", "1"), "pp", MAX_PARALLEL_GPUS),
                                  cp=parse_positive_int(getattr(args, "cp", "1"), "cp", MAX_PARALLEL_GPUS),
@@ -508,6 +514,7 @@ def format_ledger(result: Result) -> str:
                                                                  else "")
                      + ("" if par.reshard_after_forward else ", not resharded after forward")
                      + (f", experts split over {par.ep} (expert parallelism)" if par.ep > 1 else "")
+                     + (f", each expert's weights over {par.etp} (expert tensor parallelism)" if par.etp > 1 else "")
                      + (f", tensor parallel {par.tp}" + (" with sequence parallelism" if par.sp else "")
                         + (", loss parallel" if par.loss_parallel else "")
                         if par.tp > 1 else "")

@@ -214,6 +214,100 @@ def test_mixtral_weights_and_optimizer_equal_megatrons_function_and_split_with_e
     assert per_gpu(8) == pytest.approx(dense * per_param(dp) + experts / 8 * per_param(dp // 8), rel=1e-6)
 
 
+@pytest.mark.parametrize("dist", [False, True], ids=["megatron", "distopt"])
+@pytest.mark.parametrize(("ep", "etp"), [(8, 1), (4, 2), (2, 4), (8, 2), (1, 8)])
+def test_expert_tensor_parallelism_splits_each_expert_as_megatron_core_lays_them_out(
+        dist: bool, ep: int, etp: int) -> None:
+    """Megatron-LM's ``--expert-tensor-parallel-size``: one copy of every expert over ep × etp GPUs, its optimizer
+    sharded over the dp/(ep·etp) GPUs that hold the same slices (the expert-data-parallel group), the rest of the
+    model as before: per GPU Megatron's 18 B/param (6 + 12/n with the distributed optimizer over n GPUs) of its share.
+    Under the distributed optimizer the Adam moments per GPU are the same for every ep × etp (each GPU owns 1/dp of
+    every expert's state either way); the 16-bit weights and the main grads shrink with etp."""
+    c, dp = MIXTRAL_8X7B, 64
+    st = structure_on_meta(c)
+    par = Parallelism(gpus=dp, ep=ep, etp=etp, strategy="megatron-distopt" if dist else "megatron")
+    s = expert_parallel_states(par, st["num_params"], st["expert_params"],
+                               st["layer_params"] - st["layer_expert_params"], st["layer_expert_params"],
+                               "mixed", 8 * st["num_params"], 0, 0, st["root_unit"])
+    dense, experts, split = st["num_params"] - st["expert_params"], st["expert_params"], ep * etp
+    per_param = (lambda n: 6 + 12 / n) if dist else (lambda n: 18)
+    total = s.parameters["backward"] + s.gradients["backward"] + s.optimizer_state
+    assert total == pytest.approx(dense * per_param(dp) + experts / split * per_param(dp // split), rel=1e-6)
+    if dist:  # each GPU owns 1/dp of every expert's fp32 state, whatever the split
+        assert s.optimizer_state == pytest.approx(8 * (dense + experts) / dp, rel=1e-6)  # the moments
+    assert any(f"ep × etp = {ep} × {etp}" in n for n in s.notes) if etp > 1 else True
+
+
+def test_expert_tensor_parallelism_is_megatrons_and_must_divide_a_stage() -> None:
+    """etp is Megatron-LM's own: DDP, ZeRO and FSDP (traced as transformers runs them, every expert whole) refuse it,
+    as does an ep × etp that does not divide a stage's data- and tensor-parallel GPUs, or a dense model."""
+    from memcalc_gui.core.distributed import check_experts
+
+    for strategy in ("ddp", "zero3", "fsdp2"):
+        with pytest.raises(InputError) as exc:
+            Parallelism(gpus=8, ep=2, etp=2, strategy=strategy)
+        assert exc.value.field == "etp" and "Megatron-LM" in exc.value.reason
+    with pytest.raises(InputError) as exc:
+        Parallelism(gpus=16, pp=2, ep=4, etp=4, strategy="megatron")  # 8 GPUs a stage, 16 to hold the experts
+    assert exc.value.field == "etp" and "must divide" in exc.value.reason
+    assert Parallelism(gpus=16, pp=2, ep=4, etp=2, strategy="megatron").expert_split == 8
+    with pytest.raises(InputError) as exc:
+        check_experts("llama", 0, 1, 2)
+    assert exc.value.field == "etp"
+    with pytest.raises(InputError) as exc:
+        Parallelism(gpus=8, etp=0, strategy="megatron")
+    assert exc.value.field == "etp"
+
+
+def test_fitted_expert_tensor_parallelism_adds_the_gathered_tokens_to_the_traced_step(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The fitted ledger under Megatron-LM's expert tensor parallelism: the weights of the experts split etp ways
+    more, and what the etp GPUs' gathered tokens add at the peaks, exactly: each kept MoE layer's expert inputs and
+    the dispatch buffers, (etp − 1) times the GPU's tokens × top-k × hidden, bf16."""
+    from memcalc_gui.core.fitted import estimate_fitted, kept_layers
+    from memcalc_gui.trace import fit as fitmod
+
+    monkeypatch.setenv("MEMCALC_CACHE_DIR", str(tmp_path / "fits"))
+    tokens = STEP["batch"] * STEP["seq"] * MIXTRAL["num_experts_per_tok"] * MIXTRAL["hidden_size"]
+    for checkpointing in ("none", "full"):
+        setups = {etp: TrainingSetup(params=count_params_on_meta(MIXTRAL), **STEP, checkpointing=checkpointing,
+                                     parallel=Parallelism(gpus=8, ep=2, etp=etp, strategy="megatron-distopt"))
+                  for etp in (1, 2, 4)}
+        fit = fitmod.calibrate(MIXTRAL, setups[1], setups[1].params or 0)
+        est = {etp: estimate_fitted(s, fit) for etp, s in setups.items()}
+        layers = kept_layers(checkpointing, MIXTRAL["num_hidden_layers"])
+        for etp in (2, 4):
+            for phase in ("forward", "backward"):
+                a, b = est[1].phases[phase].objects, est[etp].phases[phase].objects
+                assert b["activations"] - a["activations"] == (etp - 1) * tokens * 2 * layers, (etp, phase)
+                assert b["temporaries"] - a["temporaries"] == 2 * (etp - 1) * tokens * 2, (etp, phase)
+            assert est[etp].phases["load"].objects["parameters"] < est[1].phases["load"].objects["parameters"]
+            assert any("expert tensor parallelism gathers" in n for n in est[etp].assumptions)
+    assert kept_layers("none", 4) == kept_layers("selective", 4) == 4 and kept_layers("full", 4) == 1
+    assert kept_layers("every:2", 4) == 3
+
+
+def test_the_cli_takes_etp_and_the_trace_and_a_real_run_say_why_not(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--etp`` reaches the ledger and the JSON; the trace names what it cannot run instead of ignoring it."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(MIXTRAL))
+    common = ["estimate", "--config", str(cfg), "--batch", "2", "--seq", "64", "--gpus", "8", "--ep", "2",
+              "--strategy", "megatron-distopt"]
+    assert cli_main([*common, "--etp", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["etp"] == 2 and out["setup"]["etp"] == 2
+    assert cli_main([*common, "--etp", "2"]) == 0
+    assert "each expert's weights over 2 (expert tensor parallelism)" in capsys.readouterr().out
+    for bad, said in ((["--etp", "3"], "ep × etp"), (["--etp", "x"], "--etp"),
+                      (["--etp", "2", "--method", "trace"], "transformers keeps every expert whole")):
+        with pytest.raises(SystemExit) as exc:
+            cli_main([*common, *bad])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert said in err and err.count("\n") == 1, err
+
+
 # ---- tensor parallelism of a mixture of experts (a family without a block model) ----------------------------------
 @pytest.mark.parametrize("cfg", [MIXTRAL, QWEN3_MOE, QWEN2_MOE], ids=["mixtral", "qwen3_moe", "qwen2_moe"])
 def test_the_tensor_parallel_rank_of_a_mixture_of_experts_is_the_narrower_model_to_the_byte(

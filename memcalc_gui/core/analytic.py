@@ -674,6 +674,9 @@ def states_for(spec: ModelSpec, setup: TrainingSetup, state_bytes: int, step_tem
                copies: int) -> ModelStates:
     """The strategy's per-GPU model states for this architecture (see ``distributed.model_states``)."""
     par = setup.parallel
+    if par.etp > 1:
+        raise InputError("etp", f"{spec.name} has no routed experts to split (expert tensor parallelism needs a "
+                                "mixture of experts)")
     if par.ep > 1:
         raise InputError("ep", f"{spec.name} has no routed experts to split (expert parallelism needs a mixture of "
                                "experts)")

@@ -169,9 +169,14 @@ class Parallelism:
     #: ``dp_replicate`` replicas, each ``fully_shard``-ed over its ``dp / dp_replicate`` GPUs (× ``cp``), on a 2-D
     #: mesh; the gradients are reduce-scattered within a replica and then all-reduced across replicas in place.
     dp_replicate: int = 1
+    #: Expert tensor parallelism, Megatron-LM's ``--expert-tensor-parallel-size``: each routed expert's weights split
+    #: over this many GPUs (its first projection column-wise, its last row-wise), beside the ``ep``-way split of the
+    #: experts themselves; ``ep × etp`` GPUs then hold one copy of every expert. Megatron-LM's strategies only:
+    #: transformers, which the other strategies' traces run, keeps every expert whole.
+    etp: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("gpus", "node_size", "ep", "tp", "pp", "virtual_stages", "cp", "dp_replicate"):
+        for name in ("gpus", "node_size", "ep", "tp", "pp", "virtual_stages", "cp", "dp_replicate", "etp"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InputError(name, f"must be a positive integer, got {value!r}")
@@ -251,7 +256,20 @@ class Parallelism:
                                    f"expert-parallel group), got ep {self.ep}, tp {self.tp}")
         if self.tp > 1 and self.offload != "none":
             raise InputError("offload", "offload beside tensor parallelism is not modelled yet")
+        if self.etp > 1:
+            self._check_expert_tensor()
 
+    def _check_expert_tensor(self) -> None:
+        """Megatron-LM's expert tensor parallelism: its strategies, and ``ep × etp`` dividing the GPUs of a stage's
+        tensor- and data-parallel groups (:class:`InputError` naming the field)."""
+        if not self.strategy.startswith("megatron"):
+            raise InputError("etp", "expert tensor parallelism is Megatron-LM's (--expert-tensor-parallel-size): "
+                                    "transformers keeps every expert whole, and so do the DDP, ZeRO and FSDP steps "
+                                    "memcalc traces; choose --strategy megatron or megatron-distopt, or leave etp at 1")
+        stage = self.dp * self.tp
+        if stage % (self.ep * self.etp):
+            raise InputError("etp", f"the experts split over ep × etp = {self.ep} × {self.etp} GPUs of a pipeline "
+                                    f"stage's {stage:,} data- and tensor-parallel ones: ep × etp must divide them")
     def _check_hybrid(self) -> None:
         """FSDP2's hybrid sharding: replicas of FSDP2 groups that still shard (:class:`InputError` naming the field)."""
         r = self.dp_replicate
@@ -315,7 +333,19 @@ class Parallelism:
 
     @property
     def is_distributed(self) -> bool:
-        return self.gpus > 1 or self.strategy != "ddp" or self.offload != "none" or self.ep > 1
+        return self.gpus > 1 or self.strategy != "ddp" or self.offload != "none" or self.ep > 1 or self.etp > 1
+
+    @property
+    def expert_split(self) -> int:
+        """Over how many GPUs one copy of every routed expert is spread: ``ep × etp``."""
+        return self.ep * self.etp
+
+    @property
+    def experts_text(self) -> str:
+        """``, experts over 8`` or ``, experts over 8 × 2 (expert tensor parallel)``; "" when they are not split."""
+        if self.expert_split == 1:
+            return ""
+        return f", experts over {self.ep}" + (f" × {self.etp} (expert tensor parallel)" if self.etp > 1 else "")
 
     @property
     def gpus_per_node(self) -> int:
@@ -528,11 +558,14 @@ def megatron_theoretical_memory(hidden: int, ffn: int, layers: int, heads: int, 
     return weights, act / tp
 
 
-def check_experts(model_type: str, num_experts: int, ep: int) -> None:
-    """:class:`InputError` naming ``ep`` unless ``ep`` splits this model's routed experts evenly."""
+def check_experts(model_type: str, num_experts: int, ep: int, etp: int = 1) -> None:
+    """:class:`InputError` naming ``ep`` (or ``etp``) unless they split this model's routed experts evenly."""
     if ep > 1 and not num_experts:
         raise InputError("ep", f"model_type {model_type!r} has no routed experts to split (expert parallelism needs "
                                "a mixture of experts)")
+    if etp > 1 and not num_experts:
+        raise InputError("etp", f"model_type {model_type!r} has no routed experts to split (expert tensor "
+                                "parallelism needs a mixture of experts)")
     if num_experts % ep:
         raise InputError("ep", f"{num_experts} experts per layer do not split evenly over {ep} GPUs")
 
@@ -548,19 +581,25 @@ def expert_parallel_states(par: Parallelism, num_params: int, expert_params: int
 
     FSDP2 shards each parameter along its first dimension, which for transformers' fused experts is the expert:
     with ``experts`` per layer, the most loaded GPU holds ``ceil(local experts / shards)`` of them (traced: 60
-    experts over 8 GPUs are 8 on the first, not 7.5)."""
-    # the GPUs of one pipeline stage hold every expert ep times over: gpus / (pp · cp · ep) copies of each (with tensor
-    # parallelism the experts run whole, transformers' plan, so its GPUs count as copies too)
-    copies = max(1, par.dp * par.tp // par.ep) if par.ep > 1 else par.dp
+    experts over 8 GPUs are 8 on the first, not 7.5).
+
+    Megatron-LM's expert tensor parallelism (``par.etp``) splits each expert's weights over ``etp`` GPUs more, as
+    its ``--expert-tensor-parallel-size`` does: one copy of every expert over ``ep × etp`` GPUs, and
+    ``dp · tp / (ep · etp)`` copies of it in a stage (its expert-data-parallel group, which the distributed optimizer
+    shards over)."""
+    split = par.expert_split
+    # the GPUs of one pipeline stage hold every expert split times over: gpus / (pp · cp · split) copies of each (with
+    # tensor parallelism the experts run whole, transformers' plan, so its GPUs count as copies too)
+    copies = max(1, par.dp * par.tp // split) if split > 1 else par.dp
     # FSDP2's hybrid sharding: the experts sharded over one replica's copies of them, as FSDP2 over that replica
     replica_copies = max(1, copies // par.dp_replicate)
     padded = par.strategy == "fsdp2" and experts > 0 and (experts // par.ep) % replica_copies != 0
-    if par.ep == 1 and not padded:
+    if split == 1 and not padded:
         unit = expert_unit + dense_unit  # not split: the caller's unit
         return model_states(par, num_params, unit, precision, state_bytes_single, step_temporaries_single,
                             matmul_copy_bytes, root_unit)
     dense = num_params - expert_params
-    share = expert_params // par.ep
+    share = expert_params // split
     if padded:
         local, shards = experts // par.ep, replica_copies
         share = share * -(-local // shards) * shards // local
@@ -569,23 +608,30 @@ def expert_parallel_states(par: Parallelism, num_params: int, expert_params: int
         return (state_bytes_single * n // num_params, step_temporaries_single * n // num_params,
                 matmul_copy_bytes * n // num_params)
 
-    d = model_states(replace(par, ep=1), dense, dense_unit, precision, *part(dense), root_unit)
-    e = model_states(replace(par, gpus=replica_copies * par.pp * par.cp, tp=1, ep=1, sp=False, loss_parallel=False,
-                             dp_replicate=1), share, expert_unit // par.ep, precision, *part(share), 0)
-    if par.ep == 1:
+    d = model_states(replace(par, ep=1, etp=1), dense, dense_unit, precision, *part(dense), root_unit)
+    e = model_states(replace(par, gpus=replica_copies * par.pp * par.cp, tp=1, ep=1, etp=1, sp=False,
+                             loss_parallel=False, dp_replicate=1), share, expert_unit // split, precision,
+                     *part(share), 0)
+    if split == 1:
         note = (f"FSDP2 shards the fused experts expert by expert: {experts} per layer over {par.shards} GPUs are "
                 f"{-(-experts // par.shards)} on the most loaded one")
     else:
-        note = (f"Expert parallelism over {par.ep} GPUs: each holds 1/{par.ep} of the routed experts "
-                f"({expert_params // par.ep:,} parameters), " + (
+        over = (f"Expert parallelism over {par.ep} GPUs" if par.etp == 1 else
+                f"Experts split over ep × etp = {par.ep} × {par.etp} GPUs (Megatron-LM's expert tensor parallelism: "
+                f"each expert's weights over {par.etp} of them)")
+        note = (f"{over}: each holds 1/{split} of the routed experts "
+                f"({expert_params // split:,} parameters), " + (
                     "and no other GPU holds the same ones" if copies == 1 else
                     f"whole on one GPU of each of the {par.dp_replicate} replicas (hybrid sharding)"
                     if replica_copies == 1 else
-                    f"{'replicated' if par.strategy == 'ddp' else 'sharded'} over the {replica_copies} GPUs that hold "
-                    "the same ones" + (f" in each of {par.dp_replicate} replicas" if par.dp_replicate > 1 else ""))
+                    f"{'replicated' if par.strategy in ('ddp', 'megatron') else 'sharded'} over the {replica_copies} "
+                    "GPUs that hold the same ones"
+                    + (f" in each of {par.dp_replicate} replicas" if par.dp_replicate > 1 else ""))
                 + (f"; the other {dense:,} parameters over all {par.gpus}" if par.tp == 1 and par.dp_replicate == 1
                                     else f"; the other {dense:,} parameters over each replica's "
                                     f"{par.gpus // par.dp_replicate}" if par.tp == 1 else
+                                    f"; the rest of the model ({dense:,} parameters per GPU) split over {par.tp} "
+                                    "tensor-parallel GPUs" if par.etp > 1 else
                                     f", each expert whole (transformers' plan; the tokens split over the {par.tp} "
                                     f"tensor-parallel GPUs before the all-to-all); the rest of the model "
                                     f"({dense:,} parameters per GPU) split over {par.tp} tensor-parallel GPUs"))

@@ -367,7 +367,18 @@ def _poly(values: Any) -> Poly:
     return a, b, c, d, e, f
 
 
-def per_gpu_states(setup: TrainingSetup, fit: FitModel, traced_rank: bool = False) -> tuple[Transform, ModelStates]:
+def kept_layers(checkpointing: str, layers: int) -> int:
+    """Of ``layers`` decoder layers, how many keep their activations at the backward peak: every one without
+    checkpointing (and with selective checkpointing, which recomputes attention, not the MLP's inputs), the one
+    recomputed with full checkpointing, the layers not checkpointed and the one recomputed with ``every:N``."""
+    every = None if checkpointing == "selective" else checkpoint_every(checkpointing)
+    if every is None:
+        return layers
+    return min(layers, layers - layers // every + 1)
+
+
+def per_gpu_states(setup: TrainingSetup, fit: FitModel, traced_rank: bool = False,
+                   in_flight: int = 1) -> tuple[Transform, ModelStates]:
     """The strategy's per-GPU model states for a fitted model, and the transform that puts them into each traced
     moment (the activations and temporaries of one micro-batch stay as traced). ``traced_rank``: the moments are
     those of a traced rank of the layout (:func:`rank_layout`), whose all-to-all buffers are traced where they live.
@@ -391,23 +402,35 @@ def per_gpu_states(setup: TrainingSetup, fit: FitModel, traced_rank: bool = Fals
     if _bf16_fit(setup, fit) and setup.optimizer in STATE_IN_PARAM_DTYPE:  # the fp32 shards' state, not bf16's
         state, temps = 2 * state, 2 * temps
     traced_grads = step.get("gradients", 0)  # every gradient, at the step
-    buffers = 0
-    if par.ep > 1 or (par.strategy == "fsdp2" and st["num_experts"]):
-        check_experts(fit.model_type, st["num_experts"], par.ep)
+    buffers = gathered = 0
+    if par.expert_split > 1 or (par.strategy == "fsdp2" and st["num_experts"]):
+        check_experts(fit.model_type, st["num_experts"], par.ep, par.etp)
         zero3 = par.strategy == "zero3"
         states = expert_parallel_states(
             par, st["num_params"], st["expert_params"],
             st["largest_dense_module"] if zero3 else st["layer_params"] - st["layer_expert_params"],
             st["largest_expert_module"] if zero3 else st["layer_expert_params"], setup.precision, state, temps,
             copies, st["root_unit"], st["num_experts"])
+        # the all-to-all dispatch and combine buffers of one MoE layer: every token's top-k hidden states out and
+        # back, balanced routing (transformers', torchtitan's and Megatron-LM's token dispatchers); beside tensor
+        # parallelism each GPU of the group sends its share of the tokens (transformers' plan), with context
+        # parallelism each GPU its share of every sequence
+        a_bytes = 4 if setup.precision == "fp32" else 2
+        tokens = -(-setup.batch * (setup.seq // setup.parallel.cp) // par.tp) * st["top_k"] * st["hidden_size"]
         if par.ep > 1 and not traced_rank:
-            # the all-to-all dispatch and combine buffers of one MoE layer: every token's top-k hidden states out
-            # and back, balanced routing (transformers', torchtitan's and Megatron-LM's token dispatchers)
-            a_bytes = 4 if setup.precision == "fp32" else 2
-            # (beside tensor parallelism each GPU of the group sends its share of the tokens: transformers' plan)
-            # (with context parallelism each GPU its share of every sequence)
-            tokens = setup.batch * (setup.seq // setup.parallel.cp)
-            buffers = 2 * -(-tokens // par.tp) * st["top_k"] * st["hidden_size"] * a_bytes
+            buffers = 2 * tokens * a_bytes
+        # Megatron-LM's expert tensor parallelism gathers the tokens of its etp GPUs before each expert's slice
+        # (MoEAlltoAllTokenDispatcher's all-gather): the dispatch buffers, and the experts' inputs each MoE layer
+        # keeps for backward, hold etp times the GPU's share (the traced step holds its own share once)
+        buffers += 2 * tokens * a_bytes * (par.etp - 1)
+        moe_layers = st["expert_params"] // max(1, st["layer_expert_params"]) // setup.parallel.virtual_stages
+        gathered = (par.etp - 1) * tokens * a_bytes * kept_layers(setup.checkpointing, moe_layers) * in_flight
+        if par.etp > 1:
+            states = dataclasses.replace(states, notes=(*states.notes, (
+                f"Megatron-LM's expert tensor parallelism gathers the tokens of its {par.etp} GPUs before each "
+                "expert's slice: the experts' inputs each kept MoE layer saves for backward and the dispatch buffers "
+                f"hold {par.etp} times the GPU's share (added to the traced step); the slices' own activations "
+                f"({par.etp} times the tokens, 1/{par.etp} of the width) weigh as the traced step's")))
     else:
         unit = st["largest_module"] if par.strategy == "zero3" else st["layer_params"]
         states = model_states(par, st["num_params"], unit, setup.precision, state, temps, copies, st["root_unit"])
@@ -417,6 +440,8 @@ def per_gpu_states(setup: TrainingSetup, fit: FitModel, traced_rank: bool = Fals
         out = dict(comp)
         if phase in ("forward", "backward") and buffers:
             out["temporaries"] = out.get("temporaries", 0.0) + buffers
+        if phase in ("forward", "backward") and gathered:
+            out["activations"] = out.get("activations", 0.0) + gathered
         if par.strategy == "ddp":  # replicated: the traced states (the experts' share of them with EP) + buckets
             for obj in ("gradients", "optimizer_state", "optimizer_temporaries"):
                 if obj in out:
@@ -656,9 +681,10 @@ def _pipeline_fitted(setup: TrainingSetup, fit: FitModel) -> Estimate:
             if par.strategy == "ddp" and par.dp > 1 else 0
         untraced = _untraced_microbatches(setup, fit, rank, traced)
         states: Transform | None = None
+        flight = in_flight(par.schedule, par.pp, rank, setup.grad_accum, par.virtual_stages)
         if by_rule:  # the stage's per-GPU model states by the strategy's rule, as for a whole model on one GPU
             states, laid_out = per_gpu_states(setup, dataclasses.replace(
-                stage, structure=_stage_structure(setup, fit, stage)))
+                stage, structure=_stage_structure(setup, fit, stage)), in_flight=flight)
             rule_notes = laid_out.notes
 
         def transform(phase: str, comp: dict[str, float], extra: int = buckets, more: dict[str, int] = untraced,
@@ -677,8 +703,7 @@ def _pipeline_fitted(setup: TrainingSetup, fit: FitModel) -> Estimate:
                 objects = _resident(objects)
             phases[phase] = with_overheads(objects, phase, setup)
         peak = max(ph.total_bytes for ph in phases.values())
-        rows.append({"rank": rank, "in_flight": in_flight(par.schedule, par.pp, rank, setup.grad_accum,
-                                                          par.virtual_stages),
+        rows.append({"rank": rank, "in_flight": flight,
                      "peak_bytes": peak, "phases": {p: ph.total_bytes for p, ph in phases.items()},
                      "tensor_bytes": {p: ph.tensor_bytes for p, ph in phases.items()}})
         if best is None or peak > best[1]:

@@ -113,7 +113,7 @@ def layout_label(p: Parallelism) -> str:
     return (p.model_parallel_text + " × " if p.model_parallel_text else "") + \
         f"{STRATEGY_SHORT.get(p.strategy, p.strategy)} over {p.dp:,}" \
         + (f" ({p.dp_replicate} replicas of {p.dp // p.dp_replicate})" if p.dp_replicate > 1 else "") \
-        + (f", experts over {p.ep}" if p.ep > 1 else "") \
+        + p.experts_text \
         + (" (no reshard after forward)" if p.strategy == "fsdp2" and not p.reshard_after_forward else "")
 
 
@@ -147,8 +147,8 @@ class Layout:
 
     def to_json(self) -> dict[str, Any]:
         p = self.parallel
-        return {"label": self.label, "gpus": p.gpus, "tp": p.tp, "pp": p.pp, "dp": p.dp, "ep": p.ep, "sp": p.sp,
-                "dp_replicate": p.dp_replicate,
+        return {"label": self.label, "gpus": p.gpus, "tp": p.tp, "pp": p.pp, "dp": p.dp, "ep": p.ep, "etp": p.etp,
+                "sp": p.sp, "dp_replicate": p.dp_replicate,
                 "loss_parallel": p.loss_parallel, "strategy": p.strategy, "schedule": p.schedule,
                 "reshard_after_forward": p.reshard_after_forward,
                 "peak_bytes": self.peak_bytes, "fits": self.fits, "seconds_per_token": self.seconds_per_token,

@@ -48,6 +48,9 @@ def estimate_quick(setup: TrainingSetup) -> Estimate:
         if on:
             raise InputError(name, "the heuristic has no loss or per-parameter step to change: choose a preset or a "
                                    "config.json")
+    if par.etp > 1:
+        raise InputError("etp", "expert tensor parallelism splits the routed experts, which a bare parameter count "
+                                "does not give: choose a preset or a config.json of the mixture of experts")
     if par.ep > 1:
         raise InputError("ep", "expert parallelism splits the routed experts, which a bare parameter count does not "
                                "give: choose a preset or a config.json of the mixture of experts")

@@ -79,6 +79,7 @@ class Result:
             "gpus": est.setup.parallel.gpus,
             "offload": est.setup.parallel.offload,
             "ep": est.setup.parallel.ep,
+            "etp": est.setup.parallel.etp,
             "tp": est.setup.parallel.tp,
             "dp": est.setup.parallel.dp,
             "pp": est.setup.parallel.pp,

@@ -425,6 +425,7 @@ class TrainingSetup:
             "node_size": self.parallel.node_size,
             "offload": self.parallel.offload,
             "ep": self.parallel.ep,
+            "etp": self.parallel.etp,
             "tp": self.parallel.tp,
             "pp": self.parallel.pp,
             "schedule": self.parallel.schedule,
@@ -490,7 +491,7 @@ class TrainingSetup:
         gpus = f", {par.gpus} GPUs {par.strategy}" if par.is_distributed else ""
         gpus += f", {par.model_parallel_text} × data parallel {par.dp}" if par.model_parallel_text else ""
         gpus += f", offload {par.offload}" if par.offload != "none" else ""
-        gpus += f", experts over {par.ep}" if par.ep > 1 else ""
+        gpus += par.experts_text
         gpus += ", not resharded after forward" if not par.reshard_after_forward else ""
         return (f"{model}: batch {self.batch} × seq {self.seq} × accum {self.grad_accum}, {self.precision}, "
                 f"{self.optimizer} ({self.optimizer_impl}), {self.attention}, checkpointing {self.checkpointing}"

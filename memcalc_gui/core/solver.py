@@ -439,7 +439,7 @@ def _context_parallel_degrees(setup: TrainingSetup) -> list[int]:
     sequences only: from 8,192 tokens, where attention's activations dominate)."""
     par = setup.parallel
     if setup.model is None or setup.seq < 8192 or setup.attention == "eager" or setup.packing \
-            or setup.tuning.method != "full" or par.ep > 1 or par.offload != "none":
+            or setup.tuning.method != "full" or par.expert_split > 1 or par.offload != "none":
         return []
     rest = par.gpus // (par.tp * par.pp)
     return [cp for cp in (2, 4, 8) if par.cp < cp and rest % cp == 0 and setup.seq % (2 * cp) == 0]
@@ -451,7 +451,7 @@ def _tensor_parallel_degrees(setup: TrainingSetup) -> list[int]:
 
     par, spec = setup.parallel, setup.model
     if spec is None or spec.family not in TP_FAMILIES or setup.tuning.method != "full" or par.offload != "none" \
-            or par.ep > 1:
+            or par.expert_split > 1:
         return []
     return [tp for tp in (2, 4, 8) if par.tp < tp <= par.node_size and par.gpus % (tp * par.pp * par.cp) == 0
             and not (spec.num_heads % tp or spec.num_kv_heads % tp or spec.intermediate_size % tp)]
@@ -710,9 +710,9 @@ def _every_lever_counts(setup: TrainingSetup, estimator: Estimator, combo: tuple
 
 def model_parallel_group(par: Parallelism) -> int:
     """The GPUs a layout's count comes in multiples of: its tensor-, pipeline- and context-parallel group, as many of
-    them as split the experts (``ep`` GPUs of a stage's data- and tensor-parallel ones: transformers' layout), times
+    them as split the experts (``ep × etp`` GPUs of a stage's data- and tensor-parallel ones), times
     FSDP2's hybrid replicas (a count of GPUs is then that many replicas of as many shards as groups)."""
-    return (par.pp * par.cp * math.lcm(par.tp, par.ep) if par.ep > 1 else par.tp * par.pp * par.cp) * par.dp_replicate
+    return par.pp * par.cp * math.lcm(par.tp, par.expert_split) * par.dp_replicate
 
 
 def _fewest_gpus(setup: TrainingSetup, estimator: Estimator, capacity: int, limit: int = 0) -> int | None:

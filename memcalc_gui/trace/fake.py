@@ -141,6 +141,9 @@ def refusal(setup: TrainingSetup) -> str:
         return ("the trace does not run QLoRA: transformers quantizes the base through bitsandbytes while loading "
                 "real weights, which fake tensors do not have; the analytic ledger, checked against real bitsandbytes "
                 "steps within 3.4 %, holds")
+    if par.etp > 1:
+        return ("expert tensor parallelism is Megatron-LM's: transformers keeps every expert whole, so a trace cannot "
+                "split them; the fitted method lays their states out by Megatron-LM's rule")
     if (par.ep > 1 or (setup.model is None and par.is_distributed)) and (
             par.strategy not in ("ddp", "fsdp2") or par.offload != "none"):
         return ("a layout of a family without a block model, or with experts split, is traced as transformers lays "
@@ -434,11 +437,12 @@ def _rank_rules(cfg: dict[str, Any], setup: TrainingSetup) -> tuple[tuple[str, .
 
     par = setup.parallel
     st = structure_on_meta(tensor_parallel_config(cfg, par.tp, experts_whole=par.ep > 1) if par.tp > 1 else cfg)
-    if setup.parallel.ep == 1:  # context parallelism shards the states with the data-parallel ranks (core.context)
+    # context parallelism shards the states with the data-parallel ranks (core.context)
+    if setup.parallel.expert_split == 1:
         states = model_states(dataclasses.replace(setup.parallel, cp=1), st["num_params"], st["layer_params"],
                               setup.precision, 0, 0, 0, st["root_unit"])
         return states.notes, states.gradients["forward"] if setup.parallel.strategy == "ddp" else 0
-    check_experts(str(cfg.get("model_type")), st["num_experts"], setup.parallel.ep)
+    check_experts(str(cfg.get("model_type")), st["num_experts"], setup.parallel.ep, setup.parallel.etp)
     # (context parallelism: the experts' copies over the data- and context-parallel ranks together)
     states = expert_parallel_states(dataclasses.replace(setup.parallel, cp=1), st["num_params"], st["expert_params"],
                                     st["layer_params"] - st["layer_expert_params"], st["layer_expert_params"],
