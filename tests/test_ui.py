@@ -1149,6 +1149,42 @@ def test_a_mixture_of_experts_across_gpus_in_the_window(window, qtbot, tmp_path)
     assert w.fit_runner.is_running()  # that layout's rank, in the worker (closing the window stops it)
 
 
+def test_megatron_expert_tensor_parallelism_in_the_window(window, qtbot, tmp_path):
+    """Each expert split over 2 GPUs besides expert parallelism (Megatron-LM's --expert-tensor-parallel-size): the
+    field is live under Megatron-LM's strategies only and keeps its text under the others; the ledger is the core's
+    for the same setup, below the one without it, and the banner, the plan's assumptions and the report say the
+    split; an etp that does not divide the GPUs is marked and the last result kept."""
+    from memcalc_gui.report.content import _setup_rows
+
+    w = window
+    open_mixtral(w, qtbot, tmp_path, layers=2)
+    w.apply_state(w.inputs.state().replace(gpus="8", ep="2", strategy="megatron-distopt"))
+    w.refresh()
+    qtbot.waitUntil(lambda: w.result.setup.parallel.strategy == "megatron-distopt"
+                    and w.result.estimate.method == "fitted", timeout=60000)
+    whole = w.result
+    assert w.inputs.etp.isEnabled() and w.inputs.labels["etp"].isEnabled()
+    w.inputs.etp.setText("2")
+    qtbot.waitUntil(lambda: w.result.setup.parallel.etp == 2, timeout=5000)
+    split = w.result
+    assert split.estimate.phases["load"].objects["parameters"] < whole.estimate.phases["load"].objects["parameters"]
+    assert any("ep × etp = 2 × 2" in n for n in split.estimate.assumptions)
+    assert "each expert over 2 (expert tensor parallel)" in w.banner.detail.text()
+    rows = dict(_setup_rows(split))
+    assert rows["Routed experts"] == ("split over 2 GPUs (expert parallel), each expert's weights over 2 GPUs "
+                                      "(Megatron-LM's expert tensor parallel)")
+    w.inputs.etp.setText("8")  # 2 × 8 does not divide 8 GPUs
+    assert w.refresh() is False
+    assert set(w.inputs.errors()) == {"etp"} and "must divide" in w.inputs.errors()["etp"]
+    assert w.result is split and w.inputs.etp.property("invalid") is True
+    w.undo()
+    assert w.result.setup.parallel.etp == 2
+    # another strategy: the field is off and ignored, its text kept for when Megatron-LM's comes back
+    w.inputs.strategy.setCurrentIndex(w.inputs.strategy.findData("zero1"))
+    qtbot.waitUntil(lambda: w.result.setup.parallel.strategy == "zero1", timeout=60000)
+    assert not w.inputs.etp.isEnabled() and w.result.setup.parallel.etp == 1 and w.inputs.state().etp == "2"
+
+
 def test_the_layout_search_calibrates_the_tensor_parallel_layouts_it_left_out(window, qtbot, tmp_path):
     """Find layouts for a family without a block model: the fits at hand answer at once, the tensor-parallel
     degree without a fit is left out and offered for calibration; the worker calibrates it and the search opens

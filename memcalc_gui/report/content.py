@@ -344,6 +344,11 @@ def _setup_rows(result: Result) -> list[tuple[str, str]]:
                                             "GPUs (gradients all-reduced across replicas)"))
         if par.model_parallel_text:
             rows.append(("Layout", f"{par.model_parallel_text} × data parallel {par.dp:,}"))
+        if par.expert_split > 1:
+            parts = ([f"split over {par.ep:,} GPUs (expert parallel)"] if par.ep > 1 else []) + (
+                [f"each expert's weights over {par.etp:,} GPUs (Megatron-LM's expert tensor parallel)"]
+                if par.etp > 1 else [])
+            rows.append(("Routed experts", ", ".join(parts)))
         if pipeline_text(result):
             rows.append(("Pipeline", pipeline_text(result)))
         rows.append(("Offload", "none" if par.offload == "none" else OFFLOAD_TEXT[par.offload]))

@@ -95,6 +95,7 @@ class FormState:
     strategy: str = "ddp"
     node_size: str = "8"
     ep: str = "1"
+    etp: str = "1"  # Megatron-LM's expert tensor parallelism (read under its strategies only)
     tp: str = "1"  # tensor parallelism (core.layout)
     sp: str = "false"  # sequence parallelism beside tp
     loss_parallel: str = "false"  # the vocabulary split beside tp
@@ -231,6 +232,7 @@ _FIELD_MAP: Final = {
     "strategy": "strategy",
     "node_size": "node_size",
     "ep": "ep",
+    "etp": "etp",
     "tp": "tp",
     "sp": "tp",  # the box beside the tensor-parallel field
     "loss_parallel": "loss_parallel",
@@ -493,6 +495,9 @@ def build_setup(state: FormState, cache: ModelCache) -> TrainingSetup:
     attempt("gpus", lambda: parse_positive_int(state.gpus, "gpus", MAX_PARALLEL_GPUS))
     attempt("node_size", lambda: parse_positive_int(state.node_size, "node_size", MAX_PARALLEL_GPUS))
     attempt("ep", lambda: parse_positive_int(state.ep or "1", "ep", MAX_PARALLEL_GPUS))
+    # (read under Megatron-LM's strategies only: the field keeps its text while another is chosen)
+    attempt("etp", lambda: parse_positive_int(state.etp or "1", "etp", MAX_PARALLEL_GPUS)
+            if state.strategy.startswith("megatron") else 1)
     attempt("tp", lambda: parse_positive_int(state.tp or "1", "tp", MAX_PARALLEL_GPUS))
     attempt("pp", lambda: parse_positive_int(state.pp or "1", "pp", MAX_PARALLEL_GPUS))
     attempt("cp", lambda: parse_positive_int(state.cp or "1", "cp", MAX_PARALLEL_GPUS))
@@ -518,6 +523,7 @@ def build_setup(state: FormState, cache: ModelCache) -> TrainingSetup:
             strategy=state.strategy,  # type: ignore[arg-type]
             node_size=values.pop("node_size"),
             ep=values.pop("ep"),
+            etp=values.pop("etp"),
             tp=tp,
             pp=pp,
             cp=cp,

@@ -550,6 +550,10 @@ class InputPanel(QWidget):
         self.ep = IntEdit()
         self.ep.setPlaceholderText("1")
         self._row(gform, "Experts split over:", "ep", self.ep)
+        self.etp = IntEdit()
+        self.etp.setObjectName("etp")
+        self.etp.setPlaceholderText("1")
+        self._row(gform, "Each expert split over:", "etp", self.etp)
         self.offload = _combo(offload_labels("ddp"), TOOLTIPS["offload"])
         self._row(gform, "Offloa&d:", "offload", self.offload)
         self.cuda_context = QLineEdit()
@@ -577,7 +581,7 @@ class InputPanel(QWidget):
         for edit in (self.preset.lineEdit(), self.config_path, self.hub_id, self.params, self.batch, self.seq,
                      self.grad_accum, self.capacity, self.gpus, self.tp, self.cp, self.pp, self.virtual_stages,
                      self.node_size, self.dp_replicate,
-                     self.ep, self.cuda_context, self.allocator_reserve):
+                     self.ep, self.etp, self.cuda_context, self.allocator_reserve):
             edit.installEventFilter(self._undo_filter)
         self._scroll_filter = _ScrollNotChoose(self)
         for combo in self.findChildren(QComboBox):
@@ -612,7 +616,7 @@ class InputPanel(QWidget):
         self.model_kind.currentIndexChanged.connect(self._on_kind)
         self.preset.currentTextChanged.connect(self._changed)
         for edit in (self.config_path, self.hub_id, self.params, self.batch, self.seq, self.grad_accum,
-                     self.cuda_context, self.allocator_reserve, self.gpus, self.node_size, self.ep,
+                     self.cuda_context, self.allocator_reserve, self.gpus, self.node_size, self.ep, self.etp,
                      self.virtual_stages, self.cp, self.dp_replicate):
             edit.textChanged.connect(self._changed)
         for edit in (self.tp, self.pp):
@@ -674,7 +678,7 @@ class InputPanel(QWidget):
                  self.capacity, self.gpus, self.tp, self.sp, self.loss_parallel, self.cp, self.pp, self.schedule,
                  self.virtual_stages,
                  self.strategy, self.reshard_after_forward, self.dp_replicate, self.node_size,
-                 self.ep, self.offload, self.cuda_context, self.allocator_reserve, self.layouts_button]
+                 self.ep, self.etp, self.offload, self.cuda_context, self.allocator_reserve, self.layouts_button]
         for a, b in itertools.pairwise(chain):
             QWidget.setTabOrder(a, b)
 
@@ -764,12 +768,15 @@ class InputPanel(QWidget):
         self.virtual_stages.setEnabled(number(self.pp) > 1 and self.schedule.currentData() in VIRTUAL_STAGES)
 
     def _sync_reshard(self) -> None:
-        """Reshard after forward and hybrid replicas are FSDP2's options: live for fsdp2 only (their choice kept)."""
+        """Reshard after forward and hybrid replicas are FSDP2's options, live for fsdp2 only; expert tensor
+        parallelism is Megatron-LM's, live for its strategies only (their text kept either way)."""
         fsdp2 = self.strategy.currentData() == "fsdp2"
         self.reshard_after_forward.setEnabled(fsdp2)
-        self.dp_replicate.setEnabled(fsdp2)
-        if "dp_replicate" in self.labels:
-            self.labels["dp_replicate"].setEnabled(fsdp2)
+        megatron = str(self.strategy.currentData()).startswith("megatron")
+        for name, live in (("dp_replicate", fsdp2), ("etp", megatron)):
+            getattr(self, name).setEnabled(live)
+            if name in self.labels:
+                self.labels[name].setEnabled(live)
 
     def _sync_offload(self, wanted: str | None = None) -> None:
         """Offer the offload kinds that differ for the chosen strategy, keeping the closest to ``wanted`` (or to
@@ -961,6 +968,7 @@ class InputPanel(QWidget):
             reshard_after_forward="true" if self.reshard_after_forward.isChecked() or
             self.strategy.currentData() != "fsdp2" else "false",
             dp_replicate=self.dp_replicate.text(),
+            etp=self.etp.text(),
             offload=self.offload.currentData(),
         )
 
@@ -977,7 +985,7 @@ class InputPanel(QWidget):
                 self.preset.setEditText(state.preset)
             for name in ("config_path", "hub_id", "params", "batch", "seq", "grad_accum", "capacity", "cuda_context",
                          "allocator_reserve", "gpus", "tp", "pp", "cp", "virtual_stages", "node_size", "ep",
-                         "dp_replicate"):
+                         "etp", "dp_replicate"):
                 edit: QLineEdit = getattr(self, name)
                 value = getattr(state, name)
                 if edit.text() != value:

@@ -40,7 +40,8 @@ def layout_changes(layout: Layout | Parallelism) -> dict[str, str]:
     """The form fields that set ``layout`` (the schedule and stages per GPU stay the form's)."""
     p = layout.parallel if isinstance(layout, Layout) else layout
     return {"gpus": str(p.gpus), "tp": str(p.tp), "pp": str(p.pp), "strategy": p.strategy, "ep": str(p.ep),
-            "sp": "true" if p.sp else "false", "loss_parallel": "true" if p.loss_parallel else "false",
+            "etp": str(p.etp), "sp": "true" if p.sp else "false",
+            "loss_parallel": "true" if p.loss_parallel else "false",
             "reshard_after_forward": "true" if p.reshard_after_forward else "false",
             "dp_replicate": str(p.dp_replicate)}
 

@@ -102,7 +102,8 @@ FRAME_ALLOWANCE = (16, 40)
 #: Typing in one field within this many seconds merges into one undo step.
 MERGE_WINDOW_S = 2.0
 TEXT_FIELDS = frozenset({"preset", "config_path", "hub_id", "params", "batch", "seq", "grad_accum", "capacity",
-                         "cuda_context", "allocator_reserve", "gpus", "node_size", "ep", "loss_chunk", "lora_rank",
+                         "cuda_context", "allocator_reserve", "gpus", "node_size", "ep", "etp",
+                         "loss_chunk", "lora_rank",
                          "lora_targets", "lora_dropout", "trainable"})
 FIELD_NAMES = {
     "model_kind": "model source", "preset": "preset", "config_path": "config.json", "hub_id": "Hub id",
@@ -117,7 +118,8 @@ FIELD_NAMES = {
     "checkpointing": "checkpointing", "use_cache": "use_cache", "gpu": "GPU",
     "capacity": "capacity",
     "cuda_context": "CUDA context", "allocator_reserve": "allocator reserve", "gpus": "number of GPUs",
-    "strategy": "strategy", "node_size": "GPUs per node", "ep": "experts split over", "offload": "offload",
+    "strategy": "strategy", "node_size": "GPUs per node", "ep": "experts split over",
+    "etp": "each expert split over", "offload": "offload",
     "reshard_after_forward": "reshard after forward", "dp_replicate": "FSDP2 replicas",
     "tp": "tensor parallel", "sp": "sequence parallel", "loss_parallel": "loss parallel", "cp": "context parallel",
     "pp": "pipeline stages", "schedule": "pipeline schedule", "virtual_stages": "stages per GPU",

@@ -56,6 +56,8 @@ def strategy_text(setup: TrainingSetup) -> str:
         text += f", hybrid: {par.dp_replicate} replicas of {par.dp // par.dp_replicate:,}"
     if par.ep > 1:
         text += f", routed experts split over {par.ep} (expert parallel)"
+    if par.etp > 1:
+        text += f", each expert over {par.etp} (expert tensor parallel)"
     return text
 
 
@@ -92,9 +94,7 @@ def chart_scope(setup: TrainingSetup) -> str:
         text += " (no reshard)"
     if par.offload != "none":
         text += f", {'optimizer' if par.offload == 'optimizer' else 'parameter'} offload"
-    if par.ep > 1:
-        text += f", experts over {par.ep}"
-    return text
+    return text + par.experts_text
 
 
 def per_gpu_headline(result: Result) -> str:
