@@ -4,10 +4,13 @@ group, the per-GPU formulas against it, and the weights and optimizer bytes agai
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from memcalc_gui.cli import main as cli_main
 from memcalc_gui.core.distributed import Parallelism, expert_parallel_states, megatron_theoretical_memory
@@ -257,6 +260,43 @@ def test_expert_tensor_parallelism_is_megatrons_and_must_divide_a_stage() -> Non
     with pytest.raises(InputError) as exc:
         Parallelism(gpus=8, etp=0, strategy="megatron")
     assert exc.value.field == "etp"
+
+
+@settings(max_examples=150, deadline=None)
+@given(gpus=st.sampled_from([2, 4, 6, 8, 16, 32, 64, 96, 128]), tp=st.sampled_from([1, 2, 4]),
+       pp=st.sampled_from([1, 2]), ep=st.sampled_from([1, 2, 4, 8]),
+       etp=st.one_of(st.sampled_from([2, 4, 8]), st.integers(-1, 16)),  # (a fifth of the examples are accepted)
+       strategy=st.one_of(st.sampled_from(["megatron", "megatron-distopt"]),
+                          st.sampled_from(["ddp", "zero1", "zero3", "fsdp2"])))
+def test_any_expert_tensor_split_the_setup_accepts_holds_at_most_the_unsplit_experts(
+        gpus: int, tp: int, pp: int, ep: int, etp: int, strategy: str) -> None:
+    """Hostile layouts: either an InputError naming a field (never another exception), or per-GPU model states
+    that hold 1/(ep·etp) of the experts' weights and never more in all than the same layout with etp 1."""
+    st_ = _mixtral_8x7b_structure()
+
+    def states(par: Parallelism):  # type: ignore[no-untyped-def]
+        return expert_parallel_states(par, st_["num_params"], st_["expert_params"],
+                                      st_["layer_params"] - st_["layer_expert_params"], st_["layer_expert_params"],
+                                      "mixed", 8 * st_["num_params"], 0, 0, st_["root_unit"], st_["num_experts"])
+
+    try:
+        par = Parallelism(gpus=gpus, tp=tp, pp=pp, ep=ep, etp=etp, strategy=strategy)  # type: ignore[arg-type]
+    except InputError as exc:
+        assert exc.field in {"gpus", "tp", "pp", "ep", "etp", "strategy"}, exc.field
+        return
+    assert par.etp == 1 or strategy.startswith("megatron")
+    split, whole = states(par), states(dataclasses.replace(par, etp=1))
+
+    def total(s) -> int:  # type: ignore[no-untyped-def]
+        return s.parameters["backward"] + s.gradients["backward"] + s.optimizer_state
+
+    assert total(split) <= total(whole)
+    assert (par.dp * par.tp) % par.expert_split == 0
+
+
+@functools.cache
+def _mixtral_8x7b_structure() -> dict[str, int]:
+    return structure_on_meta(MIXTRAL_8X7B)
 
 
 def test_fitted_expert_tensor_parallelism_adds_the_gathered_tokens_to_the_traced_step(
