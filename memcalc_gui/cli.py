@@ -841,6 +841,9 @@ def cmd_layouts(args: argparse.Namespace) -> int:
     from .core.layouts import NOT_CALIBRATED, layout_label, search
 
     setup, _notes = setup_from_args(args)
+    if setup.parallel.etp > 1:
+        raise InputError("etp", "the layout search keeps every expert whole (etp 1); estimate a layout with "
+                                "Megatron-LM's expert tensor parallelism with `memcalc estimate --etp N`")
     top = parse_positive_int(args.top, "top", 10_000) if args.top.strip() not in ("0", "") else 0
     unknown = getattr(args, "unknown_config", None)
     if unknown is not None:

@@ -340,9 +340,11 @@ def test_the_cli_takes_etp_and_the_trace_and_a_real_run_say_why_not(
     assert cli_main([*common, "--etp", "2"]) == 0
     assert "each expert's weights over 2 (expert tensor parallelism)" in capsys.readouterr().out
     for bad, said in ((["--etp", "3"], "ep × etp"), (["--etp", "x"], "--etp"),
-                      (["--etp", "2", "--method", "trace"], "transformers keeps every expert whole")):
+                      (["--etp", "2", "--method", "trace"], "transformers keeps every expert whole"),
+                      (["--etp", "2", "--layouts"], "layout search keeps every expert whole")):
+        command = ["layouts", *common[1:], *bad[:-1]] if bad[-1] == "--layouts" else [*common, *bad]
         with pytest.raises(SystemExit) as exc:
-            cli_main([*common, *bad])
+            cli_main(command)
         assert exc.value.code == 2
         err = capsys.readouterr().err
         assert said in err and err.count("\n") == 1, err
