@@ -325,6 +325,33 @@ def test_fitted_expert_tensor_parallelism_adds_the_gathered_tokens_to_the_traced
             assert any("expert tensor parallelism gathers" in n for n in est[etp].assumptions)
     assert kept_layers("none", 4) == kept_layers("selective", 4) == 4 and kept_layers("full", 4) == 1
     assert kept_layers("every:2", 4) == 3
+    # a pipeline rank's micro-batches in flight keep what they store; only the one in backward recomputes a layer
+    assert kept_layers("none", 4, 3) == 12 and kept_layers("full", 4, 3) == 1 and kept_layers("every:2", 4, 3) == 7
+
+
+def test_fitted_expert_tensor_parallelism_in_pipeline_stages_counts_each_micro_batch_in_flight(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """In 2 pipeline stages (Megatron-LM's distributed optimizer, 1F1B over 4 micro-batches) the first rank holds 2
+    micro-batches' activations: what the etp group's gathered tokens add is that many times each stage layer's."""
+    from memcalc_gui.core.fitted import estimate_fitted, kept_layers
+    from memcalc_gui.core.pipeline import in_flight
+    from memcalc_gui.trace import fit as fitmod
+
+    monkeypatch.setenv("MEMCALC_CACHE_DIR", str(tmp_path / "fits"))
+    tokens = STEP["batch"] * STEP["seq"] * MIXTRAL["num_experts_per_tok"] * MIXTRAL["hidden_size"]
+    setups = {etp: TrainingSetup(params=count_params_on_meta(MIXTRAL), **STEP, grad_accum=4,
+                                 parallel=Parallelism(gpus=8, pp=2, ep=2, etp=etp, strategy="megatron-distopt"))
+              for etp in (1, 2)}
+    fit = fitmod.calibrate(MIXTRAL, setups[1], setups[1].params or 0)
+    one, two = (estimate_fitted(setups[etp], fit) for etp in (1, 2))
+    rank = one.details["pipeline_rank"]
+    assert rank == two.details["pipeline_rank"] == 0
+    held = in_flight("1f1b", 2, rank, 4)
+    assert held == 2
+    layers = MIXTRAL["num_hidden_layers"] // 2
+    for phase in ("forward", "backward"):
+        a, b = one.phases[phase].objects, two.phases[phase].objects
+        assert b["activations"] - a["activations"] == tokens * 2 * kept_layers("none", layers, held), phase
 
 
 def test_the_cli_takes_etp_and_the_trace_and_a_real_run_say_why_not(

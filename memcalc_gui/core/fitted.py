@@ -367,14 +367,15 @@ def _poly(values: Any) -> Poly:
     return a, b, c, d, e, f
 
 
-def kept_layers(checkpointing: str, layers: int) -> int:
-    """Of ``layers`` decoder layers, how many keep their activations at the backward peak: every one without
-    checkpointing (and with selective checkpointing, which recomputes attention, not the MLP's inputs), the one
-    recomputed with full checkpointing, the layers not checkpointed and the one recomputed with ``every:N``."""
+def kept_layers(checkpointing: str, layers: int, in_flight: int = 1) -> int:
+    """Of ``layers`` decoder layers run by each of ``in_flight`` micro-batches, how many keep their activations at
+    the backward peak: every layer of every micro-batch without checkpointing (and with selective checkpointing,
+    which recomputes attention, not the MLP's inputs); with full checkpointing only the layer recomputed for the
+    micro-batch in backward; with ``every:N`` the layers not checkpointed of every micro-batch and that one."""
     every = None if checkpointing == "selective" else checkpoint_every(checkpointing)
     if every is None:
-        return layers
-    return min(layers, layers - layers // every + 1)
+        return layers * in_flight
+    return (layers - layers // every) * in_flight + min(1, layers)
 
 
 def per_gpu_states(setup: TrainingSetup, fit: FitModel, traced_rank: bool = False,
@@ -424,7 +425,7 @@ def per_gpu_states(setup: TrainingSetup, fit: FitModel, traced_rank: bool = Fals
         # keeps for backward, hold etp times the GPU's share (the traced step holds its own share once)
         buffers += 2 * tokens * a_bytes * (par.etp - 1)
         moe_layers = st["expert_params"] // max(1, st["layer_expert_params"]) // setup.parallel.virtual_stages
-        gathered = (par.etp - 1) * tokens * a_bytes * kept_layers(setup.checkpointing, moe_layers) * in_flight
+        gathered = (par.etp - 1) * tokens * a_bytes * kept_layers(setup.checkpointing, moe_layers, in_flight)
         if par.etp > 1:
             states = dataclasses.replace(states, notes=(*states.notes, (
                 f"Megatron-LM's expert tensor parallelism gathers the tokens of its {par.etp} GPUs before each "
