@@ -270,6 +270,7 @@ class Parallelism:
         if stage % (self.ep * self.etp):
             raise InputError("etp", f"the experts split over ep × etp = {self.ep} × {self.etp} GPUs of a pipeline "
                                     f"stage's {stage:,} data- and tensor-parallel ones: ep × etp must divide them")
+
     def _check_hybrid(self) -> None:
         """FSDP2's hybrid sharding: replicas of FSDP2 groups that still shard (:class:`InputError` naming the field)."""
         r = self.dp_replicate

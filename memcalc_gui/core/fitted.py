@@ -417,15 +417,15 @@ def per_gpu_states(setup: TrainingSetup, fit: FitModel, traced_rank: bool = Fals
         # parallelism each GPU of the group sends its share of the tokens (transformers' plan), with context
         # parallelism each GPU its share of every sequence
         a_bytes = 4 if setup.precision == "fp32" else 2
-        tokens = -(-setup.batch * (setup.seq // setup.parallel.cp) // par.tp) * st["top_k"] * st["hidden_size"]
+        routed = -(-setup.batch * (setup.seq // setup.parallel.cp) // par.tp) * st["top_k"] * st["hidden_size"]
         if par.ep > 1 and not traced_rank:
-            buffers = 2 * tokens * a_bytes
+            buffers = 2 * routed * a_bytes
         # Megatron-LM's expert tensor parallelism gathers the tokens of its etp GPUs before each expert's slice
         # (MoEAlltoAllTokenDispatcher's all-gather): the dispatch buffers, and the experts' inputs each MoE layer
         # keeps for backward, hold etp times the GPU's share (the traced step holds its own share once)
-        buffers += 2 * tokens * a_bytes * (par.etp - 1)
+        buffers += 2 * routed * a_bytes * (par.etp - 1)
         moe_layers = st["expert_params"] // max(1, st["layer_expert_params"]) // setup.parallel.virtual_stages
-        gathered = (par.etp - 1) * tokens * a_bytes * kept_layers(setup.checkpointing, moe_layers, in_flight)
+        gathered = (par.etp - 1) * routed * a_bytes * kept_layers(setup.checkpointing, moe_layers, in_flight)
         if par.etp > 1:
             states = dataclasses.replace(states, notes=(*states.notes, (
                 f"Megatron-LM's expert tensor parallelism gathers the tokens of its {par.etp} GPUs before each "
