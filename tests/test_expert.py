@@ -377,6 +377,32 @@ def test_the_cli_takes_etp_and_the_trace_and_a_real_run_say_why_not(
         assert said in err and err.count("\n") == 1, err
 
 
+def test_expert_tensor_parallelism_is_a_change_that_would_make_it_fit(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Under Megatron-LM's distributed optimizer a mixture of experts that does not fit is offered each expert split
+    over 2 or 4 GPUs, weighed at once (no calibration of its own), at the peak its own estimate has; a dense model under
+    the same strategy is not."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(MIXTRAL))
+    common = ["estimate", "--config", str(cfg), "--batch", "2", "--seq", "64", "--gpus", "8", "--ep", "2",
+              "--strategy", "megatron-distopt", "--cuda-context", "0", "--allocator-reserve", "0", "--json"]
+    peaks = {}
+    for etp in (1, 2, 4):
+        assert cli_main([*common, "--etp", str(etp)]) == 0
+        peaks[etp] = json.loads(capsys.readouterr().out)["peak_bytes"]
+    assert peaks[4] < peaks[2] < peaks[1]
+    assert cli_main([*common, "--capacity", f"{(peaks[1] + peaks[2]) // 2}B"]) == 0
+    offered = {s["changes"]["etp"]: s for s in json.loads(capsys.readouterr().out)["suggestions"]
+               if set(s["changes"]) == {"etp"}}
+    assert sorted(offered) == [2, 4]
+    assert all(offered[etp]["peak_bytes"] == peaks[etp] and offered[etp]["fits"] for etp in offered)
+    from memcalc_gui.core.model import preset_spec
+    from memcalc_gui.core.solver import levers
+
+    dense = TrainingSetup(model=preset_spec("llama-3.1-8b"), parallel=Parallelism(gpus=8, strategy="megatron"))
+    assert not any(lv.group == "etp" for lv in levers(dense))
+
+
 # ---- tensor parallelism of a mixture of experts (a family without a block model) ----------------------------------
 @pytest.mark.parametrize("cfg", [MIXTRAL, QWEN3_MOE, QWEN2_MOE], ids=["mixtral", "qwen3_moe", "qwen2_moe"])
 def test_the_tensor_parallel_rank_of_a_mixture_of_experts_is_the_narrower_model_to_the_byte(

@@ -253,6 +253,7 @@ LEVER_COSTS: dict[str, int] = {
     "strategy": 6,
     "tp": 9,  # an all-reduce per layer in forward and backward: fast links (one node) wanted
     "cp": 9,  # key/value chunks passed round a ring in every attention: fast links wanted
+    "etp": 9,  # an all-gather and a reduce-scatter of the group's tokens in every MoE layer
     "sp": 2,  # the tensor-parallel all-reduces become reduce-scatter + all-gather of the same volume
     "loss-parallel": 2,  # the head's logits stay split: one all-reduce of per-token statistics
     "strategy:zero2": 5,  # shards optimizer state and gradients only: the least extra communication
@@ -269,7 +270,8 @@ MAX_FIXES = 3
 GPU_GROWTH = 8
 MAX_EVALUATIONS = 400
 SHARDED = ("zero2", "zero3", "fsdp-full-shard", "fsdp2")
-PARALLEL_KEYS = ("gpus", "strategy", "offload", "node_size", "ep", "tp", "cp", "sp", "loss_parallel", "dp_replicate")
+PARALLEL_KEYS = ("gpus", "strategy", "offload", "node_size", "ep", "etp", "tp", "cp", "sp", "loss_parallel",
+                 "dp_replicate")
 #: Change keys that edit the fine-tuning method (core.finetune.FineTuning's fields, as the CLI names them).
 TUNING_KEYS = {"tuning": "method", "lora_rank": "rank", "lora_targets": "targets", "lora_dropout": "dropout",
                "adapter_dtype": "adapter_dtype", "quant": "quant", "double_quant": "double_quant",
@@ -426,6 +428,10 @@ def levers(setup: TrainingSetup) -> list[Lever]:
         out.append(Lever("loss-parallel", "loss-parallel", "split the vocabulary over the tensor-parallel GPUs (loss "
                          "parallelism)", {"loss_parallel": True}, "the embedding and head split: a loss kernel "
                                                                   "that works on sharded logits"))
+    for etp in _expert_tensor_degrees(setup):
+        out.append(Lever("etp", f"etp:{etp}", f"split each routed expert over {etp} GPUs (Megatron-LM's expert tensor "
+                         "parallelism)", {"etp": etp}, "the group's tokens all-gathered before the experts and "
+                         "reduce-scattered after them in every MoE layer, and held etp times in its saved inputs"))
     for cp in _context_parallel_degrees(setup):
         out.append(Lever("cp", f"cp:{cp}", f"split each sequence over {cp} GPUs (context parallelism)", {"cp": cp},
                          "key/value chunks passed round a ring in every attention: fast links wanted"))
@@ -443,6 +449,15 @@ def _context_parallel_degrees(setup: TrainingSetup) -> list[int]:
         return []
     rest = par.gpus // (par.tp * par.pp)
     return [cp for cp in (2, 4, 8) if par.cp < cp and rest % cp == 0 and setup.seq % (2 * cp) == 0]
+
+
+def _expert_tensor_degrees(setup: TrainingSetup) -> list[int]:
+    """Larger expert-tensor-parallel degrees (2, 4, 8) under Megatron-LM's strategies for a family without a block
+    model (where the mixtures of experts are; a dense one refuses the change), splitting a stage's GPUs evenly."""
+    par = setup.parallel
+    if setup.model is not None or not par.strategy.startswith("megatron") or setup.tuning.method != "full":
+        return []
+    return [etp for etp in (2, 4, 8) if par.etp < etp and (par.dp * par.tp) % (par.ep * etp) == 0]
 
 
 def _tensor_parallel_degrees(setup: TrainingSetup) -> list[int]:
