@@ -226,10 +226,10 @@ TOOLTIPS: dict[str, str] = {
     ),
     "etp": (
         "Expert tensor parallelism, Megatron-LM's --expert-tensor-parallel-size (its strategies only): each routed "
-        "expert's weights are split over this many GPUs besides the expert-parallel split, so experts split over × "
-        "this many GPUs hold one copy of every expert, and the distributed optimizer shards each copy over the GPUs "
-        "that hold the same slices. The tokens of these GPUs are gathered before each expert's slice, so each "
-        "MoE layer's saved expert inputs grow this many times. 1 (the default) keeps every expert whole."
+        "expert's weights are split over this many GPUs besides the expert-parallel split: the field above times "
+        "this one is how many GPUs hold one copy of every expert, and the distributed optimizer shards each copy "
+        "over the GPUs that hold the same slices. The tokens of these GPUs are gathered before each expert's slice, "
+        "so each MoE layer's saved expert inputs grow this many times. 1 (the default) keeps every expert whole."
     ),
     "tp": (
         "Tensor parallelism: each decoder layer's attention heads and MLP width are split over this many GPUs, as "
