@@ -431,7 +431,7 @@ def levers(setup: TrainingSetup) -> list[Lever]:
     for etp in _expert_tensor_degrees(setup):
         out.append(Lever("etp", f"etp:{etp}", f"split each routed expert over {etp} GPUs (Megatron-LM's expert tensor "
                          "parallelism)", {"etp": etp}, "the group's tokens all-gathered before the experts and "
-                         "reduce-scattered after them in every MoE layer, and held etp times in its saved inputs"))
+                         f"reduce-scattered after them in every MoE layer, and held {etp} times in its saved inputs"))
     for cp in _context_parallel_degrees(setup):
         out.append(Lever("cp", f"cp:{cp}", f"split each sequence over {cp} GPUs (context parallelism)", {"cp": cp},
                          "key/value chunks passed round a ring in every attention: fast links wanted"))
