@@ -94,7 +94,9 @@ def chart_scope(setup: TrainingSetup) -> str:
         text += " (no reshard)"
     if par.offload != "none":
         text += f", {'optimizer' if par.offload == 'optimizer' else 'parameter'} offload"
-    return text + par.experts_text
+    if par.expert_split > 1:  # a short title: the banner and the plan spell the expert-tensor split out
+        text += f", experts over {par.ep}" + (f" × {par.etp}" if par.etp > 1 else "")
+    return text
 
 
 def per_gpu_headline(result: Result) -> str:
