@@ -19,7 +19,7 @@ import pytest
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 from PySide6.QtCore import QLocale, QSettings
-from PySide6.QtGui import QImage
+from PySide6.QtGui import QColor, QImage
 
 from memcalc_gui import __version__
 from memcalc_gui.cli import main
@@ -555,3 +555,28 @@ def test_a_qlora_report_states_the_tuning_and_the_parameter_split(tmp_path):
     assert "↳ quantized base" in one and "↳ trainable adapters" in one and "↳ autocast copies" in one
     png = export_report(result, tmp_path / "qlora.png")
     assert QImage(str(png)).width() == 1600
+
+
+def _ink_rows(image: QImage, top: int, bottom: int, left: int, right: int) -> list[int]:
+    """The rows in [top, bottom) with a dark pixel in [left, right)."""
+    return [y for y in range(top, bottom)
+            if any(QColor(image.pixel(x, y)).lightness() < 200 for x in range(left, right, 2))]
+
+
+def test_png_footer_wraps_a_long_setup_line_inside_the_margins(tmp_path):
+    """A setup with every parallel dimension spells out more than one line at 1600 px: the footer takes a second
+    line rather than running off the right edge, and the chart's title breaks rather than running off the left."""
+    from memcalc_gui.core.distributed import Parallelism
+
+    long = evaluate(setup_on("llama-3.1-70b", "h100-80gb", batch=1, seq=8192, checkpointing="full",
+                             parallel=Parallelism(gpus=128, strategy="fsdp2", tp=4, sp=True, loss_parallel=True,
+                                                  pp=2, cp=2, dp_replicate=2)))
+    short = evaluate(setup_on("qwen2.5-0.5b", "h100-80gb", batch=1, seq=1024))
+    for result, lines in ((long, 2), (short, 1)):
+        image = QImage(str(export_report(result, tmp_path / f"r{lines}.png")))
+        w, h = image.width(), image.height()
+        footer = _ink_rows(image, h - 50, h, 28, w - 28)
+        bands = sum(1 for a, b in zip([-9, *footer], footer, strict=False) if b - a > 1)  # text lines: runs of rows
+        assert bands == lines, (result.setup.summary(), footer)
+        assert not _ink_rows(image, h - 60, h, w - 26, w), "the footer runs into the right margin"
+        assert not _ink_rows(image, 140, 260, 0, 20), "the chart's title runs past the left edge"

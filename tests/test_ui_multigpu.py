@@ -435,3 +435,27 @@ def test_every_form_field_has_words_for_its_error() -> None:
     fields = {f.name for f in dataclasses.fields(FormState)} | set(_FIELD_MAP.values())
     assert fields <= set(FIELD_NAMES), sorted(fields - set(FIELD_NAMES))
     assert all("_" not in name or name == "use_cache" for name in FIELD_NAMES.values())
+
+
+def test_a_long_layout_title_breaks_over_a_narrow_plot_and_joins_over_a_wide_one(window, qtbot):
+    """A layout of every dimension names more than fits one line over a narrow plot: the title breaks where the
+    layout's parts meet, stays inside the chart and loses no word; a wide plot puts it back on one line."""
+    w = window
+    assert set_fields(w, gpus="128", tp="4", sp="true", loss_parallel="true", pp="2", cp="2", dp_replicate="2",
+                      strategy="fsdp2", checkpointing="full")
+    full = f"Per GPU — {w.result.setup.parallel.gpus} GPUs: CP 2 × TP 4 + SP + loss parallel × PP 2 (1F1B)"
+    w.resize(1600, 900)
+    w.main_split.setSizes([300, 1300])
+    qtbot.waitUntil(lambda: len(w.chart.title_lines()) == 1, timeout=3000)
+    assert w.chart.title_text().startswith(full) and w.chart.title_text().endswith("(2 replicas)")
+    one = w.chart.title_text()
+    w.main_split.setSizes([1000, 600])  # a narrow chart
+    qtbot.waitUntil(lambda: len(w.chart.title_lines()) > 1, timeout=3000)
+    assert w.chart.title_text() == one  # broken, not cut: every word is drawn
+    assert w.chart.title_lines()[0].endswith(("×", ":"))
+    drawn = w.chart.plot.titleLabel.item.mapRectToScene(w.chart.plot.titleLabel.item.boundingRect())
+    assert drawn.left() >= 0 and drawn.right() <= w.chart.width(), (drawn, w.chart.width())
+    assert drawn.height() > 1.5 * w.chart.fontMetrics().height()  # the row grew to show both lines
+    w.main_split.setSizes([300, 1300])
+    qtbot.waitUntil(lambda: len(w.chart.title_lines()) == 1, timeout=3000)
+    assert w.chart.title_text() == one

@@ -17,7 +17,7 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from PySide6.QtCore import QBuffer, QByteArray, QIODevice, QMarginsF, QPointF, QRectF, QSizeF, Qt, QUrl
+from PySide6.QtCore import QBuffer, QByteArray, QIODevice, QMarginsF, QPointF, QRect, QRectF, QSizeF, Qt, QUrl
 from PySide6.QtGui import (
     QAbstractTextDocumentLayout,
     QColor,
@@ -758,7 +758,15 @@ def render_png(content: ReportContent, result: Result, size: tuple[int, int] = P
         painter.restore()
         y += bh + 16
 
-        foot_h = 26
+        foot = QFont(family)
+        foot.setPixelSize(13)
+        foot_text = (f"Setup: {result.setup.summary()} · method {content.method} · binary units "
+                     "(1 GiB = 2³⁰ bytes)")
+        foot_flags = Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignVCenter | Qt.TextFlag.TextWordWrap
+        # a long setup line wraps (a layout with experts and offload runs past one line at 1600 px) and the body
+        # gives up the height it takes
+        foot_h = max(26, QFontMetrics(foot, device).boundingRect(
+            QRect(0, 0, w - 2 * margin, 10_000), foot_flags, foot_text).height() + 8)
         body_h = h - y - foot_h - 8
         side_w = 560
         chart_w = w - 2 * margin - side_w - 24
@@ -794,14 +802,9 @@ def render_png(content: ReportContent, result: Result, size: tuple[int, int] = P
             figure = render_timeline(timeline, result, round((w - 2 * margin) / ratio), round(fig_h / ratio), ratio)
             painter.drawImage(QRectF(margin, top + 38, w - 2 * margin, fig_h), figure)
 
-        foot = QFont(family)
-        foot.setPixelSize(13)
         painter.setFont(foot)
         painter.setPen(QColor(MUTED))
-        painter.drawText(QRectF(margin, full_h - foot_h - 6, w - 2 * margin, foot_h),
-                         Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignVCenter,
-                         f"Setup: {result.setup.summary()} · method {content.method} · binary units "
-                         "(1 GiB = 2³⁰ bytes)")
+        painter.drawText(QRectF(margin, full_h - foot_h - 6, w - 2 * margin, foot_h), foot_flags, foot_text)
     finally:
         painter.end()
 

@@ -7,13 +7,15 @@ ledger table uses the same, ``units.screen_unit``); the axis never switches to S
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import html
+import re
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import pyqtgraph as pg
 from pyqtgraph.graphicsItems.LegendItem import ItemSample
 from PySide6.QtCore import QEvent, QPointF, Qt
-from PySide6.QtGui import QColor, QCursor, QFont, QFontMetrics, QPalette
+from PySide6.QtGui import QColor, QCursor, QFont, QFontMetrics, QPalette, QTextDocument
 from PySide6.QtWidgets import QToolTip, QWidget
 
 from ..core.ledger import Estimate
@@ -40,6 +42,11 @@ AXIS_TEMPLATE_PER_GPU = "Memory per GPU ({unit})"
 #: The value axis starts a little below zero so its "0" label is drawn (pyqtgraph drops a label it cannot fit).
 ZERO_MARGIN = 0.03
 AXIS_LABEL_PER_GPU = "Memory per GPU (GiB)"
+#: Where a long chart title may break: after "64 GPUs:", between a layout's dimensions, after a comma.
+TITLE_BREAKS = re.compile(r"(?<=: )|(?<= × )|(?<=, )")
+#: The most lines the title takes from the plot; a last line that still does not fit ends in "…".
+TITLE_MAX_LINES = 3
+TITLE_SIZE = "9pt"
 
 
 class _StaticSample(ItemSample):
@@ -47,6 +54,17 @@ class _StaticSample(ItemSample):
 
     def mouseClickEvent(self, event):
         event.ignore()
+
+
+class _TitleLabel(pg.LabelItem):
+    """pyqtgraph's label, asking for no width of its own: the chart breaks the title's lines to the plot."""
+
+    def updateMin(self) -> None:
+        super().updateMin()
+        self.setMinimumWidth(0)
+        self._sizeHint[Qt.SizeHint.MinimumSize] = (0, self._sizeHint[Qt.SizeHint.MinimumSize][1])
+        self._sizeHint[Qt.SizeHint.PreferredSize] = (0, self._sizeHint[Qt.SizeHint.PreferredSize][1])
+        self.updateGeometry()
 
 
 class MemoryChart(pg.GraphicsLayoutWidget):
@@ -76,6 +94,13 @@ class MemoryChart(pg.GraphicsLayoutWidget):
         # than vanish (pyqtgraph drops a tick label that does not fit its axis' rectangle)
         bottom.setStyle(tickLength=0, hideOverlappingLabels=OVERFLOW_PX)
         self._fit_bottom_axis()
+        # the title's size follows its lines, not its text (pyqtgraph's label asks for its text's full width,
+        # so a long layout would push the plot over the legend)
+        self.plot.layout.removeItem(self.plot.titleLabel)
+        if self.plot.scene() is not None:
+            self.plot.scene().removeItem(self.plot.titleLabel)
+        self.plot.titleLabel = _TitleLabel("", size="11pt", parent=self.plot)
+        self.plot.layout.addItem(self.plot.titleLabel, 0, 1)
         self.plot.setTitle(None)
         self.plot.setXRange(-0.55, len(PHASES) - 0.45, padding=0)
 
@@ -151,6 +176,8 @@ class MemoryChart(pg.GraphicsLayoutWidget):
 
         self._estimate: Estimate | None = None
         self._scope: str | None = None
+        self._title_color = QColor(0, 0, 0)
+        self._title_lines: tuple[str, ...] = ()
         self.unit = "GiB"
         self._peak_i = 0
         self._ticks: list[tuple[float, str]] = []
@@ -238,6 +265,7 @@ class MemoryChart(pg.GraphicsLayoutWidget):
 
         A narrow plot (a narrow window, a wide legend) gets shorter phase names ("Opt. step") and totals
         without the unit, so nothing runs into a neighbour or past the plot's edge."""
+        self._fit_title()
         est = self._estimate
         if est is None:
             return
@@ -289,20 +317,65 @@ class MemoryChart(pg.GraphicsLayoutWidget):
         self.setAccessibleName("Memory per GPU per phase chart" if per_gpu is not None else "Memory per phase chart")
 
     def _show_title(self, color: QColor) -> None:
-        self.plot.setTitle(f"Per GPU — {self._scope}" if self._scope else "Per GPU", size="9pt", color=color)
-        # a long title must not widen the plot past the legend: let it be clipped instead
-        label = self.plot.titleLabel
-        label.setMinimumWidth(0)
-        hints = getattr(label, "_sizeHint", None)
-        if isinstance(hints, dict):
-            for key in (Qt.SizeHint.MinimumSize, Qt.SizeHint.PreferredSize):
-                if key in hints:
-                    hints[key] = (0, hints[key][1])
-            label.updateGeometry()
+        self._title_color = color
+        self._title_lines = ()
+        self._fit_title()
+
+    def _fit_title(self) -> None:
+        """The title on one line when it fits over the plot, else broken where a layout's parts meet (at most
+        ``TITLE_MAX_LINES``, the last elided if it still does not fit): a long layout ("CP 2 × TP 4 + SP …
+        (2 replicas)") must neither run past the chart's edge nor widen the plot over the legend."""
+        if self._scope is None:
+            return
+        text = f"Per GPU — {self._scope}"
+        item = self.plot.titleLabel.item
+        probe = QTextDocument()
+        probe.setDefaultFont(item.font())
+
+        def width(line: str) -> float:  # as the label's document lays it out (its HTML sets the size in pt)
+            probe.setHtml(f"<span style='font-size: {TITLE_SIZE}'>{html.escape(line)}</span>")
+            return float(probe.idealWidth())
+
+        room = max(float(self.plot.getViewBox().width()) or float(self.width()) * 0.6, 80.0) - 8
+        lines: tuple[str, ...] = (text,)
+        if width(text) > room:
+            broken = [""]
+            for piece in TITLE_BREAKS.split(text):  # each piece ends with its separator
+                if broken[-1] and width((broken[-1] + piece).rstrip()) > room:
+                    broken.append("")
+                broken[-1] += piece
+            kept = [*broken[:TITLE_MAX_LINES - 1], "".join(broken[TITLE_MAX_LINES - 1:])]
+            lines = tuple(self._elide(line.rstrip(), room, width) for line in kept if line)
+        if lines == self._title_lines:
+            return
+        self._title_lines = lines
+        self.plot.setTitle("<br>".join(html.escape(line) for line in lines), size=TITLE_SIZE, color=self._title_color)
+        item.setTextWidth(max(width(line) for line in lines) + 4)
+        option = item.document().defaultTextOption()
+        option.setAlignment(Qt.AlignmentFlag.AlignHCenter)
+        item.document().setDefaultTextOption(option)
+        height = 30 if len(lines) == 1 else round(item.boundingRect().height()) + 6
+        self.plot.titleLabel.setMaximumHeight(height)
+        self.plot.layout.setRowFixedHeight(0, height)
+        self.plot.titleLabel.resizeEvent(None)
+
+    @staticmethod
+    def _elide(line: str, room: float, width: Callable[[str], float]) -> str:
+        """``line``, cut short with "…" where it is wider than ``room``."""
+        if width(line) <= room:
+            return line
+        words = line.split(" ")
+        while len(words) > 1 and width(" ".join(words) + " …") > room:
+            words.pop()
+        return " ".join(words) + " …"
 
     def title_text(self) -> str:
-        """The chart's title ("" when hidden; tests)."""
-        return self.plot.titleLabel.text if self.plot.titleLabel.isVisible() else ""
+        """The chart's title as one line ("" when hidden; tests)."""
+        return " ".join(self._title_lines) if self.plot.titleLabel.isVisible() else ""
+
+    def title_lines(self) -> tuple[str, ...]:
+        """The title's lines as drawn (tests)."""
+        return self._title_lines if self.plot.titleLabel.isVisible() else ()
 
     def axis_label(self) -> str:
         return str(self.plot.getAxis("left").labelText)
