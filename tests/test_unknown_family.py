@@ -141,6 +141,37 @@ def test_moe_total_and_active_parameters_match_the_model_cards(cfg: dict, total:
     assert n == pytest.approx(total, rel=0.005) and used == pytest.approx(active, rel=0.02)
 
 
+def test_the_meta_device_counts_are_built_once_per_config_and_handed_out_as_copies(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A layout search asks for the same configs' counts hundreds of times: transformers builds each config on the
+    meta device once in the process; a caller that edits its answer does not change the next caller's, and another
+    config (one value apart) is built on its own."""
+    from memcalc_gui.trace import meta
+
+    builds: list[dict] = []
+    real = meta._build_on_meta
+
+    def counted(config: dict) -> object:
+        builds.append(config)
+        return real(config)
+
+    monkeypatch.setattr(meta, "_build_on_meta", counted)
+    monkeypatch.setattr(meta, "_STRUCTURES", {})
+    cfg = dict(model_type="mixtral", vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+               num_key_value_heads=2, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2)
+    first = meta.structure_on_meta(cfg)
+    first["num_params"] = -1
+    again = meta.structure_on_meta(dict(reversed(list(cfg.items()))))  # the same config, keys in another order
+    assert len(builds) == 1 and again["num_params"] > 0 and again["num_experts"] == 4
+    wider = meta.structure_on_meta(dict(cfg, num_local_experts=8))
+    assert len(builds) == 2 and wider["expert_params"] == 2 * again["expert_params"]
+    monkeypatch.setattr(meta, "_STRUCTURES_KEPT", 2)
+    meta.structure_on_meta(dict(cfg, num_hidden_layers=4))  # a third config: the oldest is dropped
+    assert len(meta._STRUCTURES) == 2
+    meta.structure_on_meta(cfg)
+    assert len(builds) == 4
+
+
 def test_the_cli_names_the_active_parameters(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cfg = dict(model_type="qwen3_moe", vocab_size=1024, hidden_size=128, intermediate_size=512,
                moe_intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,

@@ -6,7 +6,9 @@ torch and transformers are imported inside the functions only (the window starts
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import threading
 from typing import Any
 
 from ..core.configfile import routed_experts, transformers_kwargs, without_nulls
@@ -41,7 +43,31 @@ def structure_on_meta(config: dict[str, Any]) -> dict[str, int]:
     DeepSpeed's ZeRO-3 estimator gathers at once), ``root_unit`` (what no decoder layer holds: embeddings, final
     norm, LM head), ``expert_params`` (the routed experts), ``num_experts`` and ``top_k``, ``hidden_size``, and for
     expert parallelism ``layer_expert_params`` (one layer's routed experts), ``largest_expert_module`` and
-    ``largest_dense_module`` (the largest module outside the routed experts)."""
+    ``largest_dense_module`` (the largest module outside the routed experts). Memoised per config in the process:
+    a layout search asks for the same few configs' counts hundreds of times, and each build of a mixture of experts
+    on the meta device takes a tenth of a second or more."""
+    try:
+        key = json.dumps(config, sort_keys=True, default=str)
+    except (TypeError, ValueError):  # a config JSON cannot hold (a test's object): counted each time
+        return _structure_now(config)
+    with _STRUCTURES_LOCK:
+        found = _STRUCTURES.get(key)
+    if found is None:
+        found = _structure_now(config)
+        with _STRUCTURES_LOCK:
+            if len(_STRUCTURES) >= _STRUCTURES_KEPT:
+                _STRUCTURES.pop(next(iter(_STRUCTURES)))
+            _STRUCTURES[key] = found
+    return dict(found)
+
+
+#: :func:`structure_on_meta`'s counts by config, the oldest dropped first past this many.
+_STRUCTURES_KEPT = 64
+_STRUCTURES: dict[str, dict[str, int]] = {}
+_STRUCTURES_LOCK = threading.Lock()
+
+
+def _structure_now(config: dict[str, Any]) -> dict[str, int]:
     model = _build_on_meta(config)
     total = int(sum(p.numel() for p in model.parameters()))
     layers = max((m for m in model.modules() if type(m).__name__ == "ModuleList"), key=len, default=None)
