@@ -842,8 +842,8 @@ def cmd_layouts(args: argparse.Namespace) -> int:
 
     setup, _notes = setup_from_args(args)
     if setup.parallel.etp > 1:
-        raise InputError("etp", "the layout search keeps every expert whole (etp 1); estimate a layout with "
-                                "Megatron-LM's expert tensor parallelism with `memcalc estimate --etp N`")
+        raise InputError("etp", "the layout search weighs each expert's split itself (etp 1, 2, 4 and 8 under "
+                                "Megatron-LM's strategies, as it does tp and pp): leave --etp out")
     top = parse_positive_int(args.top, "top", 10_000) if args.top.strip() not in ("0", "") else 0
     unknown = getattr(args, "unknown_config", None)
     if unknown is not None:

@@ -368,7 +368,7 @@ def test_the_cli_takes_etp_and_the_trace_and_a_real_run_say_why_not(
     assert "each expert's weights over 2 (expert tensor parallelism)" in capsys.readouterr().out
     for bad, said in ((["--etp", "3"], "ep × etp"), (["--etp", "x"], "--etp"),
                       (["--etp", "2", "--method", "trace"], "transformers keeps every expert whole"),
-                      (["--etp", "2", "--layouts"], "layout search keeps every expert whole")):
+                      (["--etp", "2", "--layouts"], "layout search weighs each expert's split itself")):
         command = ["layouts", *common[1:], *bad[:-1]] if bad[-1] == "--layouts" else [*common, *bad]
         with pytest.raises(SystemExit) as exc:
             cli_main(command)
@@ -499,22 +499,30 @@ def test_the_layout_search_of_a_mixture_of_experts_is_fitted_layout_by_layout(
     seen = {(lay["tp"], lay["ep"]) for lay in out["layouts"]}
     # tp 4 would split 2 key/value heads 4 ways; beside tp 2 the experts over 2 or 4 of the GPUs
     assert seen == {(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4)}
+    # Megatron-LM's strategies also split each expert over 2 or 4 GPUs, ep × etp dividing the 4
+    split = [lay for lay in out["layouts"] if lay["etp"] > 1]
+    assert {lay["strategy"] for lay in split} == {"megatron", "megatron-distopt"}
+    assert {(lay["tp"], lay["ep"], lay["etp"]) for lay in split} == {(t, e, x) for t in (1, 2)
+                                                                     for e, x in ((1, 2), (1, 4), (2, 2))}
     reasons = {item["reason"]: item["layouts"] for item in out["left_out"]}
     staged = reasons.pop(f"a layout of 2 pipeline stages {NOT_CALIBRATED}")  # 2 layers: 2 stages, never 4
     assert reasons and all("key/value heads" in reason for reason in reasons)
     # DDP and Megatron-LM's two optimizers at tp 1 and 2, FSDP2 over a stage's 2 GPUs at tp 1; at tp 1 the experts
     # over 1 or 2 of them; at tp 2 over the group's 2 GPUs under DDP (traced stages only: Megatron-LM's by rule would
     # not split them)
-    assert len(staged) == 4 * 2 + 3 + 1
+    assert len(staged) == 4 * 2 + 3 + 1 + 2 * 2  # and Megatron-LM's two with each expert over a stage's 2 GPUs
+    assert "PP 2 (1F1B) × Megatron dist-opt over 2, each expert over 2 (expert tensor parallel)" in staged
     assert "TP 2 × PP 2 (1F1B) × DDP over 1, experts over 2" in staged
     assert all(label.startswith(("PP 2 (1F1B) × ", "TP 2 × PP 2 (1F1B) × ")) for label in staged)
     assert all(lay["pp"] == 1 and not lay["sp"] for lay in out["layouts"])
     assert all(lay["fits"] and lay["min_gpus"] for lay in out["layouts"])
     n = count_params_on_meta(config)
     for lay in (next(x for x in out["layouts"] if x["tp"] == 2 and x["strategy"] == "ddp"),
-                next(x for x in out["layouts"] if x["ep"] == 4 and x["strategy"] == "zero2")):
+                next(x for x in out["layouts"] if x["ep"] == 4 and x["strategy"] == "zero2"),
+                next(x for x in split if x["ep"] == 2 and x["tp"] == 2 and x["strategy"] == "megatron-distopt")):
         setup = TrainingSetup(params=n, batch=2, seq=64, precision="fp32", gpu="h100-80gb",
-                              parallel=Parallelism(gpus=4, tp=lay["tp"], ep=lay["ep"], strategy=lay["strategy"]))
+                              parallel=Parallelism(gpus=4, tp=lay["tp"], ep=lay["ep"], etp=lay["etp"],
+                                                   strategy=lay["strategy"]))
         setup.extras["fitted"] = True
         fit = calibrate(config, setup, n, cached_only=True)
         assert estimate_fitted(setup, fit).peak_bytes == lay["peak_bytes"], lay["label"]

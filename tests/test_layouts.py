@@ -162,6 +162,50 @@ def test_expert_parallelism_trades_gradient_traffic_for_the_all_to_all() -> None
     assert tp_sent == pytest.approx(dense + tensor + expert + all_to_all, rel=1e-9)
 
 
+def test_megatron_layouts_split_each_expert_within_a_node_and_pay_for_it_on_nvlink() -> None:
+    """Megatron-LM's expert tensor parallelism in the search (Mixtral-8x7B's shape over 64 GPUs): each expert split
+    over 2, 4 or 8 GPUs of a node beside every expert-parallel degree, ep × etp dividing a stage's data- and
+    tensor-parallel GPUs, under Megatron-LM's strategies only and for a mixture of experts only. Its traffic: the
+    experts' gradients over the dp·tp/(ep·etp) GPUs holding the same slice, and the etp group's all-gather and
+    reduce-scatter of its routed tokens, forward and backward, within a node; the ep GPUs of an all-to-all are then
+    etp apart."""
+    from dataclasses import replace
+
+    from memcalc_gui.core.layouts import ModelShape
+
+    n, experts, active, hidden, layers = 46_702_792_704, 45_097_156_608, 12_879_925_248, 4096, 32
+    shape = ModelShape(n, hidden, layers, num_experts=8, block_model=False, expert_params=experts,
+                       top_k=2, active_params=active)
+    setup = TrainingSetup(params=n, batch=1, seq=4096, grad_accum=8, precision="mixed",
+                          parallel=Parallelism(gpus=64, strategy="megatron-distopt"))
+    found = candidates(setup, shape=shape)
+    split = [p for p in found if p.etp > 1]
+    assert {p.strategy for p in split} == {"megatron", "megatron-distopt"}
+    assert {p.etp for p in split} == {2, 4, 8}
+    assert all((p.dp * p.tp) % (p.ep * p.etp) == 0 for p in split)
+    assert {(p.ep, p.etp) for p in split if p.tp == 1 and p.pp == 1} == \
+        {(ep, etp) for ep in (1, 2, 4, 8) for etp in (2, 4, 8)}
+    # a node of 4 GPUs: no expert split over 8; a dense model: none at all
+    narrow = candidates(setup.with_changes(parallel=replace(setup.parallel, node_size=4)), shape=shape)
+    assert {p.etp for p in narrow} == {1, 2, 4}
+    assert all(p.etp == 1 for p in candidates(setup, shape=replace(shape, num_experts=0, expert_params=0, top_k=0)))
+
+    base = Parallelism(gpus=64, strategy="megatron-distopt", ep=4)
+    whole = communication(setup, base, shape)
+    both = communication(setup, replace(base, etp=2), shape)
+    tokens_hidden = 4096 * hidden * 2  # one micro-batch's bf16 hidden states
+    ring16, ring8 = 2 * 15 / 16, 2 * 7 / 8
+    gathers = 4 * 1 * 2 * layers * tokens_hidden * 8  # (etp − 1) shares, top-2, every layer, 8 micro-batches
+    fewer_grads = ring16 * (experts // 4) * 4 - ring8 * (experts // 8) * 4  # over 8 copies of half the slice
+    assert both[0] == pytest.approx(whole[0] + gathers - fewer_grads, rel=1e-9)
+    # ep × etp = 8 GPUs: the all-to-all and the gathers stay in the node, and the gathers on NVLink cost less than
+    # the gradients they save on the network
+    assert both[2] < whole[2]
+    # 8 × 2 spans two nodes (etp innermost, as Megatron-Core orders the ranks): the all-to-all leaves the node
+    wide = communication(setup, replace(base, ep=8, etp=2), shape)
+    assert wide[2] > communication(setup, replace(base, ep=8), shape)[2]
+
+
 def test_fsdp2_over_one_data_parallel_gpu_is_refused_and_never_offered(capsys: pytest.CaptureFixture) -> None:
     """FSDP2 whose group (data × context parallel) is one GPU shards nothing, and torchtitan applies no fully_shard
     there: a tensor- or pipeline-parallel layout like that is refused naming the strategy (the ledger took FSDP2's

@@ -1197,6 +1197,8 @@ def test_the_layout_search_calibrates_the_tensor_parallel_layouts_it_left_out(wi
     first = w.show_layouts()
     assert first is not None and {lay.parallel.ep for lay in first.layouts} == {1, 2}
     assert all(lay.parallel.tp == 1 for lay in first.layouts) and first.calibrate_button is not None
+    split = [lay.parallel for lay in first.layouts if lay.parallel.etp > 1]  # each expert over both GPUs
+    assert {(par.strategy, par.ep, par.etp) for par in split} == {("megatron", 1, 2), ("megatron-distopt", 1, 2)}
     assert first.calibrate_button.text() == "Calibrate tensor parallelism over 2 GPUs"
     # 2 stages of one GPU: DDP and Megatron-LM's two optimizers (FSDP2 would shard over one GPU)
     staged = "3 layouts of 2 pipeline stages are not calibrated yet"
@@ -1242,6 +1244,14 @@ def test_the_layout_search_calibrates_the_tensor_parallel_layouts_it_left_out(wi
     assert joined is not None and "2 layouts of 2 pipeline stages" in joined.intro.text()
     staged_row = next(lay for lay in joined.layouts if lay.parallel.pp == 2)
     assert staged_row.parallel.strategy == "ddp" and staged_row.peak_bytes == w.result.estimate.peak_bytes
+    # a layout with each expert split over both GPUs, used, sets the form's field and is the window's ledger
+    row = next(i for i, lay in enumerate(joined.layouts)
+               if lay.parallel.etp == 2 and lay.parallel.strategy == "megatron-distopt")
+    joined.table.selectRow(row)
+    joined.use_button.click()
+    qtbot.waitUntil(lambda: w.result.setup.parallel.etp == 2 and w.result.setup.parallel.pp == 1, timeout=60000)
+    assert w.inputs.etp.text() == "2" and w.inputs.etp.isEnabled()
+    assert w.result.estimate.method == "fitted" and w.result.estimate.peak_bytes == joined.layouts[row].peak_bytes
 
 
 def test_opening_another_model_drops_the_layout_searchs_queued_calibrations(window, qtbot, tmp_path):

@@ -343,9 +343,12 @@ class Parallelism:
 
     @property
     def experts_text(self) -> str:
-        """``, experts over 8`` or ``, experts over 8 × 2 (expert tensor parallel)``; "" when they are not split."""
+        """``, experts over 8``, ``, experts over 8 × 2 (expert tensor parallel)`` or, with the experts split by
+        tensor only, ``, each expert over 2 (expert tensor parallel)``; "" when they are not split."""
         if self.expert_split == 1:
             return ""
+        if self.ep == 1:
+            return f", each expert over {self.etp} (expert tensor parallel)"
         return f", experts over {self.ep}" + (f" × {self.etp} (expert tensor parallel)" if self.etp > 1 else "")
 
     @property

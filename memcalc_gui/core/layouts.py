@@ -23,9 +23,12 @@ a GPU sends, ring collectives moving ``2(n − 1)/n`` of the buffer for an all-r
 - tensor parallelism: four all-reduces (or their sequence-parallel reduce-scatter/all-gather pairs) of the hidden
   states per layer and micro-batch, two in forward and two in backward (Shoeybi et al. 2019);
 - pipeline parallelism: the stage's output and its gradient once per micro-batch;
-- expert parallelism: the routed experts' gradients reduced over the ``dp/ep`` GPUs holding the same experts, and
-  each MoE layer's all-to-all, every token's top-k hidden states out and back, in forward and in backward (Lepikhin
-  et al. 2020's GShard dispatch), ``(ep − 1)/ep`` of them leaving the GPU. A mixture of experts computes
+- expert parallelism: the routed experts' gradients reduced over the ``dp·tp/(ep·etp)`` GPUs holding the same
+  experts, and each MoE layer's all-to-all, every token's top-k hidden states out and back, in forward and in
+  backward (Lepikhin et al. 2020's GShard dispatch), ``(ep − 1)/ep`` of them leaving the GPU; with Megatron-LM's
+  expert tensor parallelism the etp GPUs sharing an expert all-gather their routed tokens before it and
+  reduce-scatter after it, in forward and in backward (``etp − 1`` shares sent each time, within a node), and an
+  all-to-all's ep GPUs lie etp apart (Megatron-Core orders the expert ranks etp first). A mixture of experts computes
   ``6 · active parameters · tokens``.
 
 The constants are an H100-class node's (bf16 at about 40 % of its dense peak, NVLink 4, one 400 Gb/s NIC per GPU);
@@ -35,7 +38,8 @@ A family without a block model (the fitted method, :mod:`memcalc_gui.core.fitted
 :class:`ModelShape` and an estimator over its fits: tensor parallelism without sequence or loss parallelism (they
 split what a block model names), pipeline stages that split the layers evenly under the strategies its fits run
 (:attr:`ModelShape.pipeline_strategies`), and for a mixture of experts every expert-parallel degree that splits the
-experts and the data-parallel GPUs. A layout the estimator has no fit for is left out and counted
+experts and the data-parallel GPUs, and under Megatron-LM's strategies each expert split over 2, 4 or 8 GPUs of a
+node (``etp``, weighed from the fits of whole experts). A layout the estimator has no fit for is left out and counted
 (:attr:`Search.left_out`), never guessed; so is the fewest-GPUs count of a layout whose other GPU counts are not
 calibrated (FSDP2's stage fits are of one data-parallel width).
 """
@@ -77,6 +81,8 @@ NETWORK_BYTES_PER_S: Final = 50e9
 MIN_GPUS_FOR: Final = 12
 #: Expert-parallel degrees tried for a mixture of experts (each must divide the experts and the data-parallel GPUs).
 EP_DEGREES: Final = (1, 2, 4, 8, 16, 32, 64)
+#: Megatron-LM's expert-tensor-parallel degrees tried beside them (within a node, as tensor parallelism).
+ETP_DEGREES: Final = (2, 4, 8)
 #: What an estimator's :class:`InputError` says of a layout it would weigh once calibrated (the fitted method's
 #: estimators; :attr:`Search.left_out` keeps these apart from layouts that cannot be weighed at all).
 NOT_CALIBRATED: Final = "needs a calibration of its own rank (not calibrated yet)"
@@ -197,6 +203,26 @@ def candidates(setup: TrainingSetup, gpus: int | None = None, shape: ModelShape 
                     hybrid = _hybrid(setup, layout, shape)
                     if hybrid is not None:
                         out.append(hybrid)
+                    out.extend(_expert_tensor(setup, layout, shape))
+    return out
+
+
+def _expert_tensor(setup: TrainingSetup, par: Parallelism, shape: ModelShape) -> list[Parallelism]:
+    """``par`` with each routed expert split over 2, 4 or 8 GPUs of a node (Megatron-LM's expert tensor parallelism,
+    ``ep × etp`` dividing a stage's data- and tensor-parallel GPUs), under Megatron-LM's strategies for a mixture of
+    experts without a block model (where the fitted ledger weighs it, from the fits of ``etp`` 1)."""
+    if not par.strategy.startswith("megatron") or shape.block_model or not shape.num_experts:
+        return []
+    out = []
+    for etp in ETP_DEGREES:
+        if etp > par.node_size or (par.dp * par.tp) % (par.ep * etp):
+            continue
+        try:
+            split = dataclasses.replace(par, etp=etp)
+            setup.with_changes(parallel=split)
+        except InputError:
+            continue
+        out.append(split)
     return out
 
 
@@ -237,8 +263,9 @@ def communication(setup: TrainingSetup, par: Parallelism,
     m, v = setup.grad_accum, par.virtual_stages
     act = 4 if setup.precision == "fp32" else 2
     grad = 4 if setup.precision in ("fp32", "mixed") else 2
-    experts = spec.expert_params if par.ep > 1 else 0  # split over ep GPUs (whole, beside tensor parallelism),
-    copies = par.dp * par.tp // par.ep  # reduced over the GPUs that hold the same ones
+    split = par.expert_split  # ep × etp: the routed experts split over as many GPUs (whole ones beside tensor
+    experts = spec.expert_params if split > 1 else 0  # parallelism, their weights over etp of them in Megatron-LM),
+    copies = par.dp * par.tp // split  # reduced over the GPUs that hold the same ones
     rank_params = (spec.num_params - experts) // (par.tp * par.pp)
     hidden = setup.tokens * spec.hidden_size * act  # one micro-batch's hidden states
 
@@ -258,9 +285,13 @@ def communication(setup: TrainingSetup, par: Parallelism,
              # expert parallelism: the experts' gradients over the replicas holding the same experts, and each MoE
              # layer's all-to-all, every token's top-k hidden states out and back in forward and again in backward
              # (a tensor-parallel group's GPUs each send their share of its tokens)
-             (ring(copies) * experts // (par.pp * par.ep) * grad * gathers, leaves(copies, par.pp * par.ep)),
+             (ring(copies) * experts // (par.pp * split) * grad * gathers, leaves(copies, par.pp * split)),
              (4 * (par.ep - 1) / par.ep * spec.top_k * (spec.num_layers // par.pp) * hidden / par.tp * m,
-              leaves(par.ep, par.pp))]
+              leaves(par.ep, par.pp * par.etp)),
+             # expert tensor parallelism: the etp group's routed tokens all-gathered before the experts and
+             # reduce-scattered after them, in forward and again in backward
+             (4 * (par.etp - 1) * spec.top_k * (spec.num_layers // par.pp) * hidden / par.tp * m,
+              leaves(par.etp, 1))]
     sent = sum(b for b, _ in parts)
     comm_s = sum(b / (NETWORK_BYTES_PER_S if across else NVLINK_BYTES_PER_S) for b, across in parts)
     bubble = (par.pp - 1) / (m * v + par.pp - 1) if par.pp > 1 else 0.0

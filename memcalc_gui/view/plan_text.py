@@ -95,7 +95,8 @@ def chart_scope(setup: TrainingSetup) -> str:
     if par.offload != "none":
         text += f", {'optimizer' if par.offload == 'optimizer' else 'parameter'} offload"
     if par.expert_split > 1:  # a short title: the banner and the plan spell the expert-tensor split out
-        text += f", experts over {par.ep}" + (f" × {par.etp}" if par.etp > 1 else "")
+        text += f", each expert over {par.etp}" if par.ep == 1 else \
+            f", experts over {par.ep}" + (f" × {par.etp}" if par.etp > 1 else "")
     return text
 
 
