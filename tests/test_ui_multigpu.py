@@ -459,3 +459,31 @@ def test_a_long_layout_title_breaks_over_a_narrow_plot_and_joins_over_a_wide_one
     w.main_split.setSizes([300, 1300])
     qtbot.waitUntil(lambda: len(w.chart.title_lines()) == 1, timeout=3000)
     assert w.chart.title_text() == one
+
+
+@pytest.mark.parametrize("over", [0.97, 1.03, 1.08, 1.5])
+def test_the_capacity_text_covers_no_total(qtbot, over):
+    """A peak just under or over the capacity puts its total where the capacity text sat: the text moves below the
+    line, to the right, or to its short form, so no total is hidden under it."""
+    from memcalc_gui.core.model import preset_spec
+    from memcalc_gui.core.setup import TrainingSetup
+    from memcalc_gui.view.chart import MemoryChart
+
+    est = evaluate(TrainingSetup(model=preset_spec("llama-3.1-8b"), batch=2, seq=2048)).estimate
+    chart = MemoryChart()
+    qtbot.addWidget(chart)
+    chart.resize(620, 320)
+    chart.show()
+    qtbot.waitExposed(chart)
+    for peak_phase_share in (1.0, 0.0):  # the capacity near the peak, then near the smallest total
+        totals = sorted(est.phases[p].total_bytes for p in PHASES)
+        target = totals[-1] if peak_phase_share else totals[1]
+        chart.set_estimate(est, int(target * over), "NVIDIA H100 80GB HBM3")
+        qtbot.wait(50)
+        text = chart.capacity_label.sceneBoundingRect()
+        plot = chart.plot.getViewBox().sceneBoundingRect()
+        assert plot.left() - 1 <= text.left() and text.right() <= plot.right() + 1  # inside the plot
+        assert "GiB" in chart.capacity_label.format
+        for label in chart.total_labels:
+            assert not text.intersects(label.sceneBoundingRect()), (over, chart.capacity_label_place(),
+                                                                    label.toPlainText())

@@ -47,6 +47,9 @@ TITLE_BREAKS = re.compile(r"(?<=: )|(?<= × )|(?<=, )")
 #: The most lines the title takes from the plot; a last line that still does not fit ends in "…".
 TITLE_MAX_LINES = 3
 TITLE_SIZE = "9pt"
+#: Where the capacity text may sit along its line, the first free one taken: (position along the line, the text's
+#: own point there: 0 its left end, 1 its right end, 0.5 its middle): the left, the right, between the bars.
+CAPACITY_PLACES = ((0.02, 0.0), (0.98, 1.0), (0.5, 0.5), (0.25, 0.5), (0.75, 0.5))
 
 
 class _StaticSample(ItemSample):
@@ -177,6 +180,7 @@ class MemoryChart(pg.GraphicsLayoutWidget):
         self._estimate: Estimate | None = None
         self._scope: str | None = None
         self._title_color = QColor(0, 0, 0)
+        self._y_span = (0.0, 1.0)  # the value axis' range the estimate set
         self._title_lines: tuple[str, ...] = ()
         self.unit = "GiB"
         self._peak_i = 0
@@ -238,6 +242,7 @@ class MemoryChart(pg.GraphicsLayoutWidget):
         else:
             self.capacity_line.setVisible(False)
 
+        self._y_span = (-ymax * ZERO_MARGIN, ymax)
         self._fit_labels()
         self.plot.setYRange(-ymax * ZERO_MARGIN, ymax, padding=0)
         self.plot.setXRange(-0.55, len(PHASES) - 0.45, padding=0)
@@ -296,9 +301,68 @@ class MemoryChart(pg.GraphicsLayoutWidget):
                 label.setText(text, color=color)
         if self.capacity_line.isVisible() and self._capacity_texts:
             full, short = self._capacity_texts
-            text = full if QFontMetrics(self.font()).horizontalAdvance(full) + 12 <= width * 0.96 else short
-            if self.capacity_label.format != text:
-                self.capacity_label.setFormat(text)
+            value = short.split(": ", 1)[-1]
+            texts = (full, short, value) if QFontMetrics(self.font()).horizontalAdvance(full) + 12 <= width * 0.96 \
+                else (short, value)
+            self._place_capacity_label(texts)
+
+    def _place_capacity_label(self, texts: tuple[str, ...]) -> None:
+        """The capacity text where it covers no bar's total: the first of ``texts`` (the full, the short one, the
+        bare value) that fits above the line, else below it, at the first of :data:`CAPACITY_PLACES` where it does;
+        where none does, the bare value where it covers the least (a peak just under the capacity put its total
+        under the text)."""
+        est, vb = self._estimate, self.plot.getViewBox()
+        width, height = float(vb.width()), float(vb.height())
+        label = self.capacity_label
+        if est is None or self._capacity is None or width <= 0 or height <= 0:
+            if label.format != texts[-1]:
+                label.setFormat(texts[-1])
+            return
+        (x0, x1), (y0, y1) = (-0.55, len(PHASES) - 0.45), self._y_span
+        px_x, px_y = width / (x1 - x0), height / (y1 - y0)  # pixels per unit
+        line = (self._in(self._capacity) - y0) * px_y  # pixels above the axis' bottom
+        boxes = []  # the totals' text, in pixels from the view's bottom-left
+        for i, total in enumerate(self.total_labels):
+            size = total.textItem.boundingRect()
+            bottom = (self._in(est.phases[PHASES[i]].total_bytes) - y0) * px_y
+            left = (i - x0) * px_x - size.width() / 2
+            boxes.append((left, left + size.width(), bottom, bottom + size.height()))
+
+        def covered(text_w: float, text_h: float, position: float, side: float, above: bool) -> float:
+            """The area of the totals the text would cover (3 px kept around each); infinite outside the plot."""
+            left = position * width - side * text_w
+            low = line if above else line - text_h
+            if left < 0 or left + text_w > width:
+                return float("inf")
+            gap = 3
+            return sum(max(0.0, min(left + text_w, b + gap) - max(left, a - gap))
+                       * max(0.0, min(low + text_h, d + gap) - max(low, c - gap)) for a, b, c, d in boxes)
+
+        places = [(position, side, above) for position, side in CAPACITY_PLACES for above in (True, False)]
+        place: tuple[str, float, float, bool] | None = None
+        for text in texts:
+            if label.format != text:
+                label.setFormat(text)
+            size = label.textItem.boundingRect()
+            areas = [covered(size.width(), size.height(), *where) for where in places]
+            if min(areas) == 0:
+                place = (text, *places[areas.index(0)])
+                break
+        if place is None:  # nowhere free even for the bare value: where it covers the least
+            place = (texts[-1], *places[areas.index(min(areas))]) if min(areas) < float("inf") \
+                else (texts[-1], 0.02, 0.0, True)
+        text, position, side, above = place
+        if label.format != text:
+            label.setFormat(text)
+        anchor = (side, 1 if above else 0)
+        if self.capacity_label.anchors[0] != anchor or self.capacity_label.orthoPos != position:
+            self.capacity_label.anchors = [anchor, anchor]
+            self.capacity_label.setPosition(position)
+
+    def capacity_label_place(self) -> tuple[float, bool]:
+        """Where the capacity text sits: its position along the line (0 left, 1 right), and whether above it
+        (tests)."""
+        return self.capacity_label.orthoPos, self.capacity_label.anchors[0][1] == 1
 
     def tick_labels(self) -> list[str]:
         """The phase names drawn under the bars (tests)."""
