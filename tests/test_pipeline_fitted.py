@@ -187,6 +187,15 @@ def test_megatron_pipeline_ranks_are_fitted_by_its_rule_as_the_analytic_ledger_l
                                              cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["vocab_size"],
                                              pp=2, dp=4, distributed_optimizer=True)
     assert ours == pytest.approx(weights, rel=1e-3)  # Megatron splits the final norm over the stages too
+    # Megatron DDP runs the same traced stage: the one calibration serves it (from the cache, nothing traced), and
+    # its ledger is the analytic one of its own rule (the optimizer state whole on every data-parallel GPU)
+    plain = dict(kw, parallel=dataclasses.replace(kw["parallel"], strategy="megatron"))
+    replicated = TrainingSetup(params=1, **plain)
+    same = fitmod.calibrate(cfg, replicated, 1, cached_only=True)
+    ledger = estimate_fitted(replicated, same)
+    assert ledger.peak_bytes == pytest.approx(estimate(TrainingSetup(model=spec_from_config(cfg), **plain)).peak_bytes,
+                                              rel=0.02)
+    assert ledger.peak_bytes > fitted.peak_bytes
 
 
 def test_the_layer_counts_a_pipeline_rank_fit_traces() -> None:

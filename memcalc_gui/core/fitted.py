@@ -223,8 +223,11 @@ def pipeline_layout(setup: TrainingSetup) -> dict[str, Any]:
                                f"64 to 128 tokens, which split into 2·cp chunks for cp "
                                f"{', '.join(map(str, CONTEXT_DEGREES))}, not {par.cp}")
     fsdp2 = par.strategy == "fsdp2"
+    # Megatron-LM's two optimizers run the same traced stage (one replica of the bf16 step, its states by rule): one
+    # calibration serves both
     return {"pp": par.pp, "schedule": par.schedule, "virtual": par.virtual_stages,
-            "microbatches": pipeline_microbatches(setup), "strategy": par.strategy,
+            "microbatches": pipeline_microbatches(setup),
+            "strategy": "megatron" if par.strategy.startswith("megatron") else par.strategy,
             "dp_shard": par.dp // par.dp_replicate if fsdp2 else 1,
             "reshard_after_forward": par.reshard_after_forward if fsdp2 else True,
             **({"dp_replicate": par.dp_replicate} if par.dp_replicate > 1 else {}),  # FSDP2's hybrid sharding
