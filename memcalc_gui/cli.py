@@ -51,7 +51,7 @@ from .core.setup import (
 from .core.units import format_bytes, format_count, parse_count, parse_positive_int, parse_size
 from .core.vocab import OBJECT_LABELS, OBJECTS, PHASE_LABELS, PHASES
 from .measure.engine import MAX_ITERATIONS
-from .view.plan_text import suggestions_note
+from .view.plan_text import plan_sentences, suggestions_note
 
 EXIT_INPUT = 2
 EXIT_INTERRUPTED = 130
@@ -562,12 +562,8 @@ def format_ledger(result: Result) -> str:
     host = int(est.details.get("host_bytes", 0))
     if host:
         lines.append(f"Host memory for offload: {format_bytes(host)} per node")
-    if result.plan is not None:
-        mins = ", ".join(f"{k} {v if v is not None else '—'}" for k, v in result.plan.min_gpus.items())
-        lines.append("Fewest GPUs of this kind per strategy" + (" (each over all data-parallel GPUs, FSDP2 without "
-                                                                 "hybrid replicas)" if par.dp_replicate > 1 else "")
-                     + f": {mins}")
-        lines.append(f"Best strategy with {par.gpus} GPUs: {result.plan.best_strategy or 'none fits'}")
+    if result.plan is not None:  # the window's and the report's words: "never", "not modelled for this layout"…
+        lines.extend(plan_sentences(result))
     if verdict.suggestions:
         lines.append("")
         lines.append("What would change it (peak after the change):")

@@ -186,6 +186,24 @@ def test_an_offload_a_strategy_has_not_is_named_in_the_plan() -> None:
     assert rows["DDP (replicated)"] == ("—", "—", "not with optimizer offload")
 
 
+def test_cli_text_says_the_gpu_plan_in_the_windows_words(capsys: pytest.CaptureFixture[str]) -> None:
+    """The command line's GPU plan is the window's and the report's sentences: each strategy by its label with its
+    fewest GPUs, those that never fit named as such (not a bare dash), and the best with its peak per GPU."""
+    from memcalc_gui.view.plan_text import plan_sentences
+
+    argv = ["estimate", "--preset", "llama-3.1-70b", "--seq", "4096", "--batch", "1", "--checkpointing", "full",
+            "--gpus", "32", "--strategy", "zero3", "--gpu", "h100-80gb"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    r = evaluate(TrainingSetup(model=preset_spec("llama-3.1-70b"), seq=4096, batch=1, checkpointing="full",
+                               gpu="h100-80gb", capacity_bytes=find_gpu("h100-80gb").capacity_bytes,
+                               parallel=Parallelism(gpus=32, strategy="zero3")))
+    first, second = plan_sentences(r)
+    assert first in out and second in out
+    assert f"ZeRO-3 {r.plan.min_gpus['zero3']}" in first and "DDP, " in first and ": never" in first
+    assert second.startswith("Best strategy with 32 GPUs: ZeRO-3 (")
+
+
 def test_cli_json_per_gpu(capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["estimate", "--preset", "llama-3.1-8b", "--gpus", "8", "--strategy", "zero2", "--offload",
                  "optimizer", "--gpu", "a100-80gb", "--json"])
