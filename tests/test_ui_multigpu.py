@@ -7,6 +7,8 @@ import dataclasses
 import os
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
@@ -487,3 +489,35 @@ def test_the_capacity_text_covers_no_total(qtbot, over):
         for label in chart.total_labels:
             assert not text.intersects(label.sceneBoundingRect()), (over, chart.capacity_label_place(),
                                                                     label.toPlainText())
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(parts=st.lists(st.text(st.characters(codec="utf-8", exclude_categories=("Cs", "Cc")), min_size=1, max_size=40),
+                      min_size=1, max_size=12),
+       seps=st.lists(st.sampled_from([" × ", ": ", ", ", " ", "", "-" * 60]), min_size=12, max_size=12),
+       width=st.integers(380, 1400))
+def test_any_title_stays_inside_the_plot_in_at_most_three_lines(qtbot, parts, seps, width):
+    """Hostile layout titles (any text, any separators, any chart width): at most three lines, each inside the plot
+    (the last ending in "…" where words had to go), and a title that was only broken keeps every character."""
+    from memcalc_gui.core.model import preset_spec
+    from memcalc_gui.core.setup import TrainingSetup
+    from memcalc_gui.view.chart import TITLE_MAX_LINES, MemoryChart
+
+    chart = MemoryChart()
+    try:
+        chart.resize(width, 360)
+        chart.show()
+        qtbot.wait(5)
+        scope = "".join(p + s for p, s in zip(parts, seps, strict=False)).strip() or "x"
+        est = evaluate(TrainingSetup(model=preset_spec("gpt2"), batch=1, seq=128)).estimate
+        chart.set_estimate(est, None, per_gpu=scope)
+        qtbot.wait(5)
+        lines = chart.title_lines()
+        assert 1 <= len(lines) <= TITLE_MAX_LINES
+        drawn = chart.plot.titleLabel.item.mapRectToScene(chart.plot.titleLabel.item.boundingRect())
+        assert drawn.left() >= -1 and drawn.right() <= chart.width() + 1, (drawn, chart.width())
+        if not any(line.endswith("…") for line in lines):
+            assert chart.title_text().split() == f"Per GPU — {scope}".split()
+    finally:
+        chart.close()
+        chart.deleteLater()

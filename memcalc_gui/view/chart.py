@@ -431,7 +431,10 @@ class MemoryChart(pg.GraphicsLayoutWidget):
         words = line.split(" ")
         while len(words) > 1 and width(" ".join(words) + " …") > room:
             words.pop()
-        return " ".join(words) + " …"
+        kept = " ".join(words)
+        while len(kept) > 1 and width(kept + " …") > room:  # one word wider than the plot: cut inside it
+            kept = kept[:-1]
+        return kept + " …"
 
     def title_text(self) -> str:
         """The chart's title as one line ("" when hidden; tests)."""
