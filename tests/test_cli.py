@@ -216,3 +216,18 @@ def test_the_method_help_describes_every_method_it_accepts() -> None:
     assert estimate.choices
     for method in estimate.choices:
         assert f"{method} (" in estimate.help, method
+
+
+def test_json_is_the_same_bytes_run_after_run() -> None:
+    """Scripts diff the JSON of two runs: each phase's objects come in the ledger's one order, whatever order an
+    estimator built them in or the interpreter's string hashing (two processes with different hash seeds)."""
+    import os
+
+    from memcalc_gui.core.ledger import PhaseLedger
+
+    assert list(PhaseLedger("forward", {"inputs": 1, "activations": 2, "parameters": 3}).objects) == list(OBJECTS)
+    argv = [sys.executable, "-m", "memcalc_gui.cli", "estimate", "--preset", "llama-3.1-70b", "--gpus", "16",
+            "--tp", "4", "--pp", "2", "--strategy", "fsdp2", "--gpu", "h100-80gb", "--json"]
+    outs = {subprocess.run(argv, capture_output=True, check=True, env={**os.environ, "PYTHONHASHSEED": seed},
+                           timeout=120).stdout for seed in ("1", "2")}
+    assert len(outs) == 1

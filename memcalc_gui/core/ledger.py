@@ -38,6 +38,9 @@ class PhaseLedger:
             value = self.objects.setdefault(name, 0)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise LedgerError(f"{self.phase}.{name} must be a non-negative integer, got {value!r}")
+        ordered = {name: self.objects[name] for name in OBJECTS}  # one order everywhere: JSON diffs between runs
+        self.objects.clear()
+        self.objects.update(ordered)
         if self.phase == "load":  # the model, and the gradient buckets a wrapper makes as it wraps it (DDP's)
             extra = [n for n in TENSOR_OBJECTS if n not in ("parameters", "gradients") and self.objects[n]]
             if extra:
