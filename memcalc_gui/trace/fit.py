@@ -87,16 +87,16 @@ def cache_dir() -> Path:
 
 
 def _key(cfg: dict[str, Any], setup: TrainingSetup, sig: dict[str, Any] | None = None) -> str:
-    import torch
-    import transformers
-
+    """The cache name of a fit: the config, the signature, and the versions that trace it (read without importing
+    torch or transformers: a warm estimate needs neither)."""
     from .. import __version__
     from ..measure.tracker import COUNTING_REVISION
+    from .meta import package_version
 
     text = json.dumps({"config": cfg, "signature": sig or signature(setup), "memcalc": __version__,
                        "tracker": COUNTING_REVISION,
-                       "torch": torch.__version__, "transformers": transformers.__version__}, sort_keys=True,
-                      default=str)
+                       "torch": package_version("torch"), "transformers": package_version("transformers")},
+                      sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
@@ -359,15 +359,17 @@ def calibrate(config: dict[str, Any], setup: TrainingSetup, num_params: int,
                    if isinstance(cfg.get(k), int)), 0)
     if setup.parallel.pp > 1:  # a fit per checked rank, its layers a stage-chunk's
         layers = pipeline_chunk_layers(cfg, layers, setup)
-        if setup.parallel.ep > 1:
-            from ..core.distributed import check_experts
-
-            check_experts(model_type, structure_on_meta(cfg)["num_experts"], setup.parallel.ep)
         pair, check_layers = pipeline_layer_counts(layers)
     else:
         pair, check_layers = layer_counts(layers, dense_prefix_layers(cfg), checkpoint_every(setup.checkpointing))
     path = cache_dir() / f"{_key(cfg, setup)}.json"
     fit = _cached(path, use_cache)
+    if setup.parallel.pp > 1 and setup.parallel.ep > 1:
+        from ..core.distributed import check_experts
+
+        # a cached fit holds the model's counts: a warm estimate builds nothing on the meta device
+        counts_of = fit.structure if fit is not None and "num_experts" in fit.structure else structure_on_meta(cfg)
+        check_experts(model_type, int(counts_of["num_experts"]), setup.parallel.ep)
     if fit is None:
         if cached_only:
             raise NotCalibrated("not calibrated yet")
