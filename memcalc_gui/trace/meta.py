@@ -78,10 +78,10 @@ STRUCTURE_KEYS = ("num_params", "active_params", "layer_params", "largest_module
                   "largest_dense_module")
 
 
-def _structure_path(key: str) -> Path:
-    """Where the counts of the config ``key`` names are kept on disk, in a folder beside the fits: keyed by the
-    config, the transformers that builds it and this memcalc, so a warm estimate of a family without a block model
-    imports neither torch nor transformers (6.5 s of a Mixtral estimate on a 2-core machine)."""
+def answer_path(key: str) -> Path:
+    """Where an answer transformers gave for ``key`` is kept on disk (a config's counts; ``sdpa:…``, ``narrower:…``),
+    in a folder beside the fits: keyed with the transformers that gave it and this memcalc, so a warm estimate of a
+    family without a block model imports neither torch nor transformers (6.5 s of a Mixtral estimate, 2 cores)."""
     from .. import __version__
     from .fit import cache_dir
 
@@ -94,7 +94,7 @@ def _stored_structure(key: str) -> dict[str, int] | None:
     """The counts kept for ``key``, or ``None`` (none kept, unreadable, or not every count a whole number: counted
     again). JSON only: nothing in the file runs."""
     try:
-        data = json.loads(_structure_path(key).read_text())
+        data = json.loads(answer_path(key).read_text())
     except (OSError, ValueError):
         return None
     if not isinstance(data, dict) or any(type(data.get(k)) is not int or data[k] < 0 for k in STRUCTURE_KEYS):
@@ -105,10 +105,12 @@ def _stored_structure(key: str) -> dict[str, int] | None:
 def _store_structure(key: str, counts: dict[str, int]) -> None:
     """Keep ``counts`` for ``key`` (whole file or none: a name of this process and thread, then a rename; a
     read-only cache only costs a build next time)."""
-    _write_json(_structure_path(key), counts)
+    write_whole_json(answer_path(key), counts)
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
+def write_whole_json(path: Path, data: dict[str, Any]) -> None:
+    """``data`` at ``path`` whole or not at all (a name of this process and thread, then a rename); nothing when
+    the folder cannot be written."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.stem}.{os.getpid()}.{threading.get_ident()}.tmp")
@@ -188,13 +190,13 @@ def supports_sdpa(config: dict[str, Any]) -> bool:
     Kept on disk per model type and transformers version, as the counts are."""
     key = "sdpa:" + str(config.get("model_type", "")).strip().lower()
     try:
-        stored = json.loads(_structure_path(key).read_text())
+        stored = json.loads(answer_path(key).read_text())
     except (OSError, ValueError):
         stored = None
     if isinstance(stored, dict) and isinstance(stored.get("sdpa"), bool):
         return bool(stored["sdpa"])
     answer = _supports_sdpa_now(config)
-    _write_json(_structure_path(key), {"sdpa": answer})
+    write_whole_json(answer_path(key), {"sdpa": answer})
     return answer
 
 

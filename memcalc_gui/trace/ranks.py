@@ -163,9 +163,9 @@ def _narrower_config_memo(config: dict[str, Any], tp: int, experts_whole: bool) 
             found = _narrower_config(config, tp, experts_whole)
         except InputError as exc:
             found = exc
-        from .meta import _structure_path, _write_json
+        from .meta import answer_path, write_whole_json
 
-        _write_json(_structure_path("narrower:" + key), {"error": [found.field, found.reason]}
+        write_whole_json(answer_path("narrower:" + key), {"error": [found.field, found.reason]}
                     if isinstance(found, InputError) else {"config": found})
         with _NARROWER_LOCK:
             if len(_NARROWER) >= _NARROWER_KEPT:
@@ -179,10 +179,10 @@ def _narrower_config_memo(config: dict[str, Any], tp: int, experts_whole: bool) 
 def _stored_narrower(key: str) -> dict[str, Any] | InputError | None:
     """The answer kept on disk for ``key`` (beside the meta-device counts, keyed with the installed transformers):
     a warm layout search imports no transformers for it. JSON only; anything else there is asked again."""
-    from .meta import _structure_path
+    from .meta import answer_path
 
     try:
-        data = json.loads(_structure_path("narrower:" + key).read_text())
+        data = json.loads(answer_path("narrower:" + key).read_text())
     except (OSError, ValueError):
         return None
     if isinstance(data, dict) and isinstance(data.get("config"), dict):
