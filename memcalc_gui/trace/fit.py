@@ -20,7 +20,6 @@ import json
 import math
 import os
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,7 +42,7 @@ from ..core.fitted import (
 from ..core.layouts import stage_group_runs
 from ..core.setup import TrainingSetup, checkpoint_every
 from ..core.vocab import PHASES
-from .meta import structure_on_meta
+from .meta import structure_on_meta, write_whole_json
 
 #: Calibration shapes (micro-batch, sequence): b ×3/2 and s ×2 between them keep the six monomials apart.
 SHAPES = ((2, 64), (3, 128))
@@ -511,13 +510,7 @@ def _write(path: Path, data: dict[str, Any]) -> None:
     """Write a cache file whole: a name of this process and thread for the file being written (two windows or
     two CLI runs never share it), then a rename (the last one wins, with a whole file). A read-only cache costs
     a calibration next time, nothing else."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.stem}.{os.getpid()}.{threading.get_ident()}.tmp")
-        tmp.write_text(json.dumps(data))
-        tmp.replace(path)
-    except OSError:
-        pass
+    write_whole_json(path, data)
 
 
 def _calibrate(cfg: dict[str, Any], setup: TrainingSetup, num_params: int, model_type: str, layers: int,
