@@ -340,10 +340,12 @@ class MemoryChart(pg.GraphicsLayoutWidget):
 
         places = [(position, side, above) for position, side in CAPACITY_PLACES for above in (True, False)]
         place: tuple[str, float, float, bool] | None = None
+        probe = QTextDocument()  # the label's own layout (its font, its document's margins), the label untouched
+        probe.setDefaultFont(label.textItem.font())
+        probe.setDocumentMargin(label.textItem.document().documentMargin())
         for text in texts:
-            if label.format != text:
-                label.setFormat(text)
-            size = label.textItem.boundingRect()
+            probe.setPlainText(text)
+            size = probe.size()
             areas = [covered(size.width(), size.height(), *where) for where in places]
             if min(areas) == 0:
                 place = (text, *places[areas.index(0)])
