@@ -73,7 +73,7 @@ def test_the_cli_takes_replicas_prints_them_and_suggests_dropping_them(capsys: p
     out = capsys.readouterr().out
     assert "as 4 replicas of 8 sharded GPUs (hybrid sharding)" in out
     assert "Shard over all 32 data-parallel GPUs (FSDP2 without hybrid replicas)" in out  # the way to fit
-    assert "(each over all data-parallel GPUs, FSDP2 without hybrid replicas)" in out  # what the plan weighs
+    assert "each strategy over all data-parallel GPUs (FSDP2 without hybrid replicas)" in out  # what the plan weighs
     assert cli_main([*common, "--dp-replicate", "4", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["dp_replicate"] == 4 and data["setup"]["dp_replicate"] == 4 and not data["fits"]
