@@ -358,6 +358,34 @@ def test_the_layout_search_lists_ranked_layouts_and_applies_one_as_one_undo_step
     assert w.result.setup.parallel == before
 
 
+def test_a_long_layout_label_is_never_cut_in_the_layout_table(window, qtbot):
+    """The widest label takes one line at the dialog's own width; narrowed, a label wraps and its row grows to show
+    every line; the label cell's tooltip holds the whole label."""
+    w = window
+    assert set_fields(w, gpus="64", seq="8192", grad_accum="8", checkpointing="none")
+    dialog = w.show_layouts()
+    assert dialog is not None
+    table = dialog.table
+    rows = range(table.rowCount())
+    labels = [table.item(r, 0).text() for r in rows]
+    assert len(max(labels, key=len)) > 50
+    assert all(table.item(r, 0).toolTip().startswith(labels[r]) for r in rows)
+    metrics = table.fontMetrics()
+    qtbot.waitUntil(lambda: table.columnWidth(0) > 0)
+    widest = max(metrics.horizontalAdvance(text) for text in labels)
+    assert widest < table.columnWidth(0)
+
+    def lines_fit() -> bool:  # each row as tall as the cell's text needs at its width, as Qt's delegate measures it
+        return all(table.rowHeight(r) >= table.sizeHintForRow(r) for r in rows)
+
+    dialog.resize(560, 420)
+    qtbot.waitUntil(lambda: table.columnWidth(0) < widest // 2)
+    qtbot.waitUntil(lines_fit, timeout=3000)
+    three = 3 * metrics.lineSpacing()
+    assert max(table.rowHeight(r) for r in rows) >= three > table.verticalHeader().defaultSectionSize()
+    dialog.close()
+
+
 def test_a_context_parallel_suggestion_applies_and_a_layout_it_breaks_is_marked(window):
     w = window
     assert set_fields(w, preset="llama-3.1-8b", seq="131072", gpus="8", strategy="fsdp2", checkpointing="full")

@@ -93,7 +93,6 @@ class LayoutsDialog(QDialog):
         super().__init__(parent)
         self.setWindowTitle(f"Layouts of {setup.parallel.gpus:,} GPUs")
         self.setObjectName("layoutsDialog")
-        self.resize(820, 480)
         lay = QVBoxLayout(self)
         try:
             self.layouts = find(setup) if find is not None else search(setup, estimate, min_gpus_for=SHOWN)
@@ -132,6 +131,9 @@ class LayoutsDialog(QDialog):
         #: form, which fits it
         self.waiting = sorted(staged, key=lambda par: (par.pp, par.tp, -par.dp, par.ep))[:SHOWN]
         self._fill(self.layouts[:SHOWN], cap)
+        # a long label (every dimension, each expert's split) wraps and its row grows to show it all, never cut
+        self.table.verticalHeader().setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
+        self.resize(self._width_for_labels(), 480)
         self.table.itemDoubleClicked.connect(lambda *_: self._use())
         lay.addWidget(self.table, 1)
         buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Close)
@@ -161,6 +163,16 @@ class LayoutsDialog(QDialog):
         if self.layouts or self.waiting:
             self.table.selectRow(0)
 
+    def _width_for_labels(self) -> int:
+        """Wide enough that the longest label takes one line, at least 820 px and at most 90 % of the screen."""
+        labels = [self.table.item(r, 0).text() for r in range(self.table.rowCount())]
+        metrics = self.table.fontMetrics()
+        widest = max((metrics.horizontalAdvance(text) for text in labels), default=0)
+        others = sum(self.table.sizeHintForColumn(c) for c in range(1, len(COLUMNS)))
+        chrome = 24 * len(COLUMNS) + self.table.verticalScrollBar().sizeHint().width() + 40
+        screen = self.screen().availableGeometry().width() if self.screen() is not None else 1280
+        return max(820, min(widest + others + chrome, int(screen * 0.9)))
+
     def _fill(self, rows: list[Layout], cap: int | None) -> None:
         dim = self.palette().color(QPalette.ColorGroup.Disabled, QPalette.ColorRole.Text)
         self.table.setRowCount(len(rows) + len(self.waiting))
@@ -170,7 +182,8 @@ class LayoutsDialog(QDialog):
                 if c:
                     item.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
                 item.setForeground(dim)
-                item.setToolTip("Not calibrated yet: Use this layout sets it in the form, which fits its pipeline "
+                item.setToolTip(("" if c else f"{text}\n")
+                                + "Not calibrated yet: Use this layout sets it in the form, which fits its pipeline "
                                 "ranks from small traces (tens of seconds to minutes, then cached); the search weighs "
                                 "it from then on")
                 self.table.setItem(r, c, item)
@@ -186,13 +199,15 @@ class LayoutsDialog(QDialog):
                 item = QTableWidgetItem(text)
                 if c:
                     item.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
+                why = ""
                 if layout.upper_bound:
-                    item.setToolTip("An upper bound: the autocast step's calibration stands in for the bf16 step "
-                                    "this strategy runs until that is calibrated")
+                    why = ("An upper bound: the autocast step's calibration stands in for the bf16 step this strategy "
+                           "runs until that is calibrated")
                 if layout.fits is False:
                     item.setForeground(dim)
-                    item.setToolTip("Does not fit: the most loaded GPU needs more than the capacity"
-                                    + ("; in parentheses, its speed were it to fit" if COLUMNS[c] == "Speed" else ""))
+                    why = ("Does not fit: the most loaded GPU needs more than the capacity"
+                           + ("; in parentheses, its speed were it to fit" if COLUMNS[c] == "Speed" else ""))
+                item.setToolTip("\n".join(x for x in (text if not c else "", why) if x))
                 self.table.setItem(r, c, item)
 
     def selected(self) -> Layout | Parallelism | None:
