@@ -864,8 +864,8 @@ def cmd_layouts(args: argparse.Namespace) -> int:
          + "; best first: fits, then tokens/s by a rough step model (docs/parallelism.md), then headroom")
     if unknown is not None:
         _out("Fitted method (no block model): each layout's ledger from traces of the real model, its states by rule "
-             "(docs/fitted.md); tensor parallelism without sequence or loss parallelism; pipeline layouts once "
-             "calibrated (`memcalc estimate --pp N` calibrates one)")
+             "(docs/fitted.md); tensor parallelism without loss parallelism; pipeline and sequence-parallel layouts "
+             "once calibrated (`memcalc estimate --pp N` or `--sp` calibrates one)")
     width = max((len(lay.label) for lay in shown), default=6)
     _out(f"{'#':>3}  {'layout':<{width}} {'peak/GPU':>11} {'headroom':>11} {'speed':>6} {'bubble':>6} "
          f"{'sent/GPU':>11} {'fewest GPUs':>11}")
@@ -885,9 +885,13 @@ def cmd_layouts(args: argparse.Namespace) -> int:
              "without --cached-only to calibrate it)")
     for item in left_out:
         _out(f"Left out ({len(item['layouts'])}): {item['reason']}")
-    if any(par.pp > 1 for reason, pars in layouts.left_out.items() if NOT_CALIBRATED in reason for par in pars):
+    waiting = [par for reason, pars in layouts.left_out.items() if NOT_CALIBRATED in reason for par in pars]
+    if any(par.pp > 1 for par in waiting):
         _out("Pipeline layouts are calibrated one at a time (tens of seconds to minutes each, then cached): "
              "`memcalc estimate` with these flags and --pp, --strategy and --ep of a layout adds it to this search")
+    if any(par.sp and par.pp == 1 for par in waiting):
+        _out("Sequence-parallel layouts are each their own rank's calibration (tens of seconds to minutes, then "
+             "cached): `memcalc estimate` with these flags and --tp, --sp, --strategy and --ep of a layout adds it")
     return 0
 
 

@@ -515,9 +515,9 @@ def test_the_layout_search_of_a_mixture_of_experts_is_fitted_layout_by_layout(
     """``memcalc layouts`` for a family without a block model: each tensor-parallel degree the config splits is
     calibrated (once, then cached), the one its key/value heads cannot split is left out with the reason, every
     expert-parallel degree that splits the experts is searched, and each layout's peak is the fitted ledger of that
-    layout (what `memcalc estimate` prints for it). Pipeline layouts are left out until calibrated (each is a
-    calibration of its own schedule): once `memcalc estimate` has fitted one, the search weighs it as the estimate
-    does. With nothing cached, ``--cached-only`` says so rather than tracing."""
+    layout (what `memcalc estimate` prints for it). Pipeline and sequence-parallel layouts are left out until
+    calibrated (each is a calibration of its own rank): once `memcalc estimate` has fitted one, the search weighs it
+    as the estimate does. With nothing cached, ``--cached-only`` says so rather than tracing."""
     from memcalc_gui.core.fitted import NOT_CALIBRATED, estimate_fitted
     from memcalc_gui.trace.fit import calibrate
 
@@ -539,6 +539,11 @@ def test_the_layout_search_of_a_mixture_of_experts_is_fitted_layout_by_layout(
                                                                      for e, x in ((1, 2), (1, 4), (2, 2))}
     reasons = {item["reason"]: item["layouts"] for item in out["left_out"]}
     staged = reasons.pop(f"a layout of 2 pipeline stages {NOT_CALIBRATED}")  # 2 layers: 2 stages, never 4
+    # torchtitan's sequence-parallel plan beside FSDP2 (its traced rank's own calibration: the one-replica rule only
+    # bounds it), the experts over 1, 2 or 4 of the GPUs
+    sequence = reasons.pop(f"sequence parallelism over 2 GPUs {NOT_CALIBRATED}")
+    assert sorted(sequence) == ["TP 2 + SP × FSDP2 over 2", "TP 2 + SP × FSDP2 over 2, experts over 2",
+                                "TP 2 + SP × FSDP2 over 2, experts over 4"]
     assert reasons and all("key/value heads" in reason for reason in reasons)
     # DDP and Megatron-LM's two optimizers at tp 1 and 2, FSDP2 over a stage's 2 GPUs at tp 1; at tp 1 the experts
     # over 1 or 2 of them; at tp 2 over the group's 2 GPUs under DDP (traced stages only: Megatron-LM's by rule would
@@ -579,6 +584,15 @@ def test_the_layout_search_of_a_mixture_of_experts_is_fitted_layout_by_layout(
     assert staged_row["min_gpus"] == 2  # DDP's stage fit is of any replica count: the fewest GPUs are searched
     assert len(dict((i["reason"], i["layouts"]) for i in again["left_out"])[
         f"a layout of 2 pipeline stages {NOT_CALIBRATED}"]) == len(staged) - 1
+    # one sequence-parallel layout calibrated by its estimate joins the search the same way, under its twin without
+    assert cli_main(["estimate", *common, "--tp", "2", "--sp", "--strategy", "fsdp2"]) == 0
+    estimated = json.loads(capsys.readouterr().out)
+    assert cli_main(["layouts", *common, "--top", "0", "--cached-only"]) == 0
+    third = json.loads(capsys.readouterr().out)
+    sp_row = next(lay for lay in third["layouts"] if lay["sp"])
+    twin = next(lay for lay in third["layouts"] if lay["label"] == "TP 2 × FSDP2 over 2")
+    assert sp_row["label"] == "TP 2 + SP × FSDP2 over 2" and sp_row["peak_bytes"] == estimated["peak_bytes"]
+    assert sp_row["peak_bytes"] < twin["peak_bytes"] and len(third["layouts"]) == len(again["layouts"]) + 1
     monkeypatch.setenv("MEMCALC_CACHE_DIR", str(tmp_path / "empty"))
     with pytest.raises(SystemExit) as exc:
         cli_main(["layouts", *common, "--cached-only"])

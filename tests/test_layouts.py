@@ -3,6 +3,7 @@ most loaded GPU's peak from the one estimator, ranked by fit, a stated step-time
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -230,6 +231,32 @@ def test_fsdp2_over_one_data_parallel_gpu_is_refused_and_never_offered(capsys: p
     assert exit_.value.code == 2
     err_line = capsys.readouterr().err.strip()
     assert err_line.startswith("memcalc: error: --strategy:") and len(err_line.splitlines()) == 1
+
+
+def test_a_family_without_a_block_model_is_offered_sequence_parallelism_where_its_traced_rank_runs_it() -> None:
+    """torchtitan's sequence-parallel plan on a traced rank (``core.fitted.rank_layout``): FSDP2 with tensor
+    parallelism, its hybrid twin too, and DDP with every GPU of the one replica tensor-parallel; never in pipeline
+    stages, never with loss parallelism, never where the flag is off."""
+    from memcalc_gui.core.fitted import rank_layout
+    from memcalc_gui.core.layouts import ModelShape
+
+    setup = TrainingSetup(params=8 * 10**9, seq=2048, gpu="h100-80gb", parallel=Parallelism(gpus=32))
+    shape = ModelShape(8 * 10**9, 4096, 32, block_model=False, pipeline_strategies=("ddp", "fsdp2"),
+                       rank_sequence_parallel=True)
+    pars = candidates(setup, shape=shape)
+    split = [p for p in pars if p.sp]
+    assert split and not any(p.loss_parallel for p in pars)
+    assert all(p.tp > 1 and p.pp == 1 and p.strategy == "fsdp2" for p in split)
+    assert any(p.dp_replicate > 1 for p in split)  # FSDP2's hybrid twin beside it
+    for p in pars:  # each FSDP2 layout with tensor parallelism and no stages has its twin, and the twin's rank runs
+        if p.strategy == "fsdp2" and p.tp > 1 and p.pp == 1 and not p.sp:
+            twin = dataclasses.replace(p, sp=True)
+            assert twin in split
+            assert rank_layout(setup.with_changes(parallel=twin))["sp"] is True
+    alone = candidates(setup, gpus=4, shape=shape)
+    assert Parallelism(gpus=4, tp=4, sp=True, strategy="ddp") in alone
+    assert not any(p.sp and p.strategy == "ddp" and p.dp > 1 for p in alone)
+    assert not any(p.sp for p in candidates(setup, shape=dataclasses.replace(shape, rank_sequence_parallel=False)))
 
 
 def test_a_search_without_a_block_model_weighs_the_pipeline_layouts_it_has_fits_for() -> None:

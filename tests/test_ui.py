@@ -1201,7 +1201,9 @@ def test_the_layout_search_calibrates_the_tensor_parallel_layouts_it_left_out(wi
     assert {(par.strategy, par.ep, par.etp) for par in split} == {("megatron", 1, 2), ("megatron-distopt", 1, 2)}
     assert first.calibrate_button.text() == "Calibrate tensor parallelism over 2 GPUs"
     # 2 stages of one GPU: DDP and Megatron-LM's two optimizers (FSDP2 would shard over one GPU)
-    staged = "3 layouts of 2 pipeline stages are not calibrated yet"
+    # and tensor parallelism over both GPUs with torchtitan's sequence-parallel plan, the experts whole or over both
+    # GPUs (each its own rank's calibration)
+    staged = "5 layouts of 2 pipeline stages or with sequence parallelism are not calibrated yet"
     assert staged in first.intro.text()
     first.calibrate_button.click()
     # tensor parallelism over 2, and beside the experts split over both GPUs (the experts whole); no stage queued
@@ -1210,7 +1212,7 @@ def test_the_layout_search_calibrates_the_tensor_parallel_layouts_it_left_out(wi
     again = w.layouts_dialog
     assert again.calibrate_button is None and "so left out" not in again.intro.text()
     assert staged in again.intro.text() and all(lay.parallel.pp == 1 for lay in again.layouts)
-    assert [par.pp for par in again.waiting] == [2, 2, 2]
+    assert [(par.pp, par.sp, par.ep) for par in again.waiting] == [(1, True, 1), (1, True, 2)] + [(2, False, 1)] * 3
     assert {lay.parallel.ep for lay in again.layouts if lay.parallel.tp == 2} == {1, 2}
     row = next(i for i, lay in enumerate(again.layouts)
                if lay.parallel.tp == 2 and lay.parallel.ep == 1 and lay.parallel.strategy == "ddp")
@@ -1218,9 +1220,26 @@ def test_the_layout_search_calibrates_the_tensor_parallel_layouts_it_left_out(wi
     again.use_button.click()
     qtbot.waitUntil(lambda: w.result.setup.parallel.tp == 2, timeout=5000)
     assert w.result.estimate.method == "fitted" and w.result.estimate.peak_bytes == again.layouts[row].peak_bytes
+    chosen = w.result.setup
+    # the sequence-parallel layout waiting, used, sets the form, which calibrates its rank; the search then weighs it
+    # with the window's peak, under its twin without
+    waiting = w.show_layouts()
+    assert waiting is not None
+    labels = [waiting.table.item(r, 0).text() for r in range(waiting.table.rowCount())]
+    waiting.table.selectRow(labels.index("TP 2 + SP × DDP over 1"))
+    waiting.use_button.click()
+    qtbot.waitUntil(lambda: bool(w.result.setup.parallel.sp and w.result.estimate.details.get("rank_fit")),
+                    timeout=90000)  # (a callback returning None would pass at once: pytest-qt reads it as no error)
+    weighed = w.show_layouts()
+    assert weighed is not None and [par.ep for par in weighed.waiting if par.sp] == [2]
+    sp_row = next(lay for lay in weighed.layouts if lay.parallel.sp)
+    twin = next(lay for lay in weighed.layouts if lay.parallel == dataclasses.replace(sp_row.parallel, sp=False))
+    assert sp_row.peak_bytes == w.result.estimate.peak_bytes < twin.peak_bytes
+    weighed.close()
+    w.undo()
+    assert w.result.setup == chosen
     # layouts whose calibration failed (here tensor parallelism over 2 without expert parallelism: the key its
     # layouts share) are left out with the reason
-    chosen = w.result.setup
     w.fits[w._fit_key(chosen.extras["fit"], chosen)] = "the fitted method does not hold: no trace"
     w.undo()
     assert w.result.setup.parallel.tp == 1
@@ -1231,7 +1250,8 @@ def test_the_layout_search_calibrates_the_tensor_parallel_layouts_it_left_out(wi
     assert failed is not None and not any(tp_alone(lay) for lay in failed.layouts)
     assert [lay.parallel for lay in failed.layouts] == [lay.parallel for lay in again.layouts if not tp_alone(lay)]
     tp2 = sum(tp_alone(lay) for lay in again.layouts)
-    assert tp2 > 1 and f"Left out ({tp2}): the fitted method does not hold: no trace." in failed.intro.text()
+    # (and the sequence-parallel layout beside them, the experts whole, whose one-replica fit is that key's)
+    assert tp2 > 1 and f"Left out ({tp2 + 1}): the fitted method does not hold: no trace." in failed.intro.text()
     # the pipeline layouts are listed last, not calibrated; using one sets it in the form, which fits it
     assert [failed.table.item(r, 1).text() for r in range(failed.table.rowCount())][-3:] == ["not calibrated"] * 3
     labels = [failed.table.item(r, 0).text() for r in range(failed.table.rowCount())]
@@ -1241,7 +1261,8 @@ def test_the_layout_search_calibrates_the_tensor_parallel_layouts_it_left_out(wi
     qtbot.waitUntil(lambda: w.result.setup.parallel.pp == 2 and w.result.estimate.method == "fitted", timeout=60000)
     assert w.result.setup.parallel.strategy == "ddp"
     joined = w.show_layouts()
-    assert joined is not None and "2 layouts of 2 pipeline stages" in joined.intro.text()
+    # (and the sequence-parallel one with the experts over both GPUs, whose one-replica fit has not failed)
+    assert joined is not None and "3 layouts of 2 pipeline stages or with sequence parallelism" in joined.intro.text()
     staged_row = next(lay for lay in joined.layouts if lay.parallel.pp == 2)
     assert staged_row.parallel.strategy == "ddp" and staged_row.peak_bytes == w.result.estimate.peak_bytes
     # a layout with each expert split over both GPUs, used, sets the form's field and is the window's ledger
@@ -1597,3 +1618,35 @@ def test_the_layout_dialog_says_how_many_waiting_pipeline_layouts_it_lists():
     assert "(listed last)" in text(SHOWN)
     assert f"{SHOWN + 5} layouts of 2 pipeline stages are not calibrated yet (the first {SHOWN} listed last)" in \
         text(SHOWN + 5)
+
+
+def test_waiting_sequence_parallel_layouts_are_listed_for_the_form_to_calibrate_not_the_button(qtbot):
+    """A sequence-parallel layout of a family without a block model waits for its own rank's calibration, as a
+    pipeline layout does: listed last as "not calibrated" (the form fits it once used), not given to the button that
+    calibrates tensor-parallel degrees (whose one-replica fits would never weigh it)."""
+    from memcalc_gui.core.distributed import Parallelism
+    from memcalc_gui.core.layouts import NOT_CALIBRATED, Search
+    from memcalc_gui.core.setup import TrainingSetup
+    from memcalc_gui.ui.layouts_dialog import LayoutsDialog, _left_out_text, _waiting
+
+    sp = Parallelism(gpus=8, tp=2, sp=True, strategy="fsdp2")
+    tp4 = Parallelism(gpus=8, tp=4, strategy="fsdp2")
+    staged = Parallelism(gpus=8, pp=2, strategy="ddp")
+    found = Search([], {f"sequence parallelism over 2 GPUs {NOT_CALIBRATED}": [sp],
+                        f"tensor parallelism over 4 GPUs {NOT_CALIBRATED}": [tp4],
+                        f"a layout of 2 pipeline stages {NOT_CALIBRATED}": [staged]})
+    assert _waiting(found) == ([tp4], [sp, staged])
+    text = _left_out_text(found)
+    assert "1 layouts with tensor parallelism over 4 GPUs" in text
+    assert "2 layouts of 2 pipeline stages or with sequence parallelism are not calibrated yet" in text
+    asked: list[list[Parallelism]] = []
+    setup = TrainingSetup(params=10**9, parallel=Parallelism(gpus=8, strategy="fsdp2"))
+    dialog = LayoutsDialog(setup, find=lambda s: found, name="toy", calibrate=asked.append)
+    qtbot.addWidget(dialog)
+    rows = {dialog.table.item(r, 0).text(): dialog.table.item(r, 1).text() for r in range(dialog.table.rowCount())}
+    assert rows == {"TP 2 + SP × FSDP2 over 4": "not calibrated", "PP 2 (1F1B) × DDP over 4": "not calibrated"}
+    assert "sequence-parallel rank" in dialog.table.item(0, 0).toolTip()
+    assert dialog.calibrate_button is not None and dialog.calibrate_button.text() == \
+        "Calibrate tensor parallelism over 4 GPUs"
+    dialog.calibrate_button.click()
+    assert asked == [[tp4]]

@@ -835,7 +835,8 @@ def search_layouts(setup: TrainingSetup, fit: FitModel, fit_for: Callable[[Train
     without its own calibration is bounded by the autocast one, as in the ledger (without pipeline stages: a stage's
     fit is of its strategy's own schedule). Pipeline stages are searched under :data:`PIPELINE_STRATEGIES` where a
     stage's fit can stand for it (not a config whose first layers are dense, nor checkpointing every N-th layer:
-    ``trace.fit.pipeline_chunk_layers``)."""
+    ``trace.fit.pipeline_chunk_layers``). Sequence parallelism (torchtitan's plan, where :func:`rank_layout` traces
+    it) is weighed from its rank's own fit alone, each layout a calibration of its own as a pipeline layout is."""
     st = fit.structure
     staged = not (config is not None and dense_prefix_layers(config)) and \
         checkpoint_every(setup.checkpointing) in (None, 1)
@@ -844,10 +845,15 @@ def search_layouts(setup: TrainingSetup, fit: FitModel, fit_for: Callable[[Train
     shape = ModelShape(fit.num_params, int(st.get("hidden_size", 0)), layers,
                        int(st.get("num_experts", 0)), block_model=False, expert_params=int(st.get("expert_params", 0)),
                        top_k=int(st.get("top_k", 0)), active_params=int(st.get("active_params", 0)),
-                       pipeline_strategies=PIPELINE_STRATEGIES if staged else ())
+                       pipeline_strategies=PIPELINE_STRATEGIES if staged else (), rank_sequence_parallel=True)
 
     def estimator(s: TrainingSetup) -> Estimate:
         found = fit_for(s)
+        if s.parallel.sp and s.parallel.pp == 1 and (found is None or found.rank is None
+                                                     or found.rank.signature != rank_signature(s)):
+            # the one-replica rule only bounds sequence parallelism (norms and residual stream whole): weighed from
+            # its traced rank alone, never as a bound beside the layout without it
+            raise InputError("method", f"sequence parallelism over {s.parallel.tp} GPUs {NOT_CALIBRATED}")
         if found is None and s.parallel.pp == 1:
             # the autocast step stands in for the bf16 one, as a bound (estimate_fitted says so)
             found = fit_for(s.with_changes(parallel=dataclasses.replace(s.parallel, strategy="ddp"))) \

@@ -35,13 +35,14 @@ The constants are an H100-class node's (bf16 at about 40 % of its dense peak, NV
 they rank layouts against each other, they do not predict a run's speed.
 
 A family without a block model (the fitted method, :mod:`memcalc_gui.core.fitted`) is searched by its
-:class:`ModelShape` and an estimator over its fits: tensor parallelism without sequence or loss parallelism (they
-split what a block model names), pipeline stages that split the layers evenly under the strategies its fits run
-(:attr:`ModelShape.pipeline_strategies`), and for a mixture of experts every expert-parallel degree that splits the
-experts and the data-parallel GPUs, and under Megatron-LM's strategies each expert split over 2, 4 or 8 GPUs of a
-node (``etp``, weighed from the fits of whole experts). A layout the estimator has no fit for is left out and counted
-(:attr:`Search.left_out`), never guessed; so is the fewest-GPUs count of a layout whose other GPU counts are not
-calibrated (FSDP2's stage fits are of one data-parallel width).
+:class:`ModelShape` and an estimator over its fits: tensor parallelism without loss parallelism, with sequence
+parallelism where a traced rank runs torchtitan's plan (FSDP2, or DDP over the one replica's GPUs; no pipeline
+stages: :attr:`ModelShape.rank_sequence_parallel`), pipeline stages that split the layers evenly under the
+strategies its fits run (:attr:`ModelShape.pipeline_strategies`), and for a mixture of experts every expert-parallel
+degree that splits the experts and the data-parallel GPUs, and under Megatron-LM's strategies each expert split over
+2, 4 or 8 GPUs of a node (``etp``, weighed from the fits of whole experts). A layout the estimator has no fit for is
+left out and counted (:attr:`Search.left_out`), never guessed; so is the fewest-GPUs count of a layout whose other
+GPU counts are not calibrated (FSDP2's stage fits are of one data-parallel width).
 """
 
 from __future__ import annotations
@@ -103,6 +104,9 @@ class ModelShape:
     expert_params: int = 0  # the routed experts' parameters (what expert parallelism splits)
     top_k: int = 0  # experts per token (the all-to-all's copies of each token)
     active_params: int = 0  # parameters a token runs through (the step's compute); 0: all of them
+    #: Without a block model: sequence parallelism is searched too, as torchtitan's plan on a traced rank (FSDP2, or
+    #: every GPU of one replica tensor-parallel, without pipeline stages), weighed where that rank is calibrated
+    rank_sequence_parallel: bool = False
 
     @staticmethod
     def of(setup: TrainingSetup) -> ModelShape:
@@ -203,7 +207,30 @@ def candidates(setup: TrainingSetup, gpus: int | None = None, shape: ModelShape 
                     hybrid = _hybrid(setup, layout, shape)
                     if hybrid is not None:
                         out.append(hybrid)
+                    out.extend(_rank_sequence_parallel(setup, [layout] if hybrid is None else [layout, hybrid],
+                                                       shape))
                     out.extend(_expert_tensor(setup, layout, shape))
+    return out
+
+
+def _rank_sequence_parallel(setup: TrainingSetup, pars: list[Parallelism], shape: ModelShape) -> list[Parallelism]:
+    """For a family without a block model whose traced rank runs torchtitan's sequence-parallel plan
+    (:attr:`ModelShape.rank_sequence_parallel`): each of ``pars`` with sequence parallelism where that rank is what
+    runs it (``core.fitted.rank_layout``): FSDP2 over the data-parallel GPUs, or DDP with every GPU of the one replica
+    tensor-parallel; no pipeline stages (a stage's traced schedule is a calibration of its own)."""
+    if shape.block_model or not shape.rank_sequence_parallel:
+        return []
+    out = []
+    for par in pars:
+        alone = par.strategy == "ddp" and par.dp * par.cp == 1  # every GPU of the one replica tensor-parallel
+        if par.tp < 2 or par.pp > 1 or not (par.strategy == "fsdp2" or alone):
+            continue
+        try:
+            split = dataclasses.replace(par, sp=True)
+            setup.with_changes(parallel=split)
+        except InputError:
+            continue
+        out.append(split)
     return out
 
 

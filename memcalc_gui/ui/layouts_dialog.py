@@ -46,17 +46,23 @@ def layout_changes(layout: Layout | Parallelism) -> dict[str, str]:
             "dp_replicate": str(p.dp_replicate)}
 
 
+def _own_rank(par: Parallelism) -> bool:
+    """A layout whose calibration is its own rank's (a pipeline stage's schedule, a sequence-parallel rank): the form
+    calibrates it once set to it."""
+    return par.pp > 1 or par.sp
+
+
 def _waiting(found: Search) -> tuple[list[Parallelism], list[Parallelism]]:
     """The layouts the search left out for want of a calibration: those the calibrate button starts (a
-    tensor-parallel degree, another step precision: seconds each), and the pipeline layouts (each a calibration of its
-    own schedule, tens of seconds to minutes: the form calibrates the one it is set to)."""
+    tensor-parallel degree, another step precision: seconds each), and those each a calibration of its own rank
+    (:func:`_own_rank`; tens of seconds to minutes: the form calibrates the one it is set to)."""
     waiting = [par for reason, pars in found.left_out.items() if NOT_CALIBRATED in reason for par in pars]
-    return [par for par in waiting if par.pp == 1], [par for par in waiting if par.pp > 1]
+    return [par for par in waiting if not _own_rank(par)], [par for par in waiting if _own_rank(par)]
 
 
 def _left_out_text(found: Search) -> str:
     """What the search left out: the layouts waiting for a calibration in one sentence (by tensor-parallel degree),
-    the pipeline layouts in another, then each other reason with its count."""
+    those each waiting for its own rank's in another, then each other reason with its count."""
     waiting, staged = _waiting(found)
     text = ""
     if waiting:
@@ -64,9 +70,11 @@ def _left_out_text(found: Search) -> str:
         what = f"tensor parallelism over {', '.join(map(str, tps))} GPUs" if all(tps) and tps != [1] else "some"
         text += f" Not calibrated yet, so left out: {len(waiting)} layouts with {what}."
     if staged:
-        pps = sorted({par.pp for par in staged})
+        pps = sorted({par.pp for par in staged if par.pp > 1})
+        kinds = ([f"of {', '.join(map(str, pps))} pipeline stages"] if pps else []) \
+            + (["with sequence parallelism"] if any(par.sp and par.pp == 1 for par in staged) else [])
         listed = "listed last" if len(staged) <= SHOWN else f"the first {SHOWN} listed last"
-        text += (f" {len(staged)} layouts of {', '.join(map(str, pps))} pipeline stages are not calibrated yet "
+        text += (f" {len(staged)} layouts {' or '.join(kinds)} are not calibrated yet "
                  f"({listed}): use one and the form fits it (tens of seconds to minutes, then cached), and it joins "
                  "this search.")
     for reason, pars in found.left_out.items():
@@ -102,8 +110,9 @@ class LayoutsDialog(QDialog):
         cap = setup.capacity_bytes
         fitting = [x for x in self.layouts if x.fits is not False]
         name = name or (setup.model.name if setup.model else "the model")
-        split = ("Tensor parallelism stays within a node, without sequence or loss parallelism: this family has no "
-                 "block model, each layout is fitted from traces of the real model." if find is not None else
+        split = ("Tensor parallelism stays within a node, without loss parallelism, with sequence parallelism "
+                 "under FSDP2: this family has no block model, each layout is fitted from traces of the real model."
+                 if find is not None else
                  "Tensor parallelism stays within a node, with sequence and loss parallelism.")
         left = _left_out_text(self.layouts)
         intro = QLabel(
@@ -127,8 +136,8 @@ class LayoutsDialog(QDialog):
         for i in range(1, len(COLUMNS)):
             header.setSectionResizeMode(i, QHeaderView.ResizeMode.ResizeToContents)
         calibrated_here, staged = _waiting(self.layouts)
-        #: The pipeline layouts waiting for their own calibration, after the weighed ones: using one sets it in the
-        #: form, which fits it
+        #: The layouts waiting for their own rank's calibration (pipeline, sequence-parallel), after the weighed ones:
+        #: using one sets it in the form, which fits it
         self.waiting = sorted(staged, key=lambda par: (par.pp, par.tp, -par.dp, par.ep))[:SHOWN]
         self._fill(self.layouts[:SHOWN], cap)
         # a long label (every dimension, each expert's split) wraps and its row grows to show it all, never cut
@@ -183,8 +192,9 @@ class LayoutsDialog(QDialog):
                     item.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
                 item.setForeground(dim)
                 item.setToolTip(("" if c else f"{text}\n")
-                                + "Not calibrated yet: Use this layout sets it in the form, which fits its pipeline "
-                                "ranks from small traces (tens of seconds to minutes, then cached); the search weighs "
+                                + "Not calibrated yet: Use this layout sets it in the form, which fits its "
+                                + ("pipeline ranks" if par.pp > 1 else "sequence-parallel rank")
+                                + " from small traces (tens of seconds to minutes, then cached); the search weighs "
                                 "it from then on")
                 self.table.setItem(r, c, item)
         for r, layout in enumerate(rows):

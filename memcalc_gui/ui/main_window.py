@@ -991,23 +991,33 @@ class MainWindow(QMainWindow):
     def _fitted_layout_search(self, needed: Any) -> Any:
         """The layout search of a family without a block model, over the fits this window holds and those cached on
         disk (``memcalc layouts`` calibrates the others): nothing is traced here, so the dialog opens at once."""
-        from ..core.fitted import search_layouts
+        from ..core.fitted import rank_signature, search_layouts
         from ..trace.fit import cached_fit
         from .layouts_dialog import SHOWN
+
+        looked: set[str] = set()  # the keys read from disk in this search (a miss is not read again)
 
         def fit_for(s: Any) -> Any:
             for key in (self._fit_key(needed, s), self._fit_key(needed, s, ranks=False)):
                 failed = self.fits.get(key)
                 if isinstance(failed, str):  # this signature's calibration failed: the search says why
                     raise InputError("method", failed)
+            key = self._fit_key(needed, s)
             found = self._fit_or_replica(needed, s)
-            if found is None:
-                found = cached_fit(needed.config, s)
-                if found is not None:
-                    self.fits[self._fit_key(needed, s)] = found
+            want = rank_signature(s)
+            ranked = found is not None and (want is None or (found.rank is not None and found.rank.signature == want))
+            if not ranked and key not in looked:
+                # not held, or only the one-replica fit where the layout's rank is cached on disk (`memcalc estimate`
+                # calibrated it): a sequence-parallel layout is weighed from that rank alone
+                looked.add(key)
+                cached = cached_fit(needed.config, s)
+                if cached is not None and (found is None or (cached.rank is not None
+                                                             and cached.rank.signature == want)):
+                    self.fits[key] = found = cached
             return found
 
         def find(setup: Any) -> Any:
+            looked.clear()
             base = fit_for(setup)
             if base is None:
                 raise InputError("method", "the fitted method has no calibration of this setup yet")
