@@ -791,3 +791,41 @@ def assert_routed_ranks_match(real: list, fake: object) -> None:
     for p in ("forward", "backward"):
         errors = [rank.phases[p].peak_bytes / fake.phases[p].peak_bytes - 1 for rank in real]
         assert max(map(abs, errors)) < 0.05 and abs(sum(errors) / len(errors)) < 0.01, (p, errors)
+
+
+@pytest.mark.parametrize("layout", [dict(dp_shard=4), dict(dp_shard=4, ep=2)], ids=["fsdp2", "fsdp2-ep2"])
+def test_more_shards_than_experts_are_placed_as_torchtitan_places_them(layout: dict[str, int]) -> None:
+    """FSDP2 over more GPUs than experts (× ep): torchtitan shards the fused experts along their second dimension,
+    evenly (``Shard(1)``), where PyTorch's default first dimension would leave a whole expert on each of the first
+    GPUs and none on the rest. The traced rank holds its even share of the weights, the rule says the same, and four
+    real gloo ranks hold what the trace holds (the weights and the optimizer step within 0.01 % on the first, the
+    most loaded: the router's rows are on the first GPUs, and no rank holds more; forward and backward within the
+    router's imbalance)."""
+    from memcalc_gui.core.distributed import expert_parallel_states
+    from memcalc_gui.measure.distributed import measure_sharded_step
+    from memcalc_gui.trace.ranks import RankLayout, trace_rank
+
+    config = dict(MIXTRAL, num_hidden_layers=2, num_local_experts=2)
+    st = structure_on_meta(config)
+    kw = dict(STEP, precision="fp32", optimizer_impl="foreach", checkpointing="none")
+    lay = RankLayout(**layout)
+    fake = trace_rank(config, lay, **kw)
+    weights = fake.phases["load"].objects["parameters"]
+    assert weights == pytest.approx(4 * st["num_params"] / 4, rel=0.01)  # not half of the experts on this rank
+    par = Parallelism(gpus=4, strategy="fsdp2", ep=lay.ep)
+    rule = expert_parallel_states(par, st["num_params"], st["expert_params"], st["layer_params"] - st[
+        "layer_expert_params"], st["layer_expert_params"], "fp32", 8 * st["num_params"], 0, 0, st["root_unit"],
+        st["num_experts"])
+    assert rule.parameters["load"] == pytest.approx(weights, rel=0.01)
+    assert not any("expert by expert" in note for note in rule.notes)
+    real = measure_sharded_step(config, world=4, strategy="ranks", layout=lay, iterations=3, **kw)
+    for i, rank in enumerate(real):  # the router's 2 rows of weights are on the first two GPUs (dim 0): rank 0 is
+        for p in ("load", "optimizer_step"):  # the most loaded, as traced; the last two hold them less. (A real rank
+            # builds the model whole before sharding it: its load is what it keeps)
+            measured, traced = ((rank.phases[p].live_bytes, fake.phases[p].live_bytes) if p == "load" else
+                                (rank.phases[p].peak_bytes, fake.phases[p].peak_bytes))
+            assert 0.998 * traced < measured <= 1.0001 * traced, (i, p, measured, traced)
+            assert i > 0 or abs(measured - traced) <= 1e-4 * traced, (p, measured, traced)
+    for p in ("forward", "backward"):
+        errors = [rank.phases[p].peak_bytes / fake.phases[p].peak_bytes - 1 for rank in real]
+        assert max(map(abs, errors)) < 0.05 and abs(sum(errors) / len(errors)) < 0.01, (p, errors)

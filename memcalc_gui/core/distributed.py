@@ -585,7 +585,9 @@ def expert_parallel_states(par: Parallelism, num_params: int, expert_params: int
 
     FSDP2 shards each parameter along its first dimension, which for transformers' fused experts is the expert:
     with ``experts`` per layer, the most loaded GPU holds ``ceil(local experts / shards)`` of them (traced: 60
-    experts over 8 GPUs are 8 on the first, not 7.5).
+    experts over 8 GPUs are 8 on the first, not 7.5). Where the shards times ``ep`` outnumber the experts, torchtitan
+    shards them along their second dimension instead (``torchtitan/distributed/fsdp.py``; the trace does too), evenly:
+    Mixtral-8x7B's 8 experts over 64 GPUs are 1/64 of them on each, not one whole expert on the first eight.
 
     Megatron-LM's expert tensor parallelism (``par.etp``) splits each expert's weights over ``etp`` GPUs more, as
     its ``--expert-tensor-parallel-size`` does: one copy of every expert over ``ep × etp`` GPUs, and
@@ -597,7 +599,8 @@ def expert_parallel_states(par: Parallelism, num_params: int, expert_params: int
     copies = max(1, par.dp * par.tp // split) if split > 1 else par.dp
     # FSDP2's hybrid sharding: the experts sharded over one replica's copies of them, as FSDP2 over that replica
     replica_copies = max(1, copies // par.dp_replicate)
-    padded = par.strategy == "fsdp2" and experts > 0 and (experts // par.ep) % replica_copies != 0
+    padded = par.strategy == "fsdp2" and experts > 0 and (experts // par.ep) % replica_copies != 0 \
+        and replica_copies * par.ep <= experts  # more shards than experts: torchtitan's Shard(1), even
     if split == 1 and not padded:
         unit = expert_unit + dense_unit  # not split: the caller's unit
         return model_states(par, num_params, unit, precision, state_bytes_single, step_temporaries_single,

@@ -39,12 +39,13 @@ def fsdp2_parallelize(precision: str, reshard_after_forward: bool) -> Any:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         from transformers.modeling_layers import GradientCheckpointingLayer
 
-        from ..trace.ranks import root_reshard
+        from ..trace.ranks import experts_placement, root_reshard
 
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
             if precision == "mixed" else MixedPrecisionPolicy()
+        place = experts_placement(model, torch.distributed.get_world_size())  # torchtitan's, as the trace's
         for layer in [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]:
-            fully_shard(layer, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+            fully_shard(layer, mp_policy=policy, reshard_after_forward=reshard_after_forward, shard_placement_fn=place)
         fully_shard(model, mp_policy=policy, reshard_after_forward=root_reshard(reshard_after_forward))
 
     return apply

@@ -31,8 +31,9 @@ if TYPE_CHECKING:
 EventKind = Literal["alloc", "resize", "free", "begin", "end"]
 
 #: What the tracker counts, as a number: raised whenever a change makes it count differently, so that traces kept on
-#: disk from before (the fitted method's calibrations) are made anew. 2: meta-device tensors hold no memory.
-COUNTING_REVISION = 2
+#: disk from before (the fitted method's calibrations) are made anew. 2: meta-device tensors hold no memory. 3: FSDP2
+#: places the routed experts as torchtitan does (``trace.ranks.experts_placement``).
+COUNTING_REVISION = 3
 
 #: Ops whose output, when cast from a parameter to a 16-bit dtype, is a "compute copy" of a weight.
 CAST_OPS: frozenset[str] = frozenset(

@@ -230,14 +230,21 @@ def cutter(layout: PipeRank, dp_mesh: Any = None, precision: str = "fp32", tp_me
         if dp_mesh is not None:
             from torch.distributed.fsdp import fully_shard
 
+            from .ranks import experts_placement
+
             policy = _policy(precision)
+            # torchtitan's placement of the routed experts (over their copies beside expert parallelism)
+            place = experts_placement(model, efsdp.size() if split else dp_mesh.size(dp_mesh.ndim - 1),
+                                      layout.ep if split else 1)
             for module in split:  # transformers' order: the experts over their copies first
-                fully_shard(module, mesh=efsdp, mp_policy=policy, reshard_after_forward=True)
-            for unit in [inner.embed_tokens, *inner.layers, [inner.norm, model.lm_head]]:
+                fully_shard(module, mesh=efsdp, mp_policy=policy, reshard_after_forward=True, shard_placement_fn=place)
+            for i, unit in enumerate([inner.embed_tokens, *inner.layers, [inner.norm, model.lm_head]]):
                 if unit is not None and any(True for m in (unit if isinstance(unit, list) else [unit])
                                             for _ in m.parameters()):
+                    layer = 0 < i <= len(inner.layers)
                     fully_shard(unit, mesh=dp_mesh, mp_policy=policy,
-                                reshard_after_forward=layout.reshard_after_forward)
+                                reshard_after_forward=layout.reshard_after_forward,
+                                shard_placement_fn=place if layer and not split else None)
 
     return cut
 

@@ -378,10 +378,16 @@ def parallelizer(config: dict[str, Any], layout: RankLayout, precision: str, mes
         if layout.fsdp_ranks > 1:
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
                 if precision == "mixed" else MixedPrecisionPolicy()
+            # torchtitan's placement of the routed experts: beside expert parallelism over their copies' ranks
+            # (efsdp), else over the data-parallel ranks with the rest of each layer
+            efsdp = layout.world // ((layout.dp_replicate if layout.hybrid else 1) * layout.ep)
+            place = experts_placement(model, efsdp if layout.ep > 1 else dp_mesh.size(dp_mesh.ndim - 1), layout.ep)
             for module in experts:  # transformers' order: the experts over their copies first
-                fully_shard(module, mesh=experts_dp, mp_policy=policy, reshard_after_forward=True)
+                fully_shard(module, mesh=experts_dp, mp_policy=policy, reshard_after_forward=True,
+                            shard_placement_fn=place)
             for layer in layers:
-                fully_shard(layer, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=layout.reshard_after_forward)
+                fully_shard(layer, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=layout.reshard_after_forward,
+                            shard_placement_fn=None if layout.ep > 1 else place)
             # the root as torchtitan wraps it: PyTorch's default, which keeps it gathered from its forward into the
             # backward that needs it at once (an explicit True would reshard it and gather it again)
             fully_shard(model, mesh=dp_mesh, mp_policy=policy,
@@ -397,6 +403,31 @@ def parallelizer(config: dict[str, Any], layout: RankLayout, precision: str, mes
         return None
 
     return apply
+
+
+def experts_placement(model: Any, shards: int, ep: int = 1) -> Any:
+    """torchtitan's placement of the routed experts' fused weights under FSDP2 (``torchtitan/distributed/fsdp.py``),
+    ``fully_shard``'s ``shard_placement_fn``: along the first dimension (the expert, PyTorch's default) unless the
+    GPUs that shard them times ``ep`` outnumber the experts; then along the second, ``Shard(1)``, where the first
+    would leave whole experts on the first GPUs and nothing on the rest (Mixtral-8x7B under FSDP2 over 64 GPUs: 1/8 of
+    the experts on the first GPU, not 1/64). ``None`` where the default holds. Call it once the model is split (its
+    parameters are the ones ``fully_shard`` is then given)."""
+    from torch.distributed.tensor import Shard
+
+    from ..core.configfile import routed_experts
+
+    text = getattr(model.config, "get_text_config", lambda: model.config)()
+    experts = routed_experts(text.to_dict())
+    if not experts or shards * ep <= experts:
+        return None
+    routed = {id(p) for name, p in model.named_parameters() if ".experts." in f".{name}." and p.dim() >= 2}
+    if not routed:
+        return None
+
+    def place(param: Any) -> Any:
+        return Shard(1) if id(param) in routed else None
+
+    return place
 
 
 def root_reshard(reshard_after_forward: bool) -> bool | None:
