@@ -225,13 +225,20 @@ def _rank_sequence_parallel(setup: TrainingSetup, pars: list[Parallelism], shape
         alone = par.strategy == "ddp" and par.dp * par.cp == 1  # every GPU of the one replica tensor-parallel
         if par.tp < 2 or par.pp > 1 or not (par.strategy == "fsdp2" or alone):
             continue
-        try:
-            split = dataclasses.replace(par, sp=True)
-            setup.with_changes(parallel=split)
-        except InputError:
-            continue
-        out.append(split)
+        split = _variant(setup, par, sp=True)
+        if split is not None:
+            out.append(split)
     return out
+
+
+def _variant(setup: TrainingSetup, par: Parallelism, **changes: Any) -> Parallelism | None:
+    """``par`` with ``changes``, or ``None`` where the setup refuses that split of the model."""
+    try:
+        changed = dataclasses.replace(par, **changes)
+        setup.with_changes(parallel=changed)
+    except InputError:
+        return None
+    return changed
 
 
 def _expert_tensor(setup: TrainingSetup, par: Parallelism, shape: ModelShape) -> list[Parallelism]:
@@ -244,12 +251,9 @@ def _expert_tensor(setup: TrainingSetup, par: Parallelism, shape: ModelShape) ->
     for etp in ETP_DEGREES:
         if etp > par.node_size or (par.dp * par.tp) % (par.ep * etp):
             continue
-        try:
-            split = dataclasses.replace(par, etp=etp)
-            setup.with_changes(parallel=split)
-        except InputError:
-            continue
-        out.append(split)
+        split = _variant(setup, par, etp=etp)
+        if split is not None:
+            out.append(split)
     return out
 
 
@@ -263,12 +267,7 @@ def _hybrid(setup: TrainingSetup, par: Parallelism, shape: ModelShape) -> Parall
     shards = par.node_size // (par.tp * par.cp)
     if shards * par.cp < 2 or shards >= par.dp or par.dp % shards:
         return None
-    try:
-        twin = dataclasses.replace(par, dp_replicate=par.dp // shards)
-        setup.with_changes(parallel=twin)
-    except InputError:
-        return None
-    return twin
+    return _variant(setup, par, dp_replicate=par.dp // shards)
 
 
 def _ep_degrees(shape: ModelShape, dp: int, tp: int) -> tuple[int, ...]:
