@@ -1616,6 +1616,7 @@ def test_the_layout_dialog_says_how_many_waiting_pipeline_layouts_it_lists():
             Parallelism(gpus=64, pp=2)] * n}))
 
     assert "(listed last)" in text(SHOWN)
+    assert "1 layout of 2 pipeline stages is not calibrated yet" in text(1)
     assert f"{SHOWN + 5} layouts of 2 pipeline stages are not calibrated yet (the first {SHOWN} listed last)" in \
         text(SHOWN + 5)
 
@@ -1637,7 +1638,7 @@ def test_waiting_sequence_parallel_layouts_are_listed_for_the_form_to_calibrate_
                         f"a layout of 2 pipeline stages {NOT_CALIBRATED}": [staged]})
     assert _waiting(found) == ([tp4], [sp, staged])
     text = _left_out_text(found)
-    assert "1 layouts with tensor parallelism over 4 GPUs" in text
+    assert "1 layout with tensor parallelism over 4 GPUs" in text
     assert "2 layouts of 2 pipeline stages or with sequence parallelism are not calibrated yet" in text
     asked: list[list[Parallelism]] = []
     setup = TrainingSetup(params=10**9, parallel=Parallelism(gpus=8, strategy="fsdp2"))

@@ -60,6 +60,11 @@ def _waiting(found: Search) -> tuple[list[Parallelism], list[Parallelism]]:
     return [par for par in waiting if not _own_rank(par)], [par for par in waiting if _own_rank(par)]
 
 
+def _count(n: int) -> str:
+    """``1 layout``, ``3 layouts``."""
+    return f"{n} layout" + ("" if n == 1 else "s")
+
+
 def _left_out_text(found: Search) -> str:
     """What the search left out: the layouts waiting for a calibration in one sentence (by tensor-parallel degree),
     those each waiting for its own rank's in another, then each other reason with its count."""
@@ -68,13 +73,14 @@ def _left_out_text(found: Search) -> str:
     if waiting:
         tps = sorted({par.tp for par in waiting})
         what = f"tensor parallelism over {', '.join(map(str, tps))} GPUs" if all(tps) and tps != [1] else "some"
-        text += f" Not calibrated yet, so left out: {len(waiting)} layouts with {what}."
+        text += f" Not calibrated yet, so left out: {_count(len(waiting))} with {what}."
     if staged:
         pps = sorted({par.pp for par in staged if par.pp > 1})
         kinds = ([f"of {', '.join(map(str, pps))} pipeline stages"] if pps else []) \
             + (["with sequence parallelism"] if any(par.sp and par.pp == 1 for par in staged) else [])
         listed = "listed last" if len(staged) <= SHOWN else f"the first {SHOWN} listed last"
-        text += (f" {len(staged)} layouts {' or '.join(kinds)} are not calibrated yet "
+        verb = "is" if len(staged) == 1 else "are"
+        text += (f" {_count(len(staged))} {' or '.join(kinds)} {verb} not calibrated yet "
                  f"({listed}): use one and the form fits it (tens of seconds to minutes, then cached), and it joins "
                  "this search.")
     for reason, pars in found.left_out.items():
