@@ -1130,8 +1130,14 @@ def test_a_mixture_of_experts_across_gpus_in_the_window(window, qtbot, tmp_path)
     layouts = dialog.layouts
     assert {lay.parallel.ep for lay in layouts} == {1, 2, 4} and all(lay.parallel.tp == 1 for lay in layouts)
     intro = dialog.intro.text()
-    assert "Not calibrated yet, so left out" in intro and "tensor parallelism over 2 GPUs" in intro
+    assert "Not calibrated yet, so left out" in intro and "with tensor parallelism over 2 GPUs." in intro
     assert "4 tensor-parallel ranks cannot split" in intro  # 2 key/value heads: never, whatever is calibrated
+    # (under every strategy: the bf16 ones too, whose stand-in is the autocast step; and Megatron-LM's split of each
+    # expert waits with its tensor-parallel degree, weighed at once without one, never refused as not Megatron-LM's)
+    assert "Megatron-LM's (--expert-tensor-parallel-size)" not in intro
+    kv = next(pars for reason, pars in dialog.layouts.left_out.items() if "key/value heads" in reason)
+    assert {par.strategy for par in kv} >= {"ddp", "zero1", "zero3", "megatron-distopt"}
+    assert any(lay.parallel.etp > 1 for lay in layouts)
     same = next(lay for lay in layouts if lay.parallel == est.setup.parallel)
     assert same.peak_bytes == est.peak_bytes
     row = next(i for i, lay in enumerate(layouts) if lay.parallel.strategy == "ddp" and lay.parallel.ep == 2)

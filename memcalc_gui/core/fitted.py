@@ -856,7 +856,8 @@ def search_layouts(setup: TrainingSetup, fit: FitModel, fit_for: Callable[[Train
             raise InputError("method", f"sequence parallelism over {s.parallel.tp} GPUs {NOT_CALIBRATED}")
         if found is None and s.parallel.pp == 1:
             # the autocast step stands in for the bf16 one, as a bound (estimate_fitted says so)
-            found = fit_for(s.with_changes(parallel=dataclasses.replace(s.parallel, strategy="ddp"))) \
+            # (each expert whole: the fits are of etp 1, which only Megatron-LM's strategies split further)
+            found = fit_for(s.with_changes(parallel=dataclasses.replace(s.parallel, strategy="ddp", etp=1))) \
                 if bf16_compute(s) else None
         if found is None:
             what = f"a layout of {s.parallel.pp} pipeline stages" if s.parallel.pp > 1 else \

@@ -995,7 +995,7 @@ class MainWindow(QMainWindow):
         from ..trace.fit import cached_fit
         from .layouts_dialog import SHOWN
 
-        looked: set[str] = set()  # the keys read from disk in this search (a miss is not read again)
+        looked: dict[str, Any] = {}  # the keys read from disk in this search: the fit, None, or the refusal
 
         def fit_for(s: Any) -> Any:
             for key in (self._fit_key(needed, s), self._fit_key(needed, s, ranks=False)):
@@ -1006,11 +1006,17 @@ class MainWindow(QMainWindow):
             found = self._fit_or_replica(needed, s)
             want = rank_signature(s)
             ranked = found is not None and (want is None or (found.rank is not None and found.rank.signature == want))
-            if not ranked and key not in looked:
+            if not ranked:
                 # not held, or only the one-replica fit where the layout's rank is cached on disk (`memcalc estimate`
                 # calibrated it): a sequence-parallel layout is weighed from that rank alone
-                looked.add(key)
-                cached = cached_fit(needed.config, s)
+                if key not in looked:
+                    try:
+                        looked[key] = cached_fit(needed.config, s)
+                    except InputError as exc:  # a layout the config cannot take: said again for each layout
+                        looked[key] = exc
+                cached = looked[key]
+                if isinstance(cached, InputError):
+                    raise cached
                 if cached is not None and (found is None or (cached.rank is not None
                                                              and cached.rank.signature == want)):
                     self.fits[key] = found = cached
