@@ -146,6 +146,8 @@ def test_the_fitted_fsdp2_ledger_is_the_traced_ranks_fit_and_the_rule_answers_ot
     other = setup.with_changes(parallel=Parallelism(gpus=4, ep=2, strategy="fsdp2"))
     by_rule = estimate_fitted(other, fit)
     assert "rank_fit" not in by_rule.details and by_rule.peak_bytes > 0
+    with pytest.raises(InputError, match="over 12 GPUs"):  # 12 copies × ep 2 > 8 experts: Shard(1), 128 rows uneven
+        estimate_fitted(setup.with_changes(parallel=Parallelism(gpus=24, ep=2, strategy="fsdp2")), fit)
     assert calibrate(MIXTRAL, other, setup.params or 0, cached_only=True).rank is None
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(MIXTRAL))
@@ -829,3 +831,69 @@ def test_more_shards_than_experts_are_placed_as_torchtitan_places_them(layout: d
     for p in ("forward", "backward"):
         errors = [rank.phases[p].peak_bytes / fake.phases[p].peak_bytes - 1 for rank in real]
         assert max(map(abs, errors)) < 0.05 and abs(sum(errors) / len(errors)) < 0.01, (p, errors)
+
+
+@pytest.mark.parametrize(("experts", "dp_shard", "cp", "ep"), [(6, 2, 2, 1), (12, 2, 2, 2), (4, 2, 2, 2)],
+                         ids=["padded-over-dp-and-cp", "ep2-padded", "ep2-shard1"])
+def test_the_rule_places_the_experts_over_the_context_parallel_gpus_as_the_trace_does(
+        experts: int, dp_shard: int, cp: int, ep: int) -> None:
+    """FSDP2 beside context parallelism shards over the data- and context-parallel GPUs together (torchtitan's
+    ``dp_shard_cp``), the routed experts too: 6 experts over 2 × 2 GPUs are 2 on the first, padded, and with more
+    shards than experts they are placed along their second dimension. The rule, given the layout as the estimate
+    gives it (context parallelism folded into the data-parallel GPUs), holds what the traced rank holds."""
+    config = dict(MIXTRAL, num_hidden_layers=2, num_local_experts=experts)
+    st = structure_on_meta(config)
+    traced = trace_rank(config, RankLayout(dp_shard=dp_shard, cp=cp, ep=ep), precision="fp32",
+                        optimizer_impl="foreach", checkpointing="none", **STEP)
+    par = dataclasses.replace(Parallelism(gpus=dp_shard * cp, cp=cp, ep=ep, strategy="fsdp2"), cp=1)
+    rule = expert_parallel_states(par, st["num_params"], st["expert_params"], st["layer_params"] - st[
+        "layer_expert_params"], st["layer_expert_params"], "fp32", 8 * st["num_params"], 0, 0, st["root_unit"],
+        st["num_experts"])
+    assert rule.parameters["load"] == pytest.approx(traced.phases["load"].objects["parameters"], rel=0.002)
+    assert rule.optimizer_state == pytest.approx(traced.phases["optimizer_step"].objects["optimizer_state"],
+                                                 rel=0.002)
+
+
+def test_fsdp2_cannot_split_the_experts_second_dimension_unevenly(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """Where torchtitan shards the routed experts along their second dimension (more GPUs than experts),
+    PyTorch's ``fully_shard`` splits it only evenly and raises otherwise; memcalc refuses such a layout with the
+    reason, naming the GPU count: the rule, the trace (which without the check meets PyTorch's own refusal) and the
+    CLI, before anything is calibrated (Mixtral-8x7B under FSDP2 over 48 GPUs: 4,096 does not divide by 48)."""
+    from memcalc_gui.core.distributed import check_expert_placement, check_expert_shards
+    from memcalc_gui.trace import fit as fit_module
+
+    assert structure_on_meta(MIXTRAL)["expert_dim1_gcd"] == 128  # gate/up (2 × 128) and down (hidden 128) rows
+    assert structure_on_meta(QWEN3_MOE)["expert_dim1_gcd"] == 128  # 2 × 64 and 128
+    assert structure_on_meta(dict(COMMON, model_type="llama", intermediate_size=256))["expert_dim1_gcd"] == 0
+    with pytest.raises(InputError, match="4,096 does not divide by 48") as exc:
+        check_expert_shards(48, 1, 8, 4096)
+    assert exc.value.field == "gpus"
+    for shards, ep, experts, gcd in [(64, 1, 8, 4096), (6, 1, 8, 4096), (12, 1, 8, 0), (3, 2, 8, 4096)]:
+        check_expert_shards(shards, ep, experts, gcd)  # even, the first dimension, unknown, or ep × shards ≤ experts
+    check_expert_placement(Parallelism(gpus=12, strategy="zero3"), 8, 128)  # only FSDP2 places them so
+    with pytest.raises(InputError, match="over 12 GPUs"):
+        check_expert_placement(Parallelism(gpus=24, ep=2, strategy="fsdp2"), 8, 128)
+
+    config = dict(MIXTRAL, num_hidden_layers=2, num_local_experts=4)
+    layout = RankLayout(dp_shard=3, cp=2)  # 6 shards > 4 experts: Shard(1) of 256 and 128 rows, uneven over 6
+    with pytest.raises(InputError, match="128 does not divide by 6"):
+        trace_rank(config, layout, precision="fp32", **STEP)
+    import memcalc_gui.core.distributed as distributed
+
+    monkeypatch.setattr(distributed, "check_expert_shards", lambda *a: None)
+    with pytest.raises(NotImplementedError, match="uneven sharding on dim 1"):  # PyTorch's own refusal
+        trace_rank(config, layout, precision="fp32", **STEP)
+    monkeypatch.undo()
+
+    def no_calibration(*a: object, **k: object) -> None:
+        raise AssertionError("calibrated a layout that cannot run")
+
+    monkeypatch.setattr(fit_module, "_calibrate", no_calibration)
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(MIXTRAL))
+    with pytest.raises(SystemExit) as stop:
+        cli_main(["estimate", "--config", str(cfg), "--seq", "64", "--gpus", "12", "--strategy", "fsdp2"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--gpus" in err and "128 does not divide by 12" in err

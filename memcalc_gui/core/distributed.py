@@ -574,6 +574,38 @@ def check_experts(model_type: str, num_experts: int, ep: int, etp: int = 1) -> N
         raise InputError("ep", f"{num_experts} experts per layer do not split evenly over {ep} GPUs")
 
 
+def _expert_copies(par: Parallelism) -> tuple[int, int]:
+    """How many GPUs of one pipeline stage hold the same routed experts, and how many of those one replica has (what
+    FSDP2 shards them over; the caller folds context parallelism into ``par.dp``, as the states shard over both)."""
+    split = par.expert_split
+    # every expert split times over: gpus / (pp · split) copies of each (with tensor parallelism the experts run whole,
+    # transformers' plan, so its GPUs count as copies too)
+    copies = max(1, par.dp * par.tp // split) if split > 1 else par.dp
+    # FSDP2's hybrid sharding: the experts sharded over one replica's copies of them, as FSDP2 over that replica
+    return copies, max(1, copies // par.dp_replicate)
+
+
+def check_expert_shards(shards: int, ep: int, experts: int, dim1_gcd: int) -> None:
+    """:class:`InputError` naming ``gpus`` where FSDP2 cannot place the routed experts as torchtitan does: over
+    ``shards`` GPUs that, times ``ep``, outnumber the ``experts`` per layer it shards them along their second
+    dimension (``Shard(1)``, ``torchtitan/distributed/fsdp.py``), and PyTorch's ``fully_shard`` splits a dimension
+    other than the first only evenly (it raises ``NotImplementedError``: "FSDP does not support uneven sharding on
+    dim 1"). ``dim1_gcd``: the greatest common divisor of those second dimensions (0: unknown, not checked)."""
+    if experts and dim1_gcd and shards * ep > experts and dim1_gcd % shards:
+        raise InputError("gpus", f"FSDP2 shards the routed experts along their second dimension over {shards} GPUs "
+                                 f"(torchtitan's placement where the GPUs times ep outnumber the {experts} "
+                                 f"experts), and PyTorch's fully_shard splits that dimension only evenly: "
+                                 f"{dim1_gcd:,} does not divide by {shards} (a layout whose GPUs per copy of the "
+                                 "experts divide it runs)")
+
+
+def check_expert_placement(par: Parallelism, experts: int, dim1_gcd: int) -> None:
+    """:func:`check_expert_shards` for a layout (context parallelism folded into ``par.dp`` by the caller): only
+    FSDP2 shards along the second dimension."""
+    if par.strategy == "fsdp2":
+        check_expert_shards(_expert_copies(par)[1], par.ep, experts, dim1_gcd)
+
+
 def expert_parallel_states(par: Parallelism, num_params: int, expert_params: int, dense_unit: int,
                            expert_unit: int, precision: str, state_bytes_single: int, step_temporaries_single: int,
                            matmul_copy_bytes: int, root_unit: int, experts: int = 0) -> ModelStates:
@@ -594,11 +626,7 @@ def expert_parallel_states(par: Parallelism, num_params: int, expert_params: int
     ``dp · tp / (ep · etp)`` copies of it in a stage (its expert-data-parallel group, which the distributed optimizer
     shards over)."""
     split = par.expert_split
-    # the GPUs of one pipeline stage hold every expert split times over: gpus / (pp · cp · split) copies of each (with
-    # tensor parallelism the experts run whole, transformers' plan, so its GPUs count as copies too)
-    copies = max(1, par.dp * par.tp // split) if split > 1 else par.dp
-    # FSDP2's hybrid sharding: the experts sharded over one replica's copies of them, as FSDP2 over that replica
-    replica_copies = max(1, copies // par.dp_replicate)
+    copies, replica_copies = _expert_copies(par)
     padded = par.strategy == "fsdp2" and experts > 0 and (experts // par.ep) % replica_copies != 0 \
         and replica_copies * par.ep <= experts  # more shards than experts: torchtitan's Shard(1), even
     if split == 1 and not padded:

@@ -21,7 +21,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .configfile import dense_prefix_layers
-from .distributed import BF16_COMPUTE, ModelStates, check_experts, expert_parallel_states, model_states
+from .distributed import (
+    BF16_COMPUTE,
+    ModelStates,
+    check_expert_placement,
+    check_experts,
+    expert_parallel_states,
+    model_states,
+)
 from .errors import InputError
 from .layouts import (
     MIN_GPUS_FOR,
@@ -409,6 +416,7 @@ def per_gpu_states(setup: TrainingSetup, fit: FitModel, traced_rank: bool = Fals
     buffers = gathered = 0
     if par.expert_split > 1 or (par.strategy == "fsdp2" and st["num_experts"]):
         check_experts(fit.model_type, st["num_experts"], par.ep, par.etp)
+        check_expert_placement(par, st["num_experts"], st.get("expert_dim1_gcd", 0))  # 0: a fit's older counts
         zero3 = par.strategy == "zero3"
         states = expert_parallel_states(
             par, st["num_params"], st["expert_params"],

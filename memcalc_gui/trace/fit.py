@@ -369,6 +369,13 @@ def calibrate(config: dict[str, Any], setup: TrainingSetup, num_params: int,
         # a cached fit holds the model's counts: a warm estimate builds nothing on the meta device
         counts_of = fit.structure if fit is not None and "num_experts" in fit.structure else structure_on_meta(cfg)
         check_experts(model_type, int(counts_of["num_experts"]), setup.parallel.ep)
+    if par.strategy == "fsdp2" and rank and fit is None and not cached_only:
+        from ..core.distributed import check_expert_placement
+
+        # experts PyTorch's fully_shard cannot place as torchtitan does: this layout is refused before anything is
+        # traced (not the one-replica fit alone, which other layouts of the signature share)
+        counts = structure_on_meta(cfg)  # (the states shard over the data- and context-parallel GPUs together)
+        check_expert_placement(dataclasses.replace(par, cp=1), counts["num_experts"], counts["expert_dim1_gcd"])
     if fit is None:
         if cached_only:
             raise NotCalibrated("not calibrated yet")

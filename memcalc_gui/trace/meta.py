@@ -11,6 +11,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import json
+import math
 import os
 import sys
 import threading
@@ -35,6 +36,13 @@ def count_params_on_meta(config: dict[str, Any]) -> int:
 _TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "top_k")
 
 
+def routed_name(name: str) -> bool:
+    """Whether a parameter (or module) of transformers' name ``name`` belongs to the routed experts
+    (``….experts.*``; a shared expert is ``shared_expert(s).*``, not routed): what expert parallelism splits and
+    torchtitan's FSDP2 placement (``trace.ranks.experts_placement``) shards apart."""
+    return ".experts." in f".{name}."
+
+
 def count_params_and_active_on_meta(config: dict[str, Any]) -> tuple[int, int]:
     """Total parameters, and those one token uses: a mixture-of-experts layer's routed experts
     (``….experts.*``, the shared experts apart) count ``top_k / num_experts`` of their size."""
@@ -49,7 +57,9 @@ def structure_on_meta(config: dict[str, Any]) -> dict[str, int]:
     DeepSpeed's ZeRO-3 estimator gathers at once), ``root_unit`` (what no decoder layer holds: embeddings, final
     norm, LM head), ``expert_params`` (the routed experts), ``num_experts`` and ``top_k``, ``hidden_size``, and for
     expert parallelism ``layer_expert_params`` (one layer's routed experts), ``largest_expert_module`` and
-    ``largest_dense_module`` (the largest module outside the routed experts). Memoised per config in the process:
+    ``largest_dense_module`` (the largest module outside the routed experts), ``expert_dim1_gcd`` (the greatest
+    common divisor of the routed experts' fused weights' second dimensions: what FSDP2 must split evenly where
+    torchtitan shards them along it; 0 without routed experts). Memoised per config in the process:
     a layout search asks for the same few configs' counts hundreds of times, and each build of a mixture of experts
     on the meta device takes a tenth of a second or more."""
     try:
@@ -75,7 +85,7 @@ def structure_on_meta(config: dict[str, Any]) -> dict[str, int]:
 #: again).
 STRUCTURE_KEYS = ("num_params", "active_params", "layer_params", "largest_module", "root_unit", "expert_params",
                   "num_experts", "top_k", "hidden_size", "layer_expert_params", "largest_expert_module",
-                  "largest_dense_module")
+                  "largest_dense_module", "expert_dim1_gcd")
 
 
 def answer_path(key: str) -> Path:
@@ -154,12 +164,14 @@ def _structure_now(config: dict[str, Any]) -> dict[str, int]:
     moe = bool(experts and top_k)
 
     def routed(name: str) -> bool:
-        return moe and ".experts." in f".{name}."
+        return moe and routed_name(name)
 
     own = [(name, sum(p.numel() for p in m.parameters(recurse=False))) for name, m in model.named_modules()]
     expert_params = int(sum(p.numel() for name, p in model.named_parameters() if routed(name)))
     layer_experts = [sum(p.numel() for name, p in layer.named_parameters() if routed(name))
                      for layer in layers] if layers is not None else [0]
+    # what FSDP2's Shard(1) of the routed experts must split evenly (every fused weight's second dimension)
+    second = [p.shape[1] for name, p in model.named_parameters() if routed(name) and p.dim() >= 2]
     active = total - expert_params + expert_params * min(top_k, experts) // experts if moe else total
     return {"num_params": total, "active_params": int(active), "layer_params": int(max(layer_sizes)),
             "largest_module": int(max(n for _name, n in own)), "root_unit": total - int(sum(layer_sizes)),
@@ -167,7 +179,8 @@ def _structure_now(config: dict[str, Any]) -> dict[str, int]:
             "top_k": top_k if expert_params else 0, "hidden_size": int(getattr(model.config, "hidden_size", 0) or 0),
             "layer_expert_params": int(max(layer_experts)),
             "largest_expert_module": int(max((n for name, n in own if routed(name)), default=0)),
-            "largest_dense_module": int(max(n for name, n in own if not routed(name)))}
+            "largest_dense_module": int(max(n for name, n in own if not routed(name))),
+            "expert_dim1_gcd": math.gcd(*second) if second else 0}
 
 
 def auto_config(model_type: str, kwargs: dict[str, Any]) -> Any:

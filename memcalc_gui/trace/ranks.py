@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import sys
 import threading
 import warnings
@@ -42,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..core.errors import InputError
+from .meta import routed_name
 
 #: Plan styles of transformers' ``base_model_tp_plan`` this trace applies, and what they are in PyTorch.
 STYLES = {"colwise": "ColwiseParallel", "rowwise": "RowwiseParallel"}
@@ -415,14 +417,18 @@ def experts_placement(model: Any, shards: int, ep: int = 1) -> Any:
     from torch.distributed.tensor import Shard
 
     from ..core.configfile import routed_experts
+    from ..core.distributed import check_expert_shards
 
     text = getattr(model.config, "get_text_config", lambda: model.config)()
     experts = routed_experts(text.to_dict())
     if not experts or shards * ep <= experts:
         return None
-    routed = {id(p) for name, p in model.named_parameters() if ".experts." in f".{name}." and p.dim() >= 2}
+    routed = {id(p) for name, p in model.named_parameters() if routed_name(name) and p.dim() >= 2}
     if not routed:
         return None
+    # what fully_shard splits: each weight's local tensor (a tensor-parallel DTensor's own shard)
+    check_expert_shards(shards, ep, experts, math.gcd(*(getattr(p, "_local_tensor", p).shape[1]
+                                                         for p in model.parameters() if id(p) in routed)))
 
     def place(param: Any) -> Any:
         return Shard(1) if id(param) in routed else None
