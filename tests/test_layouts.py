@@ -288,3 +288,29 @@ def test_a_search_without_a_block_model_weighs_the_pipeline_layouts_it_has_fits_
         assert lay.min_gpus_searched == (lay.parallel.strategy == "ddp"), lay.label
         assert lay.peak_bytes == estimate(setup.with_changes(parallel=lay.parallel)).peak_bytes
     assert all(lay.min_gpus for lay in staged if lay.parallel.strategy == "ddp")
+
+
+def test_the_fewest_gpus_skip_counts_the_layout_refuses() -> None:
+    """A layout can refuse some GPU counts (FSDP2 cannot split the routed experts' second dimension unevenly, so
+    Mixtral-8x7B runs over 64 GPUs but not 48): the fewest-GPUs search reads a refused count as not fitting, and a
+    refused upper limit no longer hides the answer (it used to give none)."""
+    from memcalc_gui.core.solver import MAX_GPUS, _fewest_gpus
+
+    setup = _setup(8, checkpointing="full").with_changes(parallel=Parallelism(gpus=8, strategy="fsdp2"))
+    fewest = _fewest_gpus(setup, estimate, H100)
+    assert fewest is not None and 2 < fewest < 64
+
+    def refusing(counts: object) -> object:
+        def estimator(s: TrainingSetup) -> object:
+            if counts(s.parallel.gpus):
+                raise InputError("gpus", f"{s.parallel.gpus} GPUs cannot place the experts")
+            return estimate(s)
+        return estimator
+
+    powers = refusing(lambda g: g > fewest and g & (g - 1))  # above the answer only powers of two run
+    assert _fewest_gpus(setup, powers, H100) == fewest
+    assert _fewest_gpus(setup, refusing(lambda g: g == MAX_GPUS), H100) == fewest
+    skipped = _fewest_gpus(setup, refusing(lambda g: g == fewest), H100)  # the answer itself refused: the next
+    assert skipped is not None and skipped > fewest and estimate(setup.with_changes(
+        parallel=Parallelism(gpus=skipped, strategy="fsdp2"))).peak_bytes <= H100
+    assert _fewest_gpus(setup, refusing(lambda g: g >= fewest), H100) is None  # none that fits runs

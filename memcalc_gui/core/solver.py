@@ -730,6 +730,10 @@ def model_parallel_group(par: Parallelism) -> int:
     return par.pp * par.cp * math.lcm(par.tp, par.expert_split) * par.dp_replicate
 
 
+#: The most GPU counts :func:`_fewest_gpus` tries one by one where refused counts hid the fewest from its bisection.
+REFUSED_SCAN = 256
+
+
 def _fewest_gpus(setup: TrainingSetup, estimator: Estimator, capacity: int, limit: int = 0) -> int | None:
     """The fewest GPUs (at most ``limit``, default :data:`MAX_GPUS`) with which ``setup``'s layout fits: one
     model-parallel group without replicas (no gradient buckets), or from two replicas on, where per-GPU memory never
@@ -743,17 +747,35 @@ def _fewest_gpus(setup: TrainingSetup, estimator: Estimator, capacity: int, limi
     if groups < 1:
         return None
 
-    def fits_with(k: int) -> bool:
-        try:
-            return estimator(apply_changes(setup, {"gpus": k * group})).peak_bytes <= capacity
-        except InputError:
-            return False
+    weighed: dict[int, bool | None] = {}
+
+    def fits_with(k: int) -> bool | None:
+        """Whether ``k`` groups fit; ``None`` where the layout refuses that count (FSDP2's placement of the routed
+        experts along their second dimension splits only evenly: ``distributed.check_expert_shards``)."""
+        if k not in weighed:
+            try:
+                weighed[k] = estimator(apply_changes(setup, {"gpus": k * group})).peak_bytes <= capacity
+            except InputError:
+                weighed[k] = None
+        return weighed[k]
 
     if fits_with(1):
         return group
-    if groups < 2 or not fits_with(groups):
+    # the most groups the layout takes: the limit, else the largest power of two below it that it takes
+    top, fits = groups, fits_with(groups)
+    while fits is None and top > 1:
+        top = 1 << ((top - 1).bit_length() - 1)
+        fits = fits_with(top)
+    if top < 2 or not fits:
         return None
-    return (_bisect_last(lambda k: not fits_with(k), 1, groups) + 1) * group
+    # a refused count reads as not fitting, so the bisection can step over the fewest: the counts between the largest
+    # one weighed that did not fit and its answer are tried in turn (at most REFUSED_SCAN of them; refused counts are
+    # sparse beside the ones that run, or the scan is short)
+    answer = _bisect_last(lambda k: not fits_with(k), 1, top) + 1
+    below = max((k for k, fit in weighed.items() if fit is False and k < answer), default=1)
+    if answer - below <= REFUSED_SCAN:
+        answer = next(k for k in range(below + 1, answer + 1) if fits_with(k))
+    return answer * group
 
 
 def solve(setup: TrainingSetup, estimator: Estimator, estimate: Estimate | None = None) -> Verdict:
