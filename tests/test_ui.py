@@ -1105,6 +1105,24 @@ def open_mixtral(w: MainWindow, qtbot, tmp_path: Path, layers: int) -> None:
     qtbot.waitUntil(lambda: w.result is not before and w.result.estimate.method == "fitted", timeout=60000)
 
 
+def test_a_layout_whose_experts_fsdp2_cannot_place_marks_the_gpu_count_not_the_model(window, qtbot, tmp_path):
+    """FSDP2 over 6 GPUs of a config with 4 experts: torchtitan would shard them along their second dimension, which
+    PyTorch splits only evenly (64 rows over 6 do not). The calibration refuses before tracing, and the window marks
+    the number of GPUs with the reason and keeps the last result, where before it marked the model as one the fitted
+    method does not hold for."""
+    w = window
+    open_mixtral(w, qtbot, tmp_path, layers=2)
+    good = w.result
+    w.apply_state(w.inputs.state().replace(gpus="6", strategy="fsdp2"))
+    w.refresh()
+    qtbot.waitUntil(lambda: bool(w.inputs.gpus.property("invalid")), timeout=60000)
+    errors = w.inputs.errors()
+    assert set(errors) == {"gpus"} and "64 does not divide by 6" in errors["gpus"]
+    assert w.result.setup == good.setup  # the last valid setup stays drawn
+    assert "number of GPUs: FSDP2 shards the routed experts" in w.banner.stale_note.text()
+    assert not w.fit_runner.is_running()
+
+
 def test_a_mixture_of_experts_across_gpus_in_the_window(window, qtbot, tmp_path):
     """A Mixtral-shaped config with its experts split over 4 GPUs under FSDP2: the window calibrates the bf16 step
     and one rank of the FSDP2 layout in its worker, and the ledger is that rank's, below one GPU's. More GPUs then

@@ -46,7 +46,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from ..core.errors import InputError, one_line
+from ..core.errors import ConfigError, InputError, one_line
 from ..core.result import Result, evaluate
 from ..trace.fake import TraceCancelled
 from ..view.assets import app_icon
@@ -722,7 +722,7 @@ class MainWindow(QMainWindow):
         found = self.fits.get(self._fit_key(needed, setup))
         if found is None:
             replica = self.fits.get(self._fit_key(needed, setup, ranks=False))
-            found = replica if replica is not None and not isinstance(replica, str) else None
+            found = replica if replica is not None and not isinstance(replica, (str, InputError)) else None
         return found
 
     def _fitted(self, needed: Any, setup: Any) -> Result | None:
@@ -733,6 +733,8 @@ class MainWindow(QMainWindow):
         fit = self._fit_or_replica(needed, setup)
         if isinstance(fit, str):  # the fit failed for this config and setup: say why
             raise InputError("config" if self.inputs.state().model_kind == "config" else "model_id", fit)
+        if isinstance(fit, InputError):  # a layout the config cannot take: its field is marked
+            raise fit
         if fit is not None:
             sized = setup.with_changes(params=fit.num_params)
             sized.extras.update(model_type=needed.model_type, model_name=needed.name, model_source=needed.source,
@@ -748,7 +750,7 @@ class MainWindow(QMainWindow):
                 found = self._fit_or_replica(needed, changed)
                 if found is None and worth_calibrating(signature(sized), changed):
                     wanted.append(changed)
-                return found if not isinstance(found, str) else None
+                return found if not isinstance(found, (str, InputError)) else None
 
             result = evaluate_fitted(sized, fit, more)
             # worth the seconds: a lever when it does not fit, or the other strategies' step for the GPU plan
@@ -792,32 +794,45 @@ class MainWindow(QMainWindow):
 
             step("counting the parameters on the meta device")
             n = count_params_on_meta(config)
-            return calibrate(config, setup.with_changes(params=n), n, step, rank=rank)
+            try:
+                return calibrate(config, setup.with_changes(params=n), n, step, rank=rank)
+            except ConfigError:
+                raise  # the model's: a failed calibration, said on the model's field
+            except InputError as exc:  # the setup's own field (a layout the config cannot take), not the model's
+                return exc
 
         self.fit_runner.start(job)
         if quiet:
             self.statusBar().showMessage(f"Calibrating {what}…", 5000)
 
     def _fit_done(self, fit: Any) -> None:
+        if isinstance(fit, InputError) and self._to_eager(str(fit)):
+            return
         if self._fit_job is not None:
             self.fits[self._fit_job] = fit
-            # the one-replica fit inside answers the signature's other layouts by rule
-            self.fits.setdefault(self._fit_job_replica, fit)
+            if not isinstance(fit, InputError):  # (a refusal is this layout's, not its signature's)
+                # the one-replica fit inside answers the signature's other layouts by rule
+                self.fits.setdefault(self._fit_job_replica, fit)
         self._fit_job = None
         self.statusBar().clearMessage()
         if not self._closed:
             self._next_layout_fit()
             self.refresh()
 
+    def _to_eager(self, message: str) -> bool:
+        """A family transformers runs without SDPA (Gemma 2, gpt-oss): switch to eager, as the CLI does, and say so;
+        the switch is an ordinary edit (undo brings SDPA back). False where ``message`` is another failure."""
+        if "no SDPA attention" not in message or self.inputs.state().attention != "sdpa" or self._closed:
+            return False
+        self._fit_job = None
+        self.inputs.set_state(self.inputs.state().replace(attention="eager"))
+        self.statusBar().showMessage(f"Attention set to eager: {message.split(': ', 1)[-1].split(': choose')[0]}",
+                                     10000)
+        self.schedule_refresh()
+        return True
+
     def _fit_failed(self, message: str) -> None:
-        if "no SDPA attention" in message and self.inputs.state().attention == "sdpa" and not self._closed:
-            # a family transformers runs without SDPA (Gemma 2, gpt-oss): switch to eager, as the CLI does, and say
-            # so; the switch is an ordinary edit (undo brings SDPA back)
-            self._fit_job = None
-            self.inputs.set_state(self.inputs.state().replace(attention="eager"))
-            self.statusBar().showMessage(f"Attention set to eager: {message.split(': ', 1)[-1].split(': choose')[0]}",
-                                         10000)
-            self.schedule_refresh()
+        if self._to_eager(message):
             return
         if self._fit_job is not None:
             self.fits[self._fit_job] = message if message.startswith(("model_type", "config")) else \
@@ -1002,6 +1017,8 @@ class MainWindow(QMainWindow):
                 failed = self.fits.get(key)
                 if isinstance(failed, str):  # this signature's calibration failed: the search says why
                     raise InputError("method", failed)
+                if isinstance(failed, InputError):  # a layout the config cannot take
+                    raise failed
             key = self._fit_key(needed, s)
             found = self._fit_or_replica(needed, s)
             want = rank_signature(s)
