@@ -266,3 +266,27 @@ def test_a_micro_batch_the_estimator_cannot_weigh_is_not_offered_and_nothing_fai
     assert verdict.fits is False
     assert not any(row.changes.get("grad_accum") for row in verdict.suggestions)
     assert any("Micro-batch 1 × 4" in title for title in verdict.uncalibrated)
+
+
+@settings(max_examples=300, deadline=None)
+@given(limit=st.integers(1, 160), need=st.integers(1, 200), refused=st.sets(st.integers(1, 160), max_size=120))
+def test_the_fewest_gpus_are_the_fewest_that_fit_and_run(limit: int, need: int, refused: set[int]) -> None:
+    """Per-GPU memory that falls with the GPU count, and any set of counts the layout refuses (FSDP2's uneven
+    placement of the routed experts refuses some): the fewest GPUs are the smallest count that fits and is not
+    refused, or none, as counting them one by one says."""
+    import types
+
+    from memcalc_gui.core.errors import InputError
+    from memcalc_gui.core.solver import _fewest_gpus
+
+    setup = TrainingSetup(params=10**9)
+    capacity = 1_000_000
+
+    def estimator(s: TrainingSetup) -> object:
+        gpus = s.parallel.gpus
+        if gpus in refused:
+            raise InputError("gpus", f"{gpus} GPUs cannot place the experts")
+        return types.SimpleNamespace(peak_bytes=capacity * need // gpus)
+
+    want = next((k for k in range(1, limit + 1) if k not in refused and capacity * need // k <= capacity), None)
+    assert _fewest_gpus(setup, estimator, capacity, limit=limit) == want

@@ -761,10 +761,11 @@ def _fewest_gpus(setup: TrainingSetup, estimator: Estimator, capacity: int, limi
 
     if fits_with(1):
         return group
-    # the most groups the layout takes: the limit, else the largest power of two below it that it takes
+    # the most groups the layout takes: the limit, else the first count below it that it takes (REFUSED_SCAN of them
+    # one by one, then powers of two)
     top, fits = groups, fits_with(groups)
     while fits is None and top > 1:
-        top = 1 << ((top - 1).bit_length() - 1)
+        top = top - 1 if groups - top < REFUSED_SCAN else 1 << ((top - 1).bit_length() - 1)
         fits = fits_with(top)
     if top < 2 or not fits:
         return None
