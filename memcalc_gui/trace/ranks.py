@@ -427,8 +427,8 @@ def experts_placement(model: Any, shards: int, ep: int = 1) -> Any:
     if not routed:
         return None
     # what fully_shard splits: each weight's local tensor (a tensor-parallel DTensor's own shard)
-    check_expert_shards(shards, ep, experts, math.gcd(*(getattr(p, "_local_tensor", p).shape[1]
-                                                         for p in model.parameters() if id(p) in routed)))
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters() if id(p) in routed]
+    check_expert_shards(shards, ep, experts, math.gcd(*(t.shape[1] for t in local)))
 
     def place(param: Any) -> Any:
         return Shard(1) if id(param) in routed else None

@@ -820,8 +820,9 @@ class MainWindow(QMainWindow):
             self.refresh()
 
     def _to_eager(self, message: str) -> bool:
-        """A family transformers runs without SDPA (Gemma 2, gpt-oss): switch to eager, as the CLI does, and say so;
-        the switch is an ordinary edit (undo brings SDPA back). False where ``message`` is another failure."""
+        """A family transformers runs without SDPA (Gemma 2, gpt-oss; the calibration's InputError, returned by its
+        job): switch to eager, as the CLI does, and say so; the switch is an ordinary edit (undo brings SDPA back).
+        False where ``message`` is another refusal."""
         if "no SDPA attention" not in message or self.inputs.state().attention != "sdpa" or self._closed:
             return False
         self._fit_job = None
@@ -832,8 +833,6 @@ class MainWindow(QMainWindow):
         return True
 
     def _fit_failed(self, message: str) -> None:
-        if self._to_eager(message):
-            return
         if self._fit_job is not None:
             self.fits[self._fit_job] = message if message.startswith(("model_type", "config")) else \
                 f"the fitted method does not hold for this model: {message}"
