@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -72,6 +73,8 @@ STUCK_TEST_S = 420
 STALLED_RUN_S = 1200
 
 _LOG = pytest.StashKey[object]()
+#: How many further matrix cases this run left to the full suite (tests/tiers.py).
+_LEFT_TO_FULL = pytest.StashKey[int]()
 _LAST_REPORT = [0.0]
 
 
@@ -108,8 +111,11 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error) -> None:
-    """The controller, under xdist: a worker ended abnormally; print the end of its log (the stacks, if stuck)."""
+    """The controller, under xdist: a worker ended abnormally; print the end of its log (the stacks, if stuck). A
+    worker that ended well says how many matrix cases it left to the full suite (the summary's line)."""
     if not error:
+        left = getattr(node, "workeroutput", {}).get("memcalc_left_to_full", 0)
+        node.config.stash[_LEFT_TO_FULL] = max(node.config.stash.get(_LEFT_TO_FULL, 0), left)
         return
     reporter = node.config.pluginmanager.get_plugin("terminalreporter")
     for path in _logs():
@@ -117,6 +123,39 @@ def pytest_testnodedown(node, error) -> None:
             reporter.write_line(f"---- {node.gateway.id}: the end of its log {path} ----")
             reporter.write_line(_tail(path, 80))
             reporter.flush()
+
+
+# ---- the default run and the full one (tests/tiers.py) --------------------------------------------------------
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Leave the full matrix's further cases out unless MEMCALC_FULL_TESTS=1 (pytest counts them as deselected)."""
+    from tiers import FULL_ENV
+
+    if os.environ.get(FULL_ENV) == "1":
+        return
+    left = [item for item in items if item.get_closest_marker("full_matrix") is not None]
+    if left:
+        keep = [item for item in items if item.get_closest_marker("full_matrix") is None]
+        config.hook.pytest_deselected(items=left)
+        items[:] = keep
+        config.stash[_LEFT_TO_FULL] = len(left)
+        if hasattr(config, "workeroutput"):  # an xdist worker: the controller, which collects nothing, prints it
+            config.workeroutput["memcalc_left_to_full"] = len(left)
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    from tiers import FULL_ENV
+
+    if os.environ.get(FULL_ENV) == "1":
+        return "memcalc: the full suite (every case of every matrix)"
+    return f"memcalc: the default suite; {FULL_ENV}=1 also runs the further cases of the matrices (tests/tiers.py)"
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    from tiers import FULL_ENV
+
+    left = config.stash.get(_LEFT_TO_FULL, 0)
+    if left:
+        terminalreporter.write_line(f"memcalc: {left} further matrix cases left to the full suite ({FULL_ENV}=1)")
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 import pytest
+from tiers import sample
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -47,7 +48,8 @@ def _setup(cfg: dict[str, object], **kw: object) -> TrainingSetup:
     return TrainingSetup(params=count_params_on_meta(cfg), parallel=par, **kw)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize(("name", "strategy", "gpus", "cp", "tp", "ep", "precision", "batch", "seq", "accum", "sp"), [
+@pytest.mark.parametrize(("name", "strategy", "gpus", "cp", "tp", "ep", "precision", "batch", "seq", "accum", "sp"),
+                         sample([
     # 4 layers: the rank fit extrapolates from 3 and 4, checked at 5
     ("opt", "fsdp2", 4, 2, 1, 1, "mixed", 3, 160, 2, False),
     ("mixtral", "ddp", 8, 2, 2, 1, "fp32", 2, 128, 1, False),  # beside tensor parallelism 2: the ring over its heads
@@ -55,7 +57,7 @@ def _setup(cfg: dict[str, object], **kw: object) -> TrainingSetup:
     ("mixtral", "fsdp2", 8, 2, 2, 2, "mixed", 3, 160, 2, False),
     # torchtitan's sequence-parallel plan on each tensor-parallel group of the ring: the norms on seq/cp/tp tokens
     ("mixtral", "fsdp2", 4, 2, 2, 1, "fp32", 2, 128, 1, True),
-])
+], (0, 1, 2)))
 def test_the_fitted_rank_of_a_context_parallel_layout_is_the_traced_one(
         name: str, strategy: str, gpus: int, cp: int, tp: int, ep: int, precision: str, batch: int, seq: int,
         accum: int, sp: bool, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -160,7 +162,7 @@ def test_what_no_rank_fit_covers_is_answered_by_the_replica_and_says_why(tmp_pat
     assert "--strategy" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(("name", "flags"), [
+@pytest.mark.parametrize(("name", "flags"), sample([
     # PyTorch's ring attention over gloo beside transformers' tensor-parallel plan and torchtitan's sequence-parallel
     # one, fully_shard over the ring
     ("mixtral", ("--gpus", "4", "--tp", "2", "--cp", "2", "--sp", "--strategy", "fsdp2")),
@@ -168,7 +170,7 @@ def test_what_no_rank_fit_covers_is_answered_by_the_replica_and_says_why(tmp_pat
     ("opt", ("--gpus", "2", "--cp", "2", "--strategy", "ddp")),
     # the experts split over each tensor-parallel group of the ring, transformers' all-to-all over gloo
     ("mixtral", ("--gpus", "4", "--ep", "2", "--tp", "2", "--cp", "2", "--strategy", "fsdp2")),
-])
+], (0,)))
 def test_a_real_step_of_the_ring_matches_the_fitted_rank(name: str, flags: tuple[str, ...], tmp_path: Path,
                                                          capsys: pytest.CaptureFixture[str]) -> None:
     """Measured for real, rank by rank on gloo: the rank the estimate describes (the ring's first, the most loaded:

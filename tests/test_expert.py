@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiers import sample
 
 from memcalc_gui.cli import main as cli_main
 from memcalc_gui.core.distributed import Parallelism, expert_parallel_states, megatron_theoretical_memory
@@ -41,7 +42,7 @@ def _split(cfg: dict[str, object]) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("cfg", [MIXTRAL, QWEN3_MOE], ids=["mixtral", "qwen3_moe"])
-@pytest.mark.parametrize("ep", [2, 4, 8])
+@pytest.mark.parametrize("ep", sample([2, 4, 8], (2,), single=True))
 def test_the_traced_rank_holds_a_share_of_the_experts(cfg: dict[str, object], ep: int) -> None:
     """transformers' expert-parallel plan on the fake process group: a rank holds every dense parameter and 1/ep of
     the routed experts, and its step runs (all-to-all both ways, backward, the optimizer over mixed meshes)."""
@@ -90,9 +91,9 @@ def test_the_layout_rejects_what_it_does_not_trace() -> None:
     assert exc.value.field == "ep"
 
 
-@pytest.mark.parametrize(("cfg", "ep", "gpus", "precision", "ckpt"), [
+@pytest.mark.parametrize(("cfg", "ep", "gpus", "precision", "ckpt"), sample([
     (MIXTRAL, 2, 2, "fp32", "none"), (MIXTRAL, 4, 8, "mixed", "full"), (QWEN3_MOE, 8, 8, "mixed", "none"),
-], ids=["mixtral-ep2", "mixtral-ep4-of-8", "qwen3moe-ep8"])
+], (0,)), ids=["mixtral-ep2", "mixtral-ep4-of-8", "qwen3moe-ep8"])
 def test_the_fitted_ddp_ledger_with_expert_parallelism_matches_the_traced_rank(
         cfg: dict[str, object], ep: int, gpus: int, precision: str, ckpt: str) -> None:
     """The single-GPU fit with the expert-parallel states (``distributed.expert_parallel_states``) against the
@@ -466,7 +467,7 @@ def test_a_tensor_parallel_ranks_config_is_asked_of_transformers_once(monkeypatc
     assert ranks.tensor_parallel_config(QWEN3_MOE, 2) == real(QWEN3_MOE, 2) and asked == [2, 4, 2]
 
 
-@pytest.mark.parametrize(("gpus", "strategy", "rel"), [(4, "ddp", 0.01), (4, "fsdp2", 0.005)])
+@pytest.mark.parametrize(("gpus", "strategy", "rel"), sample([(4, "ddp", 0.01), (4, "fsdp2", 0.005)], (1,)))
 def test_the_fitted_tensor_parallel_rank_matches_the_traced_one(gpus: int, strategy: str, rel: float,
                                                                 tmp_path: Path,
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
@@ -644,9 +645,9 @@ def test_expert_beside_tensor_parallelism_runs_the_experts_whole_on_their_gpus()
     assert _ep_degrees(shape, dp=2, tp=4) == (1, 4, 8)
 
 
-@pytest.mark.parametrize(("gpus", "ep", "strategy", "precision", "ckpt", "sp"), [
+@pytest.mark.parametrize(("gpus", "ep", "strategy", "precision", "ckpt", "sp"), sample([
     (8, 4, "fsdp2", "mixed", "full", False), (4, 4, "ddp", "fp32", "none", False),
-    (4, 2, "fsdp2", "fp32", "none", True)])
+    (4, 2, "fsdp2", "fp32", "none", True)], (2,)))
 def test_the_fitted_rank_of_expert_beside_tensor_parallelism_is_the_traced_one(gpus: int, ep: int, strategy: str,
                                                                                precision: str, ckpt: str,
                                                                                sp: bool) -> None:
@@ -763,7 +764,7 @@ def test_sequence_parallelism_over_every_gpu_of_one_replica_is_fitted_traced_and
             assert abs(error) < (0.1 if phase in ("load", "optimizer_step") else 0.5), (r["label"], phase, error)
 
 
-@pytest.mark.parametrize("sp", [False, True])
+@pytest.mark.parametrize("sp", sample([False, True], (1,), single=True))
 def test_a_real_step_of_expert_beside_tensor_parallelism_matches_the_trace(sp: bool) -> None:
     """Four gloo processes (FSDP2 over 2 × TP 2, the experts over 2, whole; with torchtitan's sequence-parallel plan
     on top too): the weights and the optimizer step of every rank equal the fake-process-group trace; the forward and

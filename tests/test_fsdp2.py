@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiers import sample
 
 from bench.techniques import FAMILIES
 from memcalc_gui.cli import main as cli_main
@@ -82,7 +83,7 @@ if not torch.distributed.is_available():  # pragma: no cover - every CPU wheel h
     pytest.skip("torch.distributed is not available", allow_module_level=True)
 
 
-@pytest.mark.parametrize("case", CASES, ids=["-".join(map(str, c)) for c in CASES])
+@pytest.mark.parametrize("case", sample(CASES, (0, 1), single=True), ids=["-".join(map(str, c)) for c in CASES])
 def test_the_ledger_matches_every_rank_of_a_real_fsdp2_step(case: tuple) -> None:
     from memcalc_gui.measure.distributed import measure_sharded_step
 

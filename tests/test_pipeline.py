@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiers import sample
 
 from bench.accuracy import FAMILIES
 from memcalc_gui.cli import main as cli_main
@@ -297,7 +298,7 @@ CASES = [  # (config, pp, m, precision, checkpointing, schedule, virtual stages)
 ]
 
 
-@pytest.mark.parametrize(("name", "pp", "m", "precision", "ckpt", "schedule", "v"), CASES)
+@pytest.mark.parametrize(("name", "pp", "m", "precision", "ckpt", "schedule", "v"), sample(CASES, (2, 3, 4, 5)))
 def test_each_stage_ledger_matches_the_rank_traced_under_pytorchs_schedule(name: str, pp: int, m: int,
                                                                           precision: str, ckpt: str, schedule: str,
                                                                           v: int) -> None:
@@ -430,9 +431,9 @@ def test_the_trace_method_traces_the_most_loaded_rank() -> None:
                                                                        rel=0.03), ph
 
 
-@pytest.mark.parametrize(("pp", "rank", "precision", "ckpt", "dp", "schedule"), [
+@pytest.mark.parametrize(("pp", "rank", "precision", "ckpt", "dp", "schedule"), sample([
     (2, 0, "fp32", "none", 1, "1f1b"), (4, 1, "mixed", "none", 1, "1f1b"), (2, 1, "mixed", "full", 2, "1f1b"),
-    (2, 1, "mixed", "none", 1, "interleaved-1f1b")])
+    (2, 1, "mixed", "none", 1, "interleaved-1f1b")], (1, 3)))
 def test_context_parallel_stages_match_the_rank_traced_with_ring_attention(pp: int, rank: int, precision: str,
                                                                           ckpt: str, dp: int, schedule: str) -> None:
     """Context beside pipeline parallelism: each stage runs, sends and receives seq/cp tokens of every sequence,
@@ -447,7 +448,8 @@ def test_context_parallel_stages_match_the_rank_traced_with_ring_attention(pp: i
         assert ledger.phases[ph].total_bytes == pytest.approx(traced.phases[ph].peak_bytes, rel=0.015), ph
 
 
-@pytest.mark.parametrize("tp", [{}, {"tp": 2}, {"tp": 2, "sp": True}], ids=["cp", "cp-tp", "cp-tp-sp"])
+@pytest.mark.parametrize("tp", sample([{}, {"tp": 2}, {"tp": 2, "sp": True}], (2,), single=True),
+                         ids=["cp", "cp-tp", "cp-tp-sp"])
 def test_the_trace_method_traces_context_parallel_stages_with_ring_attention(tp: dict) -> None:
     """Context-parallel stages, with tensor parallelism too (a stage's tensor-parallel rank as the narrower model, or
     with sequence parallelism split by torchtitan's plan on the fake mesh): the most loaded rank within 2 %."""
@@ -479,7 +481,8 @@ def test_the_trace_counts_a_stages_unsharded_gradients_as_gradients(precision: s
     assert ledger.phases["forward"].objects["gradients"] == pytest.approx(2 * shard, abs=1024)
 
 
-@pytest.mark.parametrize(("precision", "ckpt", "pp", "m"), [("fp32", "none", 2, 4), ("mixed", "full", 4, 8)])
+@pytest.mark.parametrize(("precision", "ckpt", "pp", "m"),
+                         sample([("fp32", "none", 2, 4), ("mixed", "full", 4, 8)], (0,)))
 def test_fsdp2_stages_match_the_rank_traced_with_fully_shard(precision: str, ckpt: str, pp: int, m: int) -> None:
     """Each stage fully_shard-ed over 2 data-parallel ranks (mesh pp × dp_shard), run by PyTorch's schedule, which
     syncs gradients only after the step's last backward: the ledger is within 2 % (bench/pipeline.py prints the
@@ -525,11 +528,11 @@ def test_fsdp2_stage_backwards_hold_what_fully_shard_gathers_and_prefetches(cfg:
     assert 0.99 <= ratio <= 1.01, ratio
 
 
-@pytest.mark.parametrize(("cfg", "pp", "m", "precision", "ckpt", "rank", "over"), [
+@pytest.mark.parametrize(("cfg", "pp", "m", "precision", "ckpt", "rank", "over"), sample([
     (LLAMA8, 2, 4, "mixed", "none", 0, 0.02), (QWEN_TIED, 2, 4, "fp32", "full", 1, 0.02),
     (LLAMA8, 4, 8, "fp32", "none", 1, 0.02),
     (LLAMA8, 4, 8, "fp32", "full", 1, 0.02),  # one-layer chunks with checkpointing (3.2 % over before)
-], ids=["first-mixed", "last-tied-checkpointed", "middle-1-layer-chunks", "checkpointed-1-layer-chunks"])
+], (0, 3)), ids=["first-mixed", "last-tied-checkpointed", "middle-1-layer-chunks", "checkpointed-1-layer-chunks"])
 def test_interleaved_fsdp2_follows_each_stage_through_the_schedule(cfg: dict, pp: int, m: int, precision: str,
                                                                     ckpt: str, rank: int, over: float) -> None:
     """Interleaved 1F1B under FSDP2: each of a rank's stages is a fully_shard root of its own, its units gathered
@@ -615,10 +618,10 @@ def test_a_loss_parallel_rank_matches_the_rank_traced_with_the_vocabulary_split(
         assert ledger.phases[ph].total_bytes == pytest.approx(traced.phases[ph].peak_bytes, rel=tolerance), ph
 
 
-@pytest.mark.parametrize(("layout", "precision"), [
+@pytest.mark.parametrize(("layout", "precision"), sample([
     ({}, "mixed"), ({}, "bf16"), ({"loss_parallel": True}, "fp32"), ({"loss_parallel": True}, "mixed"),
     ({"tp": 4}, "mixed"),
-], ids=["tp-mixed", "tp-bf16", "loss-parallel-fp32", "loss-parallel-mixed", "tp4-mixed"])
+], (1, 2)), ids=["tp-mixed", "tp-bf16", "loss-parallel-fp32", "loss-parallel-mixed", "tp4-mixed"])
 def test_a_sequence_parallel_rank_matches_the_rank_traced_with_torchtitans_plan(precision: str, layout: dict) -> None:
     """Sequence parallelism traced as torchtitan runs it beside FSDP2 (SequenceParallel norms, PrepareModuleInput
     gathering before attention and the MLP, row-wise projections reduce-scattering over the sequence) on transformers'
@@ -647,10 +650,10 @@ def test_a_sequence_parallel_rank_matches_the_rank_traced_with_torchtitans_plan(
                                                                         rel=0.04)
 
 
-@pytest.mark.parametrize(("precision", "ckpt", "pp", "m", "schedule", "rank"), [
+@pytest.mark.parametrize(("precision", "ckpt", "pp", "m", "schedule", "rank"), sample([
     ("fp32", "full", 4, 8, "1f1b", 0), ("mixed", "none", 2, 4, "interleaved-1f1b", 1),
     ("mixed", "none", 2, 1, "1f1b", 0),
-], ids=["first-fp32-checkpointed", "last-mixed-interleaved", "first-mixed-one-micro-batch"])
+], (2,)), ids=["first-fp32-checkpointed", "last-mixed-interleaved", "first-mixed-one-micro-batch"])
 def test_sequence_and_loss_parallel_stages_match_the_rank_traced_with_the_vocabulary_split(
         precision: str, ckpt: str, pp: int, m: int, schedule: str, rank: int) -> None:
     """The layouts the search ranks first (TP + SP + loss parallel × PP × FSDP2), traced: the first stage's
@@ -882,7 +885,7 @@ def test_long_sequences_get_context_parallelism_suggested_and_the_trace_says_whe
         assert refusal(dataclasses.replace(beside_stages, parallel=par)) == ""
 
 
-@pytest.mark.parametrize(("seq", "busiest"), [(2048, 0), (8192, 1)])
+@pytest.mark.parametrize(("seq", "busiest"), sample([(2048, 0), (8192, 1)], (1,)))
 def test_the_done_when_layout_traced_agrees_with_its_ledger(seq: int, busiest: int) -> None:
     """Issue 17's layout, Llama-3.1-70B on 64 GPUs (tp 8 with sequence parallelism × pp 2 × FSDP2 over 4), traced
     whole on fake tensors: the most loaded stage under PyTorch's schedule on a 2 × 4 × 8 fake mesh, its layers split by
@@ -988,14 +991,14 @@ def test_the_windowed_zero_bubble_order_passes_through_the_same_states(pp: int, 
     assert len(rank_schedule(schedule, pp, rank, 2 ** 20 // (pp * v) * (pp * v), v, window=True)) < 2000
 
 
-@pytest.mark.parametrize(("schedule", "pp", "v", "m", "precision", "cfg", "tp", "sp"), [
+@pytest.mark.parametrize(("schedule", "pp", "v", "m", "precision", "cfg", "tp", "sp"), sample([
     # (one stage per GPU, ZB-V at 4 stages, interleaved with TP, FSDP2: bench/pipeline.py --zero-bubble and the real
     # runs; left to them for CI's time)
     ("interleaved-zb", 2, 2, 4, "fp32", LLAMA8, 1, False),
     # ZB-V's rank 0 holds the tied head and the embedding: one weight, one gradient
     ("zbv", 2, 2, 4, "fp32", QWEN_TIED, 1, False),
     # each stage's layers split over 2 tensor-parallel ranks: the output gradients the W keeps are the rank's share
-    ("zbv", 2, 2, 4, "bf16", LLAMA8, 2, False)],
+    ("zbv", 2, 2, 4, "bf16", LLAMA8, 2, False)], (1,)),
     ids=["izb-2x2", "zbv-tied", "zbv-tp2"])
 def test_zero_bubble_ranks_match_the_rank_traced_under_pytorchs_schedule(schedule: str, pp: int, v: int, m: int,
                                                                          precision: str, cfg: dict, tp: int,
@@ -1146,7 +1149,7 @@ def test_the_command_line_runs_the_zero_bubble_schedules(capsys: pytest.CaptureF
 
 
 @pytest.mark.parametrize(("schedule", "v", "precision", "dp"),
-                         [("zbv", 2, "mixed", 1), ("interleaved-zb", 2, "mixed", 2)])
+                         sample([("zbv", 2, "mixed", 1), ("interleaved-zb", 2, "mixed", 2)], (0,)))
 def test_a_real_zero_bubble_pipeline_matches_the_trace_and_the_ledger(schedule: str, v: int, precision: str,
                                                                        dp: int) -> None:
     """Gloo processes, two stages each, PyTorch's zero-bubble schedule really sending activations and input
@@ -1173,7 +1176,7 @@ def test_a_real_zero_bubble_pipeline_matches_the_trace_and_the_ledger(schedule: 
 
 
 @pytest.mark.parametrize(("schedule", "precision", "ranks"),
-                         [("interleaved-zb", "mixed", (0, 1)), ("zbv", "fp32", (0,))])
+                         sample([("interleaved-zb", "mixed", (0, 1)), ("zbv", "fp32", (0,))], (1,)))
 def test_fsdp2_zero_bubble_ranks_match_the_rank_traced_under_pytorchs_schedule(schedule: str, precision: str,
                                                                               ranks: tuple[int, ...]) -> None:
     """FSDP2 over 2 data-parallel ranks of each stage, without resharding after forward: each chunk's units gathered
@@ -1213,10 +1216,10 @@ def test_pytorchs_zero_bubble_w_gets_fsdp2_gradients_right_only_without_reshardi
     assert any(cos is None or cos < 0.99 for cos in later)
 
 
-@pytest.mark.parametrize(("schedule", "v", "m", "precision", "vocab", "dp"), [
+@pytest.mark.parametrize(("schedule", "v", "m", "precision", "vocab", "dp"), sample([
     ("zbv", 2, 2, "mixed", 4096, 1), ("interleaved-zb", 1, 4, "bf16", 32000, 1), ("zbv", 2, 8, "fp32", 32000, 1),
     # FSDP2 over 2: each chunk reduce-scattered after its last W; the first stage's backward adding into .grad
-    ("interleaved-zb", 2, 2, "mixed", 4096, 2), ("interleaved-zb", 1, 4, "bf16", 4096, 2)])
+    ("interleaved-zb", 2, 2, "mixed", 4096, 2), ("interleaved-zb", 1, 4, "bf16", 4096, 2)], (0, 1)))
 def test_zero_bubble_ranks_of_large_weights_match_their_trace(schedule: str, v: int, m: int, precision: str,
                                                               vocab: int, dp: int) -> None:
     """Llama-3.2-1B's layers at few tokens (the scaled-down model ``memcalc measure`` runs): the weight-gradient step
