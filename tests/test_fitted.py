@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from memcalc_gui.core.configfile import transformers_kwargs
 from memcalc_gui.core.distributed import BF16_COMPUTE, STRATEGIES, Parallelism
 from memcalc_gui.core.errors import InputError
 from memcalc_gui.core.fitted import FitModel, estimate_fitted
@@ -93,6 +94,66 @@ def test_a_fit_is_cached_and_a_broken_cache_is_recalibrated(private_cache: Path,
     monkeypatch.setattr(fitmod, "_trace", real_trace)
     fresh = fitmod.calibrate(OPT, setup, setup.num_params)
     assert json.loads(files[0].read_text())["schema"] == fresh.to_json()["schema"]
+
+
+def test_a_fit_read_once_is_kept_until_its_file_changes(private_cache: Path, opt_fit: FitModel,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A layout search asks for the same fits thousands of times: an unchanged file is parsed once, a file written
+    again (a new calibration, or another process's) is read anew, a damaged one is not served from memory, and the
+    number kept is bounded."""
+    setup = _setup(OPT)
+    model_type, kwargs = transformers_kwargs(OPT)
+    path = private_cache / f"{fitmod._key({'model_type': model_type, **kwargs}, setup)}.json"
+    assert path.is_file()
+    fitmod._READ.clear()
+    parsed: list[object] = []
+    real_from_json = FitModel.from_json
+
+    def counting(data: object) -> FitModel:
+        parsed.append(data)
+        return real_from_json(data)
+
+    monkeypatch.setattr(fitmod.FitModel, "from_json", staticmethod(counting))
+    first = fitmod.calibrate(OPT, setup, setup.num_params, cached_only=True)
+    assert fitmod.calibrate(OPT, setup, setup.num_params, cached_only=True) is first
+    assert len(parsed) == 1 and first == opt_fit
+    data = opt_fit.to_json()
+    data["checked"] = dict(data["checked"], forward=0.001)
+    fitmod._write(path, data)  # written again (atomically, as a calibration writes it)
+    changed = fitmod.calibrate(OPT, setup, setup.num_params, cached_only=True)
+    assert len(parsed) == 2 and changed.checked["forward"] == 0.001
+    path.write_text("{not json")
+    with pytest.raises(fitmod.NotCalibrated):
+        fitmod.calibrate(OPT, setup, setup.num_params, cached_only=True)
+    fitmod._write(path, opt_fit.to_json())
+    monkeypatch.setattr(fitmod, "READ_FITS", 2)
+    for name in ("a", "b", "c"):
+        copy = private_cache / f"copy-{name}.json"
+        fitmod._write(copy, opt_fit.to_json())
+        assert fitmod._cached(copy, True) == opt_fit
+    assert len(fitmod._READ) == 2 and private_cache / "copy-a.json" not in fitmod._READ
+
+
+def test_a_fits_shapes_are_evaluated_once_and_a_transform_cannot_change_them(opt_fit: FitModel) -> None:
+    """:meth:`FitModel.peak` keeps each shape's extrapolated candidates (a layout search evaluates one fit at one shape
+    under every layout's transform): a transform that edits the composition it is given changes that answer only, and
+    a copy of the fit at another depth starts afresh."""
+    fresh = FitModel.from_json(opt_fit.to_json())
+    want = {p: fresh.peak(p, 3, 96, accumulating=True) for p in PHASES}
+
+    def doubling(phase: str, comp: dict[str, float]) -> dict[str, float]:
+        for obj in comp:
+            comp[obj] *= 2  # in place
+        return comp
+
+    for p in PHASES:
+        doubled = fresh.peak(p, 3, 96, accumulating=True, transform=doubling)
+        assert set(doubled) == set(want[p]) and all(abs(doubled[o] - 2 * v) <= 1 for o, v in want[p].items()), p
+        assert fresh.peak(p, 3, 96, accumulating=True) == want[p], p
+    deeper = dataclasses.replace(fresh, num_layers=fresh.num_layers * 2)
+    other = FitModel.from_json(dict(opt_fit.to_json(), num_layers=fresh.num_layers * 2))
+    for p in ("forward", "backward"):
+        assert deeper.peak(p, 3, 96) == other.peak(p, 3, 96) != fresh.peak(p, 3, 96), p
 
 
 def test_a_refused_fit_is_remembered_and_a_broken_record_of_it_is_not(private_cache: Path,

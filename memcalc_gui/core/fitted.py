@@ -282,6 +282,11 @@ class FitModel:
     #: its moments hold FSDP2's shards and gathered units as traced. The replica stays for the what-ifs and the GPU
     #: plan's other layouts (their states by rule).
     rank: FitModel | None = None
+    #: Each phase's candidate compositions at a shape, before any transform (:meth:`peak`): a layout search evaluates
+    #: one fit at one shape for every layout, only the transform differs. A copy made by ``dataclasses.replace``
+    #: starts empty (its layer count may differ).
+    _evaluated: dict[tuple[str, int, int, bool], list[dict[str, float]]] = field(
+        default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if len(self.layers) != 2 or self.layers[0] >= self.layers[1]:
@@ -296,30 +301,43 @@ class FitModel:
              transform: Transform | None = None) -> dict[str, int]:
         """The phase's peak composition at micro-batch ``b``, sequence ``s`` and the config's layer count: every
         candidate moment extrapolated to that count (and made per-GPU by ``transform``), then the largest."""
+        best: dict[str, float] = {}
+        best_total = -1.0
+        for comp in self._candidates(phase, b, s, accumulating):
+            if transform is not None:
+                comp = transform(phase, dict(comp))  # (the kept composition stays as it is)
+            total = sum(comp.values())
+            if total > best_total:
+                best, best_total = comp, total
+        return {o: round(v) for o, v in best.items() if o in TENSOR_OBJECTS and round(v) > 0}
+
+    def _candidates(self, phase: str, b: int, s: int, accumulating: bool) -> list[dict[str, float]]:
+        """The phase's candidate compositions at ``(b, s)`` and the config's layer count, each moment extrapolated
+        (for load and the optimizer step the one of each layer count's largest moment); computed once per shape."""
+        key = (phase, b, s, accumulating)
+        kept = self._evaluated.get(key)
+        if kept is not None:
+            return kept
         la, lb = self.layers
         k = (self.num_layers - la) / (lb - la)
         x = basis(b, s)
         candidates = (self.accum_moments if accumulating else self.moments)[phase]
         if phase in SEPARATE:
             lo, hi = (_largest(ms, x) for ms in candidates)
-            grown = {o: lo.get(o, 0.0) + k * (hi.get(o, 0.0) - lo.get(o, 0.0)) for o in set(lo) | set(hi)}
-            if transform is not None:
-                grown = transform(phase, grown)
-            return {o: round(v) for o, v in grown.items() if o in TENSOR_OBJECTS and round(v) > 0}
-        best: dict[str, float] = {}
-        best_total = -1.0
-        for first, second in candidates:
-            comp: dict[str, float] = {}
-            for obj in set(first) | set(second):
-                va = sum(c * v for c, v in zip(first.get(obj, _ZERO), x, strict=True))
-                vb = sum(c * v for c, v in zip(second.get(obj, _ZERO), x, strict=True))
-                comp[obj] = va + k * (vb - va)
-            if transform is not None:
-                comp = transform(phase, comp)
-            total = sum(comp.values())
-            if total > best_total:
-                best, best_total = comp, total
-        return {o: round(v) for o, v in best.items() if o in TENSOR_OBJECTS and round(v) > 0}
+            comps = [{o: lo.get(o, 0.0) + k * (hi.get(o, 0.0) - lo.get(o, 0.0)) for o in set(lo) | set(hi)}]
+        else:
+            comps = []
+            for first, second in candidates:
+                comp: dict[str, float] = {}
+                for obj in set(first) | set(second):
+                    va = sum(c * v for c, v in zip(first.get(obj, _ZERO), x, strict=True))
+                    vb = sum(c * v for c, v in zip(second.get(obj, _ZERO), x, strict=True))
+                    comp[obj] = va + k * (vb - va)
+                comps.append(comp)
+        if len(self._evaluated) >= 1024:  # a long session's shapes: start again rather than grow
+            self._evaluated.clear()
+        self._evaluated[key] = comps
+        return comps
 
     def to_json(self) -> dict[str, Any]:
         def dump(moments: dict[str, list[list[Moment]]]) -> dict[str, Any]:
