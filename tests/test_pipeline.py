@@ -298,7 +298,7 @@ CASES = [  # (config, pp, m, precision, checkpointing, schedule, virtual stages)
 ]
 
 
-@pytest.mark.parametrize(("name", "pp", "m", "precision", "ckpt", "schedule", "v"), sample(CASES, (2, 3, 4, 5)))
+@pytest.mark.parametrize(("name", "pp", "m", "precision", "ckpt", "schedule", "v"), sample(CASES, (1, 2, 3, 4, 5)))
 def test_each_stage_ledger_matches_the_rank_traced_under_pytorchs_schedule(name: str, pp: int, m: int,
                                                                           precision: str, ckpt: str, schedule: str,
                                                                           v: int) -> None:
