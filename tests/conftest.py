@@ -126,10 +126,15 @@ def pytest_testnodedown(node, error) -> None:
 
 
 # ---- the default run and the full one (tests/tiers.py) --------------------------------------------------------
+@pytest.hookimpl(tryfirst=True)  # before -k and -m: every case is still there to be counted
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Leave the full matrix's further cases out unless MEMCALC_FULL_TESTS=1 (pytest counts them as deselected)."""
-    from tiers import FULL_ENV
+    """Leave the full matrix's further cases out unless MEMCALC_FULL_TESTS=1 (pytest counts them as deselected). A
+    test function whose every case is marked is a usage error: the default suite keeps each capability."""
+    from tiers import FULL_ENV, bare_functions
 
+    bare = bare_functions(items)
+    if bare:
+        raise pytest.UsageError(f"the default suite would run no case of {', '.join(bare)} (tests/tiers.py)")
     if os.environ.get(FULL_ENV) == "1":
         return
     left = [item for item in items if item.get_closest_marker("full_matrix") is not None]

@@ -35,3 +35,12 @@ def sample(cases: Sequence[Any], keep: Iterable[int], single: bool = False) -> l
     if not kept or not kept <= set(range(len(cases))):
         raise ValueError(f"keep names cases {sorted(kept)} of {len(cases)}")
     return [case if i in kept else full_only(case, single) for i, case in enumerate(cases)]
+
+
+def bare_functions(items: Iterable[Any]) -> list[str]:
+    """The test functions among the collected ``items`` of which every case is marked ``full_matrix``."""
+    cases: dict[str, list[bool]] = {}
+    for item in items:
+        name = f"{item.nodeid.split('::')[0]}::{getattr(item, 'originalname', item.name)}"
+        cases.setdefault(name, []).append(item.get_closest_marker("full_matrix") is not None)
+    return sorted(name for name, marked in cases.items() if all(marked))
