@@ -31,7 +31,9 @@ def test_real_window_survives_scripted_use(tmp_path):
     assert "memcalc-gui soak ok" in proc.stdout
     summary = next(line for line in proc.stdout.splitlines() if line.startswith("memcalc-gui soak:"))
     counts = {name.strip(): int(n) for name, n in re.findall(r"([a-z/ ]+?) (\d+)(?=;|$)", summary.split(": ", 1)[1])}
-    assert counts.get("edits", 0) >= 20 * SECONDS
+    # it did use the window: a floor, not a speed (29 edits/s alone on a 2-core machine, 16/s in a CI run beside a
+    # trace-heavy test, which failed the 20/s this asked before; speed is bench/ui_speed.py's)
+    assert counts.get("edits", 0) >= 5 * SECONDS
     assert counts.get("dialogs", 0) >= 1 and counts.get("hostile configs", 0) >= 10
     if HAS_TORCH:
         assert counts.get("trace finished", 0) >= 1 or counts.get("trace toggles", 0) >= 1
