@@ -73,7 +73,7 @@ STUCK_TEST_S = 420
 STALLED_RUN_S = 1200
 
 _LOG = pytest.StashKey[object]()
-#: How many further matrix cases this run left to the full suite (tests/tiers.py).
+#: How many tests and further matrix cases this run left to the full suite (tests/tiers.py).
 _LEFT_TO_FULL = pytest.StashKey[int]()
 _LAST_REPORT = [0.0]
 
@@ -112,7 +112,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error) -> None:
     """The controller, under xdist: a worker ended abnormally; print the end of its log (the stacks, if stuck). A
-    worker that ended well says how many matrix cases it left to the full suite (the summary's line)."""
+    worker that ended well says how many tests it left to the full suite (the summary's line)."""
     if not error:
         left = getattr(node, "workeroutput", {}).get("memcalc_left_to_full", 0)
         node.config.stash[_LEFT_TO_FULL] = max(node.config.stash.get(_LEFT_TO_FULL, 0), left)
@@ -128,20 +128,21 @@ def pytest_testnodedown(node, error) -> None:
 # ---- the default run and the full one (tests/tiers.py) --------------------------------------------------------
 @pytest.hookimpl(tryfirst=True)  # before -k and -m: every case is still there to be counted
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Leave the full matrix's further cases out unless MEMCALC_FULL_TESTS=1 (pytest counts them as deselected). A
-    test function whose every case is marked is a usage error: the default suite keeps each capability."""
-    from tiers import FULL_ENV, bare_functions
+    """Leave the matrices' further cases and the full suite's functions out unless MEMCALC_FULL_TESTS=1, or unless
+    named on the command line (pytest counts them as deselected). A test function whose every case is a further case
+    is a usage error: the default suite keeps a case of each matrix."""
+    from tiers import FULL_ENV, bare_functions, left_to_full, named_on_the_command_line
 
     bare = bare_functions(items)
     if bare:
         raise pytest.UsageError(f"the default suite would run no case of {', '.join(bare)} (tests/tiers.py)")
     if os.environ.get(FULL_ENV) == "1":
         return
-    left = [item for item in items if item.get_closest_marker("full_matrix") is not None]
+    left = left_to_full(items, named_on_the_command_line(config.args, config.rootpath, config.invocation_params.dir))
     if left:
-        keep = [item for item in items if item.get_closest_marker("full_matrix") is None]
+        out = set(map(id, left))
+        items[:] = [item for item in items if id(item) not in out]
         config.hook.pytest_deselected(items=left)
-        items[:] = keep
         config.stash[_LEFT_TO_FULL] = len(left)
         if hasattr(config, "workeroutput"):  # an xdist worker: the controller, which collects nothing, prints it
             config.workeroutput["memcalc_left_to_full"] = len(left)
@@ -151,8 +152,9 @@ def pytest_report_header(config: pytest.Config) -> str:
     from tiers import FULL_ENV
 
     if os.environ.get(FULL_ENV) == "1":
-        return "memcalc: the full suite (every case of every matrix)"
-    return f"memcalc: the default suite; {FULL_ENV}=1 also runs the further cases of the matrices (tests/tiers.py)"
+        return "memcalc: the full suite (every test, every case of every matrix)"
+    return (f"memcalc: the default suite; {FULL_ENV}=1 also runs the full suite's tests and the further cases of the "
+            "matrices (tests/tiers.py, docs/testing.md)")
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
@@ -160,7 +162,8 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
 
     left = config.stash.get(_LEFT_TO_FULL, 0)
     if left:
-        terminalreporter.write_line(f"memcalc: {left} further matrix cases left to the full suite ({FULL_ENV}=1)")
+        terminalreporter.write_line(f"memcalc: {left} tests and further matrix cases left to the full suite "
+                                    f"({FULL_ENV}=1)")
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
