@@ -142,6 +142,7 @@ def test_bad_models(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert code == 2 and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.full_suite
 def test_unknown_family_gets_the_meta_count_and_the_fit(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     cfg = {"model_type": "olmo", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,

@@ -48,6 +48,7 @@ def _setup(cfg: dict[str, object], **kw: object) -> TrainingSetup:
     return TrainingSetup(params=count_params_on_meta(cfg), parallel=par, **kw)  # type: ignore[arg-type]
 
 
+@pytest.mark.full_suite
 @pytest.mark.parametrize(("name", "strategy", "gpus", "cp", "tp", "ep", "precision", "batch", "seq", "accum", "sp"),
                          sample([
     # 4 layers: the rank fit extrapolates from 3 and 4, checked at 5
@@ -96,6 +97,7 @@ def test_the_fitted_rank_of_a_context_parallel_layout_is_the_traced_one(
         assert (rule.phases[p].tensor_bytes < traced.estimate.phases[p].tensor_bytes) == (ep == 1), p
 
 
+@pytest.mark.full_suite
 def test_zero_beside_context_parallelism_lays_its_states_over_the_traced_ranks_activations() -> None:
     """ZeRO-2 is not traced: over the same GPUs its activations are those of the DDP layout's traced rank (one fit
     serves both), its optimizer state the replica's split over every data- and context-parallel GPU."""
@@ -117,6 +119,7 @@ def test_zero_beside_context_parallelism_lays_its_states_over_the_traced_ranks_a
     assert by_ddp.phases["optimizer_step"].objects["optimizer_state"] == pytest.approx(state, rel=1e-3)
 
 
+@pytest.mark.full_suite
 def test_what_no_rank_fit_covers_is_answered_by_the_replica_and_says_why(tmp_path: Path,
                                                                           capsys: pytest.CaptureFixture[str]) -> None:
     """A degree the calibration's sequences do not split into 2·cp chunks takes the one-replica rule at seq/cp tokens
@@ -162,6 +165,7 @@ def test_what_no_rank_fit_covers_is_answered_by_the_replica_and_says_why(tmp_pat
     assert "--strategy" in capsys.readouterr().err
 
 
+@pytest.mark.full_suite
 @pytest.mark.parametrize(("name", "flags"), sample([
     # PyTorch's ring attention over gloo beside transformers' tensor-parallel plan and torchtitan's sequence-parallel
     # one, fully_shard over the ring
@@ -193,6 +197,7 @@ def test_a_real_step_of_the_ring_matches_the_fitted_rank(name: str, flags: tuple
                     (r["label"], phase, error)
 
 
+@pytest.mark.full_suite
 def test_the_fitted_ranks_of_a_ring_in_pipeline_stages_are_their_traced_schedules(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Pipeline stages of such a family with a ring inside each (torchtitan's layout: FSDP2 over each stage's dp × cp

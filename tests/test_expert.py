@@ -57,6 +57,7 @@ def test_the_traced_rank_holds_a_share_of_the_experts(cfg: dict[str, object], ep
         pytest.approx(whole.phases["forward"].objects["activations"], rel=0.01)
 
 
+@pytest.mark.full_suite
 def test_fsdp2_shards_the_experts_over_their_copies_and_the_rest_over_all() -> None:
     """transformers' layout: the experts fully_shard-ed over the world/ep ranks that hold the same ones (efsdp), the
     rest over all ranks."""
@@ -110,6 +111,7 @@ def test_the_fitted_ddp_ledger_with_expert_parallelism_matches_the_traced_rank(
         assert fitted.phases[p].tensor_bytes == pytest.approx(traced.phases[p].tensor_bytes, rel=0.025), p
 
 
+@pytest.mark.full_suite
 def test_the_fitted_fsdp2_ledger_is_the_traced_ranks_fit_and_the_rule_answers_other_layouts(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """FSDP2 of a mixture of experts, its experts split over 2 of 8 GPUs: beside the one-replica fit the fitted method
@@ -162,6 +164,7 @@ def test_the_fitted_fsdp2_ledger_is_the_traced_ranks_fit_and_the_rule_answers_ot
     assert "traced as transformers lays it out" in capsys.readouterr().err
 
 
+@pytest.mark.full_suite
 def test_a_rank_fit_that_cannot_be_traced_leaves_the_rule_and_is_not_traced_again(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Where one rank of the FSDP2 layout cannot be traced (an op the sharded model cannot run), the one-replica fit
@@ -302,6 +305,7 @@ def _mixtral_8x7b_structure() -> dict[str, int]:
     return structure_on_meta(MIXTRAL_8X7B)
 
 
+@pytest.mark.full_suite
 def test_fitted_expert_tensor_parallelism_adds_the_gathered_tokens_to_the_traced_step(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """The fitted ledger under Megatron-LM's expert tensor parallelism: the weights of the experts split etp ways
@@ -332,6 +336,7 @@ def test_fitted_expert_tensor_parallelism_adds_the_gathered_tokens_to_the_traced
     assert kept_layers("none", 4, 3) == 12 and kept_layers("full", 4, 3) == 1 and kept_layers("every:2", 4, 3) == 7
 
 
+@pytest.mark.full_suite
 def test_fitted_expert_tensor_parallelism_in_pipeline_stages_counts_each_micro_batch_in_flight(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """In 2 pipeline stages (Megatron-LM's distributed optimizer, 1F1B over 4 micro-batches) the first rank holds 2
@@ -357,6 +362,7 @@ def test_fitted_expert_tensor_parallelism_in_pipeline_stages_counts_each_micro_b
         assert b["activations"] - a["activations"] == tokens * 2 * kept_layers("none", layers, held), phase
 
 
+@pytest.mark.full_suite
 def test_the_cli_takes_etp_and_the_trace_and_a_real_run_say_why_not(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``--etp`` reaches the ledger and the JSON; the trace names what it cannot run instead of ignoring it."""
@@ -380,6 +386,7 @@ def test_the_cli_takes_etp_and_the_trace_and_a_real_run_say_why_not(
         assert said in err and err.count("\n") == 1, err
 
 
+@pytest.mark.full_suite
 def test_expert_tensor_parallelism_is_a_change_that_would_make_it_fit(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Under Megatron-LM's distributed optimizer a mixture of experts that does not fit is offered each expert split
@@ -407,6 +414,7 @@ def test_expert_tensor_parallelism_is_a_change_that_would_make_it_fit(
 
 
 # ---- tensor parallelism of a mixture of experts (a family without a block model) ----------------------------------
+@pytest.mark.full_suite
 @pytest.mark.parametrize("cfg", [MIXTRAL, QWEN3_MOE, QWEN2_MOE], ids=["mixtral", "qwen3_moe", "qwen2_moe"])
 def test_the_tensor_parallel_rank_of_a_mixture_of_experts_is_the_narrower_model_to_the_byte(
         cfg: dict[str, object]) -> None:
@@ -467,6 +475,7 @@ def test_a_tensor_parallel_ranks_config_is_asked_of_transformers_once(monkeypatc
     assert ranks.tensor_parallel_config(QWEN3_MOE, 2) == real(QWEN3_MOE, 2) and asked == [2, 4, 2]
 
 
+@pytest.mark.full_suite
 @pytest.mark.parametrize(("gpus", "strategy", "rel"), sample([(4, "ddp", 0.01), (4, "fsdp2", 0.005)], (1,)))
 def test_the_fitted_tensor_parallel_rank_matches_the_traced_one(gpus: int, strategy: str, rel: float,
                                                                 tmp_path: Path,
@@ -513,6 +522,7 @@ def test_fsdp2_shards_fused_experts_expert_by_expert() -> None:
     assert states.optimizer_state == pytest.approx(8 * (dense / 4 + st["expert_params"] * 2 / 6), rel=0.001)
 
 
+@pytest.mark.full_suite
 def test_the_layout_search_of_a_mixture_of_experts_is_fitted_layout_by_layout(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """``memcalc layouts`` for a family without a block model: each tensor-parallel degree the config splits is
@@ -602,6 +612,7 @@ def test_the_layout_search_of_a_mixture_of_experts_is_fitted_layout_by_layout(
     assert exc.value.code == 2 and "not cached" in capsys.readouterr().err
 
 
+@pytest.mark.full_suite
 def test_expert_beside_tensor_parallelism_runs_the_experts_whole_on_their_gpus() -> None:
     """transformers' layout of ``tp`` beside ``ep``: the experts keep no tensor-parallel rule (Megatron-LM's expert
     tensor parallelism of 1), each GPU holds 1/ep of them whole and the rest of the model split tp ways; the narrower
@@ -645,6 +656,7 @@ def test_expert_beside_tensor_parallelism_runs_the_experts_whole_on_their_gpus()
     assert _ep_degrees(shape, dp=2, tp=4) == (1, 4, 8)
 
 
+@pytest.mark.full_suite
 @pytest.mark.parametrize(("gpus", "ep", "strategy", "precision", "ckpt", "sp"), sample([
     (8, 4, "fsdp2", "mixed", "full", False), (4, 4, "ddp", "fp32", "none", False),
     (4, 2, "fsdp2", "fp32", "none", True)], (2,)))
@@ -728,6 +740,7 @@ def test_sequence_parallelism_without_a_block_model_is_torchtitans_beside_fsdp2_
         assert err.value.field == "sp" and "give twice the GPUs, or leave sequence parallelism out" in str(err.value)
 
 
+@pytest.mark.full_suite
 def test_sequence_parallelism_over_every_gpu_of_one_replica_is_fitted_traced_and_measured(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Every GPU tensor-parallel with torchtitan's sequence-parallel plan (``--strategy ddp``, one replica: no DDP
@@ -764,6 +777,7 @@ def test_sequence_parallelism_over_every_gpu_of_one_replica_is_fitted_traced_and
             assert abs(error) < (0.1 if phase in ("load", "optimizer_step") else 0.5), (r["label"], phase, error)
 
 
+@pytest.mark.full_suite
 @pytest.mark.parametrize("sp", sample([False, True], (1,), single=True))
 def test_a_real_step_of_expert_beside_tensor_parallelism_matches_the_trace(sp: bool) -> None:
     """Four gloo processes (FSDP2 over 2 × TP 2, the experts over 2, whole; with torchtitan's sequence-parallel plan
@@ -796,6 +810,7 @@ def assert_routed_ranks_match(real: list, fake: object) -> None:
         assert max(map(abs, errors)) < 0.05 and abs(sum(errors) / len(errors)) < 0.01, (p, errors)
 
 
+@pytest.mark.full_suite
 @pytest.mark.parametrize("layout", [dict(dp_shard=4), dict(dp_shard=4, ep=2)], ids=["fsdp2", "fsdp2-ep2"])
 def test_more_shards_than_experts_are_placed_as_torchtitan_places_them(layout: dict[str, int]) -> None:
     """FSDP2 over more GPUs than experts (× ep): torchtitan shards the fused experts along their second dimension,

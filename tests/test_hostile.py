@@ -478,6 +478,7 @@ def test_generated_configs_estimate(tmp_path_factory, capsys, cfg, method):
         assert json.loads(out)["peak_bytes"] > 0
 
 
+@pytest.mark.full_suite
 @needs_torch
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(cfg=hostile_config, command=st.sampled_from(["trace", "measure"]))

@@ -194,6 +194,7 @@ def test_the_window_fetches_a_hub_id_then_reads_it_from_the_cache(qtbot, hub_ser
     w.close()
 
 
+@pytest.mark.full_suite
 def test_the_issue_command_answers_from_the_bundled_config_without_network(hub_server: str, tmp_path: Path) -> None:
     """`--model Qwen/Qwen3-30B-A3B … --gpus 8 --strategy zero3`: not in the cache, so the published config memcalc
     bundles answers (the Hub is never asked), and the fitted method gives a per-GPU ledger of the MoE. (Checkpointed

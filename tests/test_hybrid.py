@@ -143,6 +143,7 @@ def test_four_real_ranks_of_two_replicas_match_the_ledger() -> None:
     assert held > flat.phases["optimizer_step"].tensor_bytes * 1.2  # the states of 1/2, not 1/4
 
 
+@pytest.mark.full_suite
 def test_a_family_without_a_block_model_fits_its_hybrid_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                              capsys: pytest.CaptureFixture[str]) -> None:
     """A mixture of experts (no block model) under hybrid sharding: the fitted method calibrates the rank on the 2-D
@@ -207,6 +208,7 @@ def test_the_layout_search_weighs_one_replica_per_node_beside_fsdp2_across_nodes
     assert not any(p.dp_replicate > 1 for p in candidates(setup, gpus=8))  # one node: nothing to gain
 
 
+@pytest.mark.full_suite
 @pytest.mark.parametrize(("tp", "cp", "schedule", "virtual", "reshard"), sample([
     # (plain 1F1B: the real ranks below equal its trace)
     (2, 1, "interleaved-1f1b", 2, True), (1, 2, "1f1b", 1, True), (1, 1, "zbv", 2, False),
@@ -232,6 +234,7 @@ def test_hybrid_pipeline_stages_are_their_replicas_fsdp2_stages(tp: int, cp: int
     assert max(map(abs, b.difference_pct().values())) < 0.7, b.difference_pct()
 
 
+@pytest.mark.full_suite
 def test_eight_real_ranks_of_hybrid_pipeline_stages_match_their_trace() -> None:
     """Two 1F1B stages, each 2 replicas × FSDP2 over 2: eight gloo processes (beyond what Measure runs on a CPU, four)
     under PyTorch's schedule on the 5-D mesh; every rank's peaks equal its stage's fake-process-group trace."""
@@ -269,6 +272,7 @@ def test_the_fitted_rule_shards_fused_experts_over_one_replica() -> None:
                                                                             dp_replicate=2))[2]
 
 
+@pytest.mark.full_suite
 def test_a_hybrid_rank_of_expert_parallelism_is_traced_and_run_on_the_replicas_mesh() -> None:
     """The routed experts split over 2 GPUs inside each of 2 replicas (× TP 2 with the experts whole, transformers'
     layout), FSDP2's hybrid sharding on the dense part and on the experts' copies (the experts' mesh ``replicas ×

@@ -129,6 +129,7 @@ def _worst(est: object, traced: object) -> float:
                for p in PHASES)
 
 
+@pytest.mark.full_suite
 @pytest.mark.parametrize("family", ["llama", "qwen2-embedding-tied"])
 def test_the_traced_tensor_parallel_rank_is_the_narrower_model_to_the_byte(family: str) -> None:
     """parallelize_module with transformers' plan on the fake process group makes exactly the step of the model
@@ -201,6 +202,7 @@ def test_the_fsdp2_ledger_matches_the_traced_rank(family: str, precision: str, c
     assert _worst(est, _trace(family, precision, ckpt, dp, 1, reshard=reshard)) <= 0.02
 
 
+@pytest.mark.full_suite
 @pytest.mark.parametrize(("family", "precision", "ckpt"), [
     ("llama", "fp32", "none"), ("qwen3", "bf16", "full"), ("gpt_neox", "mixed", "none"),
 ])
@@ -209,6 +211,7 @@ def test_fsdp2_over_tensor_parallel_ranks_matches_the_traced_rank(family: str, p
     assert _worst(est, _trace(family, precision, ckpt, 2, 2)) <= 0.02
 
 
+@pytest.mark.full_suite
 @pytest.mark.parametrize(("family", "precision", "ckpt", "tp"), [
     ("llama-wide", "bf16", "none", 2), ("llama-wide", "mixed", "full", 2), ("mistral", "fp32", "none", 4),
     ("phi", "mixed", "full", 2),
@@ -241,6 +244,7 @@ def test_fsdp2_gathers_the_last_layer_beside_its_input(dp: int, tp: int) -> None
     assert est.phases["forward"].tensor_bytes == pytest.approx(traced.phases["forward"].peak_bytes, rel=0.002)
 
 
+@pytest.mark.full_suite
 def test_the_fake_trace_of_fsdp2_over_tensor_parallel_ranks_equals_real_gloo_ranks() -> None:
     """Four real gloo processes (FSDP2 over 2 × TP 2) against the fake-process-group trace, every phase but the load
     to 0.01 %. A functional all-reduce was counted twice in both, differently: the fake ``wait_tensor`` (a meta
@@ -263,6 +267,7 @@ def test_the_fake_trace_of_fsdp2_over_tensor_parallel_ranks_equals_real_gloo_ran
         real[0].phases["forward"].peak_bytes, rel=2e-3)
 
 
+@pytest.mark.full_suite
 @pytest.mark.parametrize(("family", "precision", "ckpt", "dp"), sample([
     ("llama", "fp32", "none", 2), ("llama", "fp32", "full", 4), ("mistral", "fp32", "none", 2),
     ("qwen2", "fp32", "full", 2), ("llama", "mixed", "full", 2), ("gpt_neox", "bf16", "full", 4),
@@ -319,6 +324,7 @@ def test_the_ddp_ledger_matches_every_rank_of_a_real_ddp_step(ranks: int, precis
             assert est.phases[p].tensor_bytes == pytest.approx(m.phases[p].peak_bytes, rel=1e-3), p
 
 
+@pytest.mark.full_suite
 def test_ddp_buckets_only_the_adapters_of_a_lora_run() -> None:
     """A real 2-process DDP step of a LoRA model holds what one process holds plus the adapters' gradients once more
     (DDP registers only parameters that require gradients), as the ledger says."""
@@ -372,6 +378,7 @@ def test_tensor_parallel_property_a_rank_never_holds_more() -> None:
     check()
 
 
+@pytest.mark.full_suite
 def test_the_trace_of_a_dense_fsdp2_layout_runs_fully_shard_and_equals_the_ledger() -> None:
     """``--method trace --strategy fsdp2`` on a model with a block model runs FSDP2 itself (fully_shard over the
     data-parallel ranks of the fake process group), not one replica with FSDP2's states by rule: the rule counted a

@@ -66,7 +66,7 @@ def test_the_chunked_loss_equals_transformers_loss_and_gradients() -> None:
         torch.testing.assert_close(p.grad, want[name] * 0.5, rtol=1e-4, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize(("family", "precision", "batch", "seq", "accum", "ckpt"), sample(CASES, (0, 4, 5, 6)))
+@pytest.mark.parametrize(("family", "precision", "batch", "seq", "accum", "ckpt"), sample(CASES, (4,)))
 def test_analytic_and_trace_agree_with_real_chunked_steps(family: str, precision: str, batch: int, seq: int,
                                                           accum: int, ckpt: str) -> None:
     """Real CPU steps with the chunked loss: the analytic ledger within 3 % of the step's peak (and every phase

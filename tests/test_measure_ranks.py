@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiers import sample
 
 from memcalc_gui.cli import main as cli_main
 from memcalc_gui.core.distributed import Parallelism
@@ -151,13 +152,13 @@ def _measure(config: Path | dict, capsys: pytest.CaptureFixture[str], *flags: st
     return json.loads(capsys.readouterr().out)
 
 
-@pytest.mark.parametrize("flags, ranks", [
+@pytest.mark.parametrize("flags, ranks", sample([
     # DTensor's tensor parallelism, torchtitan's sequence-parallel plan and fully_shard, really sent
     (("--gpus", "4", "--tp", "2", "--sp", "--strategy", "fsdp2"), 4),
     (("--gpus", "2", "--cp", "2", "--strategy", "fsdp2"), 2),  # PyTorch's ring attention over gloo
     (("--gpus", "2", "--cp", "2", "--strategy", "ddp"), 2),  # DDP over the ring's ranks: its buckets, for real
     (("--gpus", "2", "--strategy", "ddp"), 2),  # DDP's buckets from the moment it wraps the model
-])
+], (0, 3)))
 def test_every_rank_of_a_real_step_matches_its_estimate(tiny: Path, capsys: pytest.CaptureFixture[str],
                                                         flags: tuple[str, ...], ranks: int) -> None:
     out = _measure(tiny, capsys, *flags)
@@ -187,6 +188,7 @@ def test_each_pipeline_stage_is_compared_with_its_own_ledger(tiny: Path, capsys:
     assert out["ranks"][out["shown_rank"]]["stage"] == evaluate(setup).estimate.details["pipeline_rank"]
 
 
+@pytest.mark.full_suite
 def test_a_tied_embedding_under_fsdp2_mixed_precision_matches_the_real_step(tmp_path: Path,
                                                                           capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "tied.json"
@@ -196,6 +198,7 @@ def test_a_tied_embedding_under_fsdp2_mixed_precision_matches_the_real_step(tmp_
         assert abs(r["error_pct"]["backward"]) < 1.0, r["error_pct"]
 
 
+@pytest.mark.full_suite
 def test_the_text_output_lists_every_rank(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["measure", "--config", str(tiny), "--batch", "2", "--seq", "64", "--gpus", "2", "--tp", "2"]) == 0
     out = capsys.readouterr().out
@@ -328,6 +331,7 @@ def _loss_and_grad(parallelize: object, vocab: bool, config: dict = TINY) -> tup
     return float(loss.detach()), float(grad.abs().sum())
 
 
+@pytest.mark.full_suite
 @pytest.mark.parametrize(("vocab", "ep"), [(False, 0), (True, 0), (False, 1), (False, 2)],
                          ids=["head-whole", "loss-parallel", "experts-tp", "experts-ep"])
 def test_the_sequence_parallel_plan_computes_the_single_gpu_step(vocab: bool, ep: int) -> None:
@@ -369,6 +373,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.full_suite
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 @pytest.mark.parametrize("start", ["measure", "spawn"])
 @pytest.mark.parametrize("lives_s", [3, 0], ids=["after-its-start", "before-its-start"])

@@ -49,7 +49,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 
-@pytest.mark.parametrize(("family", "precision", "impl", "loss", "ckpt"), sample(CASES, (0, 3, 6)))
+@pytest.mark.parametrize(("family", "precision", "impl", "loss", "ckpt"), sample(CASES, (3,)))
 def test_analytic_and_trace_agree_with_real_steps(family: str, precision: str, impl: str, loss: str,
                                                   ckpt: str) -> None:
     from memcalc_gui.measure.cpu_step import measure_training_step

@@ -48,6 +48,7 @@ def _setup(pp: int, m: int, dp: int, strategy: str, **kw: object) -> TrainingSet
     return TrainingSetup(**base)
 
 
+@pytest.mark.full_suite
 def test_each_fitted_rank_equals_its_schedule_traced_with_every_micro_batch() -> None:
     """Calibrated on 3- and 4-layer stages over pp + 1 micro-batches, evaluated on 6-layer stages (12 layers of the
     config) at a shape it never traced with all ``m`` micro-batches: the first and the last rank each equal
@@ -76,6 +77,7 @@ def test_each_fitted_rank_equals_its_schedule_traced_with_every_micro_batch() ->
     assert again == fit
 
 
+@pytest.mark.full_suite
 def test_expert_beside_tensor_parallelism_in_stages_is_fitted_from_the_groups_own_traces() -> None:
     """Each stage's tensor-parallel group run for real beside the split experts (transformers' layout: the group's 2
     ranks hold 2 experts' groups, the tokens split over them before the all-to-all), not as the narrower model that
@@ -104,6 +106,7 @@ def test_expert_beside_tensor_parallelism_in_stages_is_fitted_from_the_groups_ow
     assert err.value.field == "strategy"
 
 
+@pytest.mark.full_suite
 def test_sequence_parallel_stages_of_a_mixture_of_experts_are_fitted_from_their_own_traces() -> None:
     """torchtitan's layout of a mixture of experts' stages: each fully_shard-ed over its data-parallel GPUs, its
     layers split over its tensor-parallel group with the sequence-parallel plan on top (the stages send the rank's
@@ -130,6 +133,7 @@ def test_sequence_parallel_stages_of_a_mixture_of_experts_are_fitted_from_their_
                 (rank, phase)
 
 
+@pytest.mark.full_suite
 def test_what_more_micro_batches_add_to_a_middle_rank() -> None:
     """A middle rank (neither first nor last) of 1F1B receives activations and gradients: each micro-batch beyond
     the traced ones adds one receive buffer of each, and its token ids (the batch every rank loads); what the rule adds
@@ -235,6 +239,7 @@ def test_a_fitted_pipeline_says_what_it_cannot_fit() -> None:
     assert err.value.field == "pp"
 
 
+@pytest.mark.full_suite
 def test_the_cli_fits_and_traces_pipeline_ranks_with_the_experts_split(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Megatron-LM's layout of a mixture of experts, at toy size: 2 pipeline stages of 4 data-parallel GPUs each,
@@ -270,6 +275,7 @@ def test_the_cli_fits_and_traces_pipeline_ranks_with_the_experts_split(
     assert "--ep" in capsys.readouterr().err
 
 
+@pytest.mark.full_suite
 def test_a_fitted_zero_bubble_rank_equals_its_schedule_traced() -> None:
     """A mixture of experts under ZB-V (two one-layer stages per GPU, traced at their own depth): every rank equals
     its schedule traced at the case's shape. (With full checkpointing, which the fit traces as PyTorch runs it, each
@@ -289,6 +295,7 @@ def test_a_fitted_zero_bubble_rank_equals_its_schedule_traced() -> None:
                 (row["rank"], phase)
 
 
+@pytest.mark.full_suite
 def test_the_pipeline_stages_of_a_fitted_family_are_measured_for_real(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Two gloo processes, one stage each under PyTorch's 1F1B, activations and gradients really sent: each rank is

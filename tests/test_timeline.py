@@ -257,6 +257,7 @@ def test_hostile_profiler_timelines_are_refused(payload: bytes, words: str) -> N
     assert exc.value.field == "snapshot"
 
 
+@pytest.mark.full_suite
 def test_a_profiler_memory_timeline_agrees_by_category_at_the_peak(tmp_path: Path,
                                                                     capsys: pytest.CaptureFixture[str]) -> None:
     """``export_memory_timeline`` JSON of a real CPU step: its peak is the measured step's, and by category the
@@ -355,6 +356,7 @@ def _any_setup(draw: st.DrawFn) -> object:
         return None
 
 
+@pytest.mark.full_suite
 @settings(max_examples=200, deadline=None)
 @given(_any_setup())
 def test_the_ledgers_coarse_timeline_peaks_where_the_ledger_does(setup: object) -> None:

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from tiers import sample
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
@@ -579,6 +580,7 @@ def test_a_corrupt_saved_setup_falls_back_to_the_default(qtbot):
     w.close()
 
 
+@pytest.mark.full_suite
 def test_a_saved_family_without_a_block_model_is_fitted_again_not_replaced(qtbot, tmp_path, monkeypatch):
     """The window starts on the saved OPT config: it is calibrated in the worker (no result yet, nothing invalid),
     not swapped for the default as an unusable setup."""
@@ -788,12 +790,14 @@ MULTI_GPU = {"preset": "llama-3.1-70b", "gpus": "8", "strategy": "fsdp-full-shar
 PLAN = {"gpus": "8", "strategy": "zero2", "offload": "optimizer", "gpu": "a100-80gb"}
 
 
-@pytest.mark.parametrize(("scale", "width", "height", "changes"), [
+# the default suite: each size, each scale and each form once (tests/tiers.py)
+@pytest.mark.parametrize(("scale", "width", "height", "changes"), sample([
     ("1", 1280, 720, {}), ("1.5", 1280, 720, {}), ("1", 1280, 720, MULTI_GPU), ("1.5", 1280, 720, MULTI_GPU),
     ("1", 1366, 768, {}), ("1", 1366, 768, MULTI_GPU), ("1", 1024, 700, {}), ("1", 1024, 700, MULTI_GPU),
     ("1", 1203, 662, {}), ("1", 1203, 662, MULTI_GPU),  # the window's default size on a 1280×720 screen
     ("1", 1280, 720, PLAN), ("1.5", 1280, 720, PLAN),
-], ids=lambda v: str(v) if not isinstance(v, dict) else ("plan" if v is PLAN else "multi" if v else "default"))
+], (0, 3, 4, 7, 8, 11)),
+    ids=lambda v: str(v) if not isinstance(v, dict) else ("plan" if v is PLAN else "multi" if v else "default"))
 def test_ledger_is_whole_and_advice_reachable_on_laptop_screens(scale, width, height, changes, tmp_path):
     """The ledger shows its four phase columns and ten rows without scrolling at 1280×720 (also at 150 % scaling,
     a 1080p screen), 1366×768 and 1024×700, for one GPU and for a distributed setup (whose banner folds its
@@ -1046,6 +1050,7 @@ def test_preset_list_groups_families_smallest_first(window):
         assert sizes == sorted(sizes)
 
 
+@pytest.mark.full_suite
 def test_a_family_without_a_block_model_is_fitted_in_the_window(window, qtbot, tmp_path):
     """An OPT config: the window calibrates the fitted method in a worker (the last result stays meanwhile), then
     estimates it exactly; a new micro-batch needs no new calibration."""
@@ -1105,6 +1110,7 @@ def open_mixtral(w: MainWindow, qtbot, tmp_path: Path, layers: int) -> None:
     qtbot.waitUntil(lambda: w.result is not before and w.result.estimate.method == "fitted", timeout=60000)
 
 
+@pytest.mark.full_suite
 def test_a_layout_whose_experts_fsdp2_cannot_place_marks_the_gpu_count_not_the_model(window, qtbot, tmp_path):
     """FSDP2 over 6 GPUs of a config with 4 experts: torchtitan would shard them along their second dimension, which
     PyTorch splits only evenly (64 rows over 6 do not). The calibration refuses before tracing, and the window marks
@@ -1123,6 +1129,7 @@ def test_a_layout_whose_experts_fsdp2_cannot_place_marks_the_gpu_count_not_the_m
     assert not w.fit_runner.is_running()
 
 
+@pytest.mark.full_suite
 def test_a_mixture_of_experts_across_gpus_in_the_window(window, qtbot, tmp_path):
     """A Mixtral-shaped config with its experts split over 4 GPUs under FSDP2: the window calibrates the bf16 step
     and one rank of the FSDP2 layout in its worker, and the ledger is that rank's, below one GPU's. More GPUs then
@@ -1173,6 +1180,7 @@ def test_a_mixture_of_experts_across_gpus_in_the_window(window, qtbot, tmp_path)
     assert w.fit_runner.is_running()  # that layout's rank, in the worker (closing the window stops it)
 
 
+@pytest.mark.full_suite
 def test_megatron_expert_tensor_parallelism_in_the_window(window, qtbot, tmp_path):
     """Each expert split over 2 GPUs besides expert parallelism (Megatron-LM's --expert-tensor-parallel-size): the
     field is live under Megatron-LM's strategies only and keeps its text under the others; the ledger is the core's
@@ -1209,6 +1217,7 @@ def test_megatron_expert_tensor_parallelism_in_the_window(window, qtbot, tmp_pat
     assert not w.inputs.etp.isEnabled() and w.result.setup.parallel.etp == 1 and w.inputs.state().etp == "2"
 
 
+@pytest.mark.full_suite
 def test_the_layout_search_calibrates_the_tensor_parallel_layouts_it_left_out(window, qtbot, tmp_path):
     """Find layouts for a family without a block model: the fits at hand answer at once, the tensor-parallel
     degree without a fit is left out and offered for calibration; the worker calibrates it and the search opens
@@ -1299,6 +1308,7 @@ def test_the_layout_search_calibrates_the_tensor_parallel_layouts_it_left_out(wi
     assert w.result.estimate.method == "fitted" and w.result.estimate.peak_bytes == joined.layouts[row].peak_bytes
 
 
+@pytest.mark.full_suite
 def test_opening_another_model_drops_the_layout_searchs_queued_calibrations(window, qtbot, tmp_path):
     """The layout search's calibrations run one after another in the worker; opening another model meanwhile drops
     those still queued (they were for the model before, and held the new model's own calibration back), and the
@@ -1325,6 +1335,7 @@ def test_opening_another_model_drops_the_layout_searchs_queued_calibrations(wind
     assert w.layouts_dialog is None
 
 
+@pytest.mark.full_suite
 def test_pipeline_stages_of_a_mixture_of_experts_in_the_window(window, qtbot, tmp_path):
     """A Mixtral-shaped config in 2 pipeline stages of 2 GPUs (DDP in each): the worker calibrates each checked
     rank's schedule, the ledger is the most loaded rank's and the plan names every stage; expert parallelism beside
@@ -1511,6 +1522,7 @@ def test_galore_and_its_rank_are_window_controls(window):
     assert "Conv1D" in w.inputs.errors()["optimizer"]
 
 
+@pytest.mark.full_suite
 def test_timeline_shows_the_trace_and_opens_snapshots(window, tmp_path):
     """The Timeline button swaps the phase bars for the timeline; a trace fills it (predicted, exportable for
     memory_viz); File → Open memory snapshot reads a snapshot beside the estimate; a file that is not one is
@@ -1560,6 +1572,7 @@ def test_timeline_shows_the_trace_and_opens_snapshots(window, tmp_path):
     assert w.chart_stack.currentWidget() is w.chart
 
 
+@pytest.mark.full_suite
 def test_the_trace_timeline_gives_way_to_the_ledger_when_the_setup_changes(window):
     """A predicted timeline belongs to the setup it traced: the GPU may change under it, a new micro-batch brings
     back the coarse timeline of the new estimate (never a stale prediction), and drawing waits for the tab."""
@@ -1613,6 +1626,7 @@ def test_a_measured_timeline_overlays_the_prediction_phase_by_phase(window):
     assert panel.timeline is measured and "scaled-down" in panel.source.text()
 
 
+@pytest.mark.full_suite
 def test_a_family_without_sdpa_switches_the_window_to_eager(window, qtbot, tmp_path):
     """Gemma 2 runs without SDPA in transformers: the calibration says so, and the window switches attention to
     eager (an edit the user can undo) and estimates it, rather than leaving an error on a default setting."""

@@ -327,6 +327,7 @@ def test_scaled_down_measurement_compares_with_that_setup(window, qtbot, monkeyp
     assert "Measured (CPU, scaled-down setup)" in labels and "Estimate of the measured setup" in labels
 
 
+@pytest.mark.full_suite
 def test_a_family_without_a_block_model_is_measured_against_its_fitted_ledger(window, qtbot, tmp_path,
                                                                               monkeypatch):
     """A Mixtral-shaped config (no block model: the fitted method) is measured for real, scaled down to fewer

@@ -253,6 +253,7 @@ def test_cancel_keeps_the_analytic_result(window, qtbot, monkeypatch):
     assert engine.calls == [2]  # no restart until the next edit
 
 
+@pytest.mark.full_suite
 def test_toggle_off_undo_and_the_cache(window, qtbot, monkeypatch):
     w = window
     engine = use_engine(monkeypatch, FakeEngine())
@@ -274,6 +275,7 @@ def test_toggle_off_undo_and_the_cache(window, qtbot, monkeypatch):
     assert "off" in panel.view.text()
 
 
+@pytest.mark.full_suite
 def test_distributed_setups_are_traced_and_parameter_counts_are_not(window, qtbot, monkeypatch):
     w = window
     engine = use_engine(monkeypatch, FakeEngine())
@@ -289,6 +291,7 @@ def test_distributed_setups_are_traced_and_parameter_counts_are_not(window, qtbo
     assert len(engine.calls) == 2
 
 
+@pytest.mark.full_suite
 def test_export_of_a_drawn_trace_includes_its_modules(window, qtbot, monkeypatch, tmp_path):
     from memcalc_gui.report import dialog
 

@@ -39,6 +39,7 @@ def test_an_unknown_family_is_fitted_by_default(opt_config: str, capsys: pytest.
     assert json.loads(capsys.readouterr().out)["method"] == "quick"
 
 
+@pytest.mark.full_suite
 def test_a_lever_is_calibrated_only_when_the_setup_does_not_fit(opt_config: str, monkeypatch: pytest.MonkeyPatch,
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
     """A checkpointing what-if needs a calibration of its own (seconds each, three of them took most of a cold
@@ -79,6 +80,7 @@ def test_analytic_on_an_unknown_family_names_the_alternatives(opt_config: str,
     assert "--method fitted" in err and len(err.splitlines()) == 1
 
 
+@pytest.mark.full_suite
 def test_an_unknown_family_across_gpus_is_fitted_per_gpu(opt_config: str, capsys: pytest.CaptureFixture[str]) -> None:
     """The fitted replica made per-GPU (tests/test_fitted.py checks it against the analytic ledger); the full trace
     runs the rank of a replicated or fully_shard-ed layout and refuses the others, saying so; expert parallelism
@@ -104,6 +106,7 @@ def test_an_unknown_family_across_gpus_is_fitted_per_gpu(opt_config: str, capsys
         assert exit_.value.code == 2 and words in err and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.full_suite
 def test_the_trace_of_an_unknown_family_takes_its_what_ifs_from_the_fit(
         opt_config: str, capsys: pytest.CaptureFixture[str]) -> None:
     """The traced verdict with the fitted method's largest micro-batch and suggestions: without a block model the
@@ -185,6 +188,7 @@ def test_the_meta_device_counts_are_built_once_per_config_and_handed_out_as_copi
     assert len(builds) == 7  # each broken file counted again (and written whole again)
 
 
+@pytest.mark.full_suite
 def test_a_warm_estimate_of_a_fitted_family_imports_neither_torch_nor_transformers(tmp_path: Path) -> None:
     """Once calibrated, an estimate of a family without a block model comes from the cache alone: the counts and
     SDPA support transformers gave are kept beside the fits, and the fits' names read the installed versions without
@@ -248,6 +252,7 @@ def test_a_family_without_sdpa_defaults_to_eager(tmp_path: Path, capsys: pytest.
     assert any("no SDPA attention for model_type 'gemma2'" in a for a in data["assumptions"])
 
 
+@pytest.mark.full_suite
 def test_measuring_an_unknown_family_compares_with_the_fitted_ledger(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                      capsys: pytest.CaptureFixture[str]) -> None:
     """`memcalc measure` of a family without a block model runs the real transformers step and compares it with the
@@ -281,6 +286,7 @@ def test_measuring_an_unknown_family_compares_with_the_fitted_ledger(tmp_path: P
 
 
 
+@pytest.mark.full_suite
 def test_the_ranks_of_a_fitted_family_are_measured_against_its_fitted_ledger(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A Mixtral-shaped config under FSDP2 over 2 GPUs: two real gloo processes, each rank compared with the fitted
@@ -312,6 +318,7 @@ def test_the_ranks_of_a_fitted_family_are_measured_against_its_fitted_ledger(
     assert any("balanced routing" in n and "on average" in n for n in data["notes"])
 
 
+@pytest.mark.full_suite
 def test_a_snapshot_of_an_unknown_family_is_reconciled_with_the_fitted_ledger(
         opt_config: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`memcalc reconcile` of such a family compares the snapshot with the fitted ledger `memcalc estimate` gives
