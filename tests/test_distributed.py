@@ -201,7 +201,7 @@ def test_cli_text_says_the_gpu_plan_in_the_windows_words(capsys: pytest.CaptureF
     first, second = plan_sentences(r)
     assert first in out and second in out
     assert f"ZeRO-3 {r.plan.min_gpus['zero3']}" in first and "DDP, " in first and ": never" in first
-    assert second.startswith("Best strategy with 32 GPUs: ZeRO-3 (")
+    assert second.startswith("Least communication that fits on 32 GPUs: ZeRO-3 (")
 
 
 def test_cli_json_per_gpu(capsys: pytest.CaptureFixture[str]) -> None:

@@ -308,7 +308,7 @@ def test_distributed_content_says_per_gpu_and_has_the_plan(distributed):
     assert content.plan is not None and len(content.plan.rows) == len(PREFERENCE)
     best = [r for r in content.plan.rows if r.highlight]
     assert len(best) == 1 and best[0].cells[0].startswith("ZeRO-3") and best[0].cells[1] == str(plan.min_gpus["zero3"])
-    assert any("Best strategy with 32 GPUs: ZeRO-3" in n for n in content.plan_notes)
+    assert any("Least communication that fits on 32 GPUs: ZeRO-3" in n for n in content.plan_notes)
     cited = {k for k, _ in content.references}
     assert {"ZeRO 2020", "DeepSpeed", "PyTorch FSDP"} <= cited
     for table in (content.assumptions, content.formulas):
@@ -322,7 +322,7 @@ def test_distributed_pdf_and_png_say_per_gpu_strategy_and_host_memory(distribute
 
     one = flat(pdf_text(export_report(distributed, tmp_path / "dist.pdf", page="a4")))
     for text in ("per GPU", "Memory per GPU per phase", "ZeRO-3 (+ parameters sharded)", "GPU plan", "Fewest GPUs",
-                 "FSDP FULL_SHARD", "Best strategy with 32 GPUs: ZeRO-3", "Rajbhandari"):
+                 "FSDP FULL_SHARD", "Least communication that fits on 32 GPUs: ZeRO-3", "Rajbhandari"):
         assert text in one, text
     offloaded = evaluate(distributed.setup.with_changes(parallel=Parallelism(gpus=16, strategy="zero3",
                                                                              offload="optimizer")))

@@ -102,7 +102,7 @@ def test_gpus_and_strategy_change_the_per_gpu_chart_banner_and_plan(window, qtbo
     assert expected is not None and expected.best_strategy == "zero3"
     assert f"ZeRO-3 {expected.min_gpus['zero3']}" in plan
     assert f"FSDP full shard {expected.min_gpus['fsdp-full-shard']}" in plan
-    assert "Best strategy with 32 GPUs: ZeRO-3" in plan
+    assert "Least communication that fits on 32 GPUs: ZeRO-3" in plan
     assert not w.advice.use_plan.isVisible()  # the current strategy is the best one
 
     # ZeRO-2 is over: the chart follows and the plan offers ZeRO-3 (one undoable step)
@@ -120,7 +120,7 @@ def test_gpus_and_strategy_change_the_per_gpu_chart_banner_and_plan(window, qtbo
     # more GPUs: fewer bytes per GPU
     assert set_fields(w, gpus="64", strategy="zero3")
     assert w.result.estimate.peak_bytes < zero3_peak
-    assert "Best strategy with 64 GPUs" in w.advice.plan_text()
+    assert "Least communication that fits on 64 GPUs" in w.advice.plan_text()
 
 
 def test_offload_shows_host_memory_and_enables_node_size(window):

@@ -186,7 +186,8 @@ def plan_sentences(result: Result) -> list[str]:
         second = f"No strategy fits with {gpus:,} GPU{'s' if gpus != 1 else ''}"
     else:
         peak = f" ({format_bytes(plan.best_peak_bytes)} per GPU)" if plan.best_peak_bytes else ""
-        second = (f"Best strategy with {gpus:,} GPU{'s' if gpus != 1 else ''}: "
+        # the first that fits in order of least communication (core.solver.gpu_plan), not the smallest peak: said so
+        second = (f"Least communication that fits on {gpus:,} GPU{'s' if gpus != 1 else ''}: "
                   f"{STRATEGY_SHORT.get(plan.best_strategy, plan.best_strategy)}{peak}")
     return [first + ".", second + "."]
 
