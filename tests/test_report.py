@@ -32,7 +32,7 @@ from memcalc_gui.core.units import format_bytes
 from memcalc_gui.core.vocab import OBJECT_LABELS, PHASES
 from memcalc_gui.measure.engine import DeviceInfo, MeasureResult, PhaseReading, RankReading
 from memcalc_gui.report import ReportWriteError, default_page, export_report, write_report
-from memcalc_gui.report import export as export_module
+from memcalc_gui.core import files as files_module
 from memcalc_gui.report.content import SOURCES, build_content, sources_for
 from memcalc_gui.ui.settings import SETTINGS_ENV
 
@@ -366,7 +366,7 @@ def test_bad_extension_page_and_modules_are_input_errors(over, tmp_path):
 def test_missing_folder_or_a_file_as_folder(over, tmp_path):
     with pytest.raises(ReportWriteError) as info:
         export_report(over, tmp_path / "missing" / "r.pdf")
-    assert "missing" in str(info.value) and "does not exist" in info.value.reason
+    assert "missing" in str(info.value) and "does not exist" in info.value.why
     blocker = tmp_path / "file.txt"
     blocker.write_text("x")
     with pytest.raises(ReportWriteError):
@@ -374,7 +374,7 @@ def test_missing_folder_or_a_file_as_folder(over, tmp_path):
     (tmp_path / "folder.pdf").mkdir()
     with pytest.raises(ReportWriteError) as info:
         export_report(over, tmp_path / "folder.pdf")  # a folder is not a file
-    assert isinstance(info.value, MemcalcError) and "folder" in info.value.reason
+    assert isinstance(info.value, MemcalcError) and "folder" in info.value.why
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file.txt", "folder.pdf"]
 
 
@@ -397,10 +397,10 @@ def test_permission_denied_is_reported_with_path_and_reason(over, tmp_path, monk
     def denied(*_a, **_k):
         raise PermissionError(errno.EACCES, "Permission denied")
 
-    monkeypatch.setattr(export_module.tempfile, "mkstemp", denied)
+    monkeypatch.setattr(files_module.tempfile, "mkstemp", denied)
     with pytest.raises(ReportWriteError) as info:
         export_report(over, tmp_path / "r.pdf")
-    assert str(tmp_path / "r.pdf") in str(info.value) and info.value.reason == "permission denied"
+    assert str(tmp_path / "r.pdf") in str(info.value) and info.value.why == "permission denied"
     assert list(tmp_path.iterdir()) == []
 
 
@@ -415,7 +415,7 @@ def test_disk_full_leaves_no_partial_file_and_keeps_the_old_report(over, tmp_pat
             return os.write(fd, data[: len(data) // 2])  # half of it went out...
         raise OSError(errno.ENOSPC, "No space left on device")  # ...then the disk filled up
 
-    monkeypatch.setattr(export_module, "_write_chunk", full_disk)
+    monkeypatch.setattr(files_module, "_write_chunk", full_disk)
     for name in ("report.pdf", "new.png"):
         with pytest.raises(ReportWriteError) as info:
             export_report(over, tmp_path / name, page="a4")

@@ -19,13 +19,14 @@ Every problem is a :class:`~memcalc_gui.core.errors.ConfigError` with a one-line
 from __future__ import annotations
 
 import codecs
+import contextlib
 import json
 import os
-import stat
 from pathlib import Path
 from typing import Any, Final
 
-from .errors import ConfigError
+from .errors import ConfigError, InputError
+from .files import read_regular
 
 #: Published ``config.json`` files are a few KiB (the largest, with label maps, well under 1 MiB).
 MAX_CONFIG_BYTES: Final = 4 * 2**20
@@ -47,43 +48,15 @@ _BOMS: Final = (
 
 
 def _read_bytes(path: Path) -> bytes:
+    """The file's bytes through the one bounded reader (:func:`~memcalc_gui.core.files.read_regular`)."""
     name = path.name or str(path)
+    with contextlib.suppress(OSError, ValueError):
+        if path.is_dir():
+            raise ConfigError("config", f"{name} is a folder; choose its config.json")
     try:
-        st = os.stat(path)
-    except OSError as exc:
-        raise ConfigError("config", f"cannot read {name}: {exc.strerror or exc}") from None
-    except ValueError:  # an embedded NUL byte in the path
-        raise ConfigError("config", "the path contains a NUL byte") from None
-    if stat.S_ISDIR(st.st_mode):
-        raise ConfigError("config", f"{name} is a folder; choose its config.json")
-    if not stat.S_ISREG(st.st_mode):
-        raise ConfigError("config", f"{name} is not a regular file (a pipe, device or socket is never read)")
-    if st.st_size > MAX_CONFIG_BYTES:
-        raise ConfigError("config", f"{name} is {st.st_size:,} bytes; a config.json is at most "
-                                    f"{MAX_CONFIG_BYTES:,}")
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
-    try:
-        fd = os.open(path, flags)
-    except OSError as exc:
-        raise ConfigError("config", f"cannot read {name}: {exc.strerror or exc}") from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):  # replaced between stat and open
-            raise ConfigError("config", f"{name} is not a regular file")
-        chunks: list[bytes] = []
-        total = 0
-        while total <= MAX_CONFIG_BYTES:
-            chunk = os.read(fd, 1 << 16)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            total += len(chunk)
-    except OSError as exc:
-        raise ConfigError("config", f"cannot read {name}: {exc.strerror or exc}") from None
-    finally:
-        os.close(fd)
-    if total > MAX_CONFIG_BYTES:
-        raise ConfigError("config", f"{name} grew past {MAX_CONFIG_BYTES:,} bytes while being read")
-    return b"".join(chunks)
+        return read_regular(path, field="config", limit=MAX_CONFIG_BYTES, what="config.json")
+    except InputError as exc:
+        raise ConfigError("config", exc.reason) from None
 
 
 def decode_text(data: bytes, name: str = "config.json") -> str:

@@ -1,9 +1,10 @@
 """``export_report(result, path)``: the budget report as a PDF or a PNG, chosen by the file's extension.
 
-The file is rendered to memory first, written to a temporary file in the target folder, flushed and
-``fsync``-ed, then moved over the target with ``os.replace``: an unwritable folder, a full disk or an
-interrupted write raises :class:`ReportWriteError` (path and reason) and leaves nothing behind — no
-partial file, and an existing report of the same name unchanged.
+The file is rendered to memory first, then written whole by :func:`memcalc_gui.core.files.atomic_write`
+(a temporary file in the target folder, ``fsync``, ``os.replace``): an unwritable folder, a full disk, an
+interrupted write, a target that is a device, FIFO or socket (or a link to one) or a name too long for the file
+system raises :class:`ReportWriteError` (path and reason) and leaves nothing behind — no partial file, and an
+existing report of the same name unchanged.
 
 Qt needs an application for fonts and the chart widget: one is created (offscreen when there is no
 display) when none exists.
@@ -11,12 +12,8 @@ display) when none exists.
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import os
-import stat
 import sys
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -24,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..core.errors import InputError, MemcalcError
+from ..core.files import OutputError, atomic_write, check_output
 from ..core.result import Result
 from ..core.timeline import Timeline
 
@@ -47,15 +45,11 @@ class ReportError(MemcalcError):
     """A report could not be produced."""
 
 
-class ReportWriteError(ReportError):
-    """The report could not be written to ``path``; nothing was left behind."""
-
-    field = "out"
+class ReportWriteError(OutputError, ReportError):
+    """The report could not be written to ``path``; nothing was left behind (field ``out``)."""
 
     def __init__(self, path: Path, reason: str) -> None:
-        super().__init__(f"cannot write {path}: {reason}; nothing was written")
-        self.path = path
-        self.reason = reason
+        OutputError.__init__(self, "out", path, reason)
 
 
 @dataclass(frozen=True)
@@ -144,74 +138,6 @@ def ensure_app() -> Any:
     return app
 
 
-# ---- writing --------------------------------------------------------------------------------------
-def _write_chunk(fd: int, data: memoryview) -> int:
-    """One ``os.write`` (tests replace it to simulate a full disk)."""
-    return os.write(fd, data)
-
-
-def _reason(exc: OSError) -> str:
-    if exc.errno == errno.ENOSPC:
-        return "the disk is full (no space left on device)"
-    if exc.errno in (errno.EACCES, errno.EPERM):
-        return "permission denied"
-    if exc.errno == errno.EROFS:
-        return "the file system is read-only"
-    if exc.errno == errno.ENOENT:
-        return "the folder does not exist"
-    return exc.strerror or str(exc)
-
-
-def _new_file_mode() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return 0o666 & ~mask
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` all or nothing (temporary file in the same folder, then ``os.replace``).
-
-    A symbolic link is followed: its target is replaced and the link stays. The temporary file has a short
-    name of its own, so a target name at the file system's length limit still works.
-    """
-    if path.is_symlink():
-        path = Path(os.path.realpath(path))
-    if path.is_dir():
-        raise ReportWriteError(path, "it is a folder")
-    if not path.parent.is_dir():
-        raise ReportWriteError(path, f"the folder {path.parent} does not exist")
-    try:
-        fd, tmp_name = tempfile.mkstemp(prefix=".memcalc-", suffix=".part", dir=path.parent)
-    except OSError as exc:
-        raise ReportWriteError(path, _reason(exc)) from exc
-    tmp = Path(tmp_name)
-    done = False
-    try:
-        try:
-            view = memoryview(data)
-            while view:
-                n = _write_chunk(fd, view)
-                if n <= 0:
-                    raise OSError(errno.EIO, "the write made no progress")
-                view = view[n:]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        try:
-            mode = stat.S_IMODE(path.stat().st_mode)
-        except OSError:
-            mode = _new_file_mode()
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-        done = True
-    except OSError as exc:
-        raise ReportWriteError(path, _reason(exc)) from exc
-    finally:
-        if not done:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-
-
 # ---- the API --------------------------------------------------------------------------------------
 def write_report(result: Result, path: str | os.PathLike[str], *, page: str | None = None,
                  measurement: MeasureResult | None = None, modules: Sequence[tuple[str, int]] | None = None,
@@ -223,11 +149,10 @@ def write_report(result: Result, path: str | os.PathLike[str], *, page: str | No
     fmt = report_format(target)
     paper = parse_page(page) if fmt == "pdf" else None
     mods = _check_modules(modules)
-    target = target.absolute()
-    if target.is_dir():
-        raise ReportWriteError(target, "it is a folder")
-    if not target.parent.is_dir():
-        raise ReportWriteError(target, f"the folder {target.parent} does not exist")
+    try:
+        target = check_output(target, field="out")
+    except OutputError as exc:
+        raise ReportWriteError(exc.path, exc.why) from None
 
     ensure_app()
     from .content import build_content
@@ -241,7 +166,10 @@ def write_report(result: Result, path: str | os.PathLike[str], *, page: str | No
     else:
         drawn = timeline if content.timeline_caption else None
         data, pages, pixels = render_png(content, result, timeline=drawn), 1, png_size(drawn)
-    atomic_write(target, data)
+    try:
+        atomic_write(target, data, field="out")
+    except OutputError as exc:
+        raise ReportWriteError(exc.path, exc.why) from None
     return ReportFile(target, fmt, paper, pages, len(data), pixels)
 
 

@@ -18,9 +18,7 @@ import dataclasses
 import hashlib
 import json
 import math
-import os
 import stat
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +27,7 @@ from typing import Any
 
 from ..core.configfile import dense_prefix_layers, transformers_kwargs, with_layers
 from ..core.errors import MemcalcError
+from ..core.files import cache_dir
 from ..core.fitted import (
     BASIS,
     FIT_SCHEMA,
@@ -70,20 +69,6 @@ class FitError(MemcalcError):
 
 class NotCalibrated(FitError):
     """``calibrate(..., cached_only=True)`` found no fit in the cache (nor a refusal): tracing would make one."""
-
-
-def cache_dir() -> Path:
-    """Where fits are kept: ``MEMCALC_CACHE_DIR``, else the platform's user cache folder."""
-    override = os.environ.get("MEMCALC_CACHE_DIR")
-    if override:
-        return Path(override)
-    if sys.platform == "win32":
-        base = Path(os.environ.get("LOCALAPPDATA", Path.home() / "AppData" / "Local")) / "memcalc" / "Cache"
-    elif sys.platform == "darwin":
-        base = Path.home() / "Library" / "Caches" / "memcalc"
-    else:
-        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "memcalc"
-    return base / "fits"
 
 
 def _key(cfg: dict[str, Any], setup: TrainingSetup, sig: dict[str, Any] | None = None) -> str:
