@@ -20,6 +20,7 @@ from . import __version__, install_hint
 from .core.configfile import code_keys, routed_experts
 from .core.distributed import MAX_PARALLEL_GPUS, OFFLOADS, SCHEDULES, STRATEGIES, Parallelism
 from .core.errors import InputError, MemcalcError, UnsupportedFamilyError, one_line
+from .core.files import check_output
 from .core.finetune import ADAPTER_DTYPES, MAX_RANK, QUANTS, TUNINGS, FineTuning
 from .core.model import (
     LITE_NOTE,
@@ -611,6 +612,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     snapshot_out = getattr(args, "snapshot_out", None)
     if snapshot_out and args.method != "trace":
         raise InputError("snapshot_out", "the predicted events come from the trace: add --method trace")
+    if snapshot_out:  # a path that cannot be written fails before the trace, not after it
+        check_output(snapshot_out, field="snapshot_out")
     if args.method == "trace":
         from .trace.fake import trace_estimate
 
@@ -628,10 +631,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         result = traced.result(basis)
         modules = traced.modules
         if snapshot_out and traced.timeline is not None:
-            try:
-                traced.timeline.write_snapshot(snapshot_out)
-            except OSError as exc:
-                raise InputError("snapshot_out", f"cannot write {snapshot_out}: {exc.strerror or exc}") from None
+            traced.timeline.write_snapshot(snapshot_out, field="snapshot_out")
             notes.append(f"predicted memory snapshot written to {snapshot_out} ({len(traced.timeline.events):,} "
                          "events; open it at pytorch.org/memory_viz)")
     elif result is None:
@@ -697,14 +697,10 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
     object that differs most, and the reconciliation signals (estimate difference, allocator retained space,
     capacity pressure)."""
     from .core.reconcile import reconcile
-    from .core.timeline import compare_phases, read_timeline
+    from .core.timeline import compare_phases, read_timeline_file
 
     setup, notes = setup_from_args(args)
-    try:
-        data = Path(args.snapshot).read_bytes()
-    except OSError as exc:
-        raise InputError("snapshot", f"cannot read {args.snapshot}: {exc.strerror or exc}") from None
-    timeline = read_timeline(data, args.device)
+    timeline = read_timeline_file(args.snapshot, args.device)
     if not timeline.events:
         raise InputError("snapshot", "the snapshot's trace holds no allocations (record with "
                                      "torch.cuda.memory._record_memory_history() before the step)")
@@ -763,6 +759,8 @@ def cmd_measure(args: argparse.Namespace) -> int:
         raise InputError("time_budget", f"must be a number of seconds, got {args.time_budget!r}") from None
     if not budget > 0 or budget != budget or budget == float("inf"):
         raise InputError("time_budget", f"must be a positive number of seconds, got {args.time_budget!r}")
+    if args.snapshot:  # a snapshot that could not be written is known before the step runs
+        check_output(args.snapshot, field="snapshot")
 
     def progress(text: str) -> None:
         if not args.json:
@@ -806,16 +804,14 @@ def _unknown_family_result(setup: TrainingSetup, args: argparse.Namespace) -> tu
 def cmd_report(args: argparse.Namespace) -> int:
     from .report.export import ReportWriteError, report_format, write_report
 
-    report_format(args.out)  # a bad extension fails before any estimate or Qt start-up
+    report_format(args.out)  # a bad extension or an unwritable path fails before any estimate or Qt start-up
+    check_output(args.out, field="out")
     setup, notes = setup_from_args(args)
     timeline = None
     if getattr(args, "snapshot", None):
-        from .core.timeline import read_timeline
+        from .core.timeline import read_timeline_file
 
-        try:
-            timeline = read_timeline(Path(args.snapshot).read_bytes())
-        except OSError as exc:
-            raise InputError("snapshot", f"cannot read {args.snapshot}: {exc.strerror or exc}") from None
+        timeline = read_timeline_file(args.snapshot)
     result = None if args.method is not None else _unknown_family_result(setup, args)
     if result is not None:
         result, note = result

@@ -23,6 +23,7 @@ from PySide6.QtGui import QColor, QImage
 
 from memcalc_gui import __version__
 from memcalc_gui.cli import main
+from memcalc_gui.core import files as files_module
 from memcalc_gui.core.errors import InputError, MemcalcError
 from memcalc_gui.core.ledger import shown_objects
 from memcalc_gui.core.model import preset_spec
@@ -32,7 +33,6 @@ from memcalc_gui.core.units import format_bytes
 from memcalc_gui.core.vocab import OBJECT_LABELS, PHASES
 from memcalc_gui.measure.engine import DeviceInfo, MeasureResult, PhaseReading, RankReading
 from memcalc_gui.report import ReportWriteError, default_page, export_report, write_report
-from memcalc_gui.core import files as files_module
 from memcalc_gui.report.content import SOURCES, build_content, sources_for
 from memcalc_gui.ui.settings import SETTINGS_ENV
 

@@ -1523,7 +1523,7 @@ def test_galore_and_its_rank_are_window_controls(window):
 
 
 @pytest.mark.full_suite
-def test_timeline_shows_the_trace_and_opens_snapshots(window, tmp_path):
+def test_timeline_shows_the_trace_and_opens_snapshots(window, tmp_path, qtbot):
     """The Timeline button swaps the phase bars for the timeline; a trace fills it (predicted, exportable for
     memory_viz); File → Open memory snapshot reads a snapshot beside the estimate; a file that is not one is
     reported and the last timeline stays."""
@@ -1556,13 +1556,17 @@ def test_timeline_shows_the_trace_and_opens_snapshots(window, tmp_path):
     assert "live" in info and "Optimizer" in info
     out = tmp_path / "predicted.pickle"
     assert panel.export_predicted(str(out)) == ""
-    assert w.open_snapshot(out)
+    with qtbot.waitSignal(w.snapshot_opened, timeout=30_000) as opened:
+        w.open_snapshot(out)
+    assert opened.args == [True]
     assert "Snapshot" in panel.source.text() and panel.snapshot_path == str(out)
     assert panel.timeline.peak()[1] == peak
     kept = panel.timeline
     bad = tmp_path / "bad.pickle"
     bad.write_bytes(pickle.dumps({"no": "trace"}))
-    assert not w.open_snapshot(bad)
+    with qtbot.waitSignal(w.snapshot_opened, timeout=30_000) as opened:
+        w.open_snapshot(bad)
+    assert opened.args == [False]
     assert "device_traces" in w.statusBar().currentMessage() and panel.timeline is kept
     # a new setup: the snapshot stays, compared with the new estimate
     assert set_fields(w, batch="2")

@@ -13,7 +13,10 @@ Standard library only; sizes in bytes.
 from __future__ import annotations
 
 import io
+import itertools
+import operator
 import pickle
+import re
 from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -26,13 +29,12 @@ from .vocab import OBJECTS, PHASES, TENSOR_OBJECTS
 
 #: Categories an event can carry: the ledger's objects and "unknown" (a snapshot frame memcalc cannot place).
 CATEGORIES: Final = (*OBJECTS, "unknown")
-#: The most events a snapshot may hold (memory_viz's own default ring buffer keeps far fewer).
+#: The most events a snapshot or profiler timeline may hold (a 70B model's step on one GPU records tens of thousands
+#: of allocations and frees an iteration: docs/reliability.md).
 MAX_EVENTS: Final = 5_000_000
-#: The largest snapshot file read (bytes).
-MAX_SNAPSHOT_BYTES: Final = 2 * 2**30
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TimelineEvent:
     """One allocation (``size_bytes`` > 0) or free (< 0) and what it was."""
 
@@ -190,9 +192,13 @@ class Timeline:
                 "memcalc": {"source": self.source, "rounding": self.rounding,
                             "spans": [[s.phase, s.iteration, s.start, s.end] for s in self.spans]}}
 
-    def write_snapshot(self, path: str | Path) -> None:
-        """Write :meth:`to_snapshot` as a pickle (plain containers only)."""
-        Path(path).write_bytes(pickle.dumps(self.to_snapshot(), protocol=4))
+    def write_snapshot(self, path: str | Path, field: str = "snapshot_out") -> Path:
+        """Write :meth:`to_snapshot` as a pickle (plain containers only), whole or not at all
+        (:func:`~memcalc_gui.core.files.atomic_write`; :class:`~memcalc_gui.core.files.OutputError` naming
+        ``field``); returns the file written."""
+        from .files import atomic_write
+
+        return atomic_write(path, pickle.dumps(self.to_snapshot(), protocol=4), field=field)
 
 
 # ---- a coarse timeline from the analytic ledger ---------------------------------------------------------------
@@ -337,141 +343,439 @@ def _frames(e: TimelineEvent) -> list[dict[str, Any]]:
 
 
 # ---- reading real snapshots ---------------------------------------------------------------------------------
+# A snapshot is a user's file from anywhere. What is read is bounded before anything is built from it: the file's
+# size (and a regular file only: core.files), the pickle's opcodes (nothing named is imported, no memo index a
+# pickler could not have written), the entries, the stack frames read, the length of each text, the spans. Each
+# field is checked against the format PyTorch writes (``torch.cuda.memory._snapshot``'s docstring: Snapshot,
+# Segment, Block, Frame, TraceEntry) before it is used, so a malformed file is one line naming the snapshot.
+# docs/reliability.md gives the measured sizes of real snapshots beside these limits.
+
+#: The largest snapshot or profiler timeline file read (bytes).
+MAX_SNAPSHOT_BYTES: Final = 2**30
+#: The most device traces a snapshot may hold (one per GPU of the process).
+MAX_DEVICES: Final = 4096
+#: The innermost frames of one entry's stack that are read (a deeper stack's outer frames are not looked at).
+MAX_STACK_READ: Final = 1024
+#: Stack frames read in all (a frame list shared by many entries is read once).
+MAX_FRAMES_READ: Final = 50_000_000
+#: The longest text of a frame (file name, function name) or a category.
+MAX_TEXT_CHARS: Final = 65_536
+#: The most phase spans memcalc's own snapshot may carry, and segment blocks read in all.
+MAX_SPANS: Final = 100_000
+MAX_BLOCKS: Final = 5_000_000
+#: Bounds of a frame's line number and an address.
+_LINE_RANGE: Final = (-(2**31), 2**31)
+_ADDR_MAX: Final = 2**64
+
+
+def _bad(message: str) -> InputError:
+    return InputError("snapshot", message)
+
+
 class _PlainUnpickler(pickle.Unpickler):
     """Unpickles plain data only: any class or function a pickle names is refused (nothing runs)."""
 
     def find_class(self, module: str, name: str) -> Any:
-        raise pickle.UnpicklingError(f"it names the Python object {module}.{name}, which a memory snapshot never does")
+        raise pickle.UnpicklingError(f"it names the Python object {module:.60}.{name:.60}, which a memory snapshot "
+                                     "never does")
+
+
+def _opcode_table() -> tuple[list[int | None], dict[str, int]]:
+    """Each opcode's argument as a number for :func:`_check_opcodes`: its fixed length (≥ 0), or pickletools'
+    markers for a length taken from the argument (−2 one byte, −3 four signed, −4 four unsigned, −5 eight) or one
+    up to a newline (−1)."""
+    import pickletools
+
+    table: list[int | None] = [None] * 256
+    codes: dict[str, int] = {}
+    for op in pickletools.opcodes:
+        code = op.code.encode("latin-1")[0]
+        table[code] = 0 if op.arg is None else op.arg.n
+        codes[op.name] = code
+    return table, codes
+
+
+_OPCODES, _CODE = _opcode_table()
+
+
+def _check_opcodes(data: bytes) -> None:
+    """Walk a pickle's opcodes, building nothing: an unknown opcode, a negative length, or a memo index past the
+    objects stored so far is refused. Python's picklers number their memo from 0 as they store; CPython's unpickler
+    makes its memo table as large as the largest index it is given (a 12-byte pickle asking for index 10⁹ took 48 s
+    and 15 GB here), so an index no pickler could have written is refused before unpickling."""
+    table = _OPCODES
+    memoize, put, long_binput, binput = _CODE["MEMOIZE"], _CODE["PUT"], _CODE["LONG_BINPUT"], _CODE["BINPUT"]
+    stop, two_lines = _CODE["STOP"], (_CODE["GLOBAL"], _CODE["INST"])
+    i, n, stored = 0, len(data), 0
+    while i < n:
+        code = data[i]
+        arg = table[code]
+        i += 1
+        if arg is None:
+            raise _bad(f"not a memory snapshot: byte 0x{code:02x} at offset {i - 1:,} is not a pickle opcode")
+        if code == stop:
+            return
+        if arg >= 0:
+            if code in (memoize, binput):
+                stored += 1
+            elif code == long_binput:
+                if int.from_bytes(data[i:i + 4], "little") > stored:
+                    raise _bad(f"not a memory snapshot: a memo index at offset {i - 1:,} no pickler writes")
+                stored += 1
+            i += arg
+        elif arg == -1:  # up to a newline (protocol 0 text)
+            j = data.find(b"\n", i)
+            if j < 0:
+                return  # truncated: the unpickler says so
+            if code == put:
+                text = data[i:j]
+                if not (0 < len(text) <= 19 and text.isdigit()) or int(text) > stored:
+                    raise _bad(f"not a memory snapshot: a memo index at offset {i - 1:,} no pickler writes")
+                stored += 1
+            if code in two_lines:
+                j = data.find(b"\n", j + 1)
+                if j < 0:
+                    return
+            i = j + 1
+        else:
+            width = {-2: 1, -3: 4, -4: 4, -5: 8}[arg]
+            if i + width > n:
+                return
+            length = int.from_bytes(data[i:i + width], "little", signed=arg == -3)
+            if length < 0:
+                raise _bad(f"not a memory snapshot: a negative length at offset {i - 1:,}")
+            i += width + length
+
+
+def load_snapshot(data: bytes) -> Any:
+    """The object in a snapshot pickle, read without running code and within the limits above; :class:`InputError`
+    naming ``snapshot``."""
+    if len(data) > MAX_SNAPSHOT_BYTES:
+        raise _bad(f"the file is larger than {MAX_SNAPSHOT_BYTES // 2**20:,} MiB")
+    _check_opcodes(data)
+    try:
+        obj = _PlainUnpickler(io.BytesIO(data)).load()
+    except pickle.UnpicklingError as exc:
+        raise _bad(f"not a memory snapshot: {exc}") from None
+    except (EOFError, ValueError, TypeError, KeyError, IndexError, AttributeError, MemoryError, RecursionError,
+            OverflowError, UnicodeDecodeError) as exc:
+        raise _bad(f"not a readable pickle (truncated or corrupt: {type(exc).__name__})") from None
+    return obj
 
 
 def read_timeline(data: bytes, device: int | None = None) -> Timeline:
     """A timeline from a file's bytes: a snapshot pickle, or a PyTorch profiler memory timeline
     (``profile.export_memory_timeline("x.json")``, JSON). :class:`InputError` naming ``snapshot`` otherwise."""
-    if data[:1] in (b"[", b"{") or data[:3] == b"\xef\xbb\xbf":
-        import json
-
-        try:
-            obj = json.loads(data.decode("utf-8-sig"))
-        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-            raise InputError("snapshot", f"not a memory timeline: the JSON does not parse ({type(exc).__name__})") \
-                from None
-        return timeline_from_profiler_json(obj)
+    if data[:1] in (b"[", b"{") or data[:3] == b"\xef\xbb\xbf" or data[:1].isspace():
+        return timeline_from_profiler_json(data)
     return timeline_from_snapshot(load_snapshot(data), device)
+
+
+def read_timeline_file(path: str | Path, device: int | None = None) -> Timeline:
+    """:func:`read_timeline` of the file at ``path``, read through the bounded reader (a regular file of at most
+    :data:`MAX_SNAPSHOT_BYTES`: a FIFO, a device or a folder is refused before any read)."""
+    from .files import read_regular
+
+    return read_timeline(read_regular(path, field="snapshot", limit=MAX_SNAPSHOT_BYTES, what="memory snapshot"),
+                         device)
 
 
 #: ``torch.profiler._memory_profiler._CATEGORY_TO_INDEX`` order (index 0 of each row is unused), as ledger objects.
 PROFILER_JSON_CATEGORIES: Final = ("parameters", "optimizer_state", "inputs", "temporaries", "activations",
                                    "gradients", "temporaries", "unknown")
 
+_INT_ONLY: Final = {int}
+#: Rows of a profiler timeline parsed in one call of the JSON decoder: flat ``[…]`` runs separated by commas.
+ROWS_AT_ONCE: Final = 4096
+_ROW_RUN: Final = re.compile(r"\s*\[[^\[\]]*\](?:\s*,\s*\[[^\[\]]*\]){0," + str(ROWS_AT_ONCE - 1) + "}")
+#: What the times of a profiler timeline are written with (numbers, commas, spaces): anything else is refused.
+_NUMBER_CHARS: Final = str.maketrans("", "", "0123456789.eE+-, \t\r\n")
+_SPACE: Final = re.compile(r"\s*")
 
-def timeline_from_profiler_json(obj: Any) -> Timeline:
+
+def timeline_from_profiler_json(data: bytes | str) -> Timeline:
     """A PyTorch profiler memory timeline (``[times, sizes]``: live bytes per category after each timestamp, in
     ``_memory_profiler``'s category order: parameter, optimizer state, input, temporary, activation, gradient,
     autograd detail, unknown) as a timeline of per-category changes. It names no phases; PyTorch's categories
-    become ledger objects (autograd detail joins temporaries)."""
-    if not (isinstance(obj, list) and len(obj) == 2 and isinstance(obj[0], list) and isinstance(obj[1], list)
-            and len(obj[0]) == len(obj[1])):
-        raise InputError("snapshot", "not a memory timeline: expected [times, sizes by category] as "
-                                     "torch.profiler's export_memory_timeline writes it")
-    rows = obj[1]
-    if len(rows) > MAX_EVENTS:
-        raise InputError("snapshot", f"more than {MAX_EVENTS:,} samples")
+    become ledger objects (autograd detail joins temporaries).
+
+    Read a row at a time (a real step's file runs to hundreds of MB): the times are checked to be numbers and
+    counted, never built; each row is parsed alone and turned into changes kept in two compact arrays, and events
+    are made only once their count is known to be within :data:`MAX_EVENTS`."""
+    import json
+
+    def expected() -> InputError:
+        return _bad("not a memory timeline: expected [times, sizes by category] as torch.profiler's "
+                    "export_memory_timeline writes it")
+
+    def unparsable(what: str) -> InputError:
+        return _bad(f"not a memory timeline: the JSON does not parse ({what})")
+
+    if isinstance(data, bytes):
+        if len(data) > MAX_SNAPSHOT_BYTES:
+            raise _bad(f"the file is larger than {MAX_SNAPSHOT_BYTES // 2**20:,} MiB")
+        if data.count(b"[") > MAX_EVENTS + 3:
+            raise _bad(f"more than {MAX_EVENTS:,} samples")
+        try:
+            text = data.decode("utf-8-sig")
+        except UnicodeDecodeError:
+            raise unparsable("UnicodeDecodeError") from None
+    else:
+        text = data
+    decoder = json.JSONDecoder()
+    i = _SPACE.match(text).end()  # type: ignore[union-attr]
+    if text[i:i + 1] != "[":
+        if text[i:i + 1] == "{":
+            raise expected()
+        raise unparsable("JSONDecodeError")
+    i = _SPACE.match(text, i + 1).end()  # type: ignore[union-attr]
+    if text[i:i + 1] != "[":
+        raise expected()
+    close = text.find("]", i)
+    if close < 0:
+        raise unparsable("JSONDecodeError")
+    times = text[i + 1:close]
+    if times.translate(_NUMBER_CHARS):
+        raise expected()
+    count = times.count(",") + 1 if times.strip() else 0
+    i = _SPACE.match(text, close + 1).end()  # type: ignore[union-attr]
+    if text[i:i + 1] != ",":
+        raise unparsable("JSONDecodeError") if i >= len(text) else expected()
+    i = _SPACE.match(text, i + 1).end()  # type: ignore[union-attr]
+    if text[i:i + 1] != "[":
+        raise expected() if i < len(text) else unparsable("JSONDecodeError")
+    i += 1
     n = len(PROFILER_JSON_CATEGORIES)
     previous = [0] * n
-    events: list[TimelineEvent] = []
-    for row in rows:
-        if not isinstance(row, list) or len(row) != n + 1 or \
-                not all(isinstance(v, int) and not isinstance(v, bool) and abs(v) <= MAX_SIZE_BYTES for v in row):
-            raise InputError("snapshot", f"a sample is not {n + 1} integers (the profiler's categories)")
-        for i, value in enumerate(row[1:]):
-            if value != previous[i]:
-                events.append(TimelineEvent(value - previous[i], PROFILER_JSON_CATEGORIES[i], "", 0,
-                                            op="profiler"))
-                previous[i] = value
-    if sum(abs(e.size_bytes) for e in events) > 2**62:
-        raise InputError("snapshot", "its sizes add up past 4 EiB: not a real profiler's timeline")
-    return Timeline(tuple(events), "profiler")
-
-
-def load_snapshot(data: bytes) -> Any:
-    """The object in a snapshot pickle, read without running code; :class:`InputError` naming ``snapshot``."""
-    if len(data) > MAX_SNAPSHOT_BYTES:
-        raise InputError("snapshot", f"the file is larger than {MAX_SNAPSHOT_BYTES // 2**30} GiB")
-    try:
-        obj = _PlainUnpickler(io.BytesIO(data)).load()
-    except pickle.UnpicklingError as exc:
-        raise InputError("snapshot", f"not a memory snapshot: {exc}") from None
-    except (EOFError, ValueError, TypeError, KeyError, IndexError, AttributeError, MemoryError, RecursionError,
-            OverflowError, UnicodeDecodeError) as exc:
-        raise InputError("snapshot", f"not a readable pickle (truncated or corrupt: {type(exc).__name__})") from None
-    return obj
+    cats, deltas = array("B"), array("q")
+    every = range(n)
+    rows = 0
+    while True:
+        i = _SPACE.match(text, i).end()  # type: ignore[union-attr]
+        if text[i:i + 1] == "]":
+            i += 1
+            break
+        if rows:
+            if text[i:i + 1] != ",":
+                raise unparsable("JSONDecodeError")
+            i += 1
+        run = _ROW_RUN.match(text, i)  # up to ROWS_AT_ONCE rows, parsed together by the C decoder
+        try:
+            if run is None:  # not a flat row: parsed alone, to say what it is
+                chunk = [decoder.raw_decode(text, _SPACE.match(text, i).end())[0]]  # type: ignore[union-attr]
+            else:
+                chunk = json.loads(f"[{run.group()}]")
+                i = run.end()
+        except (ValueError, RecursionError) as exc:
+            raise unparsable(type(exc).__name__) from None
+        values = list(itertools.chain.from_iterable(r for r in chunk if type(r) is list))
+        if any(type(r) is not list or len(r) != n + 1 for r in chunk) or set(map(type, values)) != _INT_ONLY or \
+                min(values) < -MAX_SIZE_BYTES or max(values) > MAX_SIZE_BYTES:
+            raise _bad(f"a sample is not {n + 1} integers (the profiler's categories)")
+        rows += len(chunk)
+        for row in chunk:
+            sizes = row[1:]
+            if sizes == previous:
+                continue
+            change = list(map(operator.sub, sizes, previous))
+            if all(change):
+                cats.extend(every)
+                deltas.extend(change)
+            else:
+                for k in itertools.compress(every, change):
+                    cats.append(k)
+                    deltas.append(change[k])
+            previous = sizes
+        if len(cats) > MAX_EVENTS:
+            raise _bad(f"more than {MAX_EVENTS:,} changes")
+    i = _SPACE.match(text, i).end()  # type: ignore[union-attr]
+    if text[i:i + 1] != "]" or text[i + 1:].strip():
+        raise unparsable("JSONDecodeError")
+    if rows != count:
+        raise expected()
+    if sum(abs(d) for d in deltas) > 2**62:
+        raise _bad("its sizes add up past 4 EiB: not a real profiler's timeline")
+    names = PROFILER_JSON_CATEGORIES
+    return Timeline(tuple(TimelineEvent(d, names[c], "", 0, op="profiler") for c, d in zip(cats, deltas, strict=True)),
+                    "profiler")
 
 
 #: Frame names and files that place a CUDA allocation in a phase of the step.
 _BACKWARD = ("backward", "_engine_run_backward", "autograd/graph.py", "run_backward")
 _OPTIMIZER = ("torch/optim/", "optimizer.py", "bitsandbytes/optim", "zero_grad")
+#: What a frame says of its allocation (OR-ed over a stack by :class:`_StackReader`).
+_OPT, _OPT_STATE, _BWD, _ACC, _FWD = 1, 2, 4, 8, 16
 
 
-def _classify(frames: Sequence[Any]) -> tuple[str, str]:
-    """(phase, category) of an allocation from its stack frames (innermost first)."""
-    text = " ".join(f"{f.get('filename', '')}:{f.get('name', '')}" for f in frames if isinstance(f, dict))
+def _frame_flags(filename: str, name: str) -> int:
+    text = f"{filename}:{name}"
+    flags = 0
     if any(k in text for k in _OPTIMIZER):
-        return "optimizer_step", "optimizer_state" if ("zeros_like" in text or "_init_group" in text) \
-            else "optimizer_temporaries"
+        flags |= _OPT
+    if "zeros_like" in text or "_init_group" in text:
+        flags |= _OPT_STATE
     if any(k in text for k in _BACKWARD):
-        return "backward", "gradients" if "accumulate" in text.lower() else "temporaries"
+        flags |= _BWD
+    if "accumulate" in text.lower():
+        flags |= _ACC
     if "forward" in text or "torch/nn/modules" in text:
-        return "forward", "activations"
-    return "", "unknown"
+        flags |= _FWD
+    return flags
+
+
+class _StackReader:
+    """Checks and reads the stack frames of a snapshot's entries, each frame record and each frame list once: PyTorch
+    shares frame records between entries, and a hostile file can share one list among every entry. What an entry
+    costs is then one look-up; every frame read counts toward :data:`MAX_FRAMES_READ`."""
+
+    def __init__(self) -> None:
+        self.frames: dict[int, tuple[int, str, str, int]] = {}  # id → (flags, filename, name, line)
+        self.stacks: dict[int, tuple[str, str, str, str]] = {}  # id → (phase, category, module, op)
+        self.read = 0
+
+    def frame(self, f: Any) -> tuple[int, str, str, int]:
+        got = self.frames.get(id(f))
+        if got is not None:
+            return got
+        if not isinstance(f, dict):
+            raise _bad("a stack frame is not a record of filename, line and name")
+        filename, name, line = f.get("filename", ""), f.get("name", ""), f.get("line", 0)
+        if not isinstance(filename, str) or not isinstance(name, str):
+            raise _bad("a stack frame's filename or name is not text")
+        if len(filename) > MAX_TEXT_CHARS or len(name) > MAX_TEXT_CHARS:
+            raise _bad(f"a stack frame's text is longer than {MAX_TEXT_CHARS:,} characters")
+        line = 0 if line is None else line
+        if not isinstance(line, int) or isinstance(line, bool) or not _LINE_RANGE[0] <= line < _LINE_RANGE[1]:
+            raise _bad("a stack frame's line is not a line number")
+        got = (_frame_flags(filename, name), filename, name, line)
+        self.frames[id(f)] = got
+        return got
+
+    def count(self, n: int) -> None:
+        self.read += n
+        if self.read > MAX_FRAMES_READ:
+            raise _bad(f"its stacks hold more than {MAX_FRAMES_READ:,} frames in all (record fewer entries, "
+                       "max_entries, or Python stacks only)")
+
+    def stack(self, frames: list[Any]) -> tuple[str, str, str, str]:
+        """(phase, category, module, op) of an allocation from its stack frames (innermost first)."""
+        got = self.stacks.get(id(frames))
+        if got is not None:
+            self.count(1)
+            return got
+        read = frames[:MAX_STACK_READ]
+        self.count(max(1, len(read)))
+        flags, module = 0, ""
+        for f in read:
+            bits, filename, name, line = self.frame(f)
+            flags |= bits
+            if not module and name == "forward" and "torch/nn/modules" not in filename:
+                module = f"{filename}:{line}"
+        op = self.frame(read[0])[2] if read else ""
+        if flags & _OPT:
+            phase, cat = "optimizer_step", "optimizer_state" if flags & _OPT_STATE else "optimizer_temporaries"
+        elif flags & _BWD:
+            phase, cat = "backward", "gradients" if flags & _ACC else "temporaries"
+        elif flags & _FWD:
+            phase, cat = "forward", "activations"
+        else:
+            phase, cat = "", "unknown"
+        got = (phase, cat, module, op)
+        self.stacks[id(frames)] = got
+        return got
+
+    def own(self, frames: list[Any]) -> tuple[str, str, int, str, str]:
+        """(phase, category, iteration, module, op) of memcalc's own snapshot: the outermost frame names the phase,
+        the iteration and the ledger object, the innermost the module and op (:func:`_frames`)."""
+        self.count(2)
+        _, outer_file, outer_name, line = self.frame(frames[-1])
+        _, inner_file, inner_name, _ = self.frame(frames[0])
+        phase = outer_file.removeprefix("memcalc ")
+        if line < 0:
+            raise _bad("memcalc's iteration number is negative")
+        return (phase if phase in PHASES else "", outer_name if outer_name in CATEGORIES else "unknown", line,
+                inner_file, inner_name)
+
+
+def _size(value: Any, what: str, upper: int = MAX_SIZE_BYTES) -> int:
+    """A non-negative integer field of a snapshot, at most ``upper``; :class:`InputError` otherwise."""
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= upper:
+        raise _bad(f"{what} is not a whole number of bytes between 0 and {upper:,}")
+    return value
+
+
+def _snapshot_device(traces: list[Any], device: int | None) -> int:
+    if len(traces) > MAX_DEVICES:
+        raise _bad(f"it holds traces of more than {MAX_DEVICES:,} devices")
+    if device is None:
+        return max(range(len(traces)), key=lambda i: len(traces[i]) if isinstance(traces[i], list) else -1,
+                   default=0)
+    return device
+
+
+def _own_marker(obj: dict[str, Any]) -> dict[str, Any] | None:
+    mine = obj.get("memcalc")
+    if mine is None:
+        return None
+    if not isinstance(mine, dict):
+        raise _bad("its memcalc record is not a record")
+    return mine
+
+
+#: The sources memcalc's own snapshots name (``Timeline.source``).
+_OWN_SOURCES: Final = ("trace", "measured", "ledger", "snapshot", "profiler")
 
 
 def timeline_from_snapshot(obj: Any, device: int | None = None) -> Timeline:
     """The timeline of one device of a snapshot (``torch.cuda.memory._dump_snapshot``, or memcalc's own): events
     from its device trace, phases from memcalc's spans or from stack frames (optimizer code, autograd's backward,
-    module forwards), what was alive before the trace started as the baseline. :class:`InputError` if malformed."""
+    module forwards), what was alive before the trace started as the baseline. Every field read is checked (types,
+    ranges, index bounds, the limits above): :class:`InputError` naming ``snapshot`` if malformed."""
     if isinstance(obj, list):  # segments only (torch.cuda.memory_snapshot())
         obj = {"segments": obj, "device_traces": []}
     if not isinstance(obj, dict) or not isinstance(obj.get("device_traces"), list):
-        raise InputError("snapshot", "not a memory snapshot: no device_traces (write one with "
-                                     "torch.cuda.memory._record_memory_history() and _dump_snapshot())")
+        raise _bad("not a memory snapshot: no device_traces (write one with "
+                   "torch.cuda.memory._record_memory_history() and _dump_snapshot())")
     traces = obj["device_traces"]
-    if device is None:
-        device = max(range(len(traces)), key=lambda i: len(traces[i]) if isinstance(traces[i], list) else 0,
-                     default=0)
+    device = _snapshot_device(traces, device)
     if not traces or not 0 <= device < len(traces) or not isinstance(traces[device], list):
-        raise InputError("snapshot", f"the snapshot has no trace for device {device}")
+        raise _bad(f"the snapshot has no trace for device {device}")
     trace = traces[device]
     if len(trace) > MAX_EVENTS:
-        raise InputError("snapshot", f"more than {MAX_EVENTS:,} events")
-    mine = obj.get("memcalc") if isinstance(obj.get("memcalc"), dict) else None
+        raise _bad(f"more than {MAX_EVENTS:,} events")
+    mine = _own_marker(obj)
+    stacks = _StackReader()
     events: list[TimelineEvent] = []
     live: dict[int, TimelineEvent] = {}
     for raw in trace:
         if not isinstance(raw, dict):
-            raise InputError("snapshot", "a trace entry is not a record")
-        action, addr, size = raw.get("action"), raw.get("addr"), raw.get("size")
+            raise _bad("a trace entry is not a record")
+        action = raw.get("action")
+        if not isinstance(action, str):
+            raise _bad("a trace entry names no action")
         if action not in ("alloc", "free_completed"):
             continue
-        if not isinstance(addr, int) or not isinstance(size, int) or not 0 <= size <= MAX_SIZE_BYTES:
-            raise InputError("snapshot", f"a {action} entry has no integer address and size")
-        frames: list[Any] = raw["frames"] if isinstance(raw.get("frames"), list) else []
+        addr, size = raw.get("addr"), raw.get("size")
+        if not isinstance(addr, int) or isinstance(addr, bool) or not 0 <= addr < _ADDR_MAX or \
+                not isinstance(size, int) or isinstance(size, bool) or not 0 <= size <= MAX_SIZE_BYTES:
+            raise _bad(f"a {action} entry has no integer address and size")
+        frames = raw.get("frames", [])
+        if frames is None:
+            frames = []
+        if not isinstance(frames, list):
+            raise _bad(f"a {action} entry's frames are not a list")
         if action == "alloc":
-            cat = raw.get("category")
-            if mine is not None and isinstance(frames, list) and frames and isinstance(frames[-1], dict):
-                outer = frames[-1]
-                phase = str(outer.get("filename", "")).removeprefix("memcalc ")
-                phase = "" if phase == "step" else phase
-                cat = str(outer.get("name", "unknown"))
-                e = TimelineEvent(size, cat if cat in CATEGORIES else "unknown", phase,
-                                  int(outer.get("line", 0) or 0), str(frames[0].get("filename", "")),
-                                  str(frames[0].get("name", "")), addr)
+            if mine is not None and frames:
+                phase, cat, iteration, module, op = stacks.own(frames)
+                e = TimelineEvent(size, cat, phase, iteration, module, op, addr)
             else:
-                phase, cat2 = _classify(frames)
-                if isinstance(cat, str) and cat in PROFILER_CATEGORIES:  # PyTorch's own categories, when given
-                    cat2 = PROFILER_CATEGORIES[cat]
-                    if cat2 == "temporaries" and phase == "optimizer_step":
-                        cat2 = "optimizer_temporaries"
-                e = TimelineEvent(size, cat2, phase, 0, _module_of(frames), _op_of(frames), addr)
+                phase, cat, module, op = stacks.stack(frames)
+                category = raw.get("category")
+                if isinstance(category, str) and category in PROFILER_CATEGORIES:  # PyTorch's own, when given
+                    cat = PROFILER_CATEGORIES[category]
+                    if cat == "temporaries" and phase == "optimizer_step":
+                        cat = "optimizer_temporaries"
+                e = TimelineEvent(size, cat, phase, 0, module, op, addr)
             events.append(e)
             live[addr] = e
         else:
@@ -481,27 +785,54 @@ def timeline_from_snapshot(obj: Any, device: int | None = None) -> Timeline:
             else:
                 events.append(TimelineEvent(-start.size_bytes, start.category, start.phase, start.iteration,
                                             start.module, start.op, addr))
+    segs = _segments(obj.get("segments"), device)
     baseline: dict[str, int] = {}
     freed_early = -sum(e.size_bytes for e in events if e.size_bytes < 0 and e.category == "unknown" and not e.phase)
-    segs: list[Any] = [s for s in obj["segments"] if isinstance(s, dict) and s.get("device", device) == device] \
-        if isinstance(obj.get("segments"), list) else []
-    at_end = sum(_int(b.get("size")) for s in segs for b in (s.get("blocks") if isinstance(s.get("blocks"), list)
-                                                              else []) if isinstance(b, dict)
-                 and b.get("state") == "active_allocated")
+    at_end = sum(size for _, size in segs[1])
     traced_at_end = sum(e.size_bytes for e in events)
     if at_end > traced_at_end or freed_early:
         baseline["unknown"] = max(freed_early, at_end - traced_at_end)
     if sum(abs(e.size_bytes) for e in events) + sum(baseline.values()) > 2**62:
-        raise InputError("snapshot", "its sizes add up past 4 EiB: not a real allocator's trace")
-    spans = _spans_of(events, mine)
-    reserved = min(sum(_int(s.get("total_size")) for s in segs), 2**62)
-    return Timeline(tuple(events), "snapshot" if mine is None else str(mine.get("source", "trace")), spans,
-                    baseline, reserved_bytes=reserved if mine is None else 0)
+        raise _bad("its sizes add up past 4 EiB: not a real allocator's trace")
+    spans = _own_spans(mine, len(events)) if mine is not None and "spans" in mine else _spans_of(events)
+    source = mine.get("source") if mine is not None else "snapshot"
+    return Timeline(tuple(events), source if isinstance(source, str) and source in _OWN_SOURCES else "trace", spans,
+                    baseline, reserved_bytes=min(segs[0], 2**62) if mine is None else 0)
 
 
-def _int(value: Any) -> int:
-    """A non-negative integer field of a snapshot, or 0."""
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+def _segments(raw: Any, device: int) -> tuple[int, list[tuple[str, int]]]:
+    """(reserved bytes, [(state, size) of each active block]) of ``device``'s segments; the whole list is checked."""
+    if raw is None:
+        return 0, []
+    if not isinstance(raw, list):
+        raise _bad("its segments are not a list")
+    if len(raw) > MAX_BLOCKS:
+        raise _bad(f"more than {MAX_BLOCKS:,} segments")
+    reserved, active, blocks_read = 0, [], 0
+    for seg in raw:
+        if not isinstance(seg, dict):
+            raise _bad("a segment is not a record")
+        on = seg.get("device", device)
+        if not isinstance(on, int) or isinstance(on, bool):
+            raise _bad("a segment's device is not a number")
+        blocks = seg.get("blocks", [])
+        if not isinstance(blocks, list):
+            raise _bad("a segment's blocks are not a list")
+        blocks_read += len(blocks) + 1
+        if blocks_read > MAX_BLOCKS:
+            raise _bad(f"its segments hold more than {MAX_BLOCKS:,} blocks in all")
+        if on != device:
+            continue
+        reserved += _size(seg.get("total_size", 0), "a segment's total_size")
+        for block in blocks:
+            if not isinstance(block, dict):
+                raise _bad("a segment's block is not a record")
+            state = block.get("state")
+            if not isinstance(state, str) or len(state) > MAX_TEXT_CHARS:
+                raise _bad("a block's state is not text")
+            if state == "active_allocated":
+                active.append((state, _size(block.get("size"), "a block's size")))
+    return reserved, active
 
 
 #: PyTorch's memory profiler categories (``torch.profiler._memory_profiler.Category``) as ledger objects.
@@ -510,24 +841,26 @@ PROFILER_CATEGORIES: Final = {"parameter": "parameters", "gradient": "gradients"
                               "autograd_detail": "temporaries"}
 
 
-def _module_of(frames: Sequence[Any]) -> str:
-    for f in frames:
-        if isinstance(f, dict) and "torch/nn/modules" not in str(f.get("filename", "")) and \
-                str(f.get("name", "")) == "forward":
-            return f"{f.get('filename', '')}:{f.get('line', '')}"
-    return ""
+def _own_spans(mine: dict[str, Any], events: int) -> tuple[Span, ...]:
+    """The phase spans memcalc wrote (``[phase, iteration, start, end]`` each), every index within the events."""
+    raw = mine["spans"]
+    if not isinstance(raw, list) or len(raw) > MAX_SPANS:
+        raise _bad(f"memcalc's phase spans are not a list of at most {MAX_SPANS:,}")
+    out = []
+    for item in raw:
+        if not isinstance(item, list | tuple) or len(item) != 4:
+            raise _bad("a phase span is not [phase, iteration, start, end]")
+        phase, iteration, start, end = item
+        if not isinstance(phase, str) or phase not in PHASES:
+            raise _bad("a phase span names no phase of the step")
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (iteration, start, end)) or \
+                not (0 <= iteration < 2**31 and 0 <= start <= end <= events):
+            raise _bad(f"a phase span's indices are not within the {events:,} events")
+        out.append(Span(phase, iteration, start, end))
+    return tuple(out)
 
 
-def _op_of(frames: Sequence[Any]) -> str:
-    return str(frames[0].get("name", "")) if frames and isinstance(frames[0], dict) else ""
-
-
-def _spans_of(events: Sequence[TimelineEvent], mine: dict[str, Any] | None) -> tuple[Span, ...]:
-    if mine is not None and isinstance(mine.get("spans"), list):
-        try:
-            return tuple(Span(str(p), int(i), int(a), int(b)) for p, i, a, b in mine["spans"])
-        except (TypeError, ValueError):
-            pass
+def _spans_of(events: Sequence[TimelineEvent]) -> tuple[Span, ...]:
     # contiguous runs of allocations in one phase, frees joining the run they fall in
     spans: list[Span] = []
     current, start, it = "", 0, 1

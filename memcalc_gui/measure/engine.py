@@ -18,6 +18,7 @@ import importlib.util
 import itertools
 import math
 import os
+import pickle
 import sys
 import time
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from typing import Any
 
 from .. import install_hint
 from ..core.errors import InputError, MemcalcError, one_line
+from ..core.files import atomic_write
 from ..core.model import spec_from_config
 from ..core.reconcile import reconcile
 from ..core.result import Result, evaluate
@@ -814,10 +816,11 @@ def _measure_cuda(result: MeasureResult, config: dict[str, Any], setup: Training
     finally:
         if snapshot:
             try:
-                torch.cuda.memory._dump_snapshot(str(snapshot))
-                result.snapshot = str(snapshot)
-                with contextlib.suppress(OSError, InputError):  # the file just written, read as any snapshot is
-                    result.timeline = read_timeline(Path(snapshot).read_bytes())
+                # torch's _dump_snapshot writes in place; memcalc writes every file whole (core.files)
+                data = pickle.dumps(torch.cuda.memory._snapshot(), protocol=4)
+                result.snapshot = str(atomic_write(snapshot, data, field="snapshot"))
+                with contextlib.suppress(InputError):  # the bytes just written, read as any snapshot is
+                    result.timeline = read_timeline(data)
             finally:
                 torch.cuda.memory._record_memory_history(enabled=None)
         params.clear()  # the last references to the weights: let the cache be emptied below

@@ -197,9 +197,11 @@ class _ChartLedgerSplit(QSplitter):
 
 
 class MainWindow(QMainWindow):
-    """The memcalc window. ``result_changed`` fires after every successful estimate."""
+    """The memcalc window. ``result_changed`` fires after every successful estimate; ``snapshot_opened(bool)`` when a
+    snapshot asked for by :meth:`open_snapshot` has been read and shown (``True``) or refused (``False``)."""
 
     result_changed = Signal(object)
+    snapshot_opened = Signal(bool)
 
     def __init__(self, initial_state: FormState | None = None, *, persist: bool = True,
                  parent: QWidget | None = None) -> None:
@@ -278,6 +280,13 @@ class MainWindow(QMainWindow):
         self.hub_runner.finished.connect(self._hub_fetched)
         self.hub_runner.failed.connect(self._hub_failed)
         self.hub_runner.running_changed.connect(lambda on: self.inputs.fetch_button.setEnabled(not on))
+        # snapshots are read on a worker: a large one takes seconds, and the GUI thread never waits on a file
+        self.snapshot_runner = TaskRunner("memcalc-snapshot-read", parent=self)
+        self.snapshot_runner.finished.connect(self._snapshot_read)
+        self.snapshot_runner.failed.connect(self._snapshot_failed)
+        self.snapshot_runner.cancelled.connect(self._next_snapshot)
+        self._snapshot_next: str | None = None
+        self._snapshot_reading = ""
         left = QScrollArea()
         left.setObjectName("inputScroll")
         left.setWidgetResizable(True)
@@ -1121,18 +1130,49 @@ class MainWindow(QMainWindow):
         if path:
             self.open_snapshot(path)
 
-    def open_snapshot(self, path: str | Path) -> bool:
-        """Show a real snapshot in the Timeline tab beside the current estimate; a file that is not one is
-        reported in the status bar and the last timeline stays."""
-        result = self.result
-        reason = self.timeline_panel.open_snapshot(str(path), result.estimate if result else None,
-                                                   result.setup.capacity_bytes if result else None)
-        if reason:
-            self.statusBar().showMessage(f"Could not open {Path(path).name}: {reason}", 15000)
+    def open_snapshot(self, path: str | Path) -> None:
+        """Read a real snapshot (or a profiler memory timeline) on a worker thread, then show it in the Timeline tab
+        beside the current estimate; a file that is not one is reported in the status bar and the last timeline
+        stays. A second file asked for while one is read replaces it. ``snapshot_opened`` says how it ended."""
+        path = str(path)
+        if self.snapshot_runner.is_running():
+            self._snapshot_next = path
+            self.snapshot_runner.cancel()
+            return
+        from ..core.timeline import read_timeline_file
+
+        self.statusBar().showMessage(f"Reading the snapshot {Path(path).name}…")
+        self._snapshot_reading = path
+        self.snapshot_runner.start(lambda _progress, _stop: (path, read_timeline_file(path)))
+
+    def _next_snapshot(self) -> bool:
+        """Start the snapshot asked for while another was read; whether there was one."""
+        path, self._snapshot_next = self._snapshot_next, None
+        if path is None:
             return False
+        self.open_snapshot(path)
+        return True
+
+    def _snapshot_read(self, found: tuple[str, Any]) -> None:
+        if self._next_snapshot():
+            return
+        path, timeline = found
+        result = self.result
+        reason = self.timeline_panel.show_opened(timeline, path, result.estimate if result else None,
+                                                 result.setup.capacity_bytes if result else None)
+        if reason:
+            self._snapshot_failed(reason, path)
+            return
         self.show_timeline(True)
         self.statusBar().showMessage(f"Opened the snapshot {Path(path).name}", 6000)
-        return True
+        self.snapshot_opened.emit(True)
+
+    def _snapshot_failed(self, message: str, path: str | None = None) -> None:
+        if path is None and self._next_snapshot():
+            return
+        name = Path(path or self._snapshot_reading).name
+        self.statusBar().showMessage(f"Could not open {name}: {message.removeprefix('snapshot: ')}", 15000)
+        self.snapshot_opened.emit(False)
 
     def export_snapshot(self) -> None:
         path, _ = QFileDialog.getSaveFileName(self, "Export the predicted timeline for memory_viz",
@@ -1265,11 +1305,13 @@ class MainWindow(QMainWindow):
         self.measure_panel.runner.cancel()
         self.hub_runner.cancel()
         self.fit_runner.cancel()
+        self.snapshot_runner.cancel()
         deadline = time.monotonic() + STOP_TIMEOUT_MS / 1000
         self.trace_panel.shutdown(max(0, int((deadline - time.monotonic()) * 1000)))
         self.measure_panel.shutdown(max(0, int((deadline - time.monotonic()) * 1000)))
         self.hub_runner.stop(max(0, int((deadline - time.monotonic()) * 1000)))
         self.fit_runner.stop(max(0, int((deadline - time.monotonic()) * 1000)))
+        self.snapshot_runner.stop(max(0, int((deadline - time.monotonic()) * 1000)))
         self.debounce.stop()
         if self._dirty():
             self.refresh()

@@ -3,8 +3,9 @@ before any trace, a coarse timeline drawn from the ledger.
 
 Thin: it draws a :class:`~memcalc_gui.core.timeline.Timeline` with the shared chart, says where the timeline comes
 from, and compares each phase's peak with the estimate it is given (``core.timeline.compare_phases``). Opening and
-exporting snapshot files goes through :meth:`open_snapshot` and :meth:`export_predicted`, which the window's File
-menu and drag and drop call. The chart is drawn when the tab is shown (a hidden tab costs nothing per keystroke).
+exporting snapshot files goes through :meth:`show_opened` (the window reads the file on a worker thread) and
+:meth:`export_predicted`, which the window's File menu and drag and drop call. The chart is drawn when the tab is
+shown (a hidden tab costs nothing per keystroke).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from PySide6.QtWidgets import QHBoxLayout, QLabel, QPushButton, QSizePolicy, QVB
 from ..core.errors import InputError
 from ..core.ledger import Estimate
 from ..core.setup import TrainingSetup
-from ..core.timeline import Timeline, compare_phases, ledger_timeline, read_timeline
+from ..core.timeline import Timeline, compare_phases, ledger_timeline
 from ..core.units import format_bytes
 from ..core.vocab import OBJECT_LABELS, PHASE_LABELS
 from ..view.timeline_chart import TimelineChart
@@ -201,15 +202,9 @@ class TimelinePanel(QWidget):
                    "iterations" + ("" if same_setup else " (a scaled-down setup: compared with its own estimate)")
                    + ".")
 
-    def open_snapshot(self, path: str, estimate: Estimate | None, capacity_bytes: int | None) -> str:
-        """Read ``path`` and show it; returns "" or the reason it could not be read (the last timeline stays)."""
-        try:
-            data = Path(path).read_bytes()
-            timeline = read_timeline(data)
-        except OSError as exc:
-            return f"cannot read {path}: {exc.strerror or exc}"
-        except InputError as exc:
-            return exc.reason
+    def show_opened(self, timeline: Timeline, path: str, estimate: Estimate | None, capacity_bytes: int | None) -> str:
+        """Show a snapshot the window read off the GUI thread (``core.timeline.read_timeline_file``); returns "" or
+        why it is not shown (the last timeline stays)."""
         if not timeline.events:
             return "the snapshot's trace holds no allocations (record with torch.cuda.memory._record_memory_history())"
         self.show_snapshot(timeline, path, estimate, capacity_bytes)
@@ -220,7 +215,7 @@ class TimelinePanel(QWidget):
         if self.predicted is None:
             return "no predicted timeline yet: run Precise (trace) first"
         try:
-            self.predicted.write_snapshot(path)
-        except OSError as exc:
-            return f"cannot write {path}: {exc.strerror or exc}"
+            self.predicted.write_snapshot(path, field="snapshot")
+        except InputError as exc:
+            return exc.reason
         return ""
