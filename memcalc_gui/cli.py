@@ -89,6 +89,7 @@ FLAGS = {
     "iterations": "--iterations",
     "device": "--device",
     "time_budget": "--time-budget",
+    "full_size": "--full-size",
     "model": "--preset/--config",
     "out": "--out",
     "page": "--page",

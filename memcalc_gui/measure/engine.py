@@ -6,7 +6,9 @@ On CUDA the caching allocator's own counters are read at every phase boundary (a
 CUDA context = total − free − reserved). On a machine without a GPU the live-storage tracker measures
 CPU tensors instead (labelled so). When the full setup would not fit the device with margin, or would
 take too long, a scaled-down setup (fewer layers, then a smaller micro-batch, then a shorter sequence)
-is measured and compared with the estimate of exactly that setup.
+is measured and compared with the estimate of exactly that setup. Any setup, ``full_size`` included, whose planned
+resident size exceeds what this machine's memory has available (:mod:`.hostmem`) is refused before anything is
+built (:func:`host_need`): on a machine without swap the kernel's OOM killer would otherwise end some process.
 
 torch is imported inside functions only.
 """
@@ -36,12 +38,22 @@ from ..core.setup import TrainingSetup, checkpoint_every
 from ..core.timeline import Timeline, read_timeline
 from ..core.units import format_bytes
 from ..core.vocab import PHASES
-from . import collect_garbage, exclusive_torch_job
+from . import collect_garbage, exclusive_torch_job, hostmem
 from .fitted import CONFIG_KEY, FittedScaling
 from .layout import PROCESS_BYTES, check_measurable, measured_world, rank_job, scale_layout, start_seconds
 
-#: Fraction of the device's free memory a full-size measurement may plan to use.
+#: Fraction of the device's free memory a scaled-down measurement plans to fill with its tensors (:func:`plan`).
 MEMORY_MARGIN = 0.6
+#: Fraction of this machine's available memory (:func:`.hostmem.available_bytes`) a measurement, full size or scaled
+#: down, may plan to hold (:func:`host_need`): the rest is left to the other processes and to the estimate's error.
+HOST_MARGIN = 0.8
+#: A CPU step's resident peak over its tensor peak, beside the process's own ``PROCESS_BYTES`` (the allocator's and
+#: the tracker's memory): measured here, VmHWM less the tensor peak was 389 MB for a 46 MiB step (torch and
+#: transformers imported: 334 MB VmRSS), 555 MB for GPT-2's 2.3 GiB and 923 MB for Qwen2.5-0.5B's 9.2 GiB (1.07, 1.06).
+RESIDENT_FACTOR = 1.1
+#: A CUDA measurement's host memory beside its pinned buffers (torch's CUDA libraries, the context's host side): an
+#: allowance, not measured here (no GPU on the machine that set it).
+CUDA_PROCESS_BYTES = 2 * 2**30
 #: Rough sustained throughput for planning the time budget (FLOP/s).
 CPU_FLOPS = 2e10
 CUDA_FLOPS = 1e14
@@ -78,6 +90,9 @@ class DeviceInfo:
     name: str  # "NVIDIA H100 80GB HBM3" or "CPU"
     total_bytes: int
     free_bytes: int
+    #: This machine's available memory when the device was found (:func:`.hostmem.available_bytes`; ``None``:
+    #: unknown, and then no setup is refused for it).
+    host_free_bytes: int | None = None
 
     @property
     def label(self) -> str:
@@ -265,11 +280,16 @@ def torch_available() -> bool:
 
 
 def _cpu_memory() -> tuple[int, int]:
-    total = free = 0
+    """This machine's memory and what is available of it (:mod:`.hostmem`: a cgroup's limit included); a guess
+    where the system does not say (the device budget of a scaled-down plan needs a number)."""
+    total = 0
+    available = hostmem.available_bytes()
+    free = available or 0
     try:
         with open("/proc/meminfo", encoding="ascii") as fh:
             info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in fh if ":" in line}
-        total, free = info.get("MemTotal", 0), info.get("MemAvailable", 0)
+        total = info.get("MemTotal", 0)
+        free = free or info.get("MemAvailable", 0)
     except OSError:
         pass
     if not total and hasattr(os, "sysconf"):
@@ -288,11 +308,11 @@ def detect_device(device: str = "auto") -> DeviceInfo:
     torch = _import_torch()
     if device in ("auto", "cuda") and torch.cuda.is_available():
         free, total = torch.cuda.mem_get_info()
-        return DeviceInfo("cuda", torch.cuda.get_device_name(0), int(total), int(free))
+        return DeviceInfo("cuda", torch.cuda.get_device_name(0), int(total), int(free), hostmem.available_bytes())
     if device == "cuda":
         raise MeasureError("no CUDA device is available to this PyTorch build")
     total, free = _cpu_memory()
-    return DeviceInfo("cpu", "CPU", total, free)
+    return DeviceInfo("cpu", "CPU", total, free, hostmem.available_bytes())
 
 
 # ---- planning -----------------------------------------------------------------------------------
@@ -326,15 +346,67 @@ def _step_seconds(setup: TrainingSetup, flops: float) -> float:
     return max(6 * params / (par.tp * par.pp) * t / flops, overhead)
 
 
+def host_need(setup: TrainingSetup, kind: str, peak_bytes: int, offloaded_bytes: int = 0) -> tuple[int, str]:
+    """The most of this machine's memory measuring ``setup`` (exactly what will be built and run) is planned to hold,
+    and what that is, in words. ``peak_bytes``: the estimate's tensor peak of ``setup`` (of its most loaded rank for a
+    layout); ``offloaded_bytes``: what the step keeps in host memory beside it (the estimate's ``host_bytes``:
+    offloaded activations). Each process counts :data:`PROCESS_BYTES` (torch and transformers) and its tensors
+    :data:`RESIDENT_FACTOR` times.
+
+    On a CPU the step's tensors are host memory. On CUDA the model is built on the GPU directly (:func:`_measure_cuda`),
+    so the host holds the process (:data:`CUDA_PROCESS_BYTES`) and the offloaded activations. A layout's ranks are
+    CPU processes, each building its whole model (a pipeline stage its tensor-parallel rank's narrower one) before
+    it is sharded: each holds the larger of that and its step's peak, and a fork server not yet running adds one
+    process (:func:`.distributed.rank_context`)."""
+    par = setup.parallel
+    if par.is_distributed:
+        from .distributed import fork_server_started, uses_fork_server
+
+        processes = measured_world(par)
+        built = setup.num_params * (2 if setup.precision in ("bf16", "bf16-autocast") else 4) // \
+            (par.tp if par.pp > 1 else 1)
+        rank = int((max(peak_bytes, built) + offloaded_bytes) * RESIDENT_FACTOR) + PROCESS_BYTES
+        server = PROCESS_BYTES if uses_fork_server() and not fork_server_started() else 0
+        return processes * rank + server, f"{processes} rank processes, each building the whole model first"
+    if kind == "cuda":
+        return CUDA_PROCESS_BYTES + int(offloaded_bytes * RESIDENT_FACTOR), \
+            "the CUDA process and its offloaded activations"
+    return int((peak_bytes + offloaded_bytes) * RESIDENT_FACTOR) + PROCESS_BYTES, \
+        "the step's tensors on the CPU, and the process"
+
+
+def _host_bytes(result: Result) -> int:
+    """What the estimate holds in host memory beside the device (offloaded activations)."""
+    value = result.estimate.details.get("host_bytes", 0)
+    return int(value) if isinstance(value, int | float) and value > 0 else 0
+
+
+def check_host_memory(setup: TrainingSetup, estimate: Result, device: DeviceInfo) -> None:
+    """Refuse (an :class:`InputError` on ``full_size``) a full-size measurement of ``setup`` whose planned resident
+    size (:func:`host_need`) exceeds :data:`HOST_MARGIN` of this machine's available memory; nothing is refused
+    where that is unknown. Called before anything is built."""
+    available = device.host_free_bytes
+    if available is None:
+        return
+    need, what = host_need(setup, device.kind, estimate.estimate.peak_tensor_bytes, _host_bytes(estimate))
+    if need > available * HOST_MARGIN:
+        raise InputError("full_size", f"measuring this setup at full size would hold about {format_bytes(need)} of "
+                                      f"this machine's memory ({what}), and {format_bytes(available)} is available "
+                                      f"(a measurement plans at most {HOST_MARGIN * 100:.0f} % of it): drop "
+                                      "--full-size to measure a scaled-down setup, or measure a smaller setup")
+
+
 def plan(setup: TrainingSetup, device: DeviceInfo, time_budget_s: float,
          fitted: FittedScaling | None = None) -> tuple[TrainingSetup, str]:
-    """The setup to measure: the full one when it fits the device with margin and the time budget. A multi-GPU
-    layout runs as that many processes (:mod:`.layout`), each holding its rank and sharing the CPU's cores.
-    ``fitted``: a family without a block model, scaled and estimated as :mod:`.fitted` says (one process)."""
+    """The setup to measure: the full one when it fits the device with margin, this machine's available memory
+    (:func:`host_need`, ``device.host_free_bytes``) and the time budget. A multi-GPU layout runs as that many
+    processes (:mod:`.layout`), each holding its rank and sharing the CPU's cores. ``fitted``: a family without a
+    block model, scaled and estimated as :mod:`.fitted` says (one process)."""
     if setup.model is None and fitted is None:
         raise InputError("model", "measuring needs an architecture (a preset or a config.json), not a bare count")
     flops = CUDA_FLOPS if device.kind == "cuda" else CPU_FLOPS
     budget = device.free_bytes * MEMORY_MARGIN
+    host_room = None if device.host_free_bytes is None else device.host_free_bytes * HOST_MARGIN
     changes: list[str] = []
     ranked = setup.parallel.is_distributed
     if ranked:
@@ -344,10 +416,20 @@ def plan(setup: TrainingSetup, device: DeviceInfo, time_budget_s: float,
     par = setup.parallel
     multiple = par.pp * par.virtual_stages  # the stages split the layers evenly
 
+    def ledger(s: TrainingSetup) -> tuple[int, int]:
+        """The tensor peak of ``s`` and what it holds in host memory beside (offloaded activations)."""
+        if fitted is not None:
+            return fitted.peak_bytes(s), 0
+        result = evaluate(s.with_changes(capacity_bytes=None))
+        return result.estimate.peak_tensor_bytes, _host_bytes(result)
+
+    def on_device(peak: int) -> int:
+        return processes * (peak + (PROCESS_BYTES if ranked else 0))
+
     def fits_memory(s: TrainingSetup) -> bool:
-        peak = fitted.peak_bytes(s) if fitted is not None else \
-            evaluate(s.with_changes(capacity_bytes=None)).estimate.peak_tensor_bytes
-        return processes * (peak + (PROCESS_BYTES if ranked else 0)) <= budget
+        peak, offloaded = ledger(s)
+        return on_device(peak) <= budget and \
+            (host_room is None or host_need(s, device.kind, peak, offloaded)[0] <= host_room)
 
     def seconds(s: TrainingSetup) -> float:
         """Importing torch (first time only; the rank processes' start: :func:`.layout.start_seconds`), building the
@@ -413,7 +495,20 @@ def plan(setup: TrainingSetup, device: DeviceInfo, time_budget_s: float,
     if vocab != full_vocab:
         changes.append(f"vocabulary {vocab:,} instead of {full_vocab:,}")
     if not fits_memory(current):
-        raise MeasureError("even the smallest scaled-down setup would not fit this device's memory")
+        peak, offloaded = ledger(current)
+        smallest = (f"even the smallest scaled-down setup ({layers} of {full_layers} layers, micro-batch "
+                    f"{current.batch}, sequence {current.seq}, vocabulary {vocab:,})")
+        need, what = host_need(current, device.kind, peak, offloaded)
+        if host_room is not None and need > host_room:
+            assert device.host_free_bytes is not None
+            raise InputError("model", f"{smallest} would hold about {format_bytes(need)} of this machine's memory "
+                                      f"({what}), and {format_bytes(device.host_free_bytes)} is available (a "
+                                      f"measurement plans at most {HOST_MARGIN * 100:.0f} % of it): measure a "
+                                      "smaller setup")
+        raise InputError("model", f"{smallest} would need about {format_bytes(on_device(peak))} of "
+                                  f"{'this device' if device.kind == 'cuda' else 'this machine'}'s memory, and "
+                                  f"{format_bytes(device.free_bytes)} is free (a scaled-down measurement plans at most "
+                                  f"{MEMORY_MARGIN * 100:.0f} % of it): measure a smaller setup")
     expected = seconds(current)
     slow = "" if ok(current) or expected < 1 else f" (expect about {expected:.0f} s)"
     return current, _scale_note(changes, slow)
@@ -526,6 +621,8 @@ def _planned(setup: TrainingSetup, info: DeviceInfo, target: str, time_budget_s:
             measured, note = plan(on_target, info, time_budget_s, fitted)
         measured = measured.with_changes(target_device=setup.target_device)
         estimate = fitted.result(measured.with_changes(capacity_bytes=setup.capacity_bytes, target_device=target))
+        if full_size:
+            check_host_memory(measured, estimate, info)
         if fitted.traced:
             notes.append("the fitted method does not apply to this config (too few layers to extrapolate from, or "
                          "its check refused the fit): the measurement is compared with the trace of the step")
@@ -536,6 +633,8 @@ def _planned(setup: TrainingSetup, info: DeviceInfo, target: str, time_budget_s:
         else:
             measured, note = (setup, "") if full_size else plan(setup, info, time_budget_s)
         estimate = evaluate(measured.with_changes(capacity_bytes=setup.capacity_bytes, target_device=target))
+        if full_size:
+            check_host_memory(measured, estimate, info)
     return MeasureResult(info, measured, setup, bool(note), note, {}, estimate, [], notes=notes)
 
 
