@@ -35,6 +35,7 @@ def test_real_window_survives_scripted_use(tmp_path):
     # trace-heavy test, which failed the 20/s this asked before; speed is bench/ui_speed.py's)
     assert counts.get("edits", 0) >= 5 * SECONDS
     assert counts.get("dialogs", 0) >= 1 and counts.get("hostile configs", 0) >= 10
+    assert counts.get("hostile snapshots", 0) >= 1
     if HAS_TORCH:
         assert counts.get("trace finished", 0) >= 1 or counts.get("trace toggles", 0) >= 1
         assert counts.get("measure starts", 0) >= 1

@@ -164,3 +164,55 @@ def test_hostile_replica_counts_mark_the_field(window):
             assert w.result is good and w.banner.stale_note.isVisible()
     w.apply_state(w.inputs.state().replace(dp_replicate="abc", strategy="zero3"))
     assert w.refresh() and w.result.setup.parallel.dp_replicate == 1 and w.inputs.state().dp_replicate == "abc"
+
+
+def _drop(window, path: str) -> None:
+    """A file dropped on the window, as Qt delivers it."""
+    from PySide6.QtCore import QMimeData, QPointF, Qt, QUrl
+    from PySide6.QtGui import QDropEvent
+
+    mime = QMimeData()
+    mime.setUrls([QUrl.fromLocalFile(path)])
+    window.dropEvent(QDropEvent(QPointF(20, 20), Qt.DropAction.CopyAction, mime, Qt.MouseButton.LeftButton,
+                                Qt.KeyboardModifier.NoModifier))
+
+
+def test_hostile_snapshots_open_and_drop_without_blocking_the_window(window, qtbot, tmp_path):
+    """Every file of the hostile snapshot corpus (issue 61), opened from the menu's path and dropped on the window:
+    the call returns at once (the file is read on a worker), the outcome is one line in the status bar within the
+    issue's 10 s, and the timeline on screen stays unless the file was a real one."""
+    import hostile_files
+
+    paths = {n: str(p) for n, p in hostile_files.write_all(tmp_path).items()}
+    paths.update(hostile_files.special_paths(tmp_path))
+    panel = window.timeline_panel
+    for i, (name, path) in enumerate(sorted(paths.items())):
+        kept = panel.timeline
+        dropped = i % 2 == 0 and path.endswith(".pickle")
+        with qtbot.waitSignal(window.snapshot_opened, timeout=10_000) as opened:
+            t0 = time.perf_counter()
+            _drop(window, path) if dropped else window.open_snapshot(path)
+            assert time.perf_counter() - t0 < 0.5, name  # the GUI thread never waits on the file
+        message = window.statusBar().currentMessage()
+        assert "\n" not in message and len(message) <= 500, (name, message)
+        if name.startswith("ok-"):
+            assert opened.args == [True] and panel.timeline is not kept, name
+        else:
+            assert opened.args == [False] and message.startswith("Could not open"), (name, message)
+            assert panel.timeline is kept, name
+        assert window.result is not None
+
+
+def test_a_second_snapshot_replaces_the_one_being_read(window, qtbot, tmp_path):
+    """Asked for while a large snapshot is read, a second file is what the window ends up showing."""
+    import hostile_files
+
+    big = tmp_path / "big.pickle"
+    big.write_bytes(hostile_files.pickles()["ok-shared-frames"])
+    bad = tmp_path / "bad.pickle"
+    bad.write_bytes(hostile_files.pickles()["own-line-abc"])
+    with qtbot.waitSignal(window.snapshot_opened, timeout=20_000) as opened:
+        window.open_snapshot(big)
+        window.open_snapshot(bad)
+    assert opened.args == [False] and "bad.pickle" in window.statusBar().currentMessage()
+    assert not window.snapshot_runner.is_running()

@@ -8,7 +8,8 @@ fixed ticks, so a short soak runs them whatever the seed):
 - types into a number field (valid values, zero, letters, ``1e12``, a pasted wall of digits, empty),
 - switches preset, precision recipe, checkpointing, attention, GPU; undoes and redoes,
 - opens and closes the About dialog; exports a PNG report into a temporary folder,
-- points the model at hostile config files (a FIFO, a folder, a missing file, invalid JSON, absurd sizes),
+- points the model at hostile config files (a FIFO, a folder, a missing file, invalid JSON, absurd sizes) and opens
+  hostile memory snapshots (a FIFO, a link to /dev/zero, nested shared frames, a memo-index bomb),
 - turns the trace on and off and starts measurements (when PyTorch is installed) on a small setup.
 
 At the end it prints one summary line (counts, resident memory, and on Python < 3.12 the change in
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import random
 import sys
 import tempfile
@@ -103,6 +105,27 @@ def _hostile_configs(folder: Path) -> list[str]:
     return [*paths, str(bad), str(huge), str(code), str(deep)]
 
 
+def _hostile_snapshots(folder: Path) -> list[str]:
+    """Memory snapshots a careless or hostile user might open (docs/reliability.md): a FIFO, a link to /dev/zero,
+    a few hundred bytes whose shared nested frame names would print as 2⁴⁰ elements, a memo-index bomb, a profiler
+    timeline whose rows are not numbers."""
+    paths = []
+    with contextlib.suppress(OSError, AttributeError):
+        os.mkfifo(folder / "fifo.pickle")
+        paths.append(str(folder / "fifo.pickle"))
+    with contextlib.suppress(OSError, NotImplementedError):
+        (folder / "zero.pickle").symlink_to("/dev/zero")
+        paths.append(str(folder / "zero.pickle"))
+    nested: list[object] = []
+    for _ in range(40):
+        nested = [nested, nested]
+    (folder / "nested.pickle").write_bytes(pickle.dumps({"segments": [], "device_traces": [[
+        {"action": "alloc", "addr": 1, "size": 512, "frames": [{"filename": nested, "line": 1, "name": "x"}]}]]}))
+    (folder / "memo.pickle").write_bytes(b"\x80\x04Nr" + (10**9).to_bytes(4, "little") + b".")
+    (folder / "timeline.json").write_text('[[1], [[0, "x", 0, 0, 0, 0, 0, 0, 0]]]', encoding="utf-8")
+    return [*paths, *(str(folder / n) for n in ("nested.pickle", "memo.pickle", "timeline.json"))]
+
+
 class Soak(QObject):
     """Drives ``window`` for ``seconds``; ``done`` carries the summary line and whether it passed."""
 
@@ -116,6 +139,7 @@ class Soak(QObject):
         self.counts: Counter[str] = Counter()
         self.folder = Path(tempfile.mkdtemp(prefix="memcalc-soak-"))
         self.hostile = _hostile_configs(self.folder)
+        self.snapshots = _hostile_snapshots(self.folder)
         self.none_start = _none_refs()
         self.rss_start = _rss_bytes()
         self.timer = QTimer(self)
@@ -177,9 +201,12 @@ class Soak(QObject):
         elif roll < 0.80:
             (w.undo if self.rng.random() < 0.6 else w.redo)()
             self.counts["undo/redo"] += 1
-        elif roll < 0.83:
+        elif roll < 0.825:
             inputs.set_state(inputs.state().replace(model_kind="config", config_path=self.rng.choice(self.hostile)))
             self.counts["hostile configs"] += 1
+        elif roll < 0.83:
+            w.open_snapshot(self.rng.choice(self.snapshots))  # read on a worker: the GUI thread never waits on it
+            self.counts["hostile snapshots"] += 1
         elif roll < 0.84:
             dialog = w.show_about()
             QApplication.processEvents()
