@@ -380,71 +380,84 @@ class _PlainUnpickler(pickle.Unpickler):
                                      "never does")
 
 
-def _opcode_table() -> tuple[list[int | None], dict[str, int]]:
-    """Each opcode's argument as a number for :func:`_check_opcodes`: its fixed length (≥ 0), or pickletools'
-    markers for a length taken from the argument (−2 one byte, −3 four signed, −4 four unsigned, −5 eight) or one
-    up to a newline (−1)."""
+#: The largest memo index a pickle may name with PUT or LONG_BINPUT (and never past its own offset: every object
+#: stored took at least a byte before it). Python's picklers of protocol 4 and 5, PyTorch's included, write MEMOIZE
+#: and no index at all; 2²⁴ indices make a memo table of 256 MiB at most.
+MAX_MEMO_INDEX: Final = 2**24
+
+
+def _opcode_table() -> tuple[list[int], dict[str, int]]:
+    """For :func:`_check_opcodes`: each opcode's whole length (opcode and argument) where it is fixed and nothing is
+    checked in it (> 0), else 0 (an opcode that needs a look, or none at all); and the codes by name."""
     import pickletools
 
-    table: list[int | None] = [None] * 256
+    skip = [0] * 256
     codes: dict[str, int] = {}
     for op in pickletools.opcodes:
         code = op.code.encode("latin-1")[0]
-        table[code] = 0 if op.arg is None else op.arg.n
         codes[op.name] = code
-    return table, codes
+        n = 0 if op.arg is None else op.arg.n
+        if n >= 0 and op.name not in ("LONG_BINPUT", "STOP"):
+            skip[code] = n + 1
+    return skip, codes
 
 
-_OPCODES, _CODE = _opcode_table()
+_SKIP, _CODE = _opcode_table()
+#: Opcodes whose argument runs to a newline (protocol 0 text), and those of two such arguments.
+_TEXT_ARGS: Final = frozenset(_CODE[n] for n in ("INT", "LONG", "STRING", "UNICODE", "FLOAT", "GET", "PUT", "PERSID"))
+_TWO_LINES: Final = frozenset((_CODE["GLOBAL"], _CODE["INST"]))
+#: Opcodes whose argument's length is stored before it, by the width of that length (signed for BINSTRING).
+_SIZED: Final = {**dict.fromkeys((_CODE[n] for n in ("LONG1", "SHORT_BINSTRING", "SHORT_BINBYTES",
+                                                     "SHORT_BINUNICODE")), 1),
+                 **dict.fromkeys((_CODE[n] for n in ("LONG4", "BINSTRING", "BINBYTES", "BINUNICODE")), 4),
+                 **dict.fromkeys((_CODE[n] for n in ("BINBYTES8", "BYTEARRAY8", "BINUNICODE8")), 8)}
+_SIGNED: Final = frozenset((_CODE["LONG4"], _CODE["BINSTRING"]))
 
 
 def _check_opcodes(data: bytes) -> None:
-    """Walk a pickle's opcodes, building nothing: an unknown opcode, a negative length, or a memo index past the
-    objects stored so far is refused. Python's picklers number their memo from 0 as they store; CPython's unpickler
-    makes its memo table as large as the largest index it is given (a 12-byte pickle asking for index 10⁹ took 48 s
-    and 15 GB here), so an index no pickler could have written is refused before unpickling."""
-    table = _OPCODES
-    memoize, put, long_binput, binput = _CODE["MEMOIZE"], _CODE["PUT"], _CODE["LONG_BINPUT"], _CODE["BINPUT"]
-    stop, two_lines = _CODE["STOP"], (_CODE["GLOBAL"], _CODE["INST"])
-    i, n, stored = 0, len(data), 0
+    """Walk a pickle's opcodes, building nothing: an unknown opcode, a negative length, or a memo index no pickler
+    writes (:data:`MAX_MEMO_INDEX`) is refused. CPython's unpickler makes its memo table as large as the largest
+    index it is given: a 9-byte pickle asking for index 10⁹ took 48 s and 15 GB here. The common opcodes (fixed
+    length, nothing to check) take one table look-up each: a real snapshot walks in about a third of a second per
+    million opcodes."""
+    skip, n, i = _SKIP, len(data), 0
+    stop, long_binput, put = _CODE["STOP"], _CODE["LONG_BINPUT"], _CODE["PUT"]
     while i < n:
+        k = skip[data[i]]
+        if k:
+            i += k
+            continue
         code = data[i]
-        arg = table[code]
         i += 1
-        if arg is None:
-            raise _bad(f"not a memory snapshot: byte 0x{code:02x} at offset {i - 1:,} is not a pickle opcode")
         if code == stop:
             return
-        if arg >= 0:
-            if code in (memoize, binput):
-                stored += 1
-            elif code == long_binput:
-                if int.from_bytes(data[i:i + 4], "little") > stored:
-                    raise _bad(f"not a memory snapshot: a memo index at offset {i - 1:,} no pickler writes")
-                stored += 1
-            i += arg
-        elif arg == -1:  # up to a newline (protocol 0 text)
+        if code == long_binput:
+            if int.from_bytes(data[i:i + 4], "little") > min(i, MAX_MEMO_INDEX):
+                raise _bad(f"not a memory snapshot: a memo index at offset {i - 1:,} no pickler writes")
+            i += 4
+        elif code in _SIZED:
+            width = _SIZED[code]
+            if i + width > n:
+                return  # truncated: the unpickler says so
+            length = int.from_bytes(data[i:i + width], "little", signed=code in _SIGNED)
+            if length < 0:
+                raise _bad(f"not a memory snapshot: a negative length at offset {i - 1:,}")
+            i += width + length
+        elif code in _TEXT_ARGS or code in _TWO_LINES:
             j = data.find(b"\n", i)
             if j < 0:
-                return  # truncated: the unpickler says so
+                return
             if code == put:
                 text = data[i:j]
-                if not (0 < len(text) <= 19 and text.isdigit()) or int(text) > stored:
+                if not (0 < len(text) <= 19 and text.isdigit()) or int(text) > min(i, MAX_MEMO_INDEX):
                     raise _bad(f"not a memory snapshot: a memo index at offset {i - 1:,} no pickler writes")
-                stored += 1
-            if code in two_lines:
+            if code in _TWO_LINES:
                 j = data.find(b"\n", j + 1)
                 if j < 0:
                     return
             i = j + 1
         else:
-            width = {-2: 1, -3: 4, -4: 4, -5: 8}[arg]
-            if i + width > n:
-                return
-            length = int.from_bytes(data[i:i + width], "little", signed=arg == -3)
-            if length < 0:
-                raise _bad(f"not a memory snapshot: a negative length at offset {i - 1:,}")
-            i += width + length
+            raise _bad(f"not a memory snapshot: byte 0x{code:02x} at offset {i - 1:,} is not a pickle opcode")
 
 
 def load_snapshot(data: bytes) -> Any:
@@ -748,43 +761,43 @@ def timeline_from_snapshot(obj: Any, device: int | None = None) -> Timeline:
     events: list[TimelineEvent] = []
     live: dict[int, TimelineEvent] = {}
     for raw in trace:
-        if not isinstance(raw, dict):
+        if type(raw) is not dict:
             raise _bad("a trace entry is not a record")
         action = raw.get("action")
-        if not isinstance(action, str):
-            raise _bad("a trace entry names no action")
-        if action not in ("alloc", "free_completed"):
+        if action != "alloc" and action != "free_completed":
+            if type(action) is not str:
+                raise _bad("a trace entry names no action")
             continue
         addr, size = raw.get("addr"), raw.get("size")
-        if not isinstance(addr, int) or isinstance(addr, bool) or not 0 <= addr < _ADDR_MAX or \
-                not isinstance(size, int) or isinstance(size, bool) or not 0 <= size <= MAX_SIZE_BYTES:
+        if type(addr) is not int or type(size) is not int or not 0 <= addr < _ADDR_MAX or \
+                not 0 <= size <= MAX_SIZE_BYTES:
             raise _bad(f"a {action} entry has no integer address and size")
-        frames = raw.get("frames", [])
-        if frames is None:
-            frames = []
-        if not isinstance(frames, list):
-            raise _bad(f"a {action} entry's frames are not a list")
-        if action == "alloc":
-            if mine is not None and frames:
-                phase, cat, iteration, module, op = stacks.own(frames)
-                e = TimelineEvent(size, cat, phase, iteration, module, op, addr)
-            else:
-                phase, cat, module, op = stacks.stack(frames)
-                category = raw.get("category")
-                if isinstance(category, str) and category in PROFILER_CATEGORIES:  # PyTorch's own, when given
-                    cat = PROFILER_CATEGORIES[category]
-                    if cat == "temporaries" and phase == "optimizer_step":
-                        cat = "optimizer_temporaries"
-                e = TimelineEvent(size, cat, phase, 0, module, op, addr)
-            events.append(e)
-            live[addr] = e
-        else:
+        if action == "free_completed":
             start = live.pop(addr, None)
             if start is None:  # allocated before the trace began: part of the baseline
                 events.append(TimelineEvent(-size, "unknown", "", 0, "", "", addr))
             else:
                 events.append(TimelineEvent(-start.size_bytes, start.category, start.phase, start.iteration,
                                             start.module, start.op, addr))
+            continue
+        frames = raw.get("frames")
+        if frames is None:
+            frames = []
+        elif type(frames) is not list:
+            raise _bad(f"a {action} entry's frames are not a list")
+        if mine is not None and frames:
+            phase, cat, iteration, module, op = stacks.own(frames)
+            e = TimelineEvent(size, cat, phase, iteration, module, op, addr)
+        else:
+            phase, cat, module, op = stacks.stack(frames)
+            category = raw.get("category")
+            if category is not None and type(category) is str and category in PROFILER_CATEGORIES:
+                cat = PROFILER_CATEGORIES[category]  # PyTorch's own, when given
+                if cat == "temporaries" and phase == "optimizer_step":
+                    cat = "optimizer_temporaries"
+            e = TimelineEvent(size, cat, phase, 0, module, op, addr)
+        events.append(e)
+        live[addr] = e
     segs = _segments(obj.get("segments"), device)
     baseline: dict[str, int] = {}
     freed_early = -sum(e.size_bytes for e in events if e.size_bytes < 0 and e.category == "unknown" and not e.phase)
