@@ -10,7 +10,8 @@ The Hub is asked by memcalc's own request (:func:`fetch_config_bytes`), never by
 names the files it writes after the server's ``ETag`` and ``X-Repo-Commit`` headers (a mirror sending
 ``"../../site-packages/x.pth"`` wrote outside the cache) and retries a stalled download without end. memcalc's
 request is one ``GET {HF_ENDPOINT}/{repo}/resolve/{revision}/config.json`` with huggingface_hub's headers (the token
-from ``HF_TOKEN`` or ``hf auth login``), for a repo id and a revision validated first (huggingface_hub's
+from ``HF_TOKEN`` or ``hf auth login``; built with its telemetry off, which would otherwise ask the server for an
+agent registry and write it to ``HF_HOME``), for a repo id and a revision validated first (huggingface_hub's
 ``validate_repo_id``; a 40-hex commit or a git ref name). It is bounded: :data:`DEADLINE_S` for everything,
 :data:`MAX_CONFIG_BYTES` checked against ``Content-Length`` and while reading, at most :data:`MAX_REDIRECTS`
 redirects (the token goes only to the endpoint's own origin), no retry, every status one line. The content is
@@ -30,6 +31,7 @@ import contextlib
 import functools
 import hashlib
 import http.client
+import importlib
 import re
 import socket
 import ssl
@@ -148,7 +150,8 @@ def _check_repo_id(text: str) -> None:
     if not REPO_ID.match(text) or ".." in text or "--" in text:
         raise _fail(message)
     try:
-        from huggingface_hub.utils import HFValidationError, validate_repo_id
+        from huggingface_hub.errors import HFValidationError
+        from huggingface_hub.utils import validate_repo_id
     except ImportError:
         return
     try:
@@ -250,12 +253,11 @@ class _HTTPSConnection(http.client.HTTPSConnection):
 
 
 def _tls_context() -> ssl.SSLContext:
-    """The system's certificates (``SSL_CERT_FILE`` honoured), and certifi's where it is installed."""
+    """The system's certificates (``SSL_CERT_FILE`` honoured), and certifi's where it is installed (a Python from
+    python.org on macOS has no system store of its own)."""
     context = ssl.create_default_context()
     with contextlib.suppress(ImportError, OSError, ssl.SSLError):
-        import certifi
-
-        context.load_verify_locations(certifi.where())
+        context.load_verify_locations(importlib.import_module("certifi").where())
     context.set_alpn_protocols(["http/1.1"])
     return context
 
@@ -268,12 +270,11 @@ def _opener(sockets: _Sockets) -> urllib.request.OpenerDirector:
 
     class HTTP(urllib.request.HTTPHandler):
         def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
-            return self.do_open(functools.partial(_HTTPConnection, sockets=sockets), req)  # type: ignore[arg-type]
+            return self.do_open(functools.partial(_HTTPConnection, sockets=sockets), req)
 
     class HTTPS(urllib.request.HTTPSHandler):
         def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
-            return self.do_open(functools.partial(_HTTPSConnection, sockets=sockets), req,  # type: ignore[arg-type]
-                                context=context)
+            return self.do_open(functools.partial(_HTTPSConnection, sockets=sockets), req, context=context)
 
     opener = urllib.request.OpenerDirector()
     for handler in (urllib.request.ProxyHandler(), urllib.request.UnknownHandler(), HTTP(), HTTPS(context=context),
@@ -333,9 +334,11 @@ def _content_length(headers: Any) -> int | None:
     return int(str(values[0]).strip())
 
 
-def _too_large(repo_id: str, size: str) -> InputError:
-    return _fail(f"{repo_id}'s config.json from the Hub is {size}; a config.json is at most {MAX_CONFIG_BYTES:,} "
-                 "bytes (nothing was stored)")
+def _too_large(repo_id: str, size: int | None) -> InputError:
+    """``size`` from Content-Length, or ``None`` when the body ran past the cap while it was read."""
+    said = f"is {size:,} bytes" if size is not None else f"runs past {MAX_CONFIG_BYTES:,} bytes"
+    return _fail(f"{repo_id}'s config.json from the Hub {said}; a config.json is at most {MAX_CONFIG_BYTES:,} bytes "
+                 "(nothing was stored)")
 
 
 def _download(url: str, headers: dict[str, str], repo_id: str, revision: str, sockets: _Sockets,
@@ -363,7 +366,7 @@ def _download(url: str, headers: dict[str, str], repo_id: str, revision: str, so
                 raise _status_error(response.status, response.headers, repo_id, revision)
             length = _content_length(response.headers)
             if length is not None and length > MAX_CONFIG_BYTES:
-                raise _too_large(repo_id, f"{length:,} bytes")
+                raise _too_large(repo_id, length)
             chunks: list[bytes] = []
             total = 0
             while total <= MAX_CONFIG_BYTES:
@@ -378,7 +381,7 @@ def _download(url: str, headers: dict[str, str], repo_id: str, revision: str, so
                 chunks.append(chunk)
                 total += len(chunk)
             if total > MAX_CONFIG_BYTES:
-                raise _too_large(repo_id, f"over {MAX_CONFIG_BYTES:,} bytes")
+                raise _too_large(repo_id, None)
             if sockets.expired:
                 raise TimeoutError("deadline")
             if length is not None and total != length:
@@ -434,10 +437,11 @@ def fetch_config_bytes(endpoint: str, repo_id: str, revision: str, headers: dict
 
 def _parse(data: bytes, repo_id: str) -> dict[str, Any]:
     """The config in ``data`` with the limits of any config file, or one line on ``--model``."""
+    name = f"{repo_id}'s config.json from the Hub"
     try:
-        return parse_config_text(decode_text(data))
+        return parse_config_text(decode_text(data, name), name)
     except ConfigError as exc:
-        raise ConfigError(FIELD, f"{repo_id}'s config.json from the Hub: {exc.reason}") from None
+        raise ConfigError(FIELD, exc.reason) from None
 
 
 # ---- the lookup -----------------------------------------------------------------------------------------------

@@ -196,6 +196,7 @@ ROUTES: dict[str, Callable[[Handler], None]] = {
     "org/file": _redirect(lambda h: "file:///etc/passwd"),
     "org/loc-up": _redirect(lambda h: f"{UP}{UP}site/memcalc_loc.pth"),
     "org/short": lambda h: h.answer(200, b'{"a": 1}', Content_Length="1000"),
+    "org/headers": lambda h: h.answer(200, TINY_BYTES, **{f"X_Filler_{i}": "x" * 100 for i in range(200)}),
     "org/notjson": _body(b"{not json"),
     "org/array": _body(b"[1, 2, 3]"),
     "org/deep": _body(b'{"a":' * 5000 + b"1" + b"}" * 5000),
@@ -304,14 +305,14 @@ def test_header_names_never_become_file_names(tree: Path, hub: Server, repo: str
 
 @pytest.mark.parametrize(("repo", "words"), [
     ("org/huge", "10,737,418,240 bytes; a config.json is at most 4,194,304"),
-    ("org/flood-close", f"over {MAX_CONFIG_BYTES:,} bytes"),
-    ("org/flood-chunked", f"over {MAX_CONFIG_BYTES:,} bytes"),
+    ("org/flood-close", f"runs past {MAX_CONFIG_BYTES:,} bytes"),
+    ("org/flood-chunked", f"runs past {MAX_CONFIG_BYTES:,} bytes"),
     ("org/ratelimit", "the Hub is rate-limiting: try again in 30 s"),
     ("org/error", "the Hub failed with HTTP 500"),
     ("org/loop", "redirected org/loop's config.json more than 3 times"),
     ("org/file", "to a non-HTTP address"),
     ("org/loc-up", "org/loc-up has no config.json on the Hub"),
-    ("org/notjson", "not valid JSON"),
+    ("org/notjson", "org/notjson's config.json from the Hub is not valid JSON"),
     ("org/array", "must hold a JSON object"),
     ("org/deep", "nests deeper than 32 levels"),
 ])
@@ -381,11 +382,12 @@ def online(tree: Path, hub: Server, monkeypatch: pytest.MonkeyPatch) -> Server:
 @pytest.mark.parametrize(("repo", "words"), [
     ("org/trickle-headers", "did not send org/trickle-headers's config.json within 1.5 s"),
     ("org/short", "ended after 8 of 1,000 bytes"),
+    ("org/headers", "the Hub sent a malformed answer for org/headers's config.json (HTTPException: got more than 100"),
 ])
 def test_stalled_headers_and_short_bodies(tree: Path, online: Server, monkeypatch: pytest.MonkeyPatch, repo: str,
                                           words: str) -> None:
-    """Headers sent a byte at a time are cut by the same deadline (here shortened to 1.5 s), a body shorter than
-    its Content-Length is refused; neither is stored."""
+    """Headers sent a byte at a time are cut by the same deadline (here shortened to 1.5 s); a body shorter than
+    its Content-Length, or 200 headers, are refused; nothing is stored."""
     import memcalc_gui.hub as hubmod
     from memcalc_gui.core.errors import InputError
 
