@@ -121,6 +121,7 @@ FLAGS = {
     "trainable": "--trainable",
     "target_device": "--target-device",
     "model_id": "--model",
+    "revision": "--revision",
     "router_logits": "--router-logits",
 }
 

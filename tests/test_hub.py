@@ -1,4 +1,4 @@
-"""``--model org/name``: config.json from a local folder, the local Hugging Face cache or the Hub.
+"""``--model org/name``: config.json from a local folder, the local Hugging Face cache, memcalc's cache or the Hub.
 
 The Hub is a local HTTP server that answers the Hub's file routes (``/{repo}/resolve/{revision}/config.json``,
 HEAD and GET, with the headers huggingface_hub reads and the ``X-Error-Code`` it maps to errors), pointed to with
@@ -88,7 +88,8 @@ def hub_server() -> Iterator[str]:
 def run(args: list[str], endpoint: str, hf_home: Path, offline: bool = False) -> tuple[int, str, str, float]:
     env = {k: v for k, v in os.environ.items()
            if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_TOKEN", "HF_HUB_CACHE")}
-    env.update(HF_ENDPOINT=endpoint, HF_HOME=str(hf_home), PYTHONPATH=str(ROOT), HF_HUB_DISABLE_TELEMETRY="1")
+    env.update(HF_ENDPOINT=endpoint, HF_HOME=str(hf_home), PYTHONPATH=str(ROOT), HF_HUB_DISABLE_TELEMETRY="1",
+               MEMCALC_CACHE_DIR=str(hf_home.parent / "memcalc-cache"))
     if offline:
         env["HF_HUB_OFFLINE"] = "1"
     t0 = time.perf_counter()
@@ -105,16 +106,35 @@ def test_hub_download_then_the_cache_without_network(hub_server: str, tmp_path: 
     assert data["setup"]["model"]["name"] == "org/tiny" and "(Hub)" in data["setup"]["model"]["source"]
     assert data["params"] == spec_from_config(TINY).num_params
     assert any(r.startswith("GET /org/tiny/resolve/main/config.json") for r in HubHandler.requests)
-    # downloaded into HF_HOME's hub cache, where the next run finds it with the network off
-    assert list((tmp_path / "hf" / "hub").glob("models--org--tiny/snapshots/*/config.json"))
+    # kept in memcalc's own cache (the Hugging Face cache is only read), where the next run finds it with the
+    # network off
+    assert len(list((tmp_path / "memcalc-cache" / "hub").glob("*.json"))) == 1
+    assert not [p for p in (tmp_path / "hf").rglob("*") if p.is_file()]
     seen = len(HubHandler.requests)
     rc, out, err, _ = run(args, hub_server, tmp_path / "hf", offline=True)
     assert rc == 0, err
     again = json.loads(out)
-    assert "(local cache)" in again["setup"]["model"]["source"] and again["peak_bytes"] == data["peak_bytes"]
+    assert "(Hub, cached by memcalc)" in again["setup"]["model"]["source"]
+    assert again["peak_bytes"] == data["peak_bytes"]
     assert len(HubHandler.requests) == seen  # no request at all
-    rc, out, err, _ = run(args, "http://127.0.0.1:9", tmp_path / "hf")  # a cache hit never asks the Hub
+    rc, out, err, _ = run(args, hub_server, tmp_path / "hf")  # a cache hit never asks the Hub
     assert rc == 0 and json.loads(out)["peak_bytes"] == data["peak_bytes"]
+    assert len(HubHandler.requests) == seen
+
+
+def test_the_local_hugging_face_cache_answers_first_without_network(tmp_path: Path) -> None:
+    """A config the Hugging Face tools downloaded (HF_HOME's hub cache) is read, never written, and wins."""
+    repo = tmp_path / "hf" / "hub" / "models--org--tiny"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(COMMIT)
+    (repo / "snapshots" / COMMIT).mkdir(parents=True)
+    (repo / "snapshots" / COMMIT / "config.json").write_text(json.dumps(TINY))
+    args = ["estimate", "--model", "org/tiny", "--batch", "2", "--seq", "64", "--json"]
+    rc, out, err, _ = run(args, "http://127.0.0.1:9", tmp_path / "hf")
+    assert rc == 0, err
+    data = json.loads(out)
+    assert "(local cache)" in data["setup"]["model"]["source"]
+    assert data["params"] == spec_from_config(TINY).num_params
 
 
 @pytest.mark.parametrize(("repo", "words"), [
@@ -173,6 +193,7 @@ def test_the_window_fetches_a_hub_id_then_reads_it_from_the_cache(qtbot, hub_ser
     monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", template)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr(hub, "USER_HF_OFFLINE", False)
+    monkeypatch.setenv("MEMCALC_CACHE_DIR", str(tmp_path / "memcalc-cache"))
     w = MainWindow(persist=False)
     qtbot.addWidget(w)
     good = w.result
