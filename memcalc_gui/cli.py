@@ -723,7 +723,8 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
                          "reconciliation": signals.to_json() if signals else None,
                          "setup": setup.describe(), "method": result.estimate.method, "notes": notes}, indent=2))
         return 0
-    _out(f"Snapshot   {args.snapshot}: {len(timeline.events):,} events, peak {format_bytes(peak)}"
+    events = len(timeline.events)
+    _out(f"Snapshot   {args.snapshot}: {events:,} event{'s' if events != 1 else ''}, peak {format_bytes(peak)}"
          + (f", {format_bytes(timeline.reserved_bytes)} reserved at the end" if timeline.reserved_bytes else ""))
     _out(f"Estimate   {setup.summary()} ({result.estimate.method} method)")
     if not rows:

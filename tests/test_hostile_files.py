@@ -3,7 +3,7 @@ would exhaust memory or the CPU, malformed ones in PyTorch's and memcalc's own s
 paths that are devices, FIFOs, links to them or names too long. Each ends within 10 s and 1 GB of extra memory with
 one line naming the field and exit 2 (or a correct answer), and nothing is written outside the chosen output.
 
-The corpus is generated (tests/hostile_files.py); the CLI runs in one child process per command, which times each
+The corpus is generated (bench/hostile_corpus.py); the CLI runs in one child process per command, which times each
 file and reads its own peak resident size after each (the rise of the high-water mark is the file's extra memory).
 """
 
@@ -17,9 +17,9 @@ import sys
 import time
 from pathlib import Path
 
-import hostile_files
 import pytest
 
+from bench import hostile_corpus
 from memcalc_gui.cli import main as cli_main
 from memcalc_gui.core import files
 from memcalc_gui.core.errors import InputError
@@ -33,9 +33,9 @@ SECONDS, EXTRA_BYTES = 10.0, 2**30
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     folder = tmp_path_factory.mktemp("hostile-snapshots")
-    paths = {name: str(p) for name, p in hostile_files.write_all(folder).items()}
-    paths["profiler-5.6M-changes"] = str(hostile_files.big_profiler_json(folder / "big-profiler.json"))
-    paths.update(hostile_files.special_paths(folder))
+    paths = {name: str(p) for name, p in hostile_corpus.write_all(folder).items()}
+    paths["profiler-5.6M-changes"] = str(hostile_corpus.big_profiler_json(folder / "big-profiler.json"))
+    paths.update(hostile_corpus.special_paths(folder))
     return paths
 
 
@@ -108,7 +108,7 @@ def test_hostile_snapshots_through_report(corpus, tmp_path):
 
 def test_the_shared_frames_snapshot_reads_once_per_list():
     """200,000 events sharing one list of 10,000 frames read as 200,000 look-ups, not 2·10⁹ frame visits."""
-    data = hostile_files.pickles()["ok-shared-frames"]
+    data = hostile_corpus.pickles()["ok-shared-frames"]
     t0 = time.perf_counter()
     tl = read_timeline(data)
     assert time.perf_counter() - t0 < SECONDS
@@ -118,7 +118,7 @@ def test_the_shared_frames_snapshot_reads_once_per_list():
 
 def test_memo_bombs_are_refused_before_unpickling():
     """CPython's unpickler sizes its memo by the largest index: index 10⁹ in 9 bytes took 48 s and 15 GB."""
-    corpus = hostile_files.pickles()
+    corpus = hostile_corpus.pickles()
     for name in ("memo-long-binput", "memo-put-text", "memo-put-digits"):
         t0 = time.perf_counter()
         with pytest.raises(InputError, match="memo index"):

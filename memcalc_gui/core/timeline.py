@@ -710,6 +710,10 @@ class _StackReader:
                 inner_file, inner_name)
 
 
+def _an(action: str) -> str:
+    return f"an {action}" if action[:1] in "aeiou" else f"a {action}"
+
+
 def _size(value: Any, what: str, upper: int = MAX_SIZE_BYTES) -> int:
     """A non-negative integer field of a snapshot, at most ``upper``; :class:`InputError` otherwise."""
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= upper:
@@ -771,7 +775,7 @@ def timeline_from_snapshot(obj: Any, device: int | None = None) -> Timeline:
         addr, size = raw.get("addr"), raw.get("size")
         if type(addr) is not int or type(size) is not int or not 0 <= addr < _ADDR_MAX or \
                 not 0 <= size <= MAX_SIZE_BYTES:
-            raise _bad(f"a {action} entry has no integer address and size")
+            raise _bad(f"{_an(action)} entry has no integer address and size")
         if action == "free_completed":
             start = live.pop(addr, None)
             if start is None:  # allocated before the trace began: part of the baseline
@@ -784,7 +788,7 @@ def timeline_from_snapshot(obj: Any, device: int | None = None) -> Timeline:
         if frames is None:
             frames = []
         elif type(frames) is not list:
-            raise _bad(f"a {action} entry's frames are not a list")
+            raise _bad(f"{_an(action)} entry's frames are not a list")
         if mine is not None and frames:
             phase, cat, iteration, module, op = stacks.own(frames)
             e = TimelineEvent(size, cat, phase, iteration, module, op, addr)
@@ -801,7 +805,7 @@ def timeline_from_snapshot(obj: Any, device: int | None = None) -> Timeline:
     segs = _segments(obj.get("segments"), device)
     baseline: dict[str, int] = {}
     freed_early = -sum(e.size_bytes for e in events if e.size_bytes < 0 and e.category == "unknown" and not e.phase)
-    at_end = sum(size for _, size in segs[1])
+    at_end = segs[1]
     traced_at_end = sum(e.size_bytes for e in events)
     if at_end > traced_at_end or freed_early:
         baseline["unknown"] = max(freed_early, at_end - traced_at_end)
@@ -813,39 +817,45 @@ def timeline_from_snapshot(obj: Any, device: int | None = None) -> Timeline:
                     baseline, reserved_bytes=min(segs[0], 2**62) if mine is None else 0)
 
 
-def _segments(raw: Any, device: int) -> tuple[int, list[tuple[str, int]]]:
-    """(reserved bytes, [(state, size) of each active block]) of ``device``'s segments; the whole list is checked."""
+def _segments(raw: Any, device: int) -> tuple[int, int]:
+    """(reserved bytes, bytes of active blocks) of ``device``'s segments; every segment is checked, and each list
+    of blocks once however many segments share it."""
     if raw is None:
-        return 0, []
+        return 0, 0
     if not isinstance(raw, list):
         raise _bad("its segments are not a list")
     if len(raw) > MAX_BLOCKS:
         raise _bad(f"more than {MAX_BLOCKS:,} segments")
-    reserved, active, blocks_read = 0, [], 0
+    reserved, active, blocks_read = 0, 0, 0
+    read: dict[int, int] = {}  # id of a blocks list → its active bytes
     for seg in raw:
-        if not isinstance(seg, dict):
+        if type(seg) is not dict:
             raise _bad("a segment is not a record")
         on = seg.get("device", device)
-        if not isinstance(on, int) or isinstance(on, bool):
+        if type(on) is not int:
             raise _bad("a segment's device is not a number")
         blocks = seg.get("blocks", [])
-        if not isinstance(blocks, list):
+        if type(blocks) is not list:
             raise _bad("a segment's blocks are not a list")
-        blocks_read += len(blocks) + 1
-        if blocks_read > MAX_BLOCKS:
-            raise _bad(f"its segments hold more than {MAX_BLOCKS:,} blocks in all")
-        if on != device:
-            continue
-        reserved += _size(seg.get("total_size", 0), "a segment's total_size")
-        for block in blocks:
-            if not isinstance(block, dict):
-                raise _bad("a segment's block is not a record")
-            state = block.get("state")
-            if not isinstance(state, str) or len(state) > MAX_TEXT_CHARS:
-                raise _bad("a block's state is not text")
-            if state == "active_allocated":
-                active.append((state, _size(block.get("size"), "a block's size")))
+        if id(blocks) not in read:
+            blocks_read += len(blocks)
+            if blocks_read > MAX_BLOCKS:
+                raise _bad(f"its segments hold more than {MAX_BLOCKS:,} blocks in all")
+            read[id(blocks)] = sum(_block_bytes(block) for block in blocks)
+        if on == device:
+            reserved += _size(seg.get("total_size", 0), "a segment's total_size")
+            active += read[id(blocks)]
     return reserved, active
+
+
+def _block_bytes(block: Any) -> int:
+    """The bytes of an allocated block (0 for a free one); :class:`InputError` for a malformed one."""
+    if type(block) is not dict:
+        raise _bad("a segment's block is not a record")
+    state = block.get("state")
+    if type(state) is not str or len(state) > MAX_TEXT_CHARS:
+        raise _bad("a block's state is not text")
+    return _size(block.get("size"), "a block's size") if state == "active_allocated" else 0
 
 
 #: PyTorch's memory profiler categories (``torch.profiler._memory_profiler.Category``) as ledger objects.

@@ -1,6 +1,6 @@
 """Hostile memory snapshots and profiler timelines, generated (never shipped as binaries): the issue's reproducers
 and their relatives, each small unless its point is size. Used by tests/test_hostile_files.py (the CLI) and
-tests/test_ui_hostile.py (the window)."""
+tests/test_ui_hostile.py (the window); ``python -m bench.hostile_corpus`` prints each file's answer, time and memory."""
 
 from __future__ import annotations
 
@@ -91,7 +91,7 @@ def pickles() -> dict[str, bytes]:
             {"filename": "a.py", "line": "7", "name": "forward"}]})),
         "entry-not-a-record": pickle.dumps({"device_traces": [["nope"]]}),
         "segments-not-a-list": pickle.dumps(_snap({"action": "alloc", "addr": 1, "size": 1}, segments="x")),
-        "segment-blocks-shared": pickle.dumps({"device_traces": [[{"action": "alloc", "addr": 1, "size": 1}]],
+        "ok-segment-blocks-shared": pickle.dumps({"device_traces": [[{"action": "alloc", "addr": 1, "size": 1}]],
                                                "segments": [{"device": 0, "total_size": 1, "blocks": shared_blocks}
                                                             for _ in range(1_000)]}, protocol=4),
         "block-size-string": pickle.dumps(_snap({"action": "alloc", "addr": 1, "size": 1}, segments=[
@@ -158,3 +158,44 @@ def write_all(folder: Path) -> dict[str, Path]:
     return out
 
 
+
+
+def main() -> None:
+    """Run every file of the corpus through ``memcalc reconcile`` in this process, printing its exit status, its
+    time, the rise of this process's peak resident size, and the line it printed."""
+    import argparse
+    import contextlib
+    import io
+    import resource
+    import sys
+    import tempfile
+    import time
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from memcalc_gui.cli import main as cli_main
+
+    parser = argparse.ArgumentParser(description="the hostile snapshot corpus through memcalc reconcile")
+    parser.add_argument("--width", type=int, default=90, help="characters of each message shown")
+    args = parser.parse_args()
+    folder = Path(tempfile.mkdtemp(prefix="memcalc-hostile-"))
+    paths = {name: str(p) for name, p in write_all(folder).items()}
+    paths["profiler-5.6M-changes"] = str(big_profiler_json(folder / "big-profiler.json"))
+    paths.update(special_paths(folder))
+    print(f"{'file':<26}{'exit':>5}{'seconds':>9}{'extra MiB':>11}  answer")
+    for name, path in paths.items():
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        out, err = io.StringIO(), io.StringIO()
+        t0 = time.perf_counter()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                rc = cli_main(["reconcile", "--preset", "gpt2", "--snapshot", path])
+            except SystemExit as exc:
+                rc = int(exc.code or 0)
+        seconds = time.perf_counter() - t0
+        extra = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+        said = (err.getvalue().strip() or out.getvalue().strip().splitlines()[0]).removeprefix("memcalc: error: ")
+        print(f"{name:<26}{rc:>5}{seconds:>9.2f}{extra:>11.0f}  {said[:args.width]}")
+
+
+if __name__ == "__main__":
+    main()
