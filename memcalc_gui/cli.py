@@ -1015,6 +1015,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except MemoryError:
         _say("memcalc: error: out of memory while reading the input")
         return EXIT_INPUT
+    finally:  # a damaged cache file set aside, a cache folder that cannot be written: one line each, once
+        from .core.cachefile import take_notices
+
+        for note in take_notices():
+            _say(f"memcalc: note: {one_line(note)}")
 
 
 def _run(argv: Sequence[str] | None) -> int:
