@@ -58,7 +58,7 @@ BAD_SUFFIX: Final = ".bad"
 #: Temporary files older than this in a cache folder are orphans of a killed process: removed on the next write.
 ORPHAN_AGE_S: Final = 3600.0
 #: The longest path a notice names in full (its tail beyond).
-_NOTICE_PATH_CHARS: Final = 120
+_NOTICE_PATH_CHARS: Final = 200
 _REASON_CHARS: Final = 160
 
 _LOCK = threading.Lock()
@@ -105,8 +105,8 @@ def _short(reason: str) -> str:
 
 
 def _os_why(exc: BaseException) -> str:
-    if isinstance(exc, InputError):
-        return _short(exc.reason)
+    if isinstance(exc, InputError):  # core.files.OutputError says why in a few words
+        return _short(getattr(exc, "why", None) or exc.reason)
     if isinstance(exc, OSError):
         reasons = {errno.ENOSPC: "the disk is full", errno.EACCES: "permission denied",
                    errno.EPERM: "permission denied", errno.EROFS: "the file system is read-only",

@@ -516,8 +516,8 @@ def _largest(moments: list[Moment], x: tuple[int, ...]) -> dict[str, float]:
 
 
 def _poly(values: Any) -> Poly:
-    if not isinstance(values, list) or len(values) != len(BASIS):
-        raise ValueError("a moment needs six coefficients")
+    if not isinstance(values, list) or len(values) != len(BASIS) or any(type(v) not in (int, float) for v in values):
+        raise ValueError("a moment needs six numbers")
     a, b, c, d, e, f = (float(v) for v in values)
     return a, b, c, d, e, f
 

@@ -220,9 +220,12 @@ def _check_narrower(key: str, payload: Any) -> None:
             raise ValueError(f"its config lost the key {name[:40]!r}")
         if name in _NARROWED:
             value, was = out[name], asked.get(name)
-            if type(value) is not int or value < 1 or (type(was) is int and name != "head_dim"
-                                                       and value not in (was, was // tp)):
-                raise ValueError(f"its {name} is not the asked one over the tensor-parallel degree")
+            if type(value) is not int or value < 1:
+                raise ValueError(f"its {name} is not a positive whole number")
+            if type(was) is int and name != "head_dim":  # the heads are always split, a width where the plan does
+                split = (was // tp,) if name in ("num_attention_heads", "num_key_value_heads") else (was, was // tp)
+                if value not in split:
+                    raise ValueError(f"its {name} is not the asked one over the tensor-parallel degree")
         elif name not in asked or out[name] != asked[name]:
             raise ValueError(f"its config changed {name[:40]!r}, which a tensor-parallel rank keeps")
 
