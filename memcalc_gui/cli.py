@@ -996,6 +996,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if reconfigure is not None:
             with contextlib.suppress(OSError, ValueError):
                 reconfigure(errors="replace")
+    from .core.cachefile import take_notices
+
+    take_notices()  # a command reports what its own run met (not what another one in this process left)
     try:
         return _run(argv)
     except KeyboardInterrupt:
@@ -1014,6 +1017,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except MemoryError:
         _say("memcalc: error: out of memory while reading the input")
         return EXIT_INPUT
+    finally:  # a damaged cache file set aside, a cache folder that cannot be written: one line each, once
+        for note in take_notices():
+            _say(f"memcalc: note: {one_line(note)}")
 
 
 def _run(argv: Sequence[str] | None) -> int:

@@ -82,7 +82,7 @@ def test_a_fit_is_cached_and_a_broken_cache_is_recalibrated(private_cache: Path,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     setup = _setup(OPT)
     first = opt_fit
-    files = [f for f in private_cache.glob("*.json") if json.loads(f.read_text())["model_type"] == "opt"]
+    files = [f for f in private_cache.glob("*.json") if json.loads(f.read_text())["payload"]["model_type"] == "opt"]
     assert len(files) == 1
     real_trace = fitmod._trace
 
@@ -95,7 +95,7 @@ def test_a_fit_is_cached_and_a_broken_cache_is_recalibrated(private_cache: Path,
     files[0].write_text("{not json")
     monkeypatch.setattr(fitmod, "_trace", real_trace)
     fresh = fitmod.calibrate(OPT, setup, setup.num_params)
-    assert json.loads(files[0].read_text())["schema"] == fresh.to_json()["schema"]
+    assert json.loads(files[0].read_text())["payload"]["schema"] == fresh.to_json()["schema"]
 
 
 def test_a_fit_read_once_is_kept_until_its_file_changes(private_cache: Path, opt_fit: FitModel,

@@ -16,7 +16,9 @@ This module is standard-library only: it holds the calibrated coefficients and e
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import math
+import operator
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,11 +46,13 @@ from .quick import precision_bytes
 from .result import Result
 from .setup import TrainingSetup, checkpoint_every, one_replica_sequence_parallel
 from .solver import gpu_plan, solve
+from .units import MAX_COUNT, MAX_SIZE_BYTES
 from .vocab import PHASES, TENSOR_OBJECTS
 
 #: The monomials of (b, s) a moment's live bytes are made of.
 BASIS = ("1", "b", "s", "b·s", "s²", "b·s²")
-FIT_SCHEMA = 6
+#: The fit's JSON (7: the check trace's bytes, ``FitModel.anchor``); a cached fit of another schema is calibrated again.
+FIT_SCHEMA = 7
 
 Poly = tuple[float, float, float, float, float, float]
 Moment = dict[str, Poly]  # ledger object → coefficients
@@ -58,6 +62,47 @@ Transform = Callable[[str, dict[str, float]], dict[str, float]]  # (phase, compo
 STRUCTURE_KEYS = ("num_params", "active_params", "layer_params", "largest_module", "root_unit", "expert_params",
                   "num_experts", "top_k", "hidden_size", "layer_expert_params", "largest_expert_module",
                   "largest_dense_module")
+#: The most layers a fit's counts may name (a config's layers are at most 100,000: ``core.model``).
+MAX_FIT_LAYERS_READ = 1_000_000
+
+
+def structure_problem(counts: Any) -> str | None:
+    """Why ``counts`` (``trace.meta.structure_on_meta``'s, or the subset a fit keeps) cannot be a model's, or
+    ``None``: every count a whole number from 0 to 10¹⁸, some parameters, and the counts consistent with one
+    another as the meta-device build makes them (active ≤ all, the routed experts within the parameters, one layer
+    and the root within the whole, the experts' and top-k's presence together). A cache file that fails this is
+    damaged (``core.cachefile``)."""
+    if not isinstance(counts, dict):
+        return "the counts are not an object"
+    for name, value in counts.items():
+        if type(value) is not int or not 0 <= value <= MAX_COUNT:
+            return f"the count {str(name)[:40]!r} is not a whole number from 0 to 10^18"
+    n = counts.get("num_params")
+    if n is not None and n < 1:
+        return "the model has no parameters"
+
+    def get(name: str) -> int | None:
+        value = counts.get(name)
+        return value if isinstance(value, int) else None
+
+    rules = (("active_params", "num_params"), ("expert_params", "num_params"), ("layer_params", "num_params"),
+             ("largest_module", "num_params"), ("root_unit", "num_params"), ("largest_dense_module", "num_params"),
+             ("layer_expert_params", "expert_params"), ("layer_expert_params", "layer_params"),
+             ("largest_expert_module", "expert_params"), ("top_k", "num_experts"))
+    for small, large in rules:
+        a, b = get(small), get(large)
+        if a is not None and b is not None and a > b:
+            return f"{small} ({a:,}) exceeds {large} ({b:,})"
+    total, experts, active = get("num_params"), get("expert_params"), get("active_params")
+    if total is not None and experts is not None and active is not None and active < total - experts:
+        return f"active_params ({active:,}) is below the parameters outside the routed experts ({total - experts:,})"
+    root, layer = get("root_unit"), get("layer_params")
+    if total is not None and root is not None and layer is not None and root + layer > total:
+        return f"root_unit and layer_params ({root:,} + {layer:,}) exceed num_params ({total:,})"
+    present = [get(k) for k in ("expert_params", "num_experts", "top_k")]
+    if None not in present and len({bool(v) for v in present}) > 1:
+        return "expert_params, num_experts and top_k are not all zero or all non-zero"
+    return None
 
 
 def basis(b: int, s: int) -> tuple[int, int, int, int, int, int]:
@@ -282,6 +327,10 @@ class FitModel:
     #: its moments hold FSDP2's shards and gathered units as traced. The replica stays for the what-ifs and the GPU
     #: plan's other layouts (their states by rule).
     rank: FitModel | None = None
+    #: The check trace's bytes the fit was checked against (``trace.fit``): ``{"layers", "batch", "seq"}`` and
+    #: ``"bytes"`` per phase (load's live bytes, the others' peaks, accumulating). Kept so that a cached fit whose
+    #: moments were changed after the check no longer agrees with it (:meth:`check`).
+    anchor: dict[str, Any] = field(default_factory=dict)
     #: Each phase's candidate compositions at a shape, before any transform (:meth:`peak`): a layout search evaluates
     #: one fit at one shape for every layout, only the transform differs. A copy made by ``dataclasses.replace``
     #: starts empty (its layer count may differ).
@@ -348,6 +397,7 @@ class FitModel:
                 "num_layers": self.num_layers, "signature": self.signature, "layers": list(self.layers),
                 "moments": dump(self.moments), "accum_moments": dump(self.accum_moments), "checked": self.checked,
                 "calibration_s": self.calibration_s, "notes": list(self.notes), "structure": self.structure,
+                **({"anchor": self.anchor} if self.anchor else {}),
                 **({"stages": {str(r): f.to_json() for r, f in self.stages.items()}} if self.stages else {})}
 
     @staticmethod
@@ -367,14 +417,91 @@ class FitModel:
                             {str(k): float(v) for k, v in data["checked"].items()},
                             float(data.get("calibration_s", 0.0)), tuple(str(n) for n in data.get("notes", ())),
                             {str(k): int(v) for k, v in data.get("structure", {}).items()},
-                            {int(r): FitModel.from_json(f) for r, f in data.get("stages", {}).items()})
+                            {int(r): FitModel.from_json(f) for r, f in data.get("stages", {}).items()},
+                            anchor=dict(data.get("anchor", {})))
         except (KeyError, TypeError, AttributeError, ValueError) as exc:
             raise ValueError(f"malformed fit: {exc}") from None
+
+    def check(self, shapes: Sequence[tuple[int, int]], tolerance: float) -> None:
+        """Raise ``ValueError`` (one line) where this fit cannot be what a calibration made: a coefficient that is
+        not finite or past 1 EiB; a moment below zero bytes, or past 1 EiB, at a calibration shape ``shapes`` and
+        either traced layer count; a check error (``checked``) past ``tolerance`` or not finite; inconsistent
+        structure counts; the fit evaluated at its check trace's shape off that trace's stored bytes
+        (:attr:`anchor`) by more than ``tolerance``; the same for every pipeline stage. A cached fit that fails is
+        damaged (``trace.fit``): a ×0.01 of the moments with the checksum recomputed still disagrees with the
+        stored check trace; a ×0.01 of both together describes a smaller model consistently and is not
+        detectable from the file alone."""
+        if not self.model_type or not 1 <= self.num_params <= MAX_COUNT \
+                or not 1 <= self.num_layers <= MAX_FIT_LAYERS_READ or not 1 <= self.layers[0] < self.layers[1] \
+                or self.layers[1] > MAX_FIT_LAYERS_READ:
+            raise ValueError("its model type, parameter count or layer counts are out of range")
+        for name, moments in (("moments", self.moments), ("accum_moments", self.accum_moments)):
+            for phase, candidates in moments.items():
+                if phase not in PHASES:
+                    raise ValueError(f"{name} names an unknown phase")
+                _check_moments([m for group in candidates for m in group], shapes, phase)
+        for key, value in self.checked.items():
+            if not isinstance(value, float | int) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"its check error {str(key)[:40]!r} is not a finite, non-negative number")
+            if key in PHASES and value > tolerance:
+                raise ValueError(f"its {key} check error {value:.2%} is past the {tolerance:.1%} a fit may show")
+        if not math.isfinite(self.calibration_s) or self.calibration_s < 0:
+            raise ValueError("its calibration time is not a finite, non-negative number")
+        if self.structure:
+            problem = structure_problem(self.structure)
+            if problem is not None:
+                raise ValueError(f"its structure counts are inconsistent: {problem}")
+        self._check_anchor(tolerance)
+        for stage in self.stages.values():
+            stage.check(shapes, tolerance)
+
+    def _check_anchor(self, tolerance: float) -> None:
+        """The fit at its check trace's shape and layer count against that trace's stored bytes (:meth:`check`)."""
+        a = self.anchor
+        ints = [a.get(k) for k in ("layers", "batch", "seq")]
+        stored = a.get("bytes")
+        if any(type(v) is not int or not 1 <= v <= MAX_FIT_LAYERS_READ for v in ints) \
+                or not isinstance(stored, dict) or set(stored) != set(PHASES) \
+                or any(type(v) is not int or not 0 <= v <= MAX_SIZE_BYTES for v in stored.values()):
+            raise ValueError("it holds no check trace's bytes (or malformed ones)")
+        layers, b, s = (int(v) for v in ints if isinstance(v, int))
+        at_check = dataclasses.replace(self, num_layers=layers, stages={})
+        for phase in PHASES:
+            got = sum(at_check.peak(phase, b, s, accumulating=True).values())
+            want = stored[phase]
+            if abs(got - want) > tolerance * want + 1:
+                raise ValueError(f"its {phase} moments give {got:,} bytes where its check trace measured {want:,} "
+                                 f"(more than {tolerance:.1%} apart)")
 
 
 _ZERO: Poly = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
 #: Phases whose candidates are kept per layer count (their ops repeat per parameter, not per layer).
 SEPARATE = ("load", "optimizer_step")
+
+
+def _check_moments(moments: list[Moment], shapes: Sequence[tuple[int, int]], phase: str) -> None:
+    """:meth:`FitModel.check` of a phase's moments: finite coefficients within 1 EiB, every object's bytes at least
+    zero (up to a byte of rounding) and each moment's total within 1 EiB at each calibration shape. Each distinct
+    polynomial is evaluated once (moments share most of theirs): a 50 KB fit checks in a few milliseconds."""
+    xs = [basis(b, s) for b, s in shapes]
+    values: dict[tuple[float, ...], list[float]] = {}
+    for moment in moments:
+        totals = [0.0] * len(xs)
+        for poly in moment.values():
+            found = values.get(poly)
+            if found is None:
+                size = sum(map(abs, poly))  # NaN or infinity stays so
+                if not math.isfinite(size) or max(map(abs, poly)) > MAX_SIZE_BYTES:
+                    raise ValueError(f"a {phase} moment holds a coefficient that is not finite or past 1 EiB")
+                found = values[poly] = [sum(map(operator.mul, poly, x)) for x in xs]
+                low = min(found)
+                if low < -1.0:
+                    b, s = shapes[found.index(low)]
+                    raise ValueError(f"a {phase} moment is negative ({low:,.0f} bytes) at micro-batch {b} × {s}")
+            for k, v in enumerate(found):
+                totals[k] += v
+        if max(totals, default=0.0) > MAX_SIZE_BYTES:
+            raise ValueError(f"a {phase} moment is past 1 EiB at a calibration shape")
 
 
 def _largest(moments: list[Moment], x: tuple[int, ...]) -> dict[str, float]:
@@ -389,8 +516,8 @@ def _largest(moments: list[Moment], x: tuple[int, ...]) -> dict[str, float]:
 
 
 def _poly(values: Any) -> Poly:
-    if not isinstance(values, list) or len(values) != len(BASIS):
-        raise ValueError("a moment needs six coefficients")
+    if not isinstance(values, list) or len(values) != len(BASIS) or any(type(v) not in (int, float) for v in values):
+        raise ValueError("a moment needs six numbers")
     a, b, c, d, e, f = (float(v) for v in values)
     return a, b, c, d, e, f
 

@@ -6,8 +6,9 @@ order; each allocation's size in the second trace over the first names its monom
 step becomes a polynomial in ``b`` and ``s``. A fifth trace at another layer count and shape checks the fit;
 when it is off by more than :data:`TOLERANCE` (layers that differ, an op sequence that changes with the shape)
 the fit is refused and the caller traces the full model instead. Fits are cached on disk per config, setup
-signature and library versions. Checkpointing every N-th layer repeats every N layers: its two layer counts are N apart
-(:func:`layer_counts`).
+signature and library versions, each file sealed (``core.cachefile``: a checksum over its content, key and versions)
+and checked on read (:func:`check_fit`); a damaged one is set aside with one notice and calibrated again.
+Checkpointing every N-th layer repeats every N layers: its two layer counts are N apart (:func:`layer_counts`).
 
 torch and transformers are imported inside functions only.
 """
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..core import cachefile
 from ..core.configfile import dense_prefix_layers, transformers_kwargs, with_layers
 from ..core.errors import MemcalcError
 from ..core.files import cache_dir
@@ -42,7 +44,7 @@ from ..core.fitted import (
 from ..core.layouts import stage_group_runs
 from ..core.setup import TrainingSetup, checkpoint_every
 from ..core.vocab import PHASES
-from .meta import structure_on_meta, write_whole_json
+from .meta import structure_on_meta
 
 #: Calibration shapes (micro-batch, sequence): b ×3/2 and s ×2 between them keep the six monomials apart.
 SHAPES = ((2, 64), (3, 128))
@@ -83,6 +85,23 @@ def _key(cfg: dict[str, Any], setup: TrainingSetup, sig: dict[str, Any] | None =
                        "torch": package_version("torch"), "transformers": package_version("transformers")},
                       sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _versions() -> dict[str, Any]:
+    """What a cached fit or refusal was made with (its envelope's ``versions``, ``core.cachefile``): another one is
+    stale, calibrated again silently. The fit's own schema is among them (its name does not hold it)."""
+    from .. import __version__
+    from ..measure.tracker import COUNTING_REVISION
+    from .meta import package_version
+
+    return {"memcalc": __version__, "tracker": COUNTING_REVISION, "fit_schema": FIT_SCHEMA,
+            "torch": package_version("torch"), "transformers": package_version("transformers")}
+
+
+def take_cache_notices() -> list[str]:
+    """The cache's notices since the last call (a damaged file set aside, a cache folder that cannot be written),
+    each once: ``core.cachefile.take_notices``, which the window may call without importing this module."""
+    return cachefile.take_notices()
 
 
 def _trace(cfg: dict[str, Any], layers: int, b: int, s: int, setup: TrainingSetup, rank: int | None = None,
@@ -392,7 +411,7 @@ def calibrate(config: dict[str, Any], setup: TrainingSetup, num_params: int,
             raise
         except Exception as exc:  # an op the sharded rank cannot run here: the rule stands (the refusal is kept,
             # so the next run does not trace it again)
-            _write(path.with_name(f"{path.stem}.refused"), {"schema": FIT_SCHEMA, "refused": str(exc)})
+            _write(path.with_name(f"{path.stem}.refused"), {"refused": str(exc)})
             return fit
     return dataclasses.replace(fit, rank=ranked)
 
@@ -415,36 +434,63 @@ _READ: dict[Path, tuple[tuple[int, int, int, int], FitModel]] = {}
 
 
 def _cached(path: Path, use_cache: bool) -> FitModel | None:
-    """The fit kept at ``path``; ``None`` when there is none (or a broken one); :class:`FitError` with the reason
-    these traces refused it before (they would refuse it again). A fit read before and unchanged on disk is not parsed
-    again (:data:`READ_FITS`)."""
+    """The fit kept at ``path``; ``None`` when there is none, a stale one, or a damaged one (set aside with one
+    notice: ``core.cachefile``); :class:`FitError` with the reason these traces refused it before (they would refuse
+    it again). A fit read and checked before and unchanged on disk is not parsed again (:data:`READ_FITS`): a file
+    changed since is read and checked anew, so a fit damaged after it was read is never served from memory."""
     if not use_cache:
         return None
     try:
         st = path.stat()
     except OSError:
         st = None
-    if st is not None and stat.S_ISREG(st.st_mode):
+    if st is not None:
         stamp = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
         read = _READ.get(path)
-        if read is not None and read[0] == stamp:
+        if read is not None and read[0] == stamp and stat.S_ISREG(st.st_mode):
             return read[1]
-        try:
-            fit = FitModel.from_json(json.loads(path.read_text()))
-        except (ValueError, OSError):
-            pass  # a stale or broken cache file: calibrate again
-        else:
-            _READ.pop(path, None)
+        _READ.pop(path, None)
+        parsed: list[FitModel] = []
+
+        def check(payload: Any) -> None:
+            fit = FitModel.from_json(payload)
+            check_fit(fit)
+            parsed.append(fit)
+
+        cachefile.read_sealed(path, kind="fit", key=path.stem, versions=_versions(), what="the cached fit",
+                              check=check, legacy=_legacy_fit, redo="it is calibrated again")
+        if parsed:
             while len(_READ) >= READ_FITS:
                 _READ.pop(next(iter(_READ)))
-            _READ[path] = (stamp, fit)
-            return fit
-    refused = path.with_name(f"{path.stem}.refused")
-    if refused.is_file():
-        reason = _refusal(refused)
-        if reason is not None:
-            raise FitError(reason)
+            _READ[path] = (stamp, parsed[0])
+            return parsed[0]
+    reason = _refusal(path.with_name(f"{path.stem}.refused"))
+    if reason is not None:
+        raise FitError(reason)
     return None
+
+
+def check_fit(fit: FitModel) -> None:
+    """``ValueError`` where ``fit`` cannot be what :func:`calibrate` made (:meth:`FitModel.check` at the
+    calibration shapes and :data:`TOLERANCE`, and notes other than the micro-batch-1 note its own check errors
+    give): a cached fit that fails is damaged; a fresh one that fails is refused (a bug, never a wrong answer)."""
+    fit.check(SHAPES, TOLERANCE)
+    allowed = {_single_note(f.checked.get("micro-batch 1", 0.0)) for f in (fit, *fit.stages.values())}
+    if any(note not in allowed for note in fit.notes):
+        raise ValueError("it holds a note its calibration did not make")
+
+
+def _single_note(single: float) -> str:
+    """The note of a fit whose micro-batch-1 check is ``single`` off (an empty string within :data:`TOLERANCE`)."""
+    if single <= TOLERANCE:
+        return ""
+    return (f"At micro-batch 1 this model skips copies a batch of several makes: the fit overestimates it by up to "
+            f"{single:.1%} (--method trace is exact there)")
+
+
+def _legacy_fit(data: dict[str, Any]) -> bool:
+    """A fit or refusal written before the sealed envelope (``schema`` at the top): stale, not damaged."""
+    return type(data.get("schema")) is int and ("model_type" in data or "refused" in data)
 
 
 def _calibrated(path: Path, run: Callable[[], FitModel]) -> FitModel:
@@ -458,7 +504,7 @@ def _calibrated(path: Path, run: Callable[[], FitModel]) -> FitModel:
         try:
             return run()
         except FitError as exc:
-            _write(path.with_name(f"{path.stem}.refused"), {"schema": FIT_SCHEMA, "refused": str(exc)})
+            _write(path.with_name(f"{path.stem}.refused"), {"refused": str(exc)})
             raise
 
 
@@ -512,20 +558,29 @@ def pipeline_chunk_layers(cfg: dict[str, Any], layers: int, setup: TrainingSetup
 
 
 def _refusal(path: Path) -> str | None:
-    """The reason a cached refusal gives, or ``None`` for a broken or stale file (the caller calibrates)."""
-    try:
-        data = json.loads(path.read_text())
-    except (ValueError, OSError):
-        return None
-    reason = data.get("refused") if isinstance(data, dict) and data.get("schema") == FIT_SCHEMA else None
-    return reason if isinstance(reason, str) and reason else None
+    """The reason a cached refusal gives, or ``None`` for a stale or damaged file (set aside with one notice; the
+    caller calibrates). A refusal is sealed as a fit is: a bogus reason written by hand is damaged, never a model
+    refused for good. (One written with its checksum recomputed still only sends the estimate to the full trace,
+    which is exact: a refusal cannot make a verdict wrong.)"""
+    def check(payload: Any) -> None:
+        reason = payload.get("refused") if isinstance(payload, dict) and set(payload) == {"refused"} else None
+        if not isinstance(reason, str) or not reason.strip() or len(reason) > 2000:
+            raise ValueError("it holds no reason")
+
+    data = cachefile.read_sealed(path, kind="refusal", key=path.stem, versions=_versions(),
+                                 what="the cached refusal", check=check, legacy=_legacy_fit,
+                                 redo="the fit is calibrated again")
+    return str(data["refused"]) if data is not None else None
 
 
-def _write(path: Path, data: dict[str, Any]) -> None:
-    """Write a cache file whole: a name of this process and thread for the file being written (two windows or
-    two CLI runs never share it), then a rename (the last one wins, with a whole file). A read-only cache costs
-    a calibration next time, nothing else."""
-    write_whole_json(path, data)
+def _write(path: Path, data: dict[str, Any]) -> bool:
+    """Keep a fit (``data``: :meth:`FitModel.to_json`) or, at a ``.refused`` path, a refusal (``{"refused": why}``)
+    whole, sealed for the key its name holds (``core.cachefile.write_sealed``: a temporary file in the cache folder,
+    renamed over the target, removed on any failure). A cache that cannot be written costs a calibration next time
+    and one notice; ``False`` then."""
+    kind = "refusal" if path.suffix == ".refused" else "fit"
+    return cachefile.write_sealed(path, kind=kind, key=path.stem, versions=_versions(), payload=data,
+                                  what="the cached " + kind)
 
 
 def _calibrate(cfg: dict[str, Any], setup: TrainingSetup, num_params: int, model_type: str, layers: int,
@@ -567,6 +622,10 @@ def _calibrate(cfg: dict[str, Any], setup: TrainingSetup, num_params: int, model
     else:
         fit = dataclasses.replace(_fit(cfg, setup, num_params, model_type, layers, counts, say),
                                   calibration_s=time.perf_counter() - t0, structure=structure_on_meta(cfg))
+    try:  # what a read checks, checked before the fit is kept: a fit the reader would refuse is refused now
+        check_fit(fit)
+    except ValueError as exc:
+        raise FitError(f"the fit fails its own consistency check ({exc}); please report this") from None
     _write(path, fit.to_json())
     return fit
 
@@ -598,10 +657,12 @@ def _fit(cfg: dict[str, Any], setup: TrainingSetup, num_params: int, model_type:
     b, s = CHECK_SHAPE
     real = _trace(cfg, check_layers, b, s, setup, rank, sharded)  # two micro-batches: checks the accumulating fit
     checked: dict[str, float] = {}
+    measured: dict[str, int] = {}
     windows_of = real.tracker.windows()
     for phase in PHASES:
         ph = real.phases[phase]
         want = ph.live_bytes if phase == "load" else ph.peak_bytes
+        measured[phase] = int(want)
         got = sum(check.peak(phase, b, s, accumulating=True).values())
         errors = [abs(got - want) / want if want else 0.0]
         if phase in ("forward", "backward") and rank is None:  # the first micro-batch alone: no accumulation
@@ -623,9 +684,7 @@ def _fit(cfg: dict[str, Any], setup: TrainingSetup, num_params: int, model_type:
                      - (one.phases[p].live_bytes if p == "load" else one.phases[p].peak_bytes))
                  / (one.phases[p].live_bytes if p == "load" else one.phases[p].peak_bytes) for p in PHASES)
     checked["micro-batch 1"] = single
-    notes: tuple[str, ...] = ()
-    if single > TOLERANCE:
-        notes = (f"At micro-batch 1 this model skips copies a batch of several makes: the fit overestimates it by "
-                 f"up to {single:.1%} (--method trace is exact there)",)
+    notes = (_single_note(single),) if single > TOLERANCE else ()
     return FitModel(model_type, num_params, layers, check.signature, pair, moments, accum, checked,
-                    time.perf_counter() - t0, notes)
+                    time.perf_counter() - t0, notes,
+                    anchor={"layers": check_layers, "batch": b, "seq": s, "bytes": measured})

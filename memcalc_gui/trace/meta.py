@@ -15,11 +15,14 @@ import math
 import os
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..core import cachefile
 from ..core.configfile import routed_experts, transformers_kwargs, without_nulls
 from ..core.errors import ConfigError
+from ..core.fitted import structure_problem
 
 
 def transformers_available() -> bool:
@@ -91,7 +94,8 @@ STRUCTURE_KEYS = ("num_params", "active_params", "layer_params", "largest_module
 def answer_path(key: str) -> Path:
     """Where an answer transformers gave for ``key`` is kept on disk (a config's counts; ``sdpa:…``, ``narrower:…``),
     in a folder beside the fits: keyed with the transformers that gave it and this memcalc, so a warm estimate of a
-    family without a block model imports neither torch nor transformers (6.5 s of a Mixtral estimate, 2 cores)."""
+    family without a block model imports neither torch nor transformers (6.5 s of a Mixtral estimate, 2 cores).
+    Each file is sealed (:func:`store_answer`)."""
     from .. import __version__
     from .fit import cache_dir
 
@@ -100,34 +104,74 @@ def answer_path(key: str) -> Path:
     return cache_dir() / "structures" / f"{hashlib.sha256(text.encode()).hexdigest()[:32]}.json"
 
 
+def answer_kind(key: str) -> str:
+    """The kind of answer kept for ``key`` (the envelope's ``kind``, checked on read): ``sdpa``, ``narrower`` or
+    ``structure`` (a config's counts)."""
+    return "sdpa" if key.startswith("sdpa:") else "narrower" if key.startswith("narrower:") else "structure"
+
+
+def _answer_versions() -> dict[str, Any]:
+    from .. import __version__
+
+    return {"memcalc": __version__, "transformers": package_version("transformers")}
+
+
+def stored_answer(key: str, check: Callable[[Any], None], legacy: Callable[[Any], bool]) -> Any:
+    """The answer kept for ``key`` (:func:`answer_path`), or ``None``: none kept, stale (another memcalc or
+    transformers, or a file from before the envelope that ``legacy`` recognises: asked again silently), or damaged
+    (set aside with one notice, ``core.cachefile``). ``check`` raises ``ValueError`` for a payload that cannot be
+    true. JSON only: nothing in the file runs."""
+    path = answer_path(key)
+    return cachefile.read_sealed(path, kind=answer_kind(key), key=path.stem, versions=_answer_versions(),
+                                 what="the cached answer of transformers", check=check, legacy=legacy,
+                                 redo="it is asked again")
+
+
+def store_answer(key: str, payload: dict[str, Any], check: Callable[[Any], None] | None = None) -> bool:
+    """Keep ``payload`` for ``key``, sealed (its kind, its name's key and the versions, with a checksum), whole or
+    not at all; a read-only cache costs a build next time and one notice (``core.cachefile.write_sealed``). An
+    answer its reader's ``check`` would refuse is not kept (asked again next time rather than set aside as damaged
+    on every run)."""
+    if check is not None:
+        try:
+            check(payload)
+        except (ValueError, TypeError, KeyError):
+            return False
+    path = answer_path(key)
+    return cachefile.write_sealed(path, kind=answer_kind(key), key=path.stem, versions=_answer_versions(),
+                                  payload=payload, what="the cached answer of transformers")
+
+
+def _check_structure(payload: Any) -> None:
+    if not isinstance(payload, dict) or set(payload) != set(STRUCTURE_KEYS):
+        raise ValueError("it does not hold a config's counts")
+    problem = structure_problem(payload)
+    if problem is not None:
+        raise ValueError(f"its counts are inconsistent: {problem}")
+
+
+def _legacy_structure(data: dict[str, Any]) -> bool:
+    return set(data) <= set(STRUCTURE_KEYS) and all(type(v) is int for v in data.values()) and bool(data)
+
+
 def _stored_structure(key: str) -> dict[str, int] | None:
-    """The counts kept for ``key``, or ``None`` (none kept, unreadable, or not every count a whole number: counted
-    again). JSON only: nothing in the file runs."""
-    try:
-        data = json.loads(answer_path(key).read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(data, dict) or any(type(data.get(k)) is not int or data[k] < 0 for k in STRUCTURE_KEYS):
-        return None
-    return {k: int(data[k]) for k in STRUCTURE_KEYS}
+    """The counts kept for ``key``, or ``None`` (none kept, stale, or damaged: counted again; a damaged file is set
+    aside with one notice). The counts must be whole numbers consistent with one another
+    (``core.fitted.structure_problem``)."""
+    data = stored_answer(key, _check_structure, _legacy_structure)
+    return {k: int(data[k]) for k in STRUCTURE_KEYS} if data is not None else None
 
 
 def _store_structure(key: str, counts: dict[str, int]) -> None:
-    """Keep ``counts`` for ``key`` (whole file or none: a name of this process and thread, then a rename; a
-    read-only cache only costs a build next time)."""
-    write_whole_json(answer_path(key), counts)
+    """Keep ``counts`` for ``key`` (:func:`store_answer`)."""
+    store_answer(key, counts, _check_structure)
 
 
-def write_whole_json(path: Path, data: dict[str, Any]) -> None:
-    """``data`` at ``path`` whole or not at all (a name of this process and thread, then a rename); nothing when
-    the folder cannot be written."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.stem}.{os.getpid()}.{threading.get_ident()}.tmp")
-        tmp.write_text(json.dumps(data))
-        tmp.replace(path)
-    except OSError:
-        pass
+def write_whole_json(path: Path, data: dict[str, Any]) -> bool:
+    """``data`` (plain JSON, no envelope) at ``path`` whole or not at all: ``core.files.atomic_write``, its
+    temporary file removed on any failure (a full disk, a folder at ``path``, no permission); ``False`` and one
+    notice per folder when it cannot be written. memcalc's own cache files are sealed (:func:`store_answer`)."""
+    return cachefile.write_bytes(path, json.dumps(data).encode())
 
 
 @functools.lru_cache(maxsize=16)
@@ -200,17 +244,25 @@ def auto_config(model_type: str, kwargs: dict[str, Any]) -> Any:
 def supports_sdpa(config: dict[str, Any]) -> bool:
     """Whether transformers' causal-LM class for the config's ``model_type`` runs SDPA attention (its
     ``_supports_sdpa``; Gemma 2 and BLOOM, for instance, do not). Unknown types answer True (the build says more).
-    Kept on disk per model type and transformers version, as the counts are."""
+    Kept on disk per model type and transformers version, as the counts are (sealed: a file edited to say True,
+    which made Gemma 2 fail each run, is damaged or stale and asked again; one with its checksum recomputed is not
+    detectable from the file)."""
     key = "sdpa:" + str(config.get("model_type", "")).strip().lower()
-    try:
-        stored = json.loads(answer_path(key).read_text())
-    except (OSError, ValueError):
-        stored = None
-    if isinstance(stored, dict) and isinstance(stored.get("sdpa"), bool):
+    stored = stored_answer(key, _check_sdpa, _legacy_sdpa)
+    if stored is not None:
         return bool(stored["sdpa"])
     answer = _supports_sdpa_now(config)
-    write_whole_json(answer_path(key), {"sdpa": answer})
+    store_answer(key, {"sdpa": answer}, _check_sdpa)
     return answer
+
+
+def _check_sdpa(payload: Any) -> None:
+    if not isinstance(payload, dict) or set(payload) != {"sdpa"} or not isinstance(payload["sdpa"], bool):
+        raise ValueError("it does not hold an SDPA answer")
+
+
+def _legacy_sdpa(data: dict[str, Any]) -> bool:
+    return set(data) == {"sdpa"} and isinstance(data["sdpa"], bool)
 
 
 def _supports_sdpa_now(config: dict[str, Any]) -> bool:

@@ -165,10 +165,11 @@ def _narrower_config_memo(config: dict[str, Any], tp: int, experts_whole: bool) 
             found = _narrower_config(config, tp, experts_whole)
         except InputError as exc:
             found = exc
-        from .meta import answer_path, write_whole_json
+        from .meta import store_answer
 
-        write_whole_json(answer_path("narrower:" + key), {"error": [found.field, found.reason]}
-                    if isinstance(found, InputError) else {"config": found})
+        store_answer("narrower:" + key, {"error": [found.field, found.reason]}
+                     if isinstance(found, InputError) else {"config": found},
+                     lambda payload: _check_narrower(key, payload))
         with _NARROWER_LOCK:
             if len(_NARROWER) >= _NARROWER_KEPT:
                 _NARROWER.pop(next(iter(_NARROWER)))
@@ -180,19 +181,57 @@ def _narrower_config_memo(config: dict[str, Any], tp: int, experts_whole: bool) 
 
 def _stored_narrower(key: str) -> dict[str, Any] | InputError | None:
     """The answer kept on disk for ``key`` (beside the meta-device counts, keyed with the installed transformers):
-    a warm layout search imports no transformers for it. JSON only; anything else there is asked again."""
-    from .meta import answer_path
+    a warm layout search imports no transformers for it. Sealed and checked (:func:`_check_narrower`): anything else
+    there is asked again (a damaged file set aside with one notice)."""
+    from .meta import stored_answer
 
-    try:
-        data = json.loads(answer_path("narrower:" + key).read_text())
-    except (OSError, ValueError):
+    data = stored_answer("narrower:" + key, lambda payload: _check_narrower(key, payload), _legacy_narrower)
+    if data is None:
         return None
-    if isinstance(data, dict) and isinstance(data.get("config"), dict):
+    if "config" in data:
         return dict(data["config"])
-    error = data.get("error") if isinstance(data, dict) else None
-    if isinstance(error, list) and len(error) == 2 and all(isinstance(e, str) for e in error):
-        return InputError(error[0], error[1])
-    return None
+    return InputError(data["error"][0], data["error"][1])
+
+
+#: The keys a narrower config may change or add (:func:`_narrower_config`): the heads, the head size, the widths
+#: the plan splits.
+_NARROWED = ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "moe_intermediate_size",
+             "shared_expert_intermediate_size")
+
+
+def _check_narrower(key: str, payload: Any) -> None:
+    """``ValueError`` where a kept answer for ``key`` (``[config, tp, experts_whole]``) cannot be
+    :func:`_narrower_config`'s: a refusal is a field and a reason of bounded length; a config keeps every other key
+    of the asked config as it is, and each width it changes is the asked one over ``tp``."""
+    if not isinstance(payload, dict) or len(payload) != 1:
+        raise ValueError("it holds no narrower config or refusal")
+    if "error" in payload:
+        error = payload["error"]
+        if not (isinstance(error, list) and len(error) == 2 and all(isinstance(e, str) for e in error)
+                and len(error[1]) <= 2000):
+            raise ValueError("its refusal is not a field and a reason")
+        return
+    out = payload.get("config")
+    asked, tp, _whole = json.loads(key)
+    if not isinstance(out, dict) or not isinstance(asked, dict) or type(tp) is not int or tp < 1:
+        raise ValueError("it holds no narrower config")
+    for name in set(asked) | set(out):
+        if name not in out:
+            raise ValueError(f"its config lost the key {name[:40]!r}")
+        if name in _NARROWED:
+            value, was = out[name], asked.get(name)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"its {name} is not a positive whole number")
+            if type(was) is int and name != "head_dim":  # the heads are always split, a width where the plan does
+                split = (was // tp,) if name in ("num_attention_heads", "num_key_value_heads") else (was, was // tp)
+                if value not in split:
+                    raise ValueError(f"its {name} is not the asked one over the tensor-parallel degree")
+        elif name not in asked or out[name] != asked[name]:
+            raise ValueError(f"its config changed {name[:40]!r}, which a tensor-parallel rank keeps")
+
+
+def _legacy_narrower(data: dict[str, Any]) -> bool:
+    return len(data) == 1 and ("config" in data or "error" in data)
 
 
 def _narrower_config(config: dict[str, Any], tp: int, experts_whole: bool = False) -> dict[str, Any]:
