@@ -457,3 +457,29 @@ def test_the_cli_says_it_once_and_answers_the_same(pristine: SimpleNamespace, ca
     assert not leftovers(case) and not any(case.work.iterdir())
     proc, _ = memcalc(argv, case.cache, case.work)
     assert (proc.returncode, proc.stdout, proc.stderr) == (0, pristine.answers[command], "")
+
+
+def test_the_window_says_a_damaged_fit_once_and_shows_the_same_result(pristine: SimpleNamespace,
+                                                                      case: SimpleNamespace, qtbot: Any) -> None:
+    """The window on the same config and setup as the CLI: the damaged fit is set aside, recalibrated in its worker,
+    said once in the status bar, and the peak it shows is the CLI's answer from the pristine cache."""
+    from memcalc_gui.ui.form import default_state
+    from memcalc_gui.ui.main_window import MainWindow
+
+    poison_fit("x0.01-forged", case.fit)
+    state = default_state().replace(model_kind="config", config_path=str(pristine.root / "opt.json"),
+                                    precision="bf16", optimizer="adamw", batch="2", seq="128", grad_accum="1",
+                                    gpu="", capacity="1GiB")
+    window = MainWindow(initial_state=state, persist=False)
+    qtbot.addWidget(window)
+    said: list[str] = []
+    window.statusBar().messageChanged.connect(said.append)
+    window.show()
+    qtbot.waitUntil(lambda: window.result is not None and window.result.setup.extras.get("fitted"), timeout=60_000)
+    expected = json.loads(pristine.answers["fitted"])
+    assert window.result.estimate.peak_bytes == expected["peak_bytes"] and case.traced == [1]
+    notes = [m for m in said if "set aside as" in m]
+    assert len(notes) == 1 and case.fit.name in notes[0] and "\n" not in notes[0], said
+    window.refresh()
+    assert len([m for m in said if "set aside as" in m]) == 1
+    assert case.fit.with_name(case.fit.name + ".bad").exists() and not leftovers(case)

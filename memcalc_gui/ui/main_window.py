@@ -46,6 +46,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from ..core.cachefile import take_notices
 from ..core.errors import ConfigError, InputError, one_line
 from ..core.result import Result, evaluate
 from ..trace.fake import TraceCancelled
@@ -665,7 +666,16 @@ class MainWindow(QMainWindow):
             self._update_undo_actions()
 
     def refresh(self) -> bool:
-        """Estimate the form now; ``False`` (and inline errors, old result kept) when an input is invalid."""
+        """Estimate the form now; ``False`` (and inline errors, old result kept) when an input is invalid. A damaged
+        cache file met on the way (here or by a calibration before) is said once in the status bar."""
+        try:
+            return self._refresh()
+        finally:
+            notices = take_notices()
+            if notices and not self._closed:
+                self.statusBar().showMessage(" ".join(notices), 15000)
+
+    def _refresh(self) -> bool:
         self.debounce.stop()
         if self._closed:
             return False
