@@ -445,6 +445,16 @@ def _parse(data: bytes, repo_id: str) -> dict[str, Any]:
 
 
 # ---- the lookup -----------------------------------------------------------------------------------------------
+def _local(text: str) -> Path | None:
+    """The folder or ``.json`` file ``text`` names on this machine, or ``None`` (also for a name no file system can
+    hold: ``Path.is_dir`` raises for a component past 255 bytes, or a NUL)."""
+    try:
+        local = Path(text).expanduser()
+        return local if local.is_dir() or (local.is_file() and local.suffix == ".json") else None
+    except (OSError, ValueError, RuntimeError):  # RuntimeError: ~user that does not exist
+        return None
+
+
 def resolve_config(model_id: str, revision: str | None = None, *, allow_network: bool = True) -> HubConfig:
     """The ``config.json`` of ``model_id``: a local directory or file, else the local Hugging Face cache, else
     memcalc's cache, else the bundled preset, else the Hub.
@@ -455,8 +465,8 @@ def resolve_config(model_id: str, revision: str | None = None, *, allow_network:
     text = model_id.strip()
     if not text:
         raise _fail("give a Hub id such as meta-llama/Llama-3.1-8B")
-    local = Path(text).expanduser()
-    if local.is_dir() or (local.is_file() and local.suffix == ".json"):
+    local = _local(text)
+    if local is not None:
         file = local / "config.json" if local.is_dir() else local
         if not file.is_file():
             raise _fail(f"{local} has no config.json")

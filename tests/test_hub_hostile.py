@@ -16,7 +16,6 @@ import contextlib
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -25,6 +24,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import childmem
 import pytest
 from PySide6.QtCore import Qt
 
@@ -246,27 +246,28 @@ def _outside(root: Path, before: set[Path]) -> list[str]:
 
 def run_cli(args: list[str], endpoint: str, tree: Path) -> tuple[int, str, str, float, int]:
     """The real CLI in its own process, online (the suite's HF_HUB_OFFLINE=1 overridden), every folder in ``tree``:
-    exit status, stdout, stderr, seconds, and the process's peak resident memory in bytes."""
+    exit status, stdout, stderr, seconds, and the command's own peak resident memory in bytes (tests/childmem.py:
+    a child's ``ru_maxrss`` would count this pytest worker's too)."""
     drop = ("HF_", "TRANSFORMERS_OFFLINE", "MEMCALC_CACHE_DIR", "XDG_CACHE_HOME", "TMPDIR")
     env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
     env.update(HF_ENDPOINT=endpoint, HF_HUB_OFFLINE="0", HF_TOKEN=TOKEN, HOME=str(tree / "home"),
                HF_HOME=str(tree / "hf"), XDG_CACHE_HOME=str(tree / "xdg"), TMPDIR=str(tree / "tmp"),
                MEMCALC_CACHE_DIR=str(tree / "memcalc"), PYTHONPATH=str(ROOT), PYTHONDONTWRITEBYTECODE="1")
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
+            tempfile.TemporaryDirectory() as measured:  # outside ``tree``: nothing of the test's appears there
+        env[childmem.PEAK_ENV] = str(Path(measured) / "peak")
         t0 = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, "-m", "memcalc_gui.cli", *args], stdout=out, stderr=err,
+        proc = subprocess.Popen(childmem.command("memcalc_gui.cli", *args), stdout=out, stderr=err,
                                 stdin=subprocess.DEVNULL, env=env)
-        timer = threading.Timer(60, proc.kill)  # a hang fails the bound below instead of the suite
-        timer.start()
         try:
-            _, status, usage = os.wait4(proc.pid, 0)  # this child's own peak memory
-        finally:
-            timer.cancel()
+            proc.wait(timeout=60)  # a hang fails the bound below instead of the suite
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
         seconds = time.perf_counter() - t0
-        proc.returncode = os.waitstatus_to_exitcode(status)
         out.seek(0)
         err.seek(0)
-        peak = usage.ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+        peak = childmem.read_peak(Path(measured) / "peak") or 0  # the command's own (VmHWM; 0 where unknown)
         return proc.returncode, out.read().decode(), err.read().decode(), seconds, peak
 
 
@@ -456,7 +457,8 @@ def test_the_window_fetch_ends_on_its_own(qtbot: Any, tree: Path, online: Server
     w.close()
 
 
-@pytest.mark.parametrize("repo_id", ["org/x.git", "-org/x", "org/.x", "org/x-", "a/b/c", "org/x\ny", "org/" + "x" * 97])
+@pytest.mark.parametrize("repo_id", ["org/x.git", "-org/x", "org/.x", "org/x-", "a/b/c", "org/x\ny", "org/" + "x" * 97,
+                                     "a" * 300 + "/x", "org/x\0y", "~nosuchuser-memcalc/x"])
 def test_repo_ids_follow_the_hubs_rules(repo_id: str) -> None:
     """huggingface_hub's validator on top of memcalc's pattern: refused before any cache or network is consulted."""
     from memcalc_gui.core.errors import InputError

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from .errors import InputError
-from .files import atomic_write, read_regular
+from .files import atomic_write, file_kind, read_regular
 
 #: The envelope's format: a file of another format is stale (computed again, silently).
 CACHE_FORMAT: Final = 1
@@ -138,18 +138,6 @@ def _stamp(st: os.stat_result) -> tuple[int, int, int, int]:
     return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
-def _kind_of(mode: int) -> str:
-    if stat.S_ISDIR(mode):
-        return "a folder"
-    if stat.S_ISFIFO(mode):
-        return "a pipe (FIFO)"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "a device"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    return "not a regular file"
-
-
 _SHA_FIELD: Final = b',"sha256":"'
 
 
@@ -226,7 +214,7 @@ def read_sealed(path: Path, *, kind: str, key: str, versions: dict[str, Any], wh
             return None
     try:
         if not stat.S_ISREG(st.st_mode):
-            raise Damaged(f"it is {_kind_of(st.st_mode)}")
+            raise Damaged(f"it is {file_kind(st.st_mode)}")
         try:
             raw = read_regular(path, field="cache", limit=MAX_CACHE_FILE_BYTES, what="cache file")
         except InputError as exc:
@@ -295,7 +283,7 @@ def write_bytes(path: Path, data: bytes, *, what: str = "the cache file") -> boo
         with contextlib.suppress(FileNotFoundError):
             st = os.lstat(path)
             if not stat.S_ISREG(st.st_mode):
-                set_aside(path, f"it is {_kind_of(st.st_mode)}", what, "memcalc writes the file there again")
+                set_aside(path, f"it is {file_kind(st.st_mode)}", what, "memcalc writes the file there again")
         atomic_write(path, data, field="cache")
     except (OSError, InputError) as exc:
         notice(f"the cache folder {_shown(folder)} cannot be written ({_os_why(exc)}): calibrations and the answers "

@@ -74,7 +74,8 @@ def _os_reason(exc: OSError) -> str:
     return reasons.get(exc.errno or 0) or exc.strerror or type(exc).__name__
 
 
-def _kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
+    """What a file of ``mode`` is, in words ("a folder", "a pipe (FIFO)", "a device", …)."""
     if stat.S_ISDIR(mode):
         return "a folder"
     if stat.S_ISFIFO(mode):
@@ -108,7 +109,7 @@ def read_regular(path: str | os.PathLike[str], *, field: str, limit: int, what: 
     if st is None:
         raise InputError(field, f"cannot read {_name(p)}: no such file")
     if not stat.S_ISREG(st.st_mode):
-        raise InputError(field, f"{_name(p)} is {_kind(st.st_mode)}; a {what} is a regular file (a pipe, device, "
+        raise InputError(field, f"{_name(p)} is {file_kind(st.st_mode)}; a {what} is a regular file (a pipe, device, "
                                 "socket or folder is never read)")
     if st.st_size > limit:
         raise InputError(field, f"{_name(p)} is {st.st_size:,} bytes; a {what} is at most {limit:,}")
@@ -163,7 +164,7 @@ def check_output(path: str | os.PathLike[str], *, field: str) -> Path:
     st = _stat(target, field)
     if st is not None and not stat.S_ISREG(st.st_mode):
         via = " (through a symbolic link)" if link is not None and stat.S_ISLNK(link.st_mode) else ""
-        raise OutputError(field, target, f"it is {_kind(st.st_mode)}{via}; memcalc writes only regular files")
+        raise OutputError(field, target, f"it is {file_kind(st.st_mode)}{via}; memcalc writes only regular files")
     folder = _stat(target.parent, field)
     if folder is None or not stat.S_ISDIR(folder.st_mode):
         raise OutputError(field, target, f"the folder {_name(target.parent)} does not exist")
