@@ -459,3 +459,31 @@ def test_a_calibration_traces_one_micro_batch_in_its_first_iteration_and_the_sam
         assert warm.phases[phase].peak_bytes == whole.phases[phase].peak_bytes, phase  # type: ignore[attr-defined]
         assert warm.phases[phase].objects == whole.phases[phase].objects, phase  # type: ignore[attr-defined]
         assert warm.phases[phase].live_bytes == whole.phases[phase].live_bytes, phase  # type: ignore[attr-defined]
+
+
+def test_a_layer_pattern_repeats_past_the_layers_it_names() -> None:
+    """A calibration traces more layers than a shallow config has: a 2-layer gpt-oss is fitted from 3 and 4 layers,
+    and transformers checks ``layer_types`` against the count (issue 62: an internal error). The pattern repeats, as
+    gpt-oss's and Gemma 3's own defaults repeat theirs; a deeper one is cut as before."""
+    from memcalc_gui.core.configfile import with_layers
+
+    two = dict(GPT_OSS, num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"])
+    assert with_layers(two, 5)["layer_types"] == ["sliding_attention", "full_attention"] * 2 + ["sliding_attention"]
+    assert with_layers(GPT_OSS, 3)["layer_types"] == GPT_OSS["layer_types"][:3]
+    assert with_layers(dict(GPT_OSS, layer_types=[]), 3)["layer_types"] == []
+
+
+@pytest.mark.full_suite
+def test_a_two_layer_gpt_oss_is_estimated(tmp_path, capsys) -> None:
+    """The issue's reproducer through the CLI: a 2-layer gpt-oss config answers with the fitted method, within the fit's
+    tolerance of the full trace."""
+    from memcalc_gui.cli import main
+
+    cfg = tmp_path / "gpt-oss-2.json"
+    cfg.write_text(json.dumps(dict(GPT_OSS, num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"])))
+    peaks = {}
+    for method in ("fitted", "trace"):
+        assert main(["estimate", "--config", str(cfg), "--attention", "eager", "--batch", "2", "--seq", "64",
+                     "--method", method, "--json"]) == 0
+        peaks[method] = json.loads(capsys.readouterr().out)["peak_tensor_bytes"]
+    assert peaks["fitted"] == pytest.approx(peaks["trace"], rel=0.005)

@@ -179,12 +179,15 @@ LAYER_KEYS: Final = ("num_hidden_layers", "n_layer", "num_layers")
 
 
 def with_layers(cfg: dict[str, Any], layers: int) -> dict[str, Any]:
-    """``cfg`` with ``layers`` decoder layers: the per-layer lists cut to match (``layer_types`` — gpt-oss's and
-    Gemma 3's sliding/full pattern, which transformers checks against the count — and ``mlp_only_layers``)."""
+    """``cfg`` with ``layers`` decoder layers: the per-layer lists made to match (``layer_types`` — gpt-oss's and
+    Gemma 3's sliding/full pattern, which transformers checks against the count — cut, or for more layers than it
+    names repeated as a pattern, as those families' own defaults repeat theirs; ``mlp_only_layers`` cut). A
+    calibration traces more layers than a shallow config has (a 2-layer gpt-oss is fitted from 3 and 4)."""
     key = next((k for k in LAYER_KEYS if k in cfg), "num_hidden_layers")
     out = dict(cfg, **{key: layers})
-    if isinstance(cfg.get("layer_types"), list):
-        out["layer_types"] = cfg["layer_types"][:layers]
+    types = cfg.get("layer_types")
+    if isinstance(types, list) and types:
+        out["layer_types"] = [types[i % len(types)] for i in range(layers)]
     if isinstance(cfg.get("mlp_only_layers"), list):
         out["mlp_only_layers"] = [i for i in cfg["mlp_only_layers"] if isinstance(i, int) and i < layers]
     return out

@@ -114,6 +114,9 @@ def _trace(cfg: dict[str, Any], layers: int, b: int, s: int, setup: TrainingSetu
     from .fake import TRACED_MICRO_BATCHES, unpacked_sequences
 
     par = setup.parallel
+    # the step in backward steps each parameter as its gradient arrives: there is nothing to accumulate, so its
+    # traces run one micro-batch (the steady iteration's accumulating and single fits are then the same)
+    micro_batches = 1 if setup.optimizer_in_backward else TRACED_MICRO_BATCHES
     if sharded:
         from ..core.fitted import rank_layout
         from .ranks import RankLayout, trace_rank
@@ -124,7 +127,7 @@ def _trace(cfg: dict[str, Any], layers: int, b: int, s: int, setup: TrainingSetu
             # or bf16 for the strategies that compute in it)
             batch=b, seq=s, precision=setup.precision if par.strategy == "fsdp2" else traced_precision(setup),
             optimizer=setup.optimizer, optimizer_impl=setup.optimizer_impl, attention=setup.attention,
-            checkpointing=setup.checkpointing, use_cache=setup.use_cache, grad_accum=TRACED_MICRO_BATCHES,
+            checkpointing=setup.checkpointing, use_cache=setup.use_cache, grad_accum=micro_batches,
             iterations=2, fake=True, keep_tracker=True, loss=setup.loss, loss_chunk=setup.loss_chunk,
             optimizer_in_backward=setup.optimizer_in_backward, galore_rank=setup.galore_rank, galore_gap=1,
             warmup_micro_batches=WARMUP_MICRO_BATCHES)
@@ -150,7 +153,7 @@ def _trace(cfg: dict[str, Any], layers: int, b: int, s: int, setup: TrainingSetu
             with_layers(cfg, layers), batch=b, seq=s, precision=traced_precision(setup),
             optimizer=setup.optimizer, optimizer_impl=setup.optimizer_impl, attention=setup.attention,
             checkpointing=setup.checkpointing, use_cache=setup.use_cache,
-            grad_accum=TRACED_MICRO_BATCHES, iterations=2, fake=True, keep_tracker=True,
+            grad_accum=micro_batches, iterations=2, fake=True, keep_tracker=True,
             tuning=setup.tuning if setup.tuning.method != "full" else None, loss=setup.loss,
             loss_chunk=setup.loss_chunk, optimizer_in_backward=setup.optimizer_in_backward,
             activation_offload=setup.activation_offload, galore_rank=setup.galore_rank, galore_gap=1,
