@@ -161,7 +161,7 @@ def cache_changes(spec: ModelSpec, d: Dtypes, tokens: int, attention: str) -> tu
 def attention_saved(spec: ModelSpec, d: Dtypes, batch: int, seq: int, attention: str,
                     use_cache: bool = False, packed: bool = False, cuda: bool = True) -> dict[str, int]:
     """Tensors one attention block keeps, by name (bytes); ``use_cache`` applies :func:`cache_changes`, ``packed``
-    the packed documents' mask (:func:`packed_sdpa_changes`)."""
+    an explicit SDPA mask (packed documents, a sliding window: :func:`sdpa_masked`, :func:`packed_sdpa_changes`)."""
     items = _attention_saved(spec, d, batch, seq, attention)
     if packed and attention == "sdpa":
         items.update(packed_sdpa_changes(spec, d, batch, seq, cuda))
@@ -192,12 +192,26 @@ def packed_sdpa_changes(spec: ModelSpec, d: Dtypes, batch: int, seq: int, cuda: 
     if spec.num_kv_heads < spec.num_heads:  # repeat_kv: all heads, contiguous (and autocast's 16-bit casts)
         items["k"] = t * spec.q_dim * q_bytes
         items["v"] = t * spec.q_dim * d.matmul
+        if spec.fused_qkv:  # v was a view of the fused output, kept alive by SDPA; its repeated copy is not
+            items["qkv"] = 0
     return items
 
 
-def packed_mask_bytes(setup: TrainingSetup) -> int:
-    """transformers' bool block-diagonal mask of packed documents (SDPA), alive while the decoder body runs."""
-    return setup.rows * setup.row_len ** 2 if setup.packing and setup.attention == "sdpa" else 0
+def sdpa_masked(spec: ModelSpec, setup: TrainingSetup) -> bool:
+    """Whether transformers hands SDPA an explicit mask rather than ``is_causal``: packed documents (their
+    block-diagonal mask), or a sliding window the sequence reaches (``masking_utils._ignore_causal_mask_sdpa``:
+    with a window of W tokens the mask is built once the keys number W or more). Either way it repeats grouped k/v
+    heads and SDPA keeps an additive copy of the mask in every layer (:func:`packed_sdpa_changes`; measured on
+    Mistral with a 128-token window at 1,024 tokens: 4.5 MiB a layer, to the kilobyte)."""
+    if setup.attention != "sdpa":
+        return False
+    return setup.packing or (spec.sliding_layers > 0 and setup.row_len >= spec.sliding_window > 0)
+
+
+def sdpa_mask_bytes(spec: ModelSpec, setup: TrainingSetup) -> int:
+    """transformers' bool mask (``rows × 1 × L × L``: packed documents' block-diagonal one, or the sliding window's),
+    alive while the decoder body runs."""
+    return setup.rows * setup.row_len ** 2 if sdpa_masked(spec, setup) else 0
 
 
 def _attention_saved(spec: ModelSpec, d: Dtypes, batch: int, seq: int, attention: str) -> dict[str, int]:
@@ -281,7 +295,7 @@ def layer_saved(spec: ModelSpec, setup: TrainingSetup) -> dict[str, int]:
             items[f"norm{idx + 1}"] += n["input"]  # the fp32 upcast is a new tensor
     use_cache = setup.use_cache and setup.checkpointing == "none"
     for name, value in attention_saved(spec, d, setup.rows, setup.row_len, setup.attention, use_cache,
-                                       setup.packing, setup.target_device == "cuda").items():
+                                       sdpa_masked(spec, setup), setup.target_device == "cuda").items():
         items[f"attn.{name}"] = value
     items.update(mlp_saved(spec, d, t))
     n_residual = 1 if spec.parallel_residual else 2
@@ -388,7 +402,7 @@ def tuned_layer_saved(spec: ModelSpec, setup: TrainingSetup, *, first: bool = Fa
         items[f"norm{idx + 1}"] = kept
     # attention: what SDPA/eager keep is unchanged (q, k or v requires a gradient from the adapters on)
     full_attn = attention_saved(spec, d, setup.rows, setup.row_len, setup.attention,
-                                setup.use_cache and setup.checkpointing == "none", setup.packing,
+                                setup.use_cache and setup.checkpointing == "none", sdpa_masked(spec, setup),
                                 setup.target_device == "cuda")
     for name, value in full_attn.items():
         items[f"attn.{name}"] = value if attn_grad else 0

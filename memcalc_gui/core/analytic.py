@@ -27,8 +27,9 @@ from .activations import (
     mlp_saved,
     norm_outputs,
     norm_saved,
-    packed_mask_bytes,
     residual_saved,
+    sdpa_mask_bytes,
+    sdpa_masked,
     selective_saved,
     tuned_layer_saved,
 )
@@ -72,7 +73,7 @@ def attention_transients(spec: ModelSpec, setup: TrainingSetup, d: Dtypes) -> in
     rope_bytes = max(m, d.param) if rope else m
     if setup.attention == "eager":
         return setup.rows * setup.row_len ** 2 * (spec.num_heads * m + d.param)
-    repeated = setup.packing and setup.attention == "sdpa" and spec.num_kv_heads < spec.num_heads
+    repeated = sdpa_masked(spec, setup) and spec.num_kv_heads < spec.num_heads
     out = t * kv * (rope_bytes + m) if repeated else 0
     if d.autocast and rope:
         out += t * (q + (q if repeated else kv)) * rope_bytes
@@ -201,7 +202,7 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
         layers_saved = (n_layers - 1) * s_layer + first_layer + (stream if keep_stream else 0)  # + embedding out
         ckpt = False
     # packed SDPA's bool mask: a checkpointed layer keeps it (an input of its recomputation) through backward
-    model_saved = rope_tables + final_saved + (packed_mask_bytes(setup) if ckpt or n_ck else 0)
+    model_saved = rope_tables + final_saved + (sdpa_mask_bytes(spec, setup) if ckpt or n_ck else 0)
     acts_fwd = layers_saved + model_saved
     # use_cache=True: the DynamicCache's copies that nothing saves live until the model returns
     cache_held = (n_layers - n_ck) * cache_changes(spec, d, t, setup.attention)[1] \
@@ -306,7 +307,7 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
         fwd_candidates.append(("layer-end", _objects(**loss_fwd, activations=kept_fwd + cache_held,
                                                      temporaries=t * h * d.matmul + stage_out + held)))
         forward = max(forward, fwd_candidates[-1][1], key=lambda m: sum(m.values()))
-    mask = packed_mask_bytes(setup)  # packed SDPA's bool mask: alive while the decoder body runs
+    mask = sdpa_mask_bytes(spec, setup)  # packed SDPA's bool mask: alive while the decoder body runs
     attn_part = sum(val for key, val in per_layer.items() if key.startswith("attn.")) + per_layer["norm1"]
     # a checkpointed layer at its attention kernel: the attention's tensors and the first norm's output
     attn_at_kernel = attn_part - per_layer["norm1"] + t * h * (
@@ -485,12 +486,12 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
             # offloaded: only this layer's input, copied back (torchtune prefetches the next one on a GPU stream)
             earlier = k * stream + (k - 1) * sac if offload == "none" else \
                 stream * (2 if offload == "checkpoint-inputs" and setup.target_device == "cuda" and k > bottom else 1)
-            earlier += packed_mask_bytes(setup)
+            earlier += sdpa_mask_bytes(spec, setup)
         elif tuned and not tp.layers_trained:
             earlier = (first_layer + (below - 1) * s_layer) if below else 0
         elif n_ck:  # the layers below keep their input or what they save; a checkpointed one keeps its own input
             earlier = sum(stream if checkpointed(j) else s_layer for j in range(bottom, k)) + \
-                (stream if checkpointed(k) else stream_kept) + packed_mask_bytes(setup)
+                (stream if checkpointed(k) else stream_kept) + sdpa_mask_bytes(spec, setup)
         else:
             earlier = stream_kept + below * s_layer
         current = (first_layer if tuned and not tp.layers_trained and k == 1 else s_layer) - stream_kept
@@ -938,6 +939,7 @@ def _assumptions(spec: ModelSpec, setup: TrainingSetup, opt_note: str) -> tuple[
         *_tuning_assumptions(spec, setup),
         *([f"Padding-free packing (DataCollatorWithFlattening): {setup.packing_text()}, position_ids restarting at "
            "each document; " + PACKING_WORDS[setup.attention]] if setup.packing else []),
+        *_sliding_assumptions(spec, setup),
         *([OFFLOAD_WORDS[setup.activation_offload] + (
             "; on a GPU the next layer's input is prefetched while this one runs (one more in flight)"
             if setup.activation_offload == "checkpoint-inputs" and setup.target_device == "cuda" else "")]
@@ -946,6 +948,22 @@ def _assumptions(spec: ModelSpec, setup: TrainingSetup, opt_note: str) -> tuple[
         f"{setup.allocator_reserve:.0%} of tensor bytes (memory-profiling guide: fragmentation 5–20 %)",
     ]
     return tuple(rows)
+
+
+def _sliding_assumptions(spec: ModelSpec, setup: TrainingSetup) -> list[str]:
+    """What a sliding attention window (Mistral, Phi-3, Qwen2/3 with ``use_sliding_window``) does to the step."""
+    if not spec.sliding_window or not spec.sliding_layers:
+        return []
+    which = "every layer" if spec.sliding_layers >= spec.num_layers else \
+        f"{spec.sliding_layers} of {spec.num_layers} layers (counted in every layer: an upper bound)"
+    window = f"Sliding attention window of {spec.sliding_window:,} tokens in {which}"
+    if setup.attention != "sdpa" or setup.packing:
+        return [window]
+    if setup.row_len < spec.sliding_window:
+        return [f"{window}: the sequence is shorter, so transformers passes SDPA no mask (is_causal)"]
+    return [f"{window}: from that many tokens on transformers passes SDPA an explicit mask (bool, rows × L × L), "
+            "which every layer keeps as an additive copy in q's dtype for backward, and repeats grouped k/v heads "
+            "(no enable_gqa with a mask); flash attention keeps neither"]
 
 
 PACKING_WORDS = {

@@ -78,6 +78,11 @@ class ModelSpec:
     fused_gate_up: bool
     hidden_act: str
     rotary_dim: int  # dims of each head that get rotary embedding (0: learned positions)
+    #: A sliding attention window (tokens; 0: none) and how many decoder layers use it (transformers' config classes:
+    #: every layer of Mistral and Phi-3 when ``sliding_window`` is set; Qwen2's and Qwen3's layers from
+    #: ``max_window_layers`` on, or their ``layer_types``, when ``use_sliding_window``).
+    sliding_window: int = 0
+    sliding_layers: int = 0
     #: A pipeline stage holds a slice of the layers: the first stage the embedding, the last the final norm and the
     #: LM head (a tied head is then the last stage's own copy, as Megatron-LM keeps it; ``core.pipeline``).
     stage_first: bool = True
@@ -309,6 +314,28 @@ def _check_names(cfg: dict[str, Any]) -> None:
                                                   f"{', '.join(sorted(ROPE_TYPES))}")
 
 
+def _sliding(cfg: dict[str, Any], family: str, layers: int) -> tuple[int, int]:
+    """(window in tokens, decoder layers that use it) as transformers' config classes decide them: Mistral's
+    ``sliding_window`` defaults to 4096 (``MistralConfig``), Phi-3's to none; Qwen2's and Qwen3's apply only with
+    ``use_sliding_window``, to the layers from ``max_window_layers`` (default 28) on or those ``layer_types`` name. A
+    ``sliding_window`` of null is none."""
+    if family in ("mistral", "phi3"):
+        if "sliding_window" in cfg and cfg["sliding_window"] is None:
+            return 0, 0
+        window = _get_int(cfg, "sliding_window", default=4096 if family == "mistral" else 0, required=False)
+        return (window, layers) if window else (0, 0)
+    if family in ("qwen2", "qwen3") and _get_bool(cfg, "use_sliding_window", False):
+        if "sliding_window" in cfg and cfg["sliding_window"] is None:
+            return 0, 0
+        window = _get_int(cfg, "sliding_window", default=4096)
+        types = cfg.get("layer_types")
+        if isinstance(types, list):
+            return window, min(layers, sum(1 for t in types if t == "sliding_attention"))
+        first = _get_int(cfg, "max_window_layers", default=28) if cfg.get("max_window_layers") != 0 else 0
+        return window, max(0, layers - first)
+    return 0, 0
+
+
 def spec_from_config(cfg: Any, *, name: str = "", source: str = "") -> ModelSpec:
     """Build a :class:`ModelSpec` from a parsed ``config.json`` dictionary."""
     if not isinstance(cfg, dict):
@@ -362,6 +389,7 @@ def spec_from_config(cfg: Any, *, name: str = "", source: str = "") -> ModelSpec
         attention_bias = _get_bool(cfg, "attention_bias", False) if family in ("llama", "qwen3", "gemma") else False
         qkv_bias = True if family == "qwen2" else attention_bias
         rope_factor = _get_float(cfg, "partial_rotary_factor", 1.0)
+        window, sliding = _sliding(cfg, family, layers)
         return ModelSpec(
             vocab_size=vocab, hidden_size=h, num_layers=layers, num_heads=heads, num_kv_heads=kv,
             head_dim=head_dim, intermediate_size=inter,
@@ -373,7 +401,7 @@ def spec_from_config(cfg: Any, *, name: str = "", source: str = "") -> ModelSpec
             qk_norm="rmsnorm" if family == "qwen3" else "none",
             fused_qkv=family == "phi3", fused_gate_up=family == "phi3",
             hidden_act="gelu_pytorch_tanh" if family == "gemma" else act,
-            rotary_dim=int(head_dim * rope_factor), **common,
+            rotary_dim=int(head_dim * rope_factor), sliding_window=window, sliding_layers=sliding, **common,
         )
     if family == "gpt_neox":
         attention_bias = _get_bool(cfg, "attention_bias", True)
