@@ -67,12 +67,17 @@ def flash_backward_bytes(spec: ModelSpec, d: Dtypes, tokens: int, documents: int
 def attention_transients(spec: ModelSpec, setup: TrainingSetup, d: Dtypes) -> int:
     """What an attention block holds at its kernel beyond what it saves (measured on CPU): autocast's fp32 inputs
     of the 16-bit casts SDPA makes; with packed grouped heads, the k and v before ``repeat_kv``; eager's
-    masked scores (beside the softmax output) and its additive mask, ``rows × 1 × L × L`` in the model's dtype."""
+    masked scores (beside the softmax output), a 16-bit model's fp32 upcast of them inside the softmax, and its
+    additive mask, ``rows × 1 × L × L`` in the model's dtype."""
     t, q, kv = setup.tokens, spec.q_dim, spec.kv_dim
     m, rope = d.matmul, spec.rotary_dim > 0
     rope_bytes = max(m, d.param) if rope else m
     if setup.attention == "eager":
-        return setup.rows * setup.row_len ** 2 * (spec.num_heads * m + d.param)
+        # a 16-bit model's softmax(dtype=float32) first upcasts its input (an fp32 copy of the scores), while the
+        # 16-bit copy of the probabilities that attention saves (counted among its saved tensors) is made only after
+        # it: 4 − 2 bytes a score (traced on a bf16 Llama at 1,024 tokens, the forward peak at the last softmax)
+        upcast = (4 - 2) * spec.num_heads if m == 2 and not d.autocast else 0
+        return setup.rows * setup.row_len ** 2 * (spec.num_heads * m + d.param + upcast)
     repeated = sdpa_masked(spec, setup) and spec.num_kv_heads < spec.num_heads
     out = t * kv * (rope_bytes + m) if repeated else 0
     if d.autocast and rope:
@@ -344,6 +349,19 @@ def estimate_analytic(setup: TrainingSetup) -> Estimate:
                     temporaries=attn_at_kernel + mask)))
         fwd_candidates.append(("layer", in_layer))
         forward = max([forward, in_layer] + [m for _, m in fwd_candidates[1:]], key=lambda m: sum(m.values()))
+    elif setup.attention == "eager" and not tuned and spec.stage_last:
+        # eager attention's L×L scores outgrow the loss's logits past a few hundred tokens: the last layer at its
+        # softmax, the layers below keeping what they save, this one its attention block so far (the softmax output
+        # among it), beside the kernel's masked scores and mask. Autocast has not yet cast this layer's output
+        # projection and MLP weights, nor the head's. Measured on a Llama of hidden 128 at 1,024 tokens: the forward
+        # peak is here (69.66 MiB), where the loss read 12.9 % under
+        later = (spec.mlp_params + h * spec.q_dim) * 2 + lm_copy if d.autocast else 0
+        below = kept_fwd - s_layer + (s_layer - first_layer if n_layers == 1 else 0)
+        fwd_candidates.append(("attention", _objects(
+            **dict(base_fwd, parameters=base_fwd["parameters"] - later),
+            activations=below + attn_part + cache_held,
+            temporaries=attention_transients(spec, setup, d) + mask)))
+        forward = max(forward, fwd_candidates[-1][1], key=lambda m: sum(m.values()))
 
     fsdp2 = setup.parallel.strategy == "fsdp2" and setup.parallel.ep == 1
     # FSDP2 over a whole model, not a pipeline stage: it reduce-scatters each micro-batch's gradients
