@@ -578,13 +578,12 @@ def format_ledger(result: Result) -> str:
         lines.extend(plan_sentences(result))
     if verdict.suggestions:
         lines.append("")
+        each = ", per GPU" if par.is_distributed else ""
         if verdict.fits is False:
-            lines += ["What would change it (after the change, per GPU):" if par.is_distributed else
-                      "What would change it (after the change):", *textwrap.wrap(ADVICE_ORDER, 116,
-                                                                                initial_indent="  ",
-                                                                                subsequent_indent="  ")]
+            lines += [f"What would change it (after the change{each}):",
+                      *textwrap.wrap(ADVICE_ORDER, 116, initial_indent="  ", subsequent_indent="  ")]
         else:
-            lines.append("What would lower the peak (largest saving first):")
+            lines.append(f"What would change it (after the change{each}; largest saving first):")
         heading = first_still_over(result)
         for i, s in enumerate(verdict.suggestions, 1):
             if i - 1 == heading:

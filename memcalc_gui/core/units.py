@@ -164,10 +164,19 @@ def screen_unit(largest_bytes: int | float) -> str:
 
 
 def result_unit(peak_bytes: int, capacity_bytes: int | None) -> str:
-    """The one unit a result's screen shows its sizes in (the verdict, the ledger, the chart, what to change): the
-    capacity's when there is one — GiB for every GPU, so that what decides the fit (a headroom of 328 MiB beside an
-    80 GiB card) reads in it even when the peak is past a TiB — else the peak's (:func:`screen_unit`)."""
-    return screen_unit(capacity_bytes if capacity_bytes else peak_bytes)
+    """The one unit a result's screen shows its sizes in (the verdict, the ledger, the chart, what to change).
+
+    With a capacity, the capacity's (GiB for every GPU), so that what decides the fit — a headroom of 328 MiB beside
+    an 80 GiB card, a 20 GiB fix of a 1.6 TiB step on a 24 GiB card — reads in it; a larger unit only where the peak
+    would read 10,000 or more in it (an absurd setup's EiB: no 17-digit numbers). Without one, the peak's
+    (:func:`screen_unit`)."""
+    if not capacity_bytes:
+        return screen_unit(peak_bytes)
+    floor = _UNIT_FACTORS[screen_unit(capacity_bytes)]
+    for name, factor in reversed(BINARY_UNITS):
+        if factor >= floor and abs(peak_bytes) < 10_000 * factor:
+            return name
+    return BINARY_UNITS[0][0]
 
 
 def format_in(nbytes: int | float, unit: str) -> str:

@@ -318,6 +318,10 @@ class AdvicePanel(QWidget):
         self.still_over = QLabel(STILL_OVER_HEADING)
         self.still_over.setObjectName("stillOverHeading")
         self.still_over.setWordWrap(True)
+        bold = self.still_over.font()
+        bold.setBold(True)
+        self.still_over.setFont(bold)
+        self.still_over.setContentsMargins(0, 6, 0, 0)
         self.still_over.setVisible(False)
         for _ in range(MAX_SUGGESTIONS):
             b = SuggestionCard()
