@@ -16,6 +16,7 @@ from memcalc_gui.core.result import evaluate
 from memcalc_gui.core.setup import TrainingSetup, find_gpu
 from memcalc_gui.core.solver import (
     LEVER_COSTS,
+    SHARDED,
     apply_changes,
     cost_tier,
     levers,
@@ -153,7 +154,7 @@ def test_70b_on_one_4090_suggests_sharding_offload_or_more_gpus():
     fixes = search_fixes(setup, estimate, setup.capacity_bytes)
     assert fixes
     for fix in fixes:
-        assert fix.changes.get("strategy") in ("zero2", "zero3", "fsdp-full-shard")
+        assert fix.changes.get("strategy") in SHARDED
         assert "offload" in fix.changes or fix.changes.get("gpus", 1) > 1
         assert "precision" not in fix.changes
 
@@ -164,7 +165,7 @@ def test_a_lever_that_changes_nothing_is_dropped():
     fixes = search_fixes(setup, estimate, setup.capacity_bytes)
     for fix in fixes:
         for key in list(fix.changes):
-            if key in ("batch", "grad_accum"):
+            if key in ("batch", "grad_accum", "lora_rank"):  # (the adapters' rank comes with the tuning lever)
                 continue
             rest = {k: v for k, v in fix.changes.items() if k != key}
             with contextlib.suppress(ValueError):  # the others need it (offload needs a sharded strategy)
@@ -380,3 +381,41 @@ def test_the_fewest_gpus_are_the_fewest_that_fit_and_run(limit: int, need: int, 
 
     want = next((k for k in range(1, limit + 1) if k not in refused and capacity * need // k <= capacity), None)
     assert _fewest_gpus(setup, estimator, capacity, limit=limit) == want
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(1, 30), min_size=1, max_size=3), min_size=1, max_size=4), st.data())
+def test_the_walk_yields_each_set_of_a_tier_once_cheapest_first(costs: list[list[int]], data) -> None:
+    """The best-first walk (solver._combinations) with seeds and required groups yields exactly the sets — one lever
+    per group at most — that hold a seed or a dearer lever of a seed's group and a lever of each required group, each
+    once, in order of cost: what the tier-by-tier search relies on to try every lossless set before more GPUs."""
+    import itertools
+
+    from memcalc_gui.core import solver
+
+    groups = {f"g{g}": [solver.Lever(f"g{g}", f"k{g}.{i}", "", {}, "") for i in range(len(cs))]
+              for g, cs in enumerate(costs)}
+    cost = {f"k{g}.{i}": c for g, cs in enumerate(costs) for i, c in enumerate(cs)}
+    levers_all = [lv for options in groups.values() for lv in options]
+    seeds = tuple(data.draw(st.lists(st.sampled_from(levers_all), max_size=2, unique_by=lambda lv: lv.key)))
+    required = frozenset(data.draw(st.lists(st.sampled_from(sorted(groups)), max_size=2, unique=True)))
+    original = solver.lever_cost
+    solver.lever_cost = lambda key: cost[key]  # type: ignore[assignment]
+    try:
+        walked = [frozenset(lv.key for lv in combo) for combo in solver._combinations(groups, seeds, required)]
+    finally:
+        solver.lever_cost = original  # type: ignore[assignment]
+    rank = {lv.key: sorted(options, key=lambda o: (cost[o.key], o.key)).index(lv)
+            for options in groups.values() for lv in options}
+    expected = set()
+    for choice in itertools.product(*[[None, *options] for options in groups.values()]):
+        picked = [lv for lv in choice if lv is not None]
+        if not picked or not required <= {lv.group for lv in picked}:
+            continue
+        if seeds and not any(lv.group == seed.group and rank[lv.key] >= rank[seed.key] for seed in seeds
+                             for lv in picked):
+            continue
+        expected.add(frozenset(lv.key for lv in picked))
+    assert len(walked) == len(set(walked)) and set(walked) == expected
+    totals = [sum(cost[k] for k in keys) for keys in walked]
+    assert totals == sorted(totals)

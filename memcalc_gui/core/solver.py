@@ -560,13 +560,16 @@ STRATEGY_TITLES: dict[str, str] = {"zero1": "ZeRO-1", "zero2": "ZeRO-2 (DeepSpee
                                    "megatron-distopt": "Megatron-LM's distributed optimizer"}
 
 
-def _combinations(groups: dict[str, list[Lever]], seeds: tuple[Lever, ...] = ()) -> Iterator[tuple[Lever, ...]]:
+def _combinations(groups: dict[str, list[Lever]], seeds: tuple[Lever, ...] = (),
+                  required: frozenset[str] = frozenset()) -> Iterator[tuple[Lever, ...]]:
     """Every non-empty set with at most one lever per group, cheapest first (ties: fewer changes first), made lazily:
     a best-first walk over each group's choice (none, then its levers by cost), so a search that stops after a few
     hundred sets never builds the tens of thousands there are. With ``seeds`` the walk starts from each of them
-    alone: only the sets that hold a seed, or a dearer lever of a seed's group, come out (a tier's own sets)."""
+    alone: only the sets that hold a seed, or a dearer lever of a seed's group, come out (a tier's own sets); with
+    ``required`` groups, only the sets with a lever of each."""
     options = [sorted(levers, key=lambda lv: (lv.cost, lv.key)) for levers in groups.values()]
     costs = [[lv.cost for lv in levers] for levers in options]
+    need = [group in required for group in groups]
 
     def entry(choice: tuple[int, ...]) -> tuple[int, int, list[str], tuple[int, ...]]:
         picked = [options[g][i - 1] for g, i in enumerate(choice) if i]
@@ -575,6 +578,7 @@ def _combinations(groups: dict[str, list[Lever]], seeds: tuple[Lever, ...] = ())
 
     starts = [tuple(levers.index(seed) + 1 if seed in levers else 0 for levers in options) for seed in seeds] \
         or [(0,) * len(options)]
+    starts = list(dict.fromkeys(tuple(max(i, int(n)) for i, n in zip(start, need, strict=True)) for start in starts))
     heap = [entry(start) for start in starts]
     heapq.heapify(heap)
     seen = set(starts)
@@ -602,9 +606,10 @@ def search_fixes(setup: TrainingSetup, estimator: Estimator, capacity: int) -> l
     only when it fits and no cheaper kept set is part of it, and only when every lever in it changes the peak (e.g.
     hybrid sharding on one node does not). The micro-batch lever takes the largest micro-batch that then fits (same
     effective batch; 1 when none does); the GPU lever, applied after it, the fewest GPUs of this kind that then fit.
-    A set that does no better than a cheaper kept set of the same kinds is dropped. The :data:`ROUTES` tell the
-    cheapest tier any set can fit in: the tiers below it are not walked, and when that tier's walk runs out of budget
-    before a set fits, its route, minimised, stands in.
+    A set that does no better than a cheaper kept set of the same kinds is dropped. A tier's :data:`ROUTES` tell
+    whether any of its sets can fit (no route fitting, the tier is not walked) and which lever groups each needs
+    (the walk builds only the sets that have them); when a tier's walk runs out of budget before a set fits, its
+    route, minimised, stands in.
     """
     cache: dict[TrainingSetup, Estimate] = {}
     uncached = estimator
@@ -620,20 +625,20 @@ def search_fixes(setup: TrainingSetup, estimator: Estimator, capacity: int) -> l
     groups: dict[str, list[Lever]] = {}
     for lever in levers(setup):
         groups.setdefault(lever.group, []).append(lever)
-    route = _route(setup, estimator, capacity, groups)
-    if route is None:
-        return []  # not even everything one way allows fits: no set of these changes does
     kept: list[tuple[frozenset[str], Suggestion]] = []
     kept_groups: list[tuple[frozenset[str], Suggestion]] = []
-    first_tier = max(lv.tier for lv in route)
-    for tier in range(first_tier, len(TIERS)):
+    first_tier: int | None = None
+    for tier in range(len(TIERS)):
+        routes = _routes(setup, estimator, capacity, groups, tier)
+        if not routes:
+            continue  # not even everything this tier allows fits
+        first_tier = tier if first_tier is None else first_tier
         pool = {g: kinds for g, options in groups.items() if (kinds := [lv for lv in options if lv.tier <= tier])}
         seeds = tuple(lv for options in pool.values() for lv in options if lv.tier == tier) if tier else ()
-        if tier and not seeds:
-            continue
+        needed = _needed_groups(setup, estimator, capacity, routes)
         evaluations, before = 0, len(kept)
         quota = before + (MAX_FIXES if tier == first_tier else LATER_TIER_FIXES)
-        for combo in _combinations(pool, seeds):
+        for combo in _combinations(pool, seeds, needed):
             keys = frozenset(lv.key for lv in combo)
             if any(k <= keys for k, _ in kept):
                 continue
@@ -652,11 +657,14 @@ def search_fixes(setup: TrainingSetup, estimator: Estimator, capacity: int) -> l
             fix = _fix(setup, combo, changes, peak, base_peak)
             kept.append((keys, fix))
             kept_groups.append((groups_used, fix))
-        if tier == first_tier and len(kept) == before:  # the cheap sets ran out of budget: the route, minimised
-            fix = _minimised(setup, estimator, capacity, route, base_peak)
-            kept.append((frozenset(fix.key.removeprefix("fix:").split("+")), fix))
+        if len(kept) == before:  # the tier's cheap sets ran out of budget: its route, minimised
+            fix = _minimised(setup, estimator, capacity, routes[0], base_peak)
+            if all(fix.changes != other.changes for _, other in kept):
+                kept.append((frozenset(fix.key.removeprefix("fix:").split("+")), fix))
         if tier == 0 and any(not _host_bytes(setup, estimator, fix.changes) for _, fix in kept):
             break  # the same maths fits on the GPUs at hand without host memory: more GPUs or a recipe cost more
+    if first_tier is None:
+        return []  # not even everything one way allows fits: no set of these changes does
     local = _on_this_gpu(setup, estimator, capacity, groups, base_peak)
     if local is not None and all(local.changes != fix.changes for _, fix in kept):
         kept.append((frozenset(), local))
@@ -724,16 +732,21 @@ SAME_RUN_ROUTES = (("checkpointing", "loss-chunked", "optimizer-in-backward", "o
                     "precision-bf16", "attention-sdpa", "attention-flash"))
 
 _OFFLOAD = ("offload-both", "offload-optimizer")  # the strongest offload the set's strategy has
-_SAME_MATHS = ("loss-chunked", "micro-batch", "attention-sdpa", "attention-flash", "optimizer-fused")
+_SAME_MATHS = ("loss-chunked", "micro-batch", "attention-sdpa", "attention-flash", "optimizer-fused", "dp_replicate")
 #: Sets of everything one way of fitting allows, tier by tier (:data:`TIERS`; lever keys, a tuple of keys the first
-#: a setup has; those a setup lacks are skipped): sharded, offloaded or split over the GPUs at hand; sharded over more
-#: GPUs; adapters on a quantized base, or one GPU with every single-GPU saving. The first that fits tells the
-#: cheapest tier a set can fit in; none fitting means no set fits.
+#: a setup has; those a setup lacks are skipped): sharded and offloaded with recomputation or activation offload, or
+#: split over the GPUs at hand; sharded over more GPUs; adapters on a quantized base, or one GPU with every single-GPU
+#: saving. The first that fits tells the cheapest tier a set can fit in, and those of that tier which groups every
+#: fitting set of it needs (:func:`_needed_groups`); none fitting means no set fits.
 ROUTES: tuple[tuple[str | tuple[str, ...], ...], ...] = (
-    ("strategy:fsdp-full-shard", _OFFLOAD, "checkpointing-offload", *_SAME_MATHS),
+    ("strategy:fsdp-full-shard", _OFFLOAD, ("checkpointing-offload", "offload-checkpoint-inputs"), *_SAME_MATHS),
     ("strategy:fsdp-full-shard", _OFFLOAD, "checkpointing", *_SAME_MATHS),
+    ("strategy:fsdp-full-shard", _OFFLOAD, "offload-activations-all", *_SAME_MATHS),
     ("strategy:fsdp-full-shard", ("tp:8", "tp:4", "tp:2"), "sp", "loss-parallel", ("cp:8", "cp:4", "cp:2"),
-     "checkpointing", *_SAME_MATHS),
+     ("etp:8", "etp:4", "etp:2"), "checkpointing", *_SAME_MATHS),
+    ("strategy:fsdp-full-shard", "checkpointing", *_SAME_MATHS, "gpus"),
+    ("strategy:fsdp-full-shard", ("tp:8", "tp:4", "tp:2"), "sp", "loss-parallel", ("cp:8", "cp:4", "cp:2"),
+     ("etp:8", "etp:4", "etp:2"), "checkpointing", *_SAME_MATHS, "gpus"),
     ("strategy:fsdp-full-shard", _OFFLOAD, "checkpointing", "loss-chunked", "micro-batch", "gpus"),
     ("tuning-qlora", "checkpointing", "loss-chunked", "micro-batch", "attention-sdpa", "attention-flash"),
     ("precision-bf16", "optimizer-8bit", "checkpointing", "loss-chunked", "optimizer-in-backward", "attention-sdpa",
@@ -743,11 +756,12 @@ ROUTES: tuple[tuple[str | tuple[str, ...], ...], ...] = (
 )
 
 
-def _route(setup: TrainingSetup, estimator: Estimator, capacity: int,
-           groups: dict[str, list[Lever]]) -> tuple[Lever, ...] | None:
-    """The first of the :data:`ROUTES` that fits, as its levers: a few estimates that tell a hopeless setup at once,
-    and the cheapest tier a set can fit in."""
+def _routes(setup: TrainingSetup, estimator: Estimator, capacity: int, groups: dict[str, list[Lever]],
+            tier: int) -> list[tuple[Lever, ...]]:
+    """Those of the :data:`ROUTES` of ``tier`` that fit, as their levers: a few estimates that tell that no set of the
+    tier fits (none), or which groups every one needs (:func:`_needed_groups`)."""
     by_key = {lv.key: lv for options in groups.values() for lv in options}
+    out: list[tuple[Lever, ...]] = []
     for route in ROUTES:
         combo = tuple(by_key[key] for entry in route
                       if (key := next((k for k in ((entry,) if isinstance(entry, str) else entry) if k in by_key),
@@ -757,9 +771,29 @@ def _route(setup: TrainingSetup, estimator: Estimator, capacity: int,
             if drop and not set(drop) & {lv.key for lv in combo}:
                 continue
             trial = tuple(lv for lv in combo if lv.key not in drop)
-            if trial and _realise(setup, estimator, capacity, trial) is not None:
-                return trial
-    return None
+            if not trial or max(lv.tier for lv in trial) != tier:
+                continue
+            if _realise(setup, estimator, capacity, trial) is not None:
+                out.append(trial)
+                break
+    return out
+
+
+def _needed_groups(setup: TrainingSetup, estimator: Estimator, capacity: int,
+                   routes: list[tuple[Lever, ...]]) -> frozenset[str]:
+    """The lever groups every fitting route of a tier needs — it does not fit without its lever of the group, all its
+    others kept. The routes hold each group's strongest lever, so no set of that tier fits without one of these
+    groups either (a lever taken out, or a weaker one, does not lower the peak), and the tier's walk builds only the
+    sets that have them: a setup far over its capacity (an 8B model at 64 × 8192 on a T4) needs most groups, and the
+    sets without them are most of the cheap ones."""
+    needed: set[str] | None = None
+    for route in routes:
+        candidates = [lv for lv in route if needed is None or lv.group in needed]
+        needed = {lever.group for lever in candidates
+                  if _realise(setup, estimator, capacity, tuple(lv for lv in route if lv is not lever)) is None}
+        if not needed:
+            break
+    return frozenset(needed or ())
 
 
 def _minimised(setup: TrainingSetup, estimator: Estimator, capacity: int, combo: tuple[Lever, ...],

@@ -22,7 +22,6 @@ from ..core.result import Result
 from ..core.solver import Suggestion, micro_batch_changes
 from ..core.vocab import OBJECT_LABELS
 from ..view.plan_text import (
-    ADVICE_ORDER,
     STILL_OVER_HEADING,
     first_still_over,
     host_text,
@@ -286,7 +285,8 @@ class AdvicePanel(QWidget):
         self.use_max.setVisible(False)  # until a result has a larger micro-batch to use
         row.addWidget(self.use_max)
         lay.addLayout(row)
-        self.heading = QLabel("Cheapest changes that fit first; click one to apply it (Ctrl+Z undoes).")
+        self.heading = QLabel("Changes that fit first, cheapest for the run first; click one to apply it (Ctrl+Z "
+                              "undoes).")
         self.heading.setVisible(False)  # said by the box's title and tooltip: the cards get the room
         area = QScrollArea()
         area.setWidgetResizable(True)
@@ -379,12 +379,9 @@ class AdvicePanel(QWidget):
         # the cards that fit come first (cheapest for the run first); a heading before those that leave it over
         heading = first_still_over(result)
         self._list.removeWidget(self.still_over)
-        shown = heading is not None and heading < len(self._suggestions)
-        if shown:
-            self._list.insertWidget(self._list.indexOf(self.buttons[heading or 0]), self.still_over)
-        self.still_over.setVisible(shown)
-        self.heading.setToolTip(ADVICE_ORDER)
-        self.setToolTip(ADVICE_ORDER)
+        if heading is not None and heading < len(self._suggestions):
+            self._list.insertWidget(self._list.indexOf(self.buttons[heading]), self.still_over)
+        self.still_over.setVisible(heading is not None and heading < len(self._suggestions))
         note = suggestions_note(result)
         self.empty.setText(note)
         self.empty.setVisible(bool(note))
