@@ -498,8 +498,10 @@ def tuning_from_args(args: argparse.Namespace) -> FineTuning:
 
 
 def format_ledger(result: Result) -> str:
-    """The ledger as a readable table in binary units, with the verdict."""
+    """The ledger as a readable table, with the verdict and what to change: every size in the result's one unit
+    (``Result.unit``: the window's ledger, chart and cards use the same)."""
     est, verdict, setup = result.estimate, result.verdict, result.setup
+    size = result.size
     lines: list[str] = []
     if setup.model is not None:
         m = setup.model
@@ -538,7 +540,7 @@ def format_ledger(result: Result) -> str:
                         "sharding)" if par.dp_replicate > 1 else "")
                      + " — the ledger is per GPU")
     for row in est.details.get("pipeline_ranks", ()):
-        lines.append(f"Stage      pipeline rank {row['rank'] + 1} of {par.pp}: peak {format_bytes(row['peak_bytes'])}"
+        lines.append(f"Stage      pipeline rank {row['rank'] + 1} of {par.pp}: peak {size(row['peak_bytes'])}"
                      f" ({row['in_flight']} micro-batch chunk(s) in flight)"
                      + ("  ← the most loaded, shown below" if row["rank"] == est.details.get("pipeline_rank") else ""))
     label = {"quick": "quick (rough Hugging Face blog heuristic)", "analytic": "analytic (tensor by tensor)",
@@ -554,12 +556,11 @@ def format_ledger(result: Result) -> str:
         row = est.object_bytes(obj)
         if not any(row.values()):
             continue
-        cells = "".join(f"{format_bytes(row[p]) if row[p] else '—':>16}" for p in PHASES)
+        cells = "".join(f"{size(row[p]) if row[p] else '—':>16}" for p in PHASES)
         lines.append(f"{OBJECT_LABELS[obj]:<{width}}{cells}")
     lines.append("-" * len(header))
-    lines.append(f"{'Total':<{width}}" + "".join(f"{format_bytes(est.phases[p].total_bytes):>16}" for p in PHASES))
+    lines.append(f"{'Total':<{width}}" + "".join(f"{size(est.phases[p].total_bytes):>16}" for p in PHASES))
     lines.append("")
-    size = result.size  # the verdict and what to change share one unit
     lines.append(f"Peak       {size(est.peak_bytes)} in {PHASE_LABELS[est.peak_phase].lower()} "
                  f"(largest object: {OBJECT_LABELS[est.dominant_object].lower()}); tensors alone "
                  f"{size(est.peak_tensor_bytes)} (what max_memory_allocated shows)")

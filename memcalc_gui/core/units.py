@@ -168,13 +168,13 @@ def result_unit(peak_bytes: int, capacity_bytes: int | None) -> str:
 
     With a capacity, the capacity's (GiB for every GPU), so that what decides the fit — a headroom of 328 MiB beside
     an 80 GiB card, a 20 GiB fix of a 1.6 TiB step on a 24 GiB card — reads in it; a larger unit only where the peak
-    would read 10,000 or more in it (an absurd setup's EiB: no 17-digit numbers). Without one, the peak's
+    would read 100,000 or more in it (an absurd setup's EiB: no 17-digit numbers). Without one, the peak's
     (:func:`screen_unit`)."""
     if not capacity_bytes:
         return screen_unit(peak_bytes)
     floor = _UNIT_FACTORS[screen_unit(capacity_bytes)]
     for name, factor in reversed(BINARY_UNITS):
-        if factor >= floor and abs(peak_bytes) < 10_000 * factor:
+        if factor >= floor and abs(peak_bytes) < 100_000 * factor:
             return name
     return BINARY_UNITS[0][0]
 
