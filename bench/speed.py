@@ -59,16 +59,18 @@ def main() -> None:
             ("llama-3.1-70b", "h100-80gb", dict(batch=1, seq=8192, grad_accum=8, parallel=Parallelism(
                 gpus=64, tp=8, pp=4, strategy="fsdp2"))),
             ("llama-3.1-8b", "h100-80gb", dict(batch=1, seq=131072, checkpointing="full", parallel=Parallelism(
-                gpus=8, strategy="fsdp2")))]
-    print(f"\n{'over capacity':<16}{'gpu':>11}{'evaluate ms':>13}{'fixes':>7}")
+                gpus=8, strategy="fsdp2"))),
+            # issue 62: the lossless tier holds the answer (checkpointing and a chunked loss)
+            ("qwen2.5-7b", "h100-80gb", dict(batch=8, seq=4096, parallel=Parallelism(gpus=8, strategy="fsdp2")))]
+    print(f"\n{'over capacity':<16}{'gpu':>11}{'evaluate ms':>13}{'fitting':>9}")
     worst_search = 0.0
     for name, gpu_id, kw in over:
         g = find_gpu(gpu_id)
         setup = TrainingSetup(model=preset_spec(name), gpu=g.id, capacity_bytes=g.capacity_bytes, **kw)
         ms = timeit(lambda s=setup: evaluate(s), 5)
-        fixes = sum(1 for x in evaluate(setup).verdict.suggestions if x.key.startswith("fix:"))
+        fitting = sum(1 for x in evaluate(setup).verdict.suggestions if x.fits)  # cards that fit
         worst_search = max(worst_search, ms)
-        print(f"{name:<16}{gpu_id:>11}{ms:>13.1f}{fixes:>7}")
+        print(f"{name:<16}{gpu_id:>11}{ms:>13.1f}{fitting:>9}")
     print(f"target: evaluate with the search < 100 ms ({'met' if worst_search < 100 else 'MISSED'}, "
           f"worst {worst_search:.1f} ms)")
 

@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import sys
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -52,7 +53,14 @@ from .core.setup import (
 from .core.units import format_bytes, format_count, parse_count, parse_positive_int, parse_size
 from .core.vocab import OBJECT_LABELS, OBJECTS, PHASE_LABELS, PHASES
 from .measure.engine import MAX_ITERATIONS
-from .view.plan_text import plan_sentences, suggestions_note
+from .view.plan_text import (
+    ADVICE_ORDER,
+    STILL_OVER_HEADING,
+    first_still_over,
+    plan_sentences,
+    suggestion_figures,
+    suggestions_note,
+)
 
 EXIT_INPUT = 2
 EXIT_INTERRUPTED = 130
@@ -490,8 +498,10 @@ def tuning_from_args(args: argparse.Namespace) -> FineTuning:
 
 
 def format_ledger(result: Result) -> str:
-    """The ledger as a readable table in binary units, with the verdict."""
+    """The ledger as a readable table, with the verdict and what to change: every size in the result's one unit
+    (``Result.unit``: the window's ledger, chart and cards use the same)."""
     est, verdict, setup = result.estimate, result.verdict, result.setup
+    size = result.size
     lines: list[str] = []
     if setup.model is not None:
         m = setup.model
@@ -530,7 +540,7 @@ def format_ledger(result: Result) -> str:
                         "sharding)" if par.dp_replicate > 1 else "")
                      + " — the ledger is per GPU")
     for row in est.details.get("pipeline_ranks", ()):
-        lines.append(f"Stage      pipeline rank {row['rank'] + 1} of {par.pp}: peak {format_bytes(row['peak_bytes'])}"
+        lines.append(f"Stage      pipeline rank {row['rank'] + 1} of {par.pp}: peak {size(row['peak_bytes'])}"
                      f" ({row['in_flight']} micro-batch chunk(s) in flight)"
                      + ("  ← the most loaded, shown below" if row["rank"] == est.details.get("pipeline_rank") else ""))
     label = {"quick": "quick (rough Hugging Face blog heuristic)", "analytic": "analytic (tensor by tensor)",
@@ -546,35 +556,41 @@ def format_ledger(result: Result) -> str:
         row = est.object_bytes(obj)
         if not any(row.values()):
             continue
-        cells = "".join(f"{format_bytes(row[p]) if row[p] else '—':>16}" for p in PHASES)
+        cells = "".join(f"{size(row[p]) if row[p] else '—':>16}" for p in PHASES)
         lines.append(f"{OBJECT_LABELS[obj]:<{width}}{cells}")
     lines.append("-" * len(header))
-    lines.append(f"{'Total':<{width}}" + "".join(f"{format_bytes(est.phases[p].total_bytes):>16}" for p in PHASES))
+    lines.append(f"{'Total':<{width}}" + "".join(f"{size(est.phases[p].total_bytes):>16}" for p in PHASES))
     lines.append("")
-    lines.append(f"Peak       {format_bytes(est.peak_bytes)} in {PHASE_LABELS[est.peak_phase].lower()} "
+    lines.append(f"Peak       {size(est.peak_bytes)} in {PHASE_LABELS[est.peak_phase].lower()} "
                  f"(largest object: {OBJECT_LABELS[est.dominant_object].lower()}); tensors alone "
-                 f"{format_bytes(est.peak_tensor_bytes)} (what max_memory_allocated shows)")
+                 f"{size(est.peak_tensor_bytes)} (what max_memory_allocated shows)")
     if verdict.capacity_bytes is not None:
         gpu = next((g for g in gpu_presets() if g.id == setup.gpu), None)
         name = f"{gpu.name} " if gpu else ""
-        lines.append(f"GPU        {name}{format_bytes(verdict.capacity_bytes)}")
+        lines.append(f"GPU        {name}{size(verdict.capacity_bytes)}")
     lines.append(f"Verdict    {result.headline()}")
     lines += [f"Warning    {w}" for w in result.warnings]
     if verdict.max_micro_batch is not None:
         lines.append(f"Largest micro-batch that fits: {verdict.max_micro_batch or 'none (micro-batch 1 is over)'}")
     host = int(est.details.get("host_bytes", 0))
     if host:
-        lines.append(f"Host memory for offload: {format_bytes(host)} per node")
+        lines.append(f"Host memory for offload: {size(host)} per node")
     if result.plan is not None:  # the window's and the report's words: "never", "not modelled for this layout"…
         lines.extend(plan_sentences(result))
     if verdict.suggestions:
         lines.append("")
-        lines.append("What would change it (peak after the change):")
+        each = ", per GPU" if par.is_distributed else ""
+        if verdict.fits is False:
+            lines += [f"What would change it (after the change{each}):",
+                      *textwrap.wrap(ADVICE_ORDER, 116, initial_indent="  ", subsequent_indent="  ")]
+        else:
+            lines.append(f"What would change it (after the change{each}; largest saving first):")
+        heading = first_still_over(result)
         for i, s in enumerate(verdict.suggestions, 1):
-            fit = "" if s.fits is None else ("  → fits" if s.fits else "  → still over")
-            host = f", host {format_bytes(s.host_bytes)} per node" if s.host_bytes else ""
-            lines.append(f"  {i}. {s.title}: {format_bytes(s.peak_bytes)} (saves {format_bytes(s.saves_bytes)}"
-                         f"{host}){fit}")
+            if i - 1 == heading:
+                lines.append(f"  {STILL_OVER_HEADING}")
+            fit = "  → fits" if s.fits else ""  # (one that does not says "still over by", under its heading)
+            lines.append(f"  {i}. {s.title}: {suggestion_figures(s, result, saves=True)}{fit}")
     if verdict.uncalibrated or (not verdict.suggestions and verdict.fits is False):
         lines += ["", suggestions_note(result)]
     lines.append("")

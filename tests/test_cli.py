@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -232,3 +233,35 @@ def test_json_is_the_same_bytes_run_after_run() -> None:
     outs = {subprocess.run(argv, capture_output=True, check=True, env={**os.environ, "PYTHONHASHSEED": seed},
                            timeout=120).stdout for seed in ("1", "2")}
     assert len(outs) == 1
+
+
+ISSUE_62 = ("estimate", "--preset", "qwen2.5-7b", "--batch", "8", "--seq", "4096", "--gpus", "8", "--strategy", "fsdp2",
+            "--gpu", "h100-80gb", "--precision", "mixed")
+
+
+def _advice(out: str) -> list[str]:
+    return out.split("What would change it", 1)[1].split("\nAssumptions", 1)[0].splitlines()
+
+
+@pytest.mark.parametrize("extra", [(), ("--checkpointing", "full")])
+def test_the_issue_62_command_offers_the_lossless_fix_first(capsys: pytest.CaptureFixture[str],
+                                                              extra: tuple[str, ...]) -> None:
+    """Issue 62's command: checkpointing and a chunked loss (34.57 GiB, which the CLI confirms when set by hand) are
+    offered above any card that adds GPUs; cards that fit come before the heading of those still over; every size of
+    the ledger, the verdict and the block is in GiB (a headroom of 328 MiB stood beside GiB values)."""
+    code, out, _ = run(capsys, *ISSUE_62, *extra)
+    assert code == 0
+    _, by_hand, _ = run(capsys, *ISSUE_62, "--checkpointing", "full", "--loss", "chunked", "--json")
+    peak = json.loads(by_hand)["peak_bytes"]
+    advice = _advice(out)
+    numbered = [line for line in advice if line.lstrip()[:1].isdigit()]
+    chunked = next(i for i, line in enumerate(numbered) if "loss in chunks" in line and "→ fits" in line)
+    assert f"peak {peak / 2**30:,.2f} GiB" in numbered[chunked]
+    assert all(chunked < i for i, line in enumerate(numbered) if "GPUs of this kind" in line)
+    fits = [line.endswith("→ fits") for line in numbered]
+    assert fits == sorted(fits, reverse=True)
+    heading = next(i for i, line in enumerate(advice) if line.strip().startswith("Still over after the change"))
+    assert all(not line.endswith("→ fits") for line in advice[heading:])
+    assert len([line for line in out.splitlines() if line.startswith(("Peak ", "GPU ", "Verdict "))]) == 3
+    sizes = re.findall(r"\d (B|KiB|MiB|GiB|TiB)\b", out.split("\nAssumptions", 1)[0])  # the ledger's rows too
+    assert len(sizes) > 40 and set(sizes) == {"GiB"}

@@ -128,8 +128,8 @@ def test_pdf_text_has_the_figures_verdict_and_every_object(reports, over):
     for figure in (f"{setup.num_params:,}", "qwen2", "Qwen/Qwen2.5-7B", "micro-batch", "Largest micro-batch that fits",
                    "none (not even 1)", "1 GiB = 2³⁰ B", __version__):
         assert figure in one, figure
-    for s in over.verdict.suggestions:
-        assert format_bytes(s.peak_bytes) in one
+    for s in over.verdict.suggestions:  # in the verdict's one unit
+        assert over.size(s.peak_bytes) in one
     assert "Use 8-bit AdamW (bitsandbytes)" in one
     for heading in ("Memory per phase", "Ledger", "Suggestions", "Setup", "Assumptions", "Formulas", "Units",
                     "Sources"):
@@ -139,7 +139,7 @@ def test_pdf_text_has_the_figures_verdict_and_every_object(reports, over):
         assert source in one
     # nothing drawn twice: a line on a page boundary is not also (clipped) at the foot of the previous page
     assert one.count("Each cell: bytes live") == 1
-    assert one.count("Ranked:") == 1
+    assert one.count("Changes that fit come first, cheapest for the run first") == 1  # the stated order, once
 
 
 @needs_poppler
@@ -580,3 +580,19 @@ def test_png_footer_wraps_a_long_setup_line_inside_the_margins(tmp_path):
         assert bands == lines, (result.setup.summary(), footer)
         assert not _ink_rows(image, h - 60, h, w - 26, w), "the footer runs into the right margin"
         assert not _ink_rows(image, 140, 260, 0, 20), "the chart's title runs past the left edge"
+
+
+def test_one_unit_for_the_verdict_the_ledger_and_the_suggestions():
+    """Issue 62: a headroom in MiB stood beside GiB values, and a peak past a TiB on a 24 GiB card put a 20 GiB fix at
+    "0.02 TiB". Every size the verdict, the ledger and the suggestions show is in the result's one unit, the
+    capacity's (GiB on any GPU), however large the peak."""
+    result = evaluate(setup_on("llama-3.1-70b", "rtx-4090", batch=4, seq=2048, grad_accum=4))
+    assert result.estimate.peak_bytes > 2**40 and result.unit == "GiB"
+    assert any(s.fits for s in result.verdict.suggestions) and not result.verdict.fits
+    content = build_content(result)
+    assert content.suggestions is not None
+    cells = [c for table in (content.ledger, content.suggestions) for row in table.rows for c in row.cells]
+    text = " ".join([*cells, *(value for _, value in content.verdict), content.headline])
+    assert set(re.findall(r"\d (B|KiB|MiB|GiB|TiB|PiB)\b", text)) == {"GiB"}
+    fix = next(s for s in result.verdict.suggestions if s.fits)
+    assert result.size(fix.peak_bytes) in text and result.size(fix.peak_bytes).endswith(" GiB")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -1693,3 +1694,27 @@ def test_waiting_sequence_parallel_layouts_are_listed_for_the_form_to_calibrate_
         "Calibrate tensor parallelism over 4 GPUs"
     dialog.calibrate_button.click()
     assert asked == [[tp4]]
+
+
+def test_what_to_change_fits_first_in_one_unit_with_the_still_over_heading_between(window):
+    """Issue 62 in the window: Qwen2.5-7B, 8 × 4096 (× 4 accumulation), 8 × H100, FSDP2, checkpointing. The cards that
+    fit come first — the lossless ones above any that adds GPUs —, the heading of those still over sits right before
+    the first that does not fit, and every size of the panel is in the verdict's one unit (a 44 MiB headroom stood
+    beside GiB values, a card that fits after those that do not)."""
+    w = window
+    assert set_fields(w, preset="qwen2.5-7b", batch="8", seq="4096", gpus="8", strategy="fsdp2", gpu="h100-80gb",
+                      precision="mixed", checkpointing="full")
+    result = w.result
+    assert result.verdict.fits is False
+    shown = [b for b in w.advice.buttons if b.isVisibleTo(w.advice)]
+    rows = w.advice.suggestions()
+    assert len(shown) == len(rows) and rows
+    fits = [s.fits for s in rows]
+    assert fits == sorted(fits, reverse=True) and fits[0] and not fits[-1]
+    first_gpu = next((i for i, s in enumerate(rows) if "gpus" in s.changes), len(rows))
+    assert any(s.fits and "gpus" not in s.changes for s in rows[:first_gpu])
+    layout = w.advice._list
+    heading = layout.indexOf(w.advice.still_over)
+    assert w.advice.still_over.isVisibleTo(w.advice) and heading == layout.indexOf(shown[fits.index(False)]) - 1
+    text = " ".join([w.banner.text.text(), *(b.description.text() for b in shown), *(b.toolTip() for b in shown)])
+    assert set(re.findall(r"\d (B|KiB|MiB|GiB|TiB)\b", text)) == {result.unit}

@@ -69,9 +69,12 @@ def test_inputs_exist_with_sources_in_their_tooltips(window):
         assert inputs.widget_for(name).toolTip(), name
     assert inputs.state().gpus == "1" and inputs.state().strategy == "ddp"
     # a single GPU: nothing says "per GPU" and there is no plan
-    # 70B on one GPU needs more than a TiB: the axis, the ledger and the headline share the unit
-    assert w.chart.axis_label() == "Memory (TiB)" and w.chart.title_text() == ""
-    assert w.tabs.tabText(0) == "&Ledger (TiB)" and " TiB " in w.banner.text.text()
+    # 70B on one GPU needs more than a TiB: the axis, the ledger and the headline share the GPU's unit, in which the
+    # fit is decided (units.result_unit: GiB until the peak would read 100,000 in it)
+    assert w.result.estimate.peak_bytes > 2**40
+    assert w.chart.axis_label() == "Memory (GiB)" and w.chart.title_text() == ""
+    assert w.tabs.tabText(0) == "&Ledger (GiB)" and " GiB " in w.banner.text.text()
+    assert " TiB " not in w.banner.text.text()
     assert "per GPU" not in w.banner.text.text() and w.advice.plan_text() == ""
     assert not inputs.node_size.isEnabled()  # only HYBRID_SHARD or offload use it
 

@@ -13,7 +13,7 @@ from .estimate import estimate
 from .ledger import SCHEMA, Estimate
 from .setup import TrainingSetup
 from .solver import GpuPlan, Verdict, gpu_plan, solve
-from .units import format_bytes
+from .units import format_in, result_unit
 from .vocab import OBJECT_LABELS, PHASE_LABELS, PHASES
 
 
@@ -32,23 +32,35 @@ class Result:
         """Inputs the estimate accepts but a real run would not (or not as the user may expect)."""
         return setup_warnings(self.setup)
 
+    @property
+    def unit(self) -> str:
+        """The one unit this result's sizes share on a screen (the verdict, the ledger, what to change):
+        ``units.result_unit``."""
+        return result_unit(self.estimate.peak_bytes, self.setup.capacity_bytes)
+
+    def size(self, nbytes: int) -> str:
+        """``nbytes`` in :attr:`unit`."""
+        return format_in(nbytes, self.unit)
+
     def headline(self) -> str:
-        """The verdict in one sentence (fits with X GiB headroom / over by X GiB at phase Z)."""
+        """The verdict in one sentence (fits with X GiB headroom / over by X GiB at phase Z), every size in
+        :attr:`unit` (a headroom of 328 MiB reads 0.32 GiB beside the GiB peak)."""
         est, v = self.estimate, self.verdict
-        peak = f"{format_bytes(est.peak_bytes)} at the {PHASE_LABELS[est.peak_phase].lower()} peak"
+        size = self.size
+        peak = f"{size(est.peak_bytes)} at the {PHASE_LABELS[est.peak_phase].lower()} peak"
         dom = OBJECT_LABELS[est.dominant_object].lower()
         if v.capacity_bytes is None or v.fits is None or v.headroom_bytes is None:
             return f"Needs {peak} (largest object: {dom}); choose a GPU for a verdict."
         if v.fits:
             pct = v.headroom_bytes / v.capacity_bytes * 100
-            return (f"Fits: needs {peak}, {format_bytes(v.headroom_bytes)} headroom "
-                    f"({pct:.0f} % of {format_bytes(v.capacity_bytes)}).")
+            return (f"Fits: needs {peak}, {size(v.headroom_bytes)} headroom "
+                    f"({pct:.0f} % of {size(v.capacity_bytes)}).")
         paged = est.peak.objects["paged_optimizer_state"]
-        evictable = (f" bitsandbytes can evict the {format_bytes(paged)} of paged optimizer state to host memory, "
+        evictable = (f" bitsandbytes can evict the {size(paged)} of paged optimizer state to host memory, "
                      "so the step would run, but slowed by paging." if 0 < -v.headroom_bytes <= paged else "")
-        return (f"Does not fit: over by {format_bytes(-v.headroom_bytes)} in the "
-                f"{PHASE_LABELS[est.peak_phase].lower()} phase (needs {format_bytes(est.peak_bytes)} of "
-                f"{format_bytes(v.capacity_bytes)}); largest object: {dom}.{evictable}")
+        return (f"Does not fit: over by {size(-v.headroom_bytes)} in the "
+                f"{PHASE_LABELS[est.peak_phase].lower()} phase (needs {size(est.peak_bytes)} of "
+                f"{size(v.capacity_bytes)}); largest object: {dom}.{evictable}")
 
     def to_json(self) -> dict[str, Any]:
         est, v = self.estimate, self.verdict

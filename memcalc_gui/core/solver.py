@@ -1,4 +1,13 @@
-"""Does it fit, the largest micro-batch that fits, and the changes that would make it fit."""
+"""Does it fit, the largest micro-batch that fits, and the changes that would make it fit.
+
+What to change is a search over combinations of every lever the estimator models (:func:`levers`), ranked by what
+each costs the run. Until a time model exists that order is stated, not measured (:data:`LEVER_COSTS`): first the
+changes that keep the maths and the GPUs (a chunked loss, a smaller micro-batch with accumulation, checkpointing —
+selective, every N-th layer or every layer —, sharding, offload), then more GPUs of the same kind, then changes to
+what is trained (precision, optimizer state, adapters). A lossless change only costs step time or a dependency; more
+GPUs cost money but train the same model; a recipe change trains a different one. Cards that fit come first in that
+order, then those that lower the peak but leave it over; a change that closes under 1 % of the gap is not offered.
+"""
 
 from __future__ import annotations
 
@@ -34,6 +43,8 @@ class Suggestion:
     tradeoff: str = ""
     #: Host memory the changed setup needs (offloaded state), per node.
     host_bytes: int = 0
+    #: What the change costs the run, for ranking (the sum of its levers' :data:`LEVER_COSTS`).
+    cost: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -101,7 +112,6 @@ def _candidates(setup: TrainingSetup, estimator: Estimator, capacity: int | None
     :func:`search_fixes`, which knows how many)."""
     out: list[Candidate] = []
     for lever in levers(setup):
-        title = lever.title[0].upper() + lever.title[1:]
         if lever.key == "gpus":
             continue
         if lever.key == "micro-batch":
@@ -112,7 +122,8 @@ def _candidates(setup: TrainingSetup, estimator: Estimator, capacity: int | None
             out.append((lever.key, f"Micro-batch {b} × {effective // b} accumulation steps (same effective batch "
                                    f"{effective})", {"batch": b, "grad_accum": effective // b}, lever.tradeoff))
             continue
-        out.append((lever.key, title, dict(lever.changes), lever.tradeoff))
+        title = _lever_title(lever, lever.changes, setup.parallel.strategy)
+        out.append((lever.key, title[0].upper() + title[1:], dict(lever.changes), lever.tradeoff))
     return out
 
 
@@ -172,17 +183,25 @@ def _smaller_micro_batch(setup: TrainingSetup, estimator: Estimator, capacity: i
         except InputError:  # a count the estimator cannot weigh (a fitted pipeline rank traces its micro-batches)
             return False
 
+    smallest = next((d for d in _divisors(effective) if d >= floor), effective)
+    if smallest < setup.batch and not ok(smallest):  # none fits: one estimate says so (the search meets many such sets)
+        return divisor(1)
     fitting = _bisect_last(ok, 0, setup.batch)  # 0: none fits; the current micro-batch is not tested
     return divisor(max(1, fitting))
 
 
-#: The least a suggested change saves, unless it makes the step fit (with 0.1 % of the peak).
+#: The least a suggested change saves, unless it makes the step fit (with 0.1 % of the peak and, over capacity, 1 %
+#: of what the step is over by: a change that closes less of the gap is no step towards fitting).
 MIN_SAVING_BYTES: Final = 2**20
+OVERAGE_SHARE: Final = 100
 
 
 def suggestions(setup: TrainingSetup, estimator: Estimator, capacity_bytes: int | None) -> tuple[Suggestion, ...]:
-    """What to change. Over capacity: the cheapest sets of changes that fit, found by :func:`search_fixes`, then
-    each single change with what it saves; otherwise the single changes, largest saving first."""
+    """What to change. Over capacity: the cards that fit — the cheapest sets of changes :func:`search_fixes` finds and
+    the single changes that fit alone — in the order of what they cost the run (:data:`LEVER_COSTS`: the same maths
+    on the same GPUs, then more GPUs, then another training recipe; ties: the most headroom first), then the single
+    changes that lower the peak but leave it over, largest saving first. Otherwise the single changes, largest
+    saving first."""
     return _suggestions(setup, estimator, capacity_bytes)[0]
 
 
@@ -190,6 +209,11 @@ def _suggestions(setup: TrainingSetup, estimator: Estimator,
                  capacity_bytes: int | None) -> tuple[tuple[Suggestion, ...], tuple[str, ...]]:
     """:func:`suggestions`, and the titles of the single changes the method needs another calibration to answer."""
     base_peak = estimator(setup).peak_bytes
+    over = capacity_bytes is not None and base_peak > capacity_bytes
+    # rounding is not a change worth making (sharding over one GPU saved 563 B); over capacity, neither is a change
+    # that closes under 1 % of the gap (8-bit AdamW's 0.26 GiB beside a QLoRA run 91 GiB over)
+    floor = max(MIN_SAVING_BYTES, base_peak // 1000,
+                (base_peak - capacity_bytes) // OVERAGE_SHARE if capacity_bytes is not None and over else 0)
     rows: list[Suggestion] = []
     uncalibrated: list[str] = []
     for key, title, changes, tradeoff in _candidates(setup, estimator, capacity_bytes):
@@ -202,73 +226,112 @@ def _suggestions(setup: TrainingSetup, estimator: Estimator,
         if peak is None or peak >= base_peak:
             continue
         ok = None if capacity_bytes is None else peak <= capacity_bytes
-        if base_peak - peak < max(MIN_SAVING_BYTES, base_peak // 1000) and not ok:
-            continue  # rounding, not a change worth making (sharding over one GPU saved 563 B)
-        rows.append(Suggestion(key, title, changes, peak, base_peak - peak, ok, tradeoff))
-    rows.sort(key=lambda s: (not s.fits, -s.saves_bytes))
-    if capacity_bytes is None or base_peak <= capacity_bytes:
+        if base_peak - peak < floor and not ok:
+            continue
+        rows.append(Suggestion(key, title, changes, peak, base_peak - peak, ok, tradeoff, cost=lever_cost(key)))
+    if capacity_bytes is None or not over:
+        rows.sort(key=lambda s: (not s.fits, -s.saves_bytes))
         return _with_host(setup, estimator, tuple(rows)), tuple(uncalibrated)
-    fixes = search_fixes(setup, estimator, capacity_bytes)
-    singles = {tuple(sorted(f.changes.items(), key=str)) for f in fixes}
-    rows = [r for r in rows if tuple(sorted(r.changes.items(), key=str)) not in singles]
-    return _with_host(setup, estimator, tuple(fixes) + tuple(r for r in rows if not r.fits) +
-                      tuple(r for r in rows if r.fits)), tuple(uncalibrated)
+    fitting = _undominated(_with_host(setup, estimator, tuple(_distinct(
+        [*search_fixes(setup, estimator, capacity_bytes), *(r for r in rows if r.fits)]))))
+    fitting.sort(key=lambda s: (s.cost, s.peak_bytes))  # (stable: the search's order among equals)
+    still_over = sorted((r for r in rows if not r.fits), key=lambda s: -s.saves_bytes)
+    return (*fitting, *_with_host(setup, estimator, tuple(still_over))), tuple(uncalibrated)
+
+
+def _distinct(rows: list[Suggestion]) -> list[Suggestion]:
+    """``rows`` without a later one that makes the same changes as an earlier one."""
+    seen: set[str] = set()
+    out = []
+    for row in rows:
+        changes = repr(sorted(row.changes.items()))
+        if changes not in seen:
+            seen.add(changes)
+            out.append(row)
+    return out
+
+
+def _undominated(rows: tuple[Suggestion, ...]) -> list[Suggestion]:
+    """The fitting ``rows`` but those a row of a cheaper tier (:data:`TIERS`) beats: as low a peak and no more host
+    memory, without the GPUs or the recipe change ("checkpointing; use 14 GPUs" at 78.9 GiB beside checkpointing
+    and a chunked loss at 34.6 GiB on the GPUs at hand). Within a tier the alternatives stay: their trade-offs differ
+    in ways the stated costs do not weigh (a dependency, PCIe traffic)."""
+    return [row for row in rows if not any(
+        cost_tier(other.cost) < cost_tier(row.cost) and other.peak_bytes <= row.peak_bytes
+        and other.host_bytes <= row.host_bytes for other in rows)]
 
 
 def _with_host(setup: TrainingSetup, estimator: Estimator, rows: tuple[Suggestion, ...]) -> tuple[Suggestion, ...]:
     """Each suggestion with the host memory its setup needs (offload), so a fix says what it leaves on the host."""
     out = []
     for row in rows:
-        try:
-            host = int(estimator(apply_changes(setup, row.changes)).details.get("host_bytes", 0) or 0)
-        except InputError:
-            host = 0
+        host = _host_bytes(setup, estimator, row.changes)
         out.append(replace(row, host_bytes=host) if host else row)
     return tuple(out)
 
 
 # ---- the search over every lever ----------------------------------------------------------------------
-#: What each kind of change costs the run, for ranking (higher: dearer). The order follows what users give up:
-#: precision loss ≫ 8-bit optimizer state > offload's PCIe traffic > recomputation time > a smaller micro-batch
-#: at the same effective batch > sharding communication > more GPUs of the same kind; free switches cost 1.
+#: What each kind of change costs the run, for ranking (higher: dearer). Until a time model exists the order is
+#: stated, not measured, and comes in three tiers, so that a set's total sorts by its dearest kind first:
+#:
+#: 1. the same maths on the same GPUs (1–35, step time or a dependency): a free switch (fused step, SDPA) < splitting
+#:    the loss or the layers (chunked loss, tensor/sequence/context parallelism) < a sharding strategy < a smaller
+#:    micro-batch with accumulation < recomputation (every other layer < per-op selective < every layer) < offload's
+#:    PCIe traffic (checkpointed inputs, the optimizer state, the parameters, every saved tensor);
+#: 2. more GPUs of this kind (:data:`HARDWARE_COST`): the same run, paid for in hardware;
+#: 3. a change to what is trained (:data:`RECIPE_COST` and up): the step in backward (no clipping by the global
+#:    norm, no accumulation) < mixed precision from fp32 < bf16 moments < 8-bit state < GaLore < LoRA < QLoRA <
+#:    bf16 weights without fp32 master weights.
+#:
+#: Any set of first-tier changes (one per group) costs less than :data:`HARDWARE_COST`, and any set without a
+#: third-tier one less than :data:`RECIPE_COST`: every lossless set is tried, and ranked, before one that adds GPUs,
+#: and that before one that changes the training.
+HARDWARE_COST: Final = 1_000
+RECIPE_COST: Final = 10_000
 LEVER_COSTS: dict[str, int] = {
-    "precision-bf16": 100,
-    "tuning-qlora": 60,  # a frozen, quantized base: adapters only, dequantization each matmul
-    "tuning-lora": 50,  # a frozen base: only the adapters learn
-    "optimizer-8bit": 40,
-    "optimizer-galore": 45,  # another optimizer: projected gradients, a periodic SVD
-    "optimizer-bf16-states": 30,  # bf16 moments: a precision trade-off, a less common package
-    "offload-both": 32,
-    "offload-optimizer": 30,
-    "precision-mixed": 25,
-    "checkpointing": 20,
-    "checkpointing-offload": 24,  # checkpointing plus a copy of each layer's input to the host and back
-    "offload-checkpoint-inputs": 6,  # with checkpointing already on: one hidden state per layer over PCIe, overlapped
-    "offload-activations-all": 35,  # every saved tensor over PCIe twice, synchronously: slow
-    "checkpointing-every-2": 15,
-    "checkpointing-selective": 17,  # every layer, but matmul and attention outputs kept: less recomputation
-    "micro-batch": 10,
-    "loss-chunked": 8,  # a different kernel (Liger-Kernel), about as fast: nothing given up but a dependency
-    "optimizer-in-backward": 12,  # a custom loop step: no gradient accumulation or clipping over all gradients
+    "optimizer-fused": 1,
+    "attention-sdpa": 1,
+    "sp": 2,  # the tensor-parallel all-reduces become reduce-scatter + all-gather of the same volume
+    "loss-parallel": 2,  # the head's logits stay split: one all-reduce of per-token statistics
+    "loss-chunked": 3,  # a different kernel (Liger-Kernel), about as fast: nothing given up but a dependency
+    "attention-flash": 3,  # another package (flash-attn) and an Ampere-or-later GPU
+    "strategy:zero2": 5,  # shards optimizer state and gradients only: the least extra communication
+    "dp_replicate": 5,  # FSDP2's collectives over every data-parallel GPU, across nodes
     "strategy": 6,
+    "offload-checkpoint-inputs": 6,  # with checkpointing already on: one hidden state per layer over PCIe, overlapped
     "tp": 9,  # an all-reduce per layer in forward and backward: fast links (one node) wanted
     "cp": 9,  # key/value chunks passed round a ring in every attention: fast links wanted
     "etp": 9,  # an all-gather and a reduce-scatter of the group's tokens in every MoE layer
-    "sp": 2,  # the tensor-parallel all-reduces become reduce-scatter + all-gather of the same volume
-    "loss-parallel": 2,  # the head's logits stay split: one all-reduce of per-token statistics
-    "strategy:zero2": 5,  # shards optimizer state and gradients only: the least extra communication
-    "dp_replicate": 5,  # FSDP2's collectives over every data-parallel GPU, across nodes
-    "gpus": 4,
-    "optimizer-fused": 1,
-    "attention-sdpa": 1,
-    "attention-flash": 3,  # another package (flash-attn) and an Ampere-or-later GPU
+    "micro-batch": 10,  # more, smaller passes per optimizer step: the same gradients
+    "checkpointing-every-2": 15,
+    "checkpointing-selective": 17,  # every layer, but matmul and attention outputs kept: less recomputation
+    "checkpointing": 20,  # one extra forward per layer
+    "checkpointing-offload": 24,  # checkpointing plus a copy of each layer's input to the host and back
+    "offload-optimizer": 30,
+    "offload-both": 32,
+    "offload-activations-all": 35,  # every saved tensor over PCIe twice, synchronously: slow
+    "gpus": HARDWARE_COST,
+    "optimizer-in-backward": 12 * RECIPE_COST // 10,  # a custom loop step: no accumulation, no global-norm clipping
+    "precision-mixed": 2 * RECIPE_COST,
+    "optimizer-bf16-states": 3 * RECIPE_COST,  # bf16 moments: less precise state, a less common package
+    "optimizer-8bit": 4 * RECIPE_COST,
+    "optimizer-galore": 45 * RECIPE_COST // 10,  # another optimizer: projected gradients, a periodic SVD
+    "tuning-lora": 5 * RECIPE_COST,  # a frozen base: only the adapters learn
+    "tuning-qlora": 6 * RECIPE_COST,  # a frozen, quantized base: adapters only, dequantization each matmul
+    "precision-bf16": 10 * RECIPE_COST,
 }
-#: How many fitting sets of changes the search returns, and how many it evaluates at most (a bound on time).
+#: The tiers' names, as :attr:`Lever.tier` numbers them.
+TIERS: Final = ("the same GPUs and maths", "more GPUs", "another training recipe")
+#: How many fitting sets of changes the search returns from the cheapest tier that has one (:data:`TIERS`), and from
+#: each dearer tier (the cheapest way to fit with more GPUs, and with another recipe, as alternatives).
 MAX_FIXES = 3
+LATER_TIER_FIXES = 1
 #: "More GPUs" suggests at most this many times the current count (at least 8): a run that needs hundreds of GPUs
 #: of this kind to fit is better served by the other levers.
 GPU_GROWTH = 8
 MAX_EVALUATIONS = 400
+#: The sets each tier (:data:`TIERS`) may estimate: most for the lossless ones, which are many and tried first.
+TIER_EVALUATIONS: Final = (200, 60, 60)
 SHARDED = ("zero2", "zero3", "fsdp-full-shard", "fsdp2")
 PARALLEL_KEYS = ("gpus", "strategy", "offload", "node_size", "ep", "etp", "tp", "cp", "sp", "loss_parallel",
                  "dp_replicate")
@@ -290,7 +353,22 @@ class Lever:
 
     @property
     def cost(self) -> int:
-        return LEVER_COSTS.get(self.key, LEVER_COSTS[self.key.split(":")[0]])
+        return lever_cost(self.key)
+
+    @property
+    def tier(self) -> int:
+        """0: the same maths on the same GPUs; 1: more GPUs; 2: another training recipe (:data:`TIERS`)."""
+        return cost_tier(self.cost)
+
+
+def lever_cost(key: str) -> int:
+    """:data:`LEVER_COSTS` of a lever's key (``tp:4`` costs what ``tp`` costs)."""
+    return LEVER_COSTS.get(key, LEVER_COSTS[key.split(":")[0]])
+
+
+def cost_tier(cost: int) -> int:
+    """The tier (:data:`TIERS`) of a lever's or a set's cost: the dearest kind of change in it."""
+    return 2 if cost >= RECIPE_COST else 1 if cost >= HARDWARE_COST else 0
 
 
 def apply_changes(setup: TrainingSetup, changes: dict[str, Any]) -> TrainingSetup:
@@ -412,10 +490,13 @@ def levers(setup: TrainingSetup) -> list[Lever]:
         out.append(Lever("dp_replicate", "dp_replicate", f"shard over all {par.fsdp2_ranks * par.dp_replicate:,} "
                          "data-parallel GPUs (FSDP2 without hybrid replicas)", {"dp_replicate": 1},
                          "the all-gathers and reduce-scatters span every data-parallel GPU, across nodes"))
-    if par.offload in ("none", "params"):
+    # each offload the strategy has once (FSDP's CPUOffload is "both"; ZeRO-1/2 offload the optimizer only); under DDP
+    # both, for the sets that shard too
+    has = {o for o in ("optimizer", "both") if par.strategy == "ddp" or closest_offload(par.strategy, o) == o}
+    if par.offload in ("none", "params") and "optimizer" in has:
         out.append(Lever("offload", "offload-optimizer", "offload the optimizer state to the CPU",
                          {"offload": "optimizer"}, "PCIe traffic every step; host memory for the state"))
-    if par.offload != "both":
+    if par.offload != "both" and "both" in has:
         out.append(Lever("offload", "offload-both", "offload the optimizer state and the parameters to the CPU",
                          {"offload": "both"}, "PCIe traffic in every forward and backward; host memory"))
     for tp in _tensor_parallel_degrees(setup):
@@ -479,21 +560,28 @@ STRATEGY_TITLES: dict[str, str] = {"zero1": "ZeRO-1", "zero2": "ZeRO-2 (DeepSpee
                                    "megatron-distopt": "Megatron-LM's distributed optimizer"}
 
 
-def _combinations(groups: dict[str, list[Lever]]) -> Iterator[tuple[Lever, ...]]:
+def _combinations(groups: dict[str, list[Lever]], seeds: tuple[Lever, ...] = (),
+                  required: frozenset[str] = frozenset()) -> Iterator[tuple[Lever, ...]]:
     """Every non-empty set with at most one lever per group, cheapest first (ties: fewer changes first), made lazily:
     a best-first walk over each group's choice (none, then its levers by cost), so a search that stops after a few
-    hundred sets never builds the tens of thousands there are."""
+    hundred sets never builds the tens of thousands there are. With ``seeds`` the walk starts from each of them
+    alone: only the sets that hold a seed, or a dearer lever of a seed's group, come out (a tier's own sets); with
+    ``required`` groups, only the sets with a lever of each."""
     options = [sorted(levers, key=lambda lv: (lv.cost, lv.key)) for levers in groups.values()]
     costs = [[lv.cost for lv in levers] for levers in options]
+    need = [group in required for group in groups]
 
     def entry(choice: tuple[int, ...]) -> tuple[int, int, list[str], tuple[int, ...]]:
         picked = [options[g][i - 1] for g, i in enumerate(choice) if i]
         return (sum(costs[g][i - 1] for g, i in enumerate(choice) if i), len(picked), [lv.key for lv in picked],
                 choice)
 
-    start = (0,) * len(options)
-    heap = [entry(start)]
-    seen = {start}
+    starts = [tuple(levers.index(seed) + 1 if seed in levers else 0 for levers in options) for seed in seeds] \
+        or [(0,) * len(options)]
+    starts = list(dict.fromkeys(tuple(max(i, int(n)) for i, n in zip(start, need, strict=True)) for start in starts))
+    heap = [entry(start) for start in starts]
+    heapq.heapify(heap)
+    seen = set(starts)
     while heap:
         _, _, _, choice = heapq.heappop(heap)
         if any(choice):
@@ -507,13 +595,21 @@ def _combinations(groups: dict[str, list[Lever]]) -> Iterator[tuple[Lever, ...]]
 
 
 def search_fixes(setup: TrainingSetup, estimator: Estimator, capacity: int) -> list[Suggestion]:
-    """The cheapest sets of changes that make ``setup`` fit ``capacity`` (at most :data:`MAX_FIXES`).
+    """The cheapest sets of changes that make ``setup`` fit ``capacity``, then the cheapest set that fits the same
+    GPUs at the same micro-batch (:func:`_on_this_gpu`).
 
-    Sets are tried cheapest first (:data:`LEVER_COSTS`); a set is kept only when it fits and no cheaper kept set
-    is part of it, and only when every lever in it changes the peak (e.g. hybrid sharding on one node does not).
-    The micro-batch lever takes the largest micro-batch that then fits (same effective batch; 1 when none does);
-    the GPU lever, applied after it, the fewest GPUs of this kind that then fit. A set that does no better than a
-    cheaper kept set of the same kinds is dropped. At most :data:`MAX_EVALUATIONS` sets are estimated.
+    Sets are tried tier by tier (:data:`TIERS`: the same maths on the same GPUs, then more GPUs, then another training
+    recipe), cheapest first within a tier (:data:`LEVER_COSTS`), each tier with its own budget
+    (:data:`TIER_EVALUATIONS`), so that the lossless sets are always tried before any that adds hardware:
+    :data:`MAX_FIXES` sets from the cheapest tier that has one, then :data:`LATER_TIER_FIXES` from each dearer tier —
+    unless a lossless set already fits without host memory, which every dearer set costs more than. A set is kept
+    only when it fits and no cheaper kept set is part of it, and only when every lever in it changes the peak (e.g.
+    hybrid sharding on one node does not). The micro-batch lever takes the largest micro-batch that then fits (same
+    effective batch; 1 when none does); the GPU lever, applied after it, the fewest GPUs of this kind that then fit.
+    A set that does no better than a cheaper kept set of the same kinds is dropped. A tier's :data:`ROUTES` tell
+    whether any of its sets can fit (no route fitting, the tier is not walked) and which lever groups each needs
+    (the walk builds only the sets that have them); when a tier's walk runs out of budget before a set fits, its
+    route, minimised, stands in.
     """
     cache: dict[TrainingSetup, Estimate] = {}
     uncached = estimator
@@ -531,38 +627,66 @@ def search_fixes(setup: TrainingSetup, estimator: Estimator, capacity: int) -> l
         groups.setdefault(lever.group, []).append(lever)
     kept: list[tuple[frozenset[str], Suggestion]] = []
     kept_groups: list[tuple[frozenset[str], Suggestion]] = []
-    routes = _routes(setup, estimator, capacity, groups)
-    if not routes:
+    first_tier: int | None = None
+    for tier in range(len(TIERS)):
+        routes = _routes(setup, estimator, capacity, groups, tier)
+        if not routes:
+            continue  # not even everything this tier allows fits
+        first_tier = tier if first_tier is None else first_tier
+        pool = {g: kinds for g, options in groups.items() if (kinds := [lv for lv in options if lv.tier <= tier])}
+        seeds = tuple(lv for options in pool.values() for lv in options if lv.tier == tier) if tier else ()
+        needed = _needed_groups(setup, estimator, capacity, routes)
+        evaluations, before = 0, len(kept)
+        quota = before + (MAX_FIXES if tier == first_tier else LATER_TIER_FIXES)
+        for combo in _combinations(pool, seeds, needed):
+            keys = frozenset(lv.key for lv in combo)
+            if any(k <= keys for k, _ in kept):
+                continue
+            if evaluations >= TIER_EVALUATIONS[tier] or len(kept) >= quota:
+                break
+            evaluations += 1
+            found = _realise(setup, estimator, capacity, combo)
+            if found is None:
+                continue
+            changes, peak = found
+            if not _every_lever_counts(setup, estimator, combo, changes, peak):
+                continue
+            groups_used = frozenset(lv.group for lv in combo)
+            if any(g == groups_used and fix.peak_bytes <= peak for g, fix in kept_groups):
+                continue  # a cheaper alternative of the same kinds does at least as well
+            fix = _fix(setup, combo, changes, peak, base_peak)
+            kept.append((keys, fix))
+            kept_groups.append((groups_used, fix))
+        if len(kept) == before:  # the tier's cheap sets ran out of budget: its route, minimised
+            fix = _minimised(setup, estimator, capacity, routes[0], base_peak)
+            if all(fix.changes != other.changes for _, other in kept):
+                kept.append((frozenset(fix.key.removeprefix("fix:").split("+")), fix))
+        if tier == 0 and any(not _host_bytes(setup, estimator, fix.changes) for _, fix in kept):
+            break  # the same maths fits on the GPUs at hand without host memory: more GPUs or a recipe cost more
+    if first_tier is None:
         return []  # not even everything one way allows fits: no set of these changes does
-    evaluations = 0
-    for combo in _combinations(groups):
-        keys = frozenset(lv.key for lv in combo)
-        if any(k <= keys for k, _ in kept):
-            continue
-        if evaluations >= MAX_EVALUATIONS or len(kept) >= MAX_FIXES:
-            break
-        evaluations += 1
-        found = _realise(setup, estimator, capacity, combo)
-        if found is None:
-            continue
-        changes, peak = found
-        if not _every_lever_counts(setup, estimator, combo, changes, peak):
-            continue
-        groups_used = frozenset(lv.group for lv in combo)
-        if any(g == groups_used and fix.peak_bytes <= peak for g, fix in kept_groups):
-            continue  # a cheaper alternative of the same kinds does at least as well
-        strategy = changes.get("strategy", setup.parallel.strategy)
-        title = "; ".join(_lever_title(lv, changes, strategy) for lv in combo)
-        fix = Suggestion("fix:" + "+".join(sorted(keys)), title[0].upper() + title[1:], changes, peak,
-                         base_peak - peak, True, "; ".join(lv.tradeoff for lv in combo))
-        kept.append((keys, fix))
-        kept_groups.append((groups_used, fix))
-    if not kept and routes:  # the cheap sets ran out of budget: the leanest fitting route, minimised
-        kept.append((frozenset(), _minimised(setup, estimator, capacity, routes[0], base_peak)))
     local = _on_this_gpu(setup, estimator, capacity, groups, base_peak)
     if local is not None and all(local.changes != fix.changes for _, fix in kept):
         kept.append((frozenset(), local))
     return [s for _, s in kept]
+
+
+def _host_bytes(setup: TrainingSetup, estimator: Estimator, changes: dict[str, Any]) -> int:
+    """The host memory (offloaded state, per node) ``setup`` with ``changes`` needs; 0 where it cannot be weighed."""
+    try:
+        return int(estimator(apply_changes(setup, changes)).details.get("host_bytes", 0) or 0)
+    except InputError:
+        return 0
+
+
+def _fix(setup: TrainingSetup, combo: tuple[Lever, ...], changes: dict[str, Any], peak: int,
+         base_peak: int) -> Suggestion:
+    """The card of a set of levers that fits: its title, changes, peak, trade-offs and cost."""
+    strategy = changes.get("strategy", setup.parallel.strategy)
+    title = "; ".join(_lever_title(lv, changes, strategy) for lv in combo)
+    return Suggestion("fix:" + "+".join(sorted(lv.key for lv in combo)), title[0].upper() + title[1:], changes, peak,
+                      base_peak - peak, True, "; ".join(lv.tradeoff for lv in combo),
+                      cost=sum(lv.cost for lv in combo))
 
 
 #: Lever groups that keep the run as it is planned: the same GPUs, the same micro-batch, full fine-tuning.
@@ -594,8 +718,7 @@ def _on_this_gpu(setup: TrainingSetup, estimator: Estimator, capacity: int, grou
                 fixes.append(_minimised(setup, estimator, capacity, leanest, base_peak))
         if not fixes:
             return None
-        fix = min(fixes, key=lambda f: sum(LEVER_COSTS.get(k, LEVER_COSTS[k.split(":")[0]])
-                                           for k in f.key.removeprefix("fix:").split("+")))
+        fix = min(fixes, key=lambda f: f.cost)
     where = "this GPU" if not setup.parallel.is_distributed else f"these {setup.parallel.gpus} GPUs"
     return replace(fix, key="fix-here:" + fix.key.removeprefix("fix:"),
                    title=f"On {where} at micro-batch {setup.batch:,}: {fix.title[0].lower()}{fix.title[1:]}")
@@ -608,11 +731,23 @@ SAME_RUN_ROUTES = (("checkpointing", "loss-chunked", "optimizer-in-backward", "o
                    ("checkpointing-offload", "loss-chunked", "optimizer-in-backward", "optimizer-8bit",
                     "precision-bf16", "attention-sdpa", "attention-flash"))
 
-
-#: Sets of everything one way of fitting allows (lever keys; those a setup lacks are skipped): sharded over more
-#: GPUs, adapters on a quantized base, or one GPU with every single-GPU saving. None fitting means no set fits.
-ROUTES: tuple[tuple[str, ...], ...] = (
-    ("strategy:fsdp-full-shard", "offload-both", "checkpointing", "loss-chunked", "micro-batch", "gpus"),
+_OFFLOAD = ("offload-both", "offload-optimizer")  # the strongest offload the set's strategy has
+_SAME_MATHS = ("loss-chunked", "micro-batch", "attention-sdpa", "attention-flash", "optimizer-fused", "dp_replicate")
+#: Sets of everything one way of fitting allows, tier by tier (:data:`TIERS`; lever keys, a tuple of keys the first
+#: a setup has; those a setup lacks are skipped): sharded and offloaded with recomputation or activation offload, or
+#: split over the GPUs at hand; sharded over more GPUs; adapters on a quantized base, or one GPU with every single-GPU
+#: saving. The first that fits tells the cheapest tier a set can fit in, and those of that tier which groups every
+#: fitting set of it needs (:func:`_needed_groups`); none fitting means no set fits.
+ROUTES: tuple[tuple[str | tuple[str, ...], ...], ...] = (
+    ("strategy:fsdp-full-shard", _OFFLOAD, ("checkpointing-offload", "offload-checkpoint-inputs"), *_SAME_MATHS),
+    ("strategy:fsdp-full-shard", _OFFLOAD, "checkpointing", *_SAME_MATHS),
+    ("strategy:fsdp-full-shard", _OFFLOAD, "offload-activations-all", *_SAME_MATHS),
+    ("strategy:fsdp-full-shard", ("tp:8", "tp:4", "tp:2"), "sp", "loss-parallel", ("cp:8", "cp:4", "cp:2"),
+     ("etp:8", "etp:4", "etp:2"), "checkpointing", *_SAME_MATHS),
+    ("strategy:fsdp-full-shard", "checkpointing", *_SAME_MATHS, "gpus"),
+    ("strategy:fsdp-full-shard", ("tp:8", "tp:4", "tp:2"), "sp", "loss-parallel", ("cp:8", "cp:4", "cp:2"),
+     ("etp:8", "etp:4", "etp:2"), "checkpointing", *_SAME_MATHS, "gpus"),
+    ("strategy:fsdp-full-shard", _OFFLOAD, "checkpointing", "loss-chunked", "micro-batch", "gpus"),
     ("tuning-qlora", "checkpointing", "loss-chunked", "micro-batch", "attention-sdpa", "attention-flash"),
     ("precision-bf16", "optimizer-8bit", "checkpointing", "loss-chunked", "optimizer-in-backward", "attention-sdpa",
      "attention-flash"),
@@ -621,20 +756,44 @@ ROUTES: tuple[tuple[str, ...], ...] = (
 )
 
 
-def _routes(setup: TrainingSetup, estimator: Estimator, capacity: int,
-            groups: dict[str, list[Lever]]) -> list[tuple[Lever, ...]]:
-    """The :data:`ROUTES` that fit, each as its levers: a few estimates that tell a hopeless setup at once."""
+def _routes(setup: TrainingSetup, estimator: Estimator, capacity: int, groups: dict[str, list[Lever]],
+            tier: int) -> list[tuple[Lever, ...]]:
+    """Those of the :data:`ROUTES` of ``tier`` that fit, as their levers: a few estimates that tell that no set of the
+    tier fits (none), or which groups every one needs (:func:`_needed_groups`)."""
     by_key = {lv.key: lv for options in groups.values() for lv in options}
-    out = []
+    out: list[tuple[Lever, ...]] = []
     for route in ROUTES:
-        combo = tuple(by_key[k] for k in route if k in by_key)
+        combo = tuple(by_key[key] for entry in route
+                      if (key := next((k for k in ((entry,) if isinstance(entry, str) else entry) if k in by_key),
+                                      None)) is not None)
         # more GPUs or a smaller micro-batch are refused when they change nothing: try the route without them too
         for drop in ((), ("gpus",), ("micro-batch",), ("gpus", "micro-batch")):
+            if drop and not set(drop) & {lv.key for lv in combo}:
+                continue
             trial = tuple(lv for lv in combo if lv.key not in drop)
-            if trial and _realise(setup, estimator, capacity, trial) is not None:
+            if not trial or max(lv.tier for lv in trial) != tier:
+                continue
+            if _realise(setup, estimator, capacity, trial) is not None:
                 out.append(trial)
                 break
     return out
+
+
+def _needed_groups(setup: TrainingSetup, estimator: Estimator, capacity: int,
+                   routes: list[tuple[Lever, ...]]) -> frozenset[str]:
+    """The lever groups every fitting route of a tier needs — it does not fit without its lever of the group, all its
+    others kept. The routes hold each group's strongest lever, so no set of that tier fits without one of these
+    groups either (a lever taken out, or a weaker one, does not lower the peak), and the tier's walk builds only the
+    sets that have them: a setup far over its capacity (an 8B model at 64 × 8192 on a T4) needs most groups, and the
+    sets without them are most of the cheap ones."""
+    needed: set[str] | None = None
+    for route in routes:
+        candidates = [lv for lv in route if needed is None or lv.group in needed]
+        needed = {lever.group for lever in candidates
+                  if _realise(setup, estimator, capacity, tuple(lv for lv in route if lv is not lever)) is None}
+        if not needed:
+            break
+    return frozenset(needed or ())
 
 
 def _minimised(setup: TrainingSetup, estimator: Estimator, capacity: int, combo: tuple[Lever, ...],
@@ -647,10 +806,7 @@ def _minimised(setup: TrainingSetup, estimator: Estimator, capacity: int, combo:
         if rest and (again := _realise(setup, estimator, capacity, rest)) is not None:
             combo, found = rest, again
     changes, peak = found
-    strategy = changes.get("strategy", setup.parallel.strategy)
-    title = "; ".join(_lever_title(lv, changes, strategy) for lv in combo)
-    return Suggestion("fix:" + "+".join(sorted(lv.key for lv in combo)), title[0].upper() + title[1:], changes,
-                      peak, base_peak - peak, True, "; ".join(lv.tradeoff for lv in combo))
+    return _fix(setup, combo, changes, peak, base_peak)
 
 
 def _lever_title(lever: Lever, changes: dict[str, Any], strategy: str) -> str:

@@ -163,6 +163,31 @@ def screen_unit(largest_bytes: int | float) -> str:
     return "GiB"
 
 
+def result_unit(peak_bytes: int, capacity_bytes: int | None) -> str:
+    """The one unit a result's screen shows its sizes in (the verdict, the ledger, the chart, what to change).
+
+    With a capacity, the capacity's (GiB for every GPU), so that what decides the fit — a headroom of 328 MiB beside
+    an 80 GiB card, a 20 GiB fix of a 1.6 TiB step on a 24 GiB card — reads in it; a larger unit only where the peak
+    would read 100,000 or more in it (an absurd setup's EiB: no 17-digit numbers). Without one, the peak's
+    (:func:`screen_unit`)."""
+    if not capacity_bytes:
+        return screen_unit(peak_bytes)
+    floor = _UNIT_FACTORS[screen_unit(capacity_bytes)]
+    for name, factor in reversed(BINARY_UNITS):
+        if factor >= floor and abs(peak_bytes) < 100_000 * factor:
+            return name
+    return BINARY_UNITS[0][0]
+
+
+def format_in(nbytes: int | float, unit: str) -> str:
+    """``nbytes`` in a screen's shared ``unit``, two decimals and thousands separated: ``0.32 GiB``, ``1,577.00 GiB``;
+    a size that is not zero but rounds to it reads ``<0.01 GiB``, so "over by 0.00 GiB" is never said."""
+    value = nbytes / _UNIT_FACTORS[unit]
+    if nbytes and abs(value) < 0.005:
+        return f"{'-' if nbytes < 0 else ''}<0.01 {unit}"
+    return f"{value:,.2f} {unit}"
+
+
 def in_unit(nbytes: int | float, unit: str) -> float:
     """``nbytes`` in ``unit`` (one of :data:`BINARY_UNITS`' names)."""
     return nbytes / _UNIT_FACTORS[unit]

@@ -19,9 +19,10 @@ from ..core.result import Result
 from ..core.setup import PRECISION_LABELS, gpu_presets
 from ..core.solver import MAX_SEARCH_BATCH
 from ..core.timeline import Timeline, compare_phases
-from ..core.units import format_bytes, format_count, in_unit, ordinal, screen_unit
+from ..core.units import format_bytes, format_count, in_unit, ordinal
 from ..core.vocab import OBJECT_LABELS, PHASE_LABELS, PHASES
 from ..view.plan_text import (
+    ADVICE_ORDER,
     BEST_MARK,
     OFFLOAD_TEXT,
     host_bytes,
@@ -259,7 +260,7 @@ class ReportContent:
 
 
 def _bytes_cell(n: int, unit: str | None = None) -> str:
-    """A size for a table cell; ``unit`` gives the whole table one unit (``units.screen_unit``)."""
+    """A size for a table cell; ``unit`` gives the whole table one unit (``units.result_unit``)."""
     if not n:
         return "—"
     if unit is not None and in_unit(n, unit) < 0.005:
@@ -280,7 +281,7 @@ def gpu_label(result: Result) -> str:
     if setup.capacity_bytes is None:
         return "no GPU chosen"
     name, _nominal = _gpu_name(setup.gpu)
-    cap = format_bytes(setup.capacity_bytes)
+    cap = result.size(setup.capacity_bytes)
     return f"{name} ({cap})" if name else f"{cap} capacity"
 
 
@@ -389,22 +390,22 @@ def _verdict_rows(result: Result) -> list[tuple[str, str]]:
     if is_per_gpu(result):
         gpu = f"{result.setup.parallel.gpus:,} × {gpu}, {strategy_text(result.setup)}"
     rows = [
-        ("Peak", f"{format_bytes(est.peak_bytes)}{each} in the {peak.lower()} phase"),
+        ("Peak", f"{result.size(est.peak_bytes)}{each} in the {peak.lower()} phase"),
         ("Largest object", f"{OBJECT_LABELS[est.dominant_object]} "
-                           f"({format_bytes(est.peak.objects[est.dominant_object])})"),
+                           f"({result.size(est.peak.objects[est.dominant_object])})"),
         ("GPU", gpu),
-        ("Tensor peak", f"{format_bytes(est.peak_tensor_bytes)}{each} (allocated)"),
+        ("Tensor peak", f"{result.size(est.peak_tensor_bytes)}{each} (allocated)"),
     ]
     if v.capacity_bytes is not None and v.headroom_bytes is not None:
         if v.headroom_bytes >= 0:
-            rows.append(("Headroom", f"{format_bytes(v.headroom_bytes)} free"))
+            rows.append(("Headroom", f"{result.size(v.headroom_bytes)} free"))
         else:
-            rows.append(("Over by", format_bytes(-v.headroom_bytes)))
+            rows.append(("Over by", result.size(-v.headroom_bytes)))
     else:
         rows.append(("Headroom", "— (no GPU)"))
     rows.append(("Largest micro-batch that fits", _max_batch_text(result)))
     if host_bytes(result):
-        rows.append(("Host memory", f"{format_bytes(host_bytes(result))} per node (offload)"))
+        rows.append(("Host memory", f"{result.size(host_bytes(result))} per node (offload)"))
     return rows
 
 
@@ -420,7 +421,7 @@ def _plan_table(result: Result) -> Table | None:
 
 def _ledger_table(result: Result) -> Table:
     est = result.estimate
-    unit = screen_unit(max(est.phases[p].total_bytes for p in PHASES))  # one unit, as in the window's ledger
+    unit = result.unit  # one unit, as in the window's ledger
     rows = []
     for obj in shown_objects(est):
         cells = (OBJECT_LABELS[obj], *(_bytes_cell(est.phases[p].objects[obj], unit) for p in PHASES))
@@ -440,20 +441,22 @@ def _suggestions_table(result: Result) -> tuple[Table | None, str]:
     if not v.suggestions:
         return None, suggestions_note(result)
     rows = []
+    size, cap = result.size, v.capacity_bytes  # one unit, the verdict's and the ledger's
     for i, s in enumerate(v.suggestions, 1):
-        fit = "—" if s.fits is None else ("fits" if s.fits else "still over")
+        fit = "—" if s.fits is None or cap is None else (f"fits, headroom {size(cap - s.peak_bytes)}" if s.fits
+                                                        else f"still over by {size(s.peak_bytes - cap)}")
         if s.host_bytes:
-            fit += f"; host {format_bytes(s.host_bytes)} per node"
-        rows.append(Row((str(i), s.title, format_bytes(s.peak_bytes), format_bytes(s.saves_bytes), fit, s.tradeoff),
+            fit += f"; host {size(s.host_bytes)} per node"
+        rows.append(Row((str(i), s.title, size(s.peak_bytes), size(s.saves_bytes), fit, s.tradeoff),
                         highlight=bool(s.fits)))
     table = Table(("#", "Change", "Peak after", "Saves", "Result", "Trade-off"), tuple(rows),
-                  align={0: "right", 2: "right", 3: "right"}, widths=(4, 34, 13, 12, 10, 27))
+                  align={0: "right", 2: "right", 3: "right"}, widths=(4, 31, 12, 11, 16, 26))
     if v.fits:
         note = "Ranked by the bytes they save at the peak (the setup already fits)."
     elif v.fits is None:
         note = "Ranked by the bytes they save at the peak."
     else:
-        note = "Ranked: changes that make the step fit first, then by the bytes they save at the peak."
+        note = ADVICE_ORDER
     pending = suggestions_note(result)
     return table, f"{note} {pending}" if pending else note
 
@@ -661,7 +664,7 @@ def build_content(result: Result, *, measurement: MeasureResult | None = None,
     measured_reference: dict[str, int] = {}
     measured_label = ""
     measurement_section = None
-    unit = screen_unit(max(est.phases[p].total_bytes for p in PHASES))
+    unit = result.unit
     caption = ("Memory per GPU per phase" if per_gpu else "Memory per phase") + \
         f", stacked by object ({unit}); the outlined bar is the peak" + (
         ", the dashed line the GPU capacity." if setup.capacity_bytes is not None else ".")

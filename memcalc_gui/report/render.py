@@ -41,7 +41,7 @@ from ..core.ledger import parameter_rows, shown_objects
 from ..core.result import Result
 from ..core.solver import MAX_GPUS
 from ..core.timeline import Timeline
-from ..core.units import in_unit, screen_unit
+from ..core.units import in_unit
 from ..core.vocab import OBJECT_LABELS, PHASE_LABELS, PHASES
 from ..view.assets import BUNDLED_FAMILY
 from ..view.plan_text import chart_scope, is_per_gpu
@@ -633,7 +633,7 @@ def _png_ledger_html(result: Result, px: int, measured: dict[str, int] | None = 
     """The ledger table of the PNG; with a measurement, its tensor peaks and the estimate's error per phase
     (against ``reference``, the estimate of a scaled-down measured setup, when there is one)."""
     est = result.estimate
-    unit = screen_unit(max(est.phases[p].total_bytes for p in PHASES))  # the window's ledger uses the same
+    unit = result.unit  # the window's ledger uses the same
     peak_i = PHASES.index(est.peak_phase)
     short = {"load": "Load", "forward": "Forward", "backward": "Backward", "optimizer_step": "Opt. step"}
     head = "".join(f'<th align="right" bgcolor="{PEAK_BG if i == peak_i else HEAD_BG}">'
@@ -684,7 +684,7 @@ def _png_side_html(content: ReportContent, result: Result) -> str:
                      + "<br>".join(_e(n) for n in content.plan_notes) + "</p>")
     if v.suggestions:
         items = "".join(
-            f"<li>{_e(s.title)} — peak {_e(_fmt(s.peak_bytes))}"
+            f"<li>{_e(s.title)} — peak {_e(result.size(s.peak_bytes))}"
             f"{' (fits)' if s.fits else ' (still over)' if s.fits is False else ''}</li>"
             for s in v.suggestions[:3])
         parts.append(f'<p style="font-size:15px; font-weight:600; margin-top:12px; margin-bottom:2px">'
@@ -693,10 +693,6 @@ def _png_side_html(content: ReportContent, result: Result) -> str:
             + "</body></html>")
 
 
-def _fmt(n: int) -> str:
-    from ..core.units import format_bytes
-
-    return format_bytes(n)
 
 
 def png_size(timeline: Timeline | None, size: tuple[int, int] = PNG_SIZE) -> tuple[int, int]:

@@ -1,5 +1,5 @@
-"""The ledger as a table: memory objects × phases in one binary unit (GiB, or TiB and up for a peak past 1 TiB,
-``units.screen_unit``), with totals; Ctrl+C copies TSV."""
+"""The ledger as a table: memory objects × phases in the result's one binary unit (GiB on any GPU, or TiB and up for
+a capacity — without one, a peak — past 1 TiB: ``units.result_unit``), with totals; Ctrl+C copies TSV."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from PySide6.QtGui import (
 from PySide6.QtWidgets import QAbstractItemView, QHeaderView, QTableWidget, QTableWidgetItem, QWidget
 
 from ..core.ledger import Estimate, parameter_rows, shown_objects
-from ..core.units import in_unit, screen_unit
+from ..core.units import in_unit, result_unit
 from ..core.vocab import OBJECT_LABELS, OBJECTS, PHASE_LABELS, PHASES, UNIFIED_OBJECTS
 from ..view.theme import OBJECT_COLORS
 
@@ -133,7 +133,7 @@ class LedgerTable(QTableWidget):
 
     def set_estimate(self, estimate: Estimate) -> None:
         peak_col = PHASES.index(estimate.peak_phase)
-        unit = screen_unit(max(ledger.total_bytes for ledger in estimate.phases.values()))
+        unit = result_unit(estimate.peak_bytes, estimate.setup.capacity_bytes)  # the verdict's and the chart's
         if unit != self.unit:
             self.unit = unit
             self.setAccessibleName(f"Ledger: memory objects by phase, {unit}")

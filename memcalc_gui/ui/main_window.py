@@ -52,7 +52,7 @@ from ..core.result import Result, evaluate
 from ..trace.fake import TraceCancelled
 from ..view.assets import app_icon
 from ..view.chart import MemoryChart
-from ..view.plan_text import chart_scope, is_per_gpu, per_gpu_headline
+from ..view.plan_text import ADVICE_ORDER, chart_scope, is_per_gpu, per_gpu_headline
 from .about import AboutDialog
 from .form import (
     FormErrors,
@@ -348,8 +348,8 @@ class MainWindow(QMainWindow):
         self._fit_timer.setInterval(0)
         self._fit_timer.timeout.connect(self._fit_ledger_height)
         self.table.rows_changed.connect(self._fit_timer.start)  # LoRA's parameter sub-rows, a paged optimizer
-        advice_box.setToolTip("The largest micro-batch that fits, then the cheapest sets of changes that fit "
-                              "(precision last). Click one to apply it; Ctrl+Z undoes.")
+        advice_box.setToolTip(f"The largest micro-batch that fits, then what to change. {ADVICE_ORDER} Click one to "
+                              "apply it; Ctrl+Z undoes.")
         al = QVBoxLayout(advice_box)
         al.setContentsMargins(4, 4, 4, 4)
         al.addWidget(self.advice)

@@ -20,9 +20,10 @@ from PySide6.QtWidgets import (
 
 from ..core.result import Result
 from ..core.solver import Suggestion, micro_batch_changes
-from ..core.units import format_bytes
 from ..core.vocab import OBJECT_LABELS
 from ..view.plan_text import (
+    STILL_OVER_HEADING,
+    first_still_over,
     host_text,
     is_per_gpu,
     parallel_label,
@@ -30,6 +31,7 @@ from ..view.plan_text import (
     pipeline_text,
     plan_action,
     plan_sentences,
+    suggestion_figures,
     suggestions_note,
 )
 from ..view.theme import FIT_COLOR, NEUTRAL_COLOR, OVER_COLOR, tinted
@@ -118,8 +120,8 @@ class VerdictBanner(QFrame):
         self.text.setText(per_gpu_headline(result))
         est = result.estimate
         facts = (f"Largest object at the peak: {OBJECT_LABELS[est.dominant_object].lower()} "
-                 f"({format_bytes(est.peak.objects[est.dominant_object])}). Tensor peak, what "
-                 f"max_memory_allocated would show: {format_bytes(est.peak_tensor_bytes)}.")
+                 f"({result.size(est.peak.objects[est.dominant_object])}). Tensor peak, what "
+                 f"max_memory_allocated would show: {result.size(est.peak_tensor_bytes)}.")
         # the headline names the peak and its largest object; the details (tensor peak, per-GPU reasons) fold
         # behind "Why?" so the chart keeps its phase names and the ledger its rows on a 1280×720 screen
         detail = ""
@@ -283,7 +285,8 @@ class AdvicePanel(QWidget):
         self.use_max.setVisible(False)  # until a result has a larger micro-batch to use
         row.addWidget(self.use_max)
         lay.addLayout(row)
-        self.heading = QLabel("Cheapest changes that fit first; click one to apply it (Ctrl+Z undoes).")
+        self.heading = QLabel("Changes that fit first, cheapest for the run first; click one to apply it (Ctrl+Z "
+                              "undoes).")
         self.heading.setVisible(False)  # said by the box's title and tooltip: the cards get the room
         area = QScrollArea()
         area.setWidgetResizable(True)
@@ -312,6 +315,14 @@ class AdvicePanel(QWidget):
         self.use_plan.setVisible(False)
         self._plan_action: tuple[str, dict[str, Any]] | None = None
         self.buttons: list[SuggestionCard] = []
+        self.still_over = QLabel(STILL_OVER_HEADING)
+        self.still_over.setObjectName("stillOverHeading")
+        self.still_over.setWordWrap(True)
+        bold = self.still_over.font()
+        bold.setBold(True)
+        self.still_over.setFont(bold)
+        self.still_over.setContentsMargins(0, 6, 0, 0)
+        self.still_over.setVisible(False)
         for _ in range(MAX_SUGGESTIONS):
             b = SuggestionCard()
             b.setVisible(False)
@@ -339,7 +350,7 @@ class AdvicePanel(QWidget):
             self.use_max.setVisible(False)
         elif v.max_micro_batch == 0:
             self.max_batch.setText(f"Largest micro-batch that fits: none — even micro-batch 1 at sequence length "
-                                   f"{setup.seq} is over {format_bytes(v.capacity_bytes)}.")
+                                   f"{setup.seq:,} is over {result.size(v.capacity_bytes)}.")
             self.use_max.setVisible(False)
         else:
             note = " (the current one)" if v.max_micro_batch == setup.batch else ""
@@ -359,11 +370,18 @@ class AdvicePanel(QWidget):
         for i, b in enumerate(self.buttons):
             if i < len(self._suggestions):
                 s = self._suggestions[i]
-                b.set_content(s.title, describe(s, v.capacity_bytes), s.fits, s.tradeoff)
-                b.setToolTip(f"Saves {format_bytes(s.saves_bytes)} at the peak. Applies: {format_changes(s.changes)}")
+                figures = suggestion_figures(s, result)
+                b.set_content(s.title, figures[0].upper() + figures[1:], s.fits, s.tradeoff)
+                b.setToolTip(f"Saves {result.size(s.saves_bytes)} at the peak. Applies: {format_changes(s.changes)}")
                 b.setVisible(True)
             else:
                 b.setVisible(False)
+        # the cards that fit come first (cheapest for the run first); a heading before those that leave it over
+        heading = first_still_over(result)
+        self._list.removeWidget(self.still_over)
+        if heading is not None and heading < len(self._suggestions):
+            self._list.insertWidget(self._list.indexOf(self.buttons[heading]), self.still_over)
+        self.still_over.setVisible(heading is not None and heading < len(self._suggestions))
         note = suggestions_note(result)
         self.empty.setText(note)
         self.empty.setVisible(bool(note))
@@ -402,17 +420,6 @@ class AdvicePanel(QWidget):
     def _use_max(self) -> None:
         if self._max and self._max_changes:
             self.apply_changes.emit(self.use_max.text(), dict(self._max_changes))
-
-
-def describe(s: Suggestion, capacity_bytes: int | None = None) -> str:
-    """``Peak 43.34 GiB · headroom 35.81 GiB`` (``over by …`` when it does not fit; ``saves …`` without a
-    capacity). What it saves is in the card's tooltip."""
-    peak = f"Peak {format_bytes(s.peak_bytes)}" + (f" (host {format_bytes(s.host_bytes)})" if s.host_bytes else "")
-    if capacity_bytes is None or s.fits is None:
-        return f"{peak} · saves {format_bytes(s.saves_bytes)}"
-    if s.peak_bytes <= capacity_bytes:
-        return f"{peak} · headroom {format_bytes(capacity_bytes - s.peak_bytes)}"
-    return f"{peak} · still over by {format_bytes(s.peak_bytes - capacity_bytes)}"
 
 
 def format_changes(changes: dict[str, Any]) -> str:

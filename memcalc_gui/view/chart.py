@@ -1,8 +1,9 @@
 """The phase chart: one stacked bar per phase, one segment per ledger object, a capacity line.
 
 Every plot item is created once and updated in place (``setOpts``/``setData``); an estimate never
-rebuilds the scene. Values are drawn in GiB (2**30), or in the larger binary unit of a peak past 1 TiB (the
-ledger table uses the same, ``units.screen_unit``); the axis never switches to SI prefixes.
+rebuilds the scene. Values are drawn in the result's one unit, ``units.result_unit``: GiB (2**30) on any GPU, or
+the larger binary unit of a capacity (without one, a peak) past 1 TiB; the ledger table and the verdict use the same,
+and the axis never switches to SI prefixes.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from PySide6.QtGui import QColor, QCursor, QFont, QFontMetrics, QPalette, QTextD
 from PySide6.QtWidgets import QToolTip, QWidget
 
 from ..core.ledger import Estimate
-from ..core.units import format_bytes, in_unit, screen_unit
+from ..core.units import format_bytes, in_unit, result_unit
 from ..core.vocab import OBJECT_LABELS, OBJECTS, PHASE_LABELS, PHASES, UNIFIED_OBJECTS
 from .theme import OBJECT_COLORS, STACK_ORDER, is_dark
 
@@ -204,7 +205,7 @@ class MemoryChart(pg.GraphicsLayoutWidget):
         ZeRO-3") becomes the chart's title and the axis says "per GPU". ``None``: a single GPU."""
         self._estimate = estimate
         self._fill_legend(tuple(o for o in UNIFIED_OBJECTS if any(estimate.object_bytes(o).values())))
-        self.unit = screen_unit(max(estimate.phases[p].total_bytes for p in PHASES))
+        self.unit = result_unit(estimate.peak_bytes, capacity_bytes)  # the verdict's and the ledger's unit
         self._set_scope(per_gpu)
         self._capacity = capacity_bytes
         base = np.zeros(len(PHASES))

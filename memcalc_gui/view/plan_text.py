@@ -1,7 +1,8 @@
-"""How a multi-GPU result is worded, in the window and in the report (plain text; no Qt).
+"""How a multi-GPU result and "what to change" are worded, in the window, the report and the CLI (plain text; no Qt).
 
 With ``setup.parallel.is_distributed`` every ledger number is per GPU; these helpers say so, name the
-strategy, the host memory offload needs and the core's GPU plan (``Result.plan``).
+strategy, the host memory offload needs and the core's GPU plan (``Result.plan``). The suggestions' sizes are in the
+result's one unit (``Result.unit``), as the verdict and the ledger beside them are.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from ..core.errors import InputError
 from ..core.estimate import estimate
 from ..core.result import Result
 from ..core.setup import TrainingSetup, gpu_presets
-from ..core.units import format_bytes
+from ..core.solver import Suggestion
 
 #: Appended to the best strategy's label in :func:`plan_rows`.
 BEST_MARK: Final = " — best"
@@ -76,7 +77,7 @@ def pipeline_text(result: Result) -> str:
         return ""
     shown = details.get("pipeline_rank")
     pp = result.setup.parallel.pp
-    others = "; ".join(f"rank {r['rank'] + 1}: {format_bytes(r['peak_bytes'])}" for r in ranks if r["rank"] != shown)
+    others = "; ".join(f"rank {r['rank'] + 1}: {result.size(r['peak_bytes'])}" for r in ranks if r["rank"] != shown)
     return f"The most loaded pipeline stage is shown: rank {int(shown or 0) + 1} of {pp}" + \
         (f" ({others})" if others else "")
 
@@ -105,7 +106,7 @@ def per_gpu_headline(result: Result) -> str:
     headline = result.headline()
     if not is_per_gpu(result):
         return headline
-    needs = f"needs {format_bytes(result.estimate.peak_bytes)}"
+    needs = f"needs {result.size(result.estimate.peak_bytes)}"
     if needs in headline:
         return headline.replace(needs, needs + " per GPU", 1)
     return "Per GPU: " + headline
@@ -122,13 +123,13 @@ def host_text(result: Result) -> str:
     if not n:
         return ""
     if not par.is_distributed:  # one GPU: only its offloaded activations
-        return f"Host (CPU) memory for the offloaded activations: {format_bytes(n)}"
+        return f"Host (CPU) memory for the offloaded activations: {result.size(n)}"
     what = []
     if par.offload != "none":
         what.append("DeepSpeed's 1.5× buffer factor")
     if result.setup.activation_offload != "none":
-        what.append(f"activations {format_bytes(activation_host_bytes(result))} per GPU")
-    return (f"Host (CPU) memory for offload: {format_bytes(n)} per node ({par.gpus_per_node} GPU"
+        what.append(f"activations {result.size(activation_host_bytes(result))} per GPU")
+    return (f"Host (CPU) memory for offload: {result.size(n)} per node ({par.gpus_per_node} GPU"
             f"{'s' if par.gpus_per_node != 1 else ''} per node, {', '.join(what)})")
 
 
@@ -185,7 +186,7 @@ def plan_sentences(result: Result) -> list[str]:
     if plan.best_strategy is None:
         second = f"No strategy fits with {gpus:,} GPU{'s' if gpus != 1 else ''}"
     else:
-        peak = f" ({format_bytes(plan.best_peak_bytes)} per GPU)" if plan.best_peak_bytes else ""
+        peak = f" ({result.size(plan.best_peak_bytes)} per GPU)" if plan.best_peak_bytes else ""
         # the first that fits in order of least communication (core.solver.gpu_plan), not the smallest peak: said so
         second = (f"Least communication that fits on {gpus:,} GPU{'s' if gpus != 1 else ''}: "
                   f"{STRATEGY_SHORT.get(plan.best_strategy, plan.best_strategy)}{peak}")
@@ -258,7 +259,7 @@ def plan_rows(result: Result) -> list[tuple[str, str, str, str]]:
             peak_text, fit = "—", (f"not with {setup.parallel.offload} offload" if refused_by == "offload"
                                    else "not modelled")
         else:
-            peak_text = format_bytes(peak)
+            peak_text = result.size(peak)
             fit = "—" if cap is None else ("fits" if peak <= cap else "over")
         label = STRATEGY_LABELS.get(strategy, strategy)
         if strategy == plan.best_strategy:
@@ -268,3 +269,32 @@ def plan_rows(result: Result) -> list[tuple[str, str, str, str]]:
                      else "not weighed" if strategy in plan.unweighed else "never",
                      peak_text, fit))
     return rows
+
+
+#: How the suggestions are ordered (core.solver.suggestions), said where they are listed.
+ADVICE_ORDER: Final = ("Changes that fit come first, cheapest for the run first: the same maths on the same GPUs "
+                       "(chunked loss, a smaller micro-batch with accumulation, recomputation, sharding, offload), "
+                       "then more GPUs, then a change to what is trained (precision, optimizer state, adapters). "
+                       "Then changes that lower the peak but leave it over, largest saving first.")
+#: Said before the first suggestion that does not fit (after those that do).
+STILL_OVER_HEADING: Final = "Still over after the change alone (largest saving first):"
+
+
+def suggestion_figures(s: Suggestion, result: Result, *, saves: bool = False) -> str:
+    """``peak 43.34 GiB (host 7.22 GiB per node) · headroom 35.81 GiB`` (``still over by …`` when it does not fit;
+    ``saves …`` without a capacity, or with ``saves``), every size in the result's one unit."""
+    size, cap = result.size, result.verdict.capacity_bytes
+    parts = [f"peak {size(s.peak_bytes)}" + (f" (host {size(s.host_bytes)} per node)" if s.host_bytes else "")]
+    if cap is not None and s.fits is not None:
+        parts.append(f"headroom {size(cap - s.peak_bytes)}" if s.peak_bytes <= cap else
+                     f"still over by {size(s.peak_bytes - cap)}")
+    if saves or cap is None or s.fits is None:
+        parts.append(f"saves {size(s.saves_bytes)}")
+    return " · ".join(parts)
+
+
+def first_still_over(result: Result) -> int | None:
+    """The index of the first suggestion that leaves the step over after some that fit (where
+    :data:`STILL_OVER_HEADING` goes), or ``None``."""
+    rows = result.verdict.suggestions
+    return next((i for i, s in enumerate(rows) if s.fits is False), None) if result.verdict.fits is False else None
