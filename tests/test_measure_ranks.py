@@ -153,11 +153,13 @@ def _measure(config: Path | dict, capsys: pytest.CaptureFixture[str], *flags: st
 
 
 @pytest.mark.parametrize("flags, ranks", sample([
-    # DTensor's tensor parallelism, torchtitan's sequence-parallel plan and fully_shard, really sent
+    # DTensor's tensor parallelism, torchtitan's sequence- and loss-parallel plan (FSDP2's default beside tensor
+    # parallelism) and fully_shard, really sent; and with the embedding and head whole
     (("--gpus", "4", "--tp", "2", "--sp", "--strategy", "fsdp2"), 4),
     (("--gpus", "2", "--cp", "2", "--strategy", "fsdp2"), 2),  # PyTorch's ring attention over gloo
     (("--gpus", "2", "--cp", "2", "--strategy", "ddp"), 2),  # DDP over the ring's ranks: its buckets, for real
     (("--gpus", "2", "--strategy", "ddp"), 2),  # DDP's buckets from the moment it wraps the model
+    (("--gpus", "4", "--tp", "2", "--sp", "--strategy", "fsdp2", "--no-loss-parallel"), 4),
 ], (0, 3)))
 def test_every_rank_of_a_real_step_matches_its_estimate(tiny: Path, capsys: pytest.CaptureFixture[str],
                                                         flags: tuple[str, ...], ranks: int) -> None:

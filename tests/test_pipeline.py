@@ -719,6 +719,36 @@ def test_weights_and_optimizer_per_rank_equal_megatrons_theoretical_memory(tp: i
     assert states == pytest.approx(weights, rel=1e-3)
 
 
+@pytest.mark.parametrize("strategy", ["megatron-distopt", "megatron"])
+def test_the_megatron_recipe_equals_megatrons_function_with_no_extra_flag(strategy: str,
+                                                                         capsys: pytest.CaptureFixture) -> None:
+    """Issue 62: Llama-3.1-70B at 8,192 tokens on TP 8 + SP × PP 2 × DP 4 under Megatron-LM's recipe, as the command
+    line gives it with no vocabulary flag. Megatron-LM always splits the embedding and the output layer over the
+    tensor-parallel GPUs, and its ``theoretical_memory_usage`` counts the first stage's shard as ``(block/pp +
+    embedding)/tp``: the most loaded rank's weights, gradients and optimizer state equal it within 0.1 % (they were
+    20.9 % over with the embedding whole). ``--loss-parallel`` changes nothing; ``--no-loss-parallel`` is refused."""
+    from memcalc_gui.core.distributed import megatron_theoretical_memory
+
+    args = ["estimate", "--preset", "llama-3.1-70b", "--seq", "8192", "--batch", "1", "--gpus", "64", "--tp", "8",
+            "--pp", "2", "--sp", "--grad-accum", "8", "--strategy", strategy, "--json"]
+    assert cli_main(args) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["loss_parallel"] is True and data["pipeline_rank"] == 0  # the first stage, with the embedding
+    spec = preset_spec("llama-3.1-70b")
+    weights, _ = megatron_theoretical_memory(spec.hidden_size, spec.intermediate_size, spec.num_layers,
+                                             spec.num_heads, spec.num_kv_heads, spec.vocab_size, tp=8, pp=2, dp=4,
+                                             distributed_optimizer=strategy == "megatron-distopt",
+                                             untied=not spec.tied_embeddings)
+    objects = data["phases"]["backward"]["objects"]
+    assert objects["parameters"] + objects["gradients"] + objects["optimizer_state"] == pytest.approx(weights,
+                                                                                                      rel=1e-3)
+    assert cli_main([*args, "--loss-parallel"]) == 0
+    assert json.loads(capsys.readouterr().out)["phases"] == data["phases"]
+    with pytest.raises(SystemExit) as exit_:
+        cli_main([*args, "--no-loss-parallel"])
+    assert exit_.value.code == 2 and "VocabParallelEmbedding" in capsys.readouterr().err
+
+
 def test_megatron_strategies_keep_the_main_grad_buffer_through_the_step() -> None:
     spec = preset_spec("llama-3.1-8b")
     ddp = estimate(TrainingSetup(model=spec, parallel=Parallelism(gpus=8, strategy="megatron")))
