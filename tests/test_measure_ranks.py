@@ -49,6 +49,13 @@ def test_the_done_when_layout_is_scaled_to_four_processes_keeping_every_kind_of_
     assert any("no sequence parallelism" in c for c in changes) and "data parallel 2 instead of 4" in changes
     kept, _ = scale_layout(_setup(gpus=64, tp=8, sp=True, strategy="fsdp2"))
     assert kept.parallel.sp and rank_job(kept).layout.sp  # without pipeline stages it is run
+    # FSDP2's default vocabulary split (issue 62): a stage's narrower model does not run DTensor's embedding gradient
+    # of the whole vocabulary, which the ledger counts; the scaled setup keeps it whole and says so (without pipeline
+    # stages the split is run: the ranks' RankLayout)
+    split, changes = scale_layout(_setup(gpus=64, tp=8, pp=2, sp=True, loss_parallel=True, strategy="fsdp2"))
+    assert not split.parallel.loss_parallel and any("embedding and head whole" in c for c in changes)
+    kept, _ = scale_layout(_setup(gpus=64, tp=8, sp=True, loss_parallel=True, strategy="fsdp2"))
+    assert kept.parallel.loss_parallel and rank_job(kept).layout.loss_parallel
 
 
 def test_a_tensor_parallel_layout_keeps_two_of_each_dimension() -> None:
