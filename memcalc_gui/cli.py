@@ -19,7 +19,14 @@ from typing import Any, NoReturn
 
 from . import __version__, install_hint
 from .core.configfile import code_keys, routed_experts
-from .core.distributed import MAX_PARALLEL_GPUS, OFFLOADS, SCHEDULES, STRATEGIES, Parallelism
+from .core.distributed import (
+    MAX_PARALLEL_GPUS,
+    OFFLOADS,
+    SCHEDULES,
+    STRATEGIES,
+    Parallelism,
+    chosen_loss_parallel,
+)
 from .core.errors import InputError, MemcalcError, UnsupportedFamilyError, one_line
 from .core.files import check_output
 from .core.finetune import ADAPTER_DTYPES, MAX_RANK, QUANTS, TUNINGS, FineTuning
@@ -248,9 +255,12 @@ def _add_setup_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sp", action="store_true",
                    help="sequence parallelism beside --tp: norms and the residual stream split along the sequence "
                         "(Korthikanti et al. 2022, as Megatron-LM runs it)")
-    p.add_argument("--loss-parallel", action="store_true",
+    p.add_argument("--loss-parallel", action=argparse.BooleanOptionalAction, default=None,
                    help="beside --tp: the embedding's rows, the head's columns and the loss split over the tensor-"
-                        "parallel GPUs (torchtitan's loss parallel, Megatron-LM's vocab-parallel cross-entropy)")
+                        "parallel GPUs (torchtitan's loss parallel, Megatron-LM's vocab-parallel cross-entropy). "
+                        "Default: always under megatron and megatron-distopt (Megatron-LM has no other way), on under "
+                        "fsdp2 (torchtitan's default), off under ddp, zero and fsdp1 (transformers' plans); "
+                        "--no-loss-parallel keeps the embedding and head whole on every GPU (transformers' plan)")
     p.add_argument("--cp", default="1", metavar="N",
                    help="context parallelism: each sequence split over N GPUs, attention as ring attention "
                         "(torchtitan's context_parallel; default 1); the state is sharded over data × context ranks")
@@ -453,19 +463,23 @@ def setup_from_args(args: argparse.Namespace) -> tuple[TrainingSetup, list[str]]
         kw.update(gpu=gpu.id, capacity_bytes=gpu.capacity_bytes)
     elif args.capacity:
         kw.update(capacity_bytes=parse_size(args.capacity, "capacity"))
-    kw["parallel"] = Parallelism(gpus=parse_positive_int(args.gpus, "gpus", MAX_PARALLEL_GPUS),
-                                 strategy=args.strategy, offload=args.offload,
-                                 node_size=parse_positive_int(args.node_size, "node_size", MAX_PARALLEL_GPUS),
-                                 ep=parse_positive_int(getattr(args, "ep", "1"), "ep", MAX_PARALLEL_GPUS),
-                                 etp=parse_positive_int(getattr(args, "etp", "1"), "etp", MAX_PARALLEL_GPUS),
-                                 tp=parse_positive_int(getattr(args, "tp", "1"), "tp", MAX_PARALLEL_GPUS),
+    gpus = parse_positive_int(args.gpus, "gpus", MAX_PARALLEL_GPUS)  # (each field checked in the flags' order)
+    node_size = parse_positive_int(args.node_size, "node_size", MAX_PARALLEL_GPUS)
+    ep = parse_positive_int(getattr(args, "ep", "1"), "ep", MAX_PARALLEL_GPUS)
+    etp = parse_positive_int(getattr(args, "etp", "1"), "etp", MAX_PARALLEL_GPUS)
+    tp = parse_positive_int(getattr(args, "tp", "1"), "tp", MAX_PARALLEL_GPUS)
+    # the vocabulary split: as said, else the strategy's default (always under Megatron-LM, on under FSDP2)
+    loss_parallel = chosen_loss_parallel(getattr(args, "loss_parallel", None), args.strategy, tp,
+                                         block_model=model is not None)
+    kw["parallel"] = Parallelism(gpus=gpus, strategy=args.strategy, offload=args.offload, node_size=node_size,
+                                 ep=ep, etp=etp, tp=tp,
                                  pp=parse_positive_int(getattr(args, "pp", "1"), "pp", MAX_PARALLEL_GPUS),
                                  cp=parse_positive_int(getattr(args, "cp", "1"), "cp", MAX_PARALLEL_GPUS),
                                  schedule=getattr(args, "schedule", "1f1b"),
                                  virtual_stages=parse_positive_int(getattr(args, "virtual_stages", "1"),
                                                                    "virtual_stages", MAX_PARALLEL_GPUS),
                                  sp=bool(getattr(args, "sp", False)),
-                                 loss_parallel=bool(getattr(args, "loss_parallel", False)),
+                                 loss_parallel=loss_parallel,
                                  reshard_after_forward=getattr(args, "reshard_after_forward", "on") == "on",
                                  dp_replicate=parse_positive_int(getattr(args, "dp_replicate", "1"), "dp_replicate",
                                                                  MAX_PARALLEL_GPUS))

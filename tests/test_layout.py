@@ -83,6 +83,70 @@ def test_cli_tensor_parallel_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert exit_.value.code == 2 and "--tp" in err and len(err.strip().splitlines()) == 1
 
 
+def _cli_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, object]:
+    import json
+
+    assert cli_main(["estimate", *args, "--json"]) == 0
+    out: dict[str, object] = json.loads(capsys.readouterr().out)
+    return out
+
+
+def test_the_vocabulary_split_is_each_strategys_default(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 62: with no flag, loss parallelism follows the engine — always under Megatron-LM (VocabParallelEmbedding,
+    its column-parallel output layer), on under FSDP2 as torchtitan runs it, off under DDP/ZeRO/FSDP1 (transformers'
+    plans) and wherever there is no tensor parallelism; ``--loss-parallel`` and ``--no-loss-parallel`` override it but
+    under Megatron-LM, and the default's ledger is the explicit flag's to the byte."""
+    model = ("--preset", "llama-3.1-8b", "--seq", "4096", "--gpus", "16")
+
+    def split(*args: str) -> object:
+        return _cli_json(capsys, *model, *args)["loss_parallel"]
+
+    assert split("--tp", "2", "--strategy", "fsdp2") is True
+    assert split("--tp", "2", "--strategy", "fsdp2", "--no-loss-parallel") is False
+    assert split("--strategy", "fsdp2") is False  # nothing to split (torchtitan: tp_enabled and not disabled)
+    assert split("--strategy", "fsdp2", "--no-loss-parallel") is False
+    for strategy in ("ddp", "zero1", "zero3", "fsdp-full-shard"):
+        assert split("--tp", "2", "--strategy", strategy) is False, strategy
+        assert split("--tp", "2", "--strategy", strategy, "--loss-parallel") is True, strategy
+    for strategy in ("megatron", "megatron-distopt"):
+        assert split("--tp", "2", "--strategy", strategy) is True, strategy
+        assert split("--tp", "2", "--strategy", strategy, "--loss-parallel") is True, strategy  # accepted as said
+        assert split("--strategy", strategy, "--no-loss-parallel") is False  # one GPU's worth of tp: nothing to keep
+        with pytest.raises(SystemExit) as exit_:
+            cli_main(["estimate", *model, "--tp", "2", "--strategy", strategy, "--no-loss-parallel"])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1
+        assert "--loss-parallel" in err and "VocabParallelEmbedding" in err
+    default = _cli_json(capsys, *model, "--tp", "2", "--strategy", "fsdp2")
+    said = _cli_json(capsys, *model, "--tp", "2", "--strategy", "fsdp2", "--loss-parallel")
+    whole = _cli_json(capsys, *model, "--tp", "2", "--strategy", "fsdp2", "--no-loss-parallel")
+    assert default["phases"] == said["phases"] and default["setup"] == said["setup"]
+    assert default["peak_bytes"] < whole["peak_bytes"]  # type: ignore[operator]
+    # the core: a Megatron-LM setup splits the vocabulary whatever its Parallelism says; the others keep what it says
+    spec = preset_spec("llama-3.1-8b")
+    for strategy in ("megatron", "megatron-distopt"):
+        setup = TrainingSetup(model=spec, parallel=Parallelism(gpus=8, tp=2, strategy=strategy))  # type: ignore
+        assert setup.parallel.loss_parallel and setup.with_changes(batch=2).parallel.loss_parallel
+    assert not TrainingSetup(model=spec, parallel=Parallelism(gpus=8, tp=2, strategy="fsdp2")).parallel.loss_parallel
+
+
+def test_a_family_without_a_block_model_keeps_the_vocabulary_whole_and_says_so_under_megatron() -> None:
+    """The fitted method has no vocabulary split (loss parallelism is modelled for block-model families): by default
+    it runs without one, and under Megatron-LM, which always splits it, the result warns that the states are an upper
+    bound."""
+    from memcalc_gui.core.distributed import chosen_loss_parallel
+    from memcalc_gui.core.result import setup_warnings
+
+    assert not chosen_loss_parallel(None, "fsdp2", 2, block_model=False)
+    assert not chosen_loss_parallel(None, "megatron", 2, block_model=False)
+    bare = TrainingSetup(params=7_000_000_000, parallel=Parallelism(gpus=8, tp=2, strategy="megatron"))
+    assert not bare.parallel.loss_parallel
+    assert any("Megatron-LM always splits" in w and "upper bound" in w for w in setup_warnings(bare))
+    assert not setup_warnings(bare.with_changes(parallel=Parallelism(gpus=8, tp=2, strategy="fsdp2")))
+    assert not setup_warnings(TrainingSetup(model=preset_spec("llama-3.1-8b"),
+                                            parallel=Parallelism(gpus=8, tp=2, strategy="megatron")))
+
+
 def test_tensor_parallelism_never_raises_a_rank_and_shards_its_state() -> None:
     one = TrainingSetup(model=preset_spec("llama-3.1-8b"), seq=4096, parallel=Parallelism(gpus=8, strategy="zero3"))
     for tp in (2, 4, 8):
@@ -189,6 +253,31 @@ def test_method_trace_traces_one_tensor_parallel_rank(tmp_path: object, capsys: 
                                    parallel=Parallelism(gpus=2)))
     assert traced["peak_tensor_bytes"] < whole.peak_tensor_bytes  # a rank, not the whole model
     assert traced["peak_tensor_bytes"] == pytest.approx(analytic["peak_tensor_bytes"], rel=0.01)
+
+
+@pytest.mark.parametrize("flags", sample([(), ("--no-loss-parallel",)], (0,), single=True),
+                         ids=["default", "no-loss-parallel"])
+def test_method_trace_runs_the_vocabulary_split_the_ledger_assumes(tmp_path: object, flags: tuple[str, ...],
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """FSDP2 beside tensor parallelism splits the vocabulary by default (torchtitan's loss parallel): ``--method
+    trace`` then traces the rank with torchtitan's loss-parallel plan, and with ``--no-loss-parallel`` the rank with
+    the embedding and head whole. Each agrees with its own ledger, and not with the other setting's (on this toy the
+    vocabulary outweighs the decoder)."""
+    import json
+    from pathlib import Path
+
+    cfg = Path(str(tmp_path)) / "config.json"
+    cfg.write_text(json.dumps(FAMILIES["llama"]))
+    common = ["--config", str(cfg), "--batch", "2", "--seq", "64", "--gpus", "4", "--tp", "2", "--strategy", "fsdp2",
+              "--target-device", "cpu"]
+    traced = _cli_json(capsys, *common, *flags, "--method", "trace")
+    analytic = _cli_json(capsys, *common, *flags, "--method", "analytic")
+    other = _cli_json(capsys, *common, "--no-loss-parallel" if not flags else "--loss-parallel", "--method", "analytic")
+    assert traced["loss_parallel"] is analytic["loss_parallel"] is (not flags) is not other["loss_parallel"]
+    for phase in PHASES:
+        t = traced["phases"][phase]["total_bytes"]  # type: ignore[index]
+        assert analytic["phases"][phase]["total_bytes"] == pytest.approx(t, rel=0.02), phase  # type: ignore[index]
+    assert abs(other["peak_tensor_bytes"] / traced["peak_tensor_bytes"] - 1) > 0.1  # type: ignore[operator]
 
 
 @pytest.mark.parametrize(("family", "precision", "ckpt", "dp", "reshard"), sample([

@@ -49,6 +49,13 @@ def test_the_done_when_layout_is_scaled_to_four_processes_keeping_every_kind_of_
     assert any("no sequence parallelism" in c for c in changes) and "data parallel 2 instead of 4" in changes
     kept, _ = scale_layout(_setup(gpus=64, tp=8, sp=True, strategy="fsdp2"))
     assert kept.parallel.sp and rank_job(kept).layout.sp  # without pipeline stages it is run
+    # FSDP2's default vocabulary split (issue 62): a stage's narrower model does not run DTensor's embedding gradient
+    # of the whole vocabulary, which the ledger counts; the scaled setup keeps it whole and says so (without pipeline
+    # stages the split is run: the ranks' RankLayout)
+    split, changes = scale_layout(_setup(gpus=64, tp=8, pp=2, sp=True, loss_parallel=True, strategy="fsdp2"))
+    assert not split.parallel.loss_parallel and any("embedding and head whole" in c for c in changes)
+    kept, _ = scale_layout(_setup(gpus=64, tp=8, sp=True, loss_parallel=True, strategy="fsdp2"))
+    assert kept.parallel.loss_parallel and rank_job(kept).layout.loss_parallel
 
 
 def test_a_tensor_parallel_layout_keeps_two_of_each_dimension() -> None:
@@ -153,11 +160,13 @@ def _measure(config: Path | dict, capsys: pytest.CaptureFixture[str], *flags: st
 
 
 @pytest.mark.parametrize("flags, ranks", sample([
-    # DTensor's tensor parallelism, torchtitan's sequence-parallel plan and fully_shard, really sent
+    # DTensor's tensor parallelism, torchtitan's sequence- and loss-parallel plan (FSDP2's default beside tensor
+    # parallelism) and fully_shard, really sent; and with the embedding and head whole
     (("--gpus", "4", "--tp", "2", "--sp", "--strategy", "fsdp2"), 4),
     (("--gpus", "2", "--cp", "2", "--strategy", "fsdp2"), 2),  # PyTorch's ring attention over gloo
     (("--gpus", "2", "--cp", "2", "--strategy", "ddp"), 2),  # DDP over the ring's ranks: its buckets, for real
     (("--gpus", "2", "--strategy", "ddp"), 2),  # DDP's buckets from the moment it wraps the model
+    (("--gpus", "4", "--tp", "2", "--sp", "--strategy", "fsdp2", "--no-loss-parallel"), 4),
 ], (0, 3)))
 def test_every_rank_of_a_real_step_matches_its_estimate(tiny: Path, capsys: pytest.CaptureFixture[str],
                                                         flags: tuple[str, ...], ranks: int) -> None:

@@ -692,6 +692,32 @@ def test_sequence_and_loss_parallel_stages_match_the_rank_traced_with_the_vocabu
         assert ledger.phases[ph].total_bytes == pytest.approx(traced.phases[ph].peak_bytes, rel=0.015), ph
 
 
+@pytest.mark.parametrize("flags", sample([(), ("--no-loss-parallel",)], (0,), single=True),
+                         ids=["default", "no-loss-parallel"])
+def test_method_trace_runs_fsdp2_stages_with_the_vocabulary_split_the_ledger_assumes(
+        flags: tuple[str, ...], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """FSDP2 × TP × PP without sequence parallelism splits the vocabulary by default (issue 62), and the ledger counts
+    what DTensor's split makes in a stage (the first stage's embedding gradient of the whole vocabulary,
+    ``core.pipeline.whole_vocabulary_gradient``): ``--method trace`` runs the stage's tensor-parallel group with
+    torchtitan's loss-parallel plan, not the narrower model that stands for a rank otherwise (which has no such
+    gradient: the ledger read 8.1 % over it in forward here). With ``--no-loss-parallel`` the narrower model is the
+    rank."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(dict(FAMILIES["llama"], num_hidden_layers=4)))
+    common = ["estimate", "--config", str(cfg), *("--batch", "2", "--seq", "64", "--precision", "mixed"),
+              *("--gpus", "8", "--tp", "2", "--pp", "2", "--strategy", "fsdp2", "--grad-accum", "4"),
+              *("--target-device", "cpu", "--cuda-context", "0", "--allocator-reserve", "0", "--json"), *flags]
+    runs = []
+    for method in ("trace", "analytic"):
+        assert cli_main([*common, "--method", method]) == 0
+        runs.append(json.loads(capsys.readouterr().out))
+    traced, ledger = runs
+    assert traced["loss_parallel"] is ledger["loss_parallel"] is not flags
+    for phase in ("forward", "backward", "optimizer_step"):
+        assert ledger["phases"][phase]["total_bytes"] == pytest.approx(traced["phases"][phase]["total_bytes"],
+                                                                       rel=0.01), phase
+
+
 # ---- Megatron-LM's theoretical memory ------------------------------------------------------------------------------
 @pytest.mark.parametrize(("tp", "pp", "dp", "dist"), [(8, 4, 2, False), (8, 4, 2, True), (1, 1, 8, True),
                                                       (4, 8, 4, True)])
@@ -717,6 +743,36 @@ def test_weights_and_optimizer_per_rank_equal_megatrons_theoretical_memory(tp: i
     objects = rank.phases["backward"].objects
     states = objects["parameters"] + objects["gradients"] + objects["optimizer_state"]
     assert states == pytest.approx(weights, rel=1e-3)
+
+
+@pytest.mark.parametrize("strategy", ["megatron-distopt", "megatron"])
+def test_the_megatron_recipe_equals_megatrons_function_with_no_extra_flag(strategy: str,
+                                                                         capsys: pytest.CaptureFixture) -> None:
+    """Issue 62: Llama-3.1-70B at 8,192 tokens on TP 8 + SP × PP 2 × DP 4 under Megatron-LM's recipe, as the command
+    line gives it with no vocabulary flag. Megatron-LM always splits the embedding and the output layer over the
+    tensor-parallel GPUs, and its ``theoretical_memory_usage`` counts the first stage's shard as ``(block/pp +
+    embedding)/tp``: the most loaded rank's weights, gradients and optimizer state equal it within 0.1 % (they were
+    20.9 % over with the embedding whole). ``--loss-parallel`` changes nothing; ``--no-loss-parallel`` is refused."""
+    from memcalc_gui.core.distributed import megatron_theoretical_memory
+
+    args = ["estimate", "--preset", "llama-3.1-70b", "--seq", "8192", "--batch", "1", "--gpus", "64", "--tp", "8",
+            "--pp", "2", "--sp", "--grad-accum", "8", "--strategy", strategy, "--json"]
+    assert cli_main(args) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["loss_parallel"] is True and data["pipeline_rank"] == 0  # the first stage, with the embedding
+    spec = preset_spec("llama-3.1-70b")
+    weights, _ = megatron_theoretical_memory(spec.hidden_size, spec.intermediate_size, spec.num_layers,
+                                             spec.num_heads, spec.num_kv_heads, spec.vocab_size, tp=8, pp=2, dp=4,
+                                             distributed_optimizer=strategy == "megatron-distopt",
+                                             untied=not spec.tied_embeddings)
+    objects = data["phases"]["backward"]["objects"]
+    assert objects["parameters"] + objects["gradients"] + objects["optimizer_state"] == pytest.approx(weights,
+                                                                                                      rel=1e-3)
+    assert cli_main([*args, "--loss-parallel"]) == 0
+    assert json.loads(capsys.readouterr().out)["phases"] == data["phases"]
+    with pytest.raises(SystemExit) as exit_:
+        cli_main([*args, "--no-loss-parallel"])
+    assert exit_.value.code == 2 and "VocabParallelEmbedding" in capsys.readouterr().err
 
 
 def test_megatron_strategies_keep_the_main_grad_buffer_through_the_step() -> None:

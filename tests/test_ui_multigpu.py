@@ -4,6 +4,7 @@ per-GPU chart, banner and plan; inline errors for invalid combinations; settings
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 import pytest
@@ -21,7 +22,7 @@ from memcalc_gui.core.vocab import OBJECTS, PHASES
 from memcalc_gui.ui import measure_panel
 from memcalc_gui.ui.form import FormState, ModelCache, build_setup, capacity_text, default_state, gpu_by_id
 from memcalc_gui.ui.main_window import MainWindow
-from memcalc_gui.ui.settings import SETTINGS_ENV
+from memcalc_gui.ui.settings import KEY_SETUP, SETTINGS_ENV, make_settings
 from memcalc_gui.ui.tooltips import TOOLTIPS
 from memcalc_gui.view.chart import AXIS_LABEL_PER_GPU
 
@@ -240,6 +241,63 @@ def test_form_state_reads_old_and_rejects_bad_saved_values():
     setup = build_setup(default_state().replace(**BIG, gpus="8", strategy="zero1"), ModelCache())
     assert setup.parallel == Parallelism(gpus=8, strategy="zero1")
     assert evaluate(setup).plan is not None
+
+
+def _choose_strategy(w: MainWindow, qtbot, strategy: str) -> None:
+    w.inputs.strategy.setCurrentIndex(w.inputs.strategy.findData(strategy))
+    qtbot.waitUntil(lambda: w.result.setup.parallel.strategy == strategy, timeout=5000)
+
+
+def test_the_vocabulary_split_follows_the_strategy_until_ticked_and_megatron_fixes_it(window, qtbot):
+    """Issue 62: the loss-parallel box shows the strategy's default (on under FSDP2, as torchtitan; off under DDP)
+    until the user clicks it; under Megatron-LM it is ticked and fixed (its VocabParallelEmbedding), whatever the
+    user's click said, which comes back under another strategy. The estimate runs what the box shows."""
+    w = window
+    box = w.inputs.loss_parallel
+    assert set_fields(w, gpus="16", tp="2", strategy="fsdp2")
+    assert w.inputs.state().loss_parallel == "auto" and box.isChecked() and box.isEnabled()
+    assert w.result.setup.parallel.loss_parallel and "loss parallel" in w.chart.title_text()
+    _choose_strategy(w, qtbot, "ddp")
+    assert not box.isChecked() and box.isEnabled() and not w.result.setup.parallel.loss_parallel
+    _choose_strategy(w, qtbot, "megatron-distopt")
+    assert box.isChecked() and not box.isEnabled() and "VocabParallelEmbedding" in box.toolTip()
+    assert w.result.setup.parallel.loss_parallel
+    _choose_strategy(w, qtbot, "fsdp2")
+    box.click()  # the user clears it
+    qtbot.waitUntil(lambda: not w.result.setup.parallel.loss_parallel, timeout=5000)
+    assert w.inputs.state().loss_parallel == "false" and not box.isChecked()
+    _choose_strategy(w, qtbot, "megatron")
+    assert box.isChecked() and w.result.setup.parallel.loss_parallel and not w.inputs.errors()
+    _choose_strategy(w, qtbot, "fsdp2")
+    assert not box.isChecked() and not w.result.setup.parallel.loss_parallel
+    assert set_fields(w, tp="1")  # no tensor parallelism: nothing to split, the box off and its choice kept
+    assert not box.isEnabled() and not w.result.setup.parallel.loss_parallel
+    assert w.inputs.state().loss_parallel == "false"
+
+
+def test_settings_saved_before_the_split_became_the_default_open_on_the_strategys_default(qtbot, private_settings):
+    """A setup saved by an older memcalc (no format version) has "false" for a box nobody ticked: it opens on the
+    strategy's default; a box the user clears now is saved as cleared (format 2); an old "true" stays, and a value no
+    version wrote leaves the saved setup unused (the default one opens)."""
+    old = default_state().replace(**BIG, gpus="16", tp="2", strategy="fsdp2", loss_parallel="false").to_json()
+    settings = make_settings()
+    settings.setValue(KEY_SETUP, json.dumps(old))
+    settings.sync()
+    w = MainWindow()
+    qtbot.addWidget(w)
+    assert w.inputs.state().loss_parallel == "auto" and w.inputs.loss_parallel.isChecked()
+    assert w.result.setup.parallel.loss_parallel and w.result.setup.parallel.tp == 2
+    w.inputs.loss_parallel.click()
+    qtbot.waitUntil(lambda: not w.result.setup.parallel.loss_parallel, timeout=5000)
+    w.close()
+    again = MainWindow()
+    qtbot.addWidget(again)
+    assert again.inputs.state().loss_parallel == "false" and not again.inputs.loss_parallel.isChecked()
+    assert not again.result.setup.parallel.loss_parallel
+    again.close()
+    assert FormState.from_json(dict(old, loss_parallel="true"), 1).loss_parallel == "true"
+    with pytest.raises(ValueError):
+        FormState.from_json(dict(old, loss_parallel="maybe"))
 
 
 def test_chart_labels_fit_a_narrow_plot_and_the_capacity_text_has_a_plate(window, qtbot):

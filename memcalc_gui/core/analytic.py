@@ -33,7 +33,7 @@ from .activations import (
     selective_saved,
     tuned_layer_saved,
 )
-from .distributed import BF16_COMPUTE, ModelStates, Parallelism, model_states
+from .distributed import BF16_COMPUTE, VOCAB_SPLIT_ALWAYS, ModelStates, Parallelism, model_states
 from .errors import InputError
 from .finetune import FineTuning, layer_linears
 from .layout import tensor_parallel_spec
@@ -955,6 +955,7 @@ def _assumptions(spec: ModelSpec, setup: TrainingSetup, opt_note: str) -> tuple[
          "use_cache=False, as transformers' Trainer passes it in training (a loop that keeps the config's "
          "use_cache=True holds k/v copies in forward: choose it to see them)"),
         *_tuning_assumptions(spec, setup),
+        *([_vocabulary_words(setup)] if setup.parallel.tp > 1 else []),
         *([f"Padding-free packing (DataCollatorWithFlattening): {setup.packing_text()}, position_ids restarting at "
            "each document; " + PACKING_WORDS[setup.attention]] if setup.packing else []),
         *_sliding_assumptions(spec, setup),
@@ -982,6 +983,20 @@ def _sliding_assumptions(spec: ModelSpec, setup: TrainingSetup) -> list[str]:
     return [f"{window}: from that many tokens on transformers passes SDPA an explicit mask (bool, rows × L × L), "
             "which every layer keeps as an additive copy in q's dtype for backward, and repeats grouped k/v heads "
             "(no enable_gqa with a mask); flash attention keeps neither"]
+
+
+def _vocabulary_words(setup: TrainingSetup) -> str:
+    """Where a tensor-parallel rank's embedding and head are: split by vocabulary (Megatron-LM always, torchtitan's
+    FSDP2 by default, or as asked) or whole (transformers' plans)."""
+    par = setup.parallel
+    if not par.loss_parallel:
+        return (f"Embedding and head whole on each of the {par.tp} tensor-parallel GPUs, as transformers' plans keep "
+                "them, the logits and the loss over the whole vocabulary (loss parallelism would split them)")
+    why = ("Megatron-LM always splits it: VocabParallelEmbedding, a column-parallel output layer and "
+           "vocab_parallel_cross_entropy" if par.strategy in VOCAB_SPLIT_ALWAYS else
+           "loss parallelism, torchtitan's default beside FSDP2" if par.strategy == "fsdp2" else "loss parallelism")
+    return (f"Vocabulary split over the {par.tp} tensor-parallel GPUs ({why}): each holds 1/{par.tp} of the "
+            "embedding's rows, the head's columns and the logits")
 
 
 PACKING_WORDS = {

@@ -98,9 +98,41 @@ STRATEGY_SHORT: Final = {
 #: Strategies whose mixed precision computes in bf16 weights without autocast (FSDP2's MixedPrecisionPolicy;
 #: Megatron-LM's bf16 model with fp32 main weights in the optimizer).
 BF16_COMPUTE: Final = ("fsdp2", "megatron", "megatron-distopt")
+#: Strategies that always split the vocabulary over the tensor-parallel GPUs: Megatron-LM builds the embedding as a
+#: ``VocabParallelEmbedding`` (megatron/core/tensor_parallel/layers.py), the output layer as a
+#: ``ColumnParallelLinear`` and the loss as ``vocab_parallel_cross_entropy``
+#: (megatron/core/models/gpt/gpt_model.py, megatron/core/tensor_parallel/cross_entropy.py); no flag keeps them whole.
+VOCAB_SPLIT_ALWAYS: Final = ("megatron", "megatron-distopt")
+#: Strategies that split it unless told not to: those, and FSDP2 beside tensor parallelism as torchtitan runs it
+#: (``ParallelDims.loss_parallel_enabled``: tensor parallelism on and ``--parallelism.disable_loss_parallel`` off,
+#: torchtitan/distributed/parallel_dims.py). DDP, ZeRO and FSDP1 keep transformers' plans, the vocabulary whole.
+VOCAB_SPLIT_DEFAULT: Final = (*VOCAB_SPLIT_ALWAYS, "fsdp2")
 #: Preference when several strategies fit: least communication first.
 PREFERENCE: Final = ("ddp", "megatron", "zero1", "megatron-distopt", "zero2", "fsdp-shard-grad-op", "fsdp-hybrid",
                      "zero3", "fsdp2", "fsdp-full-shard")
+
+
+def default_loss_parallel(strategy: str, tp: int) -> bool:
+    """Whether the vocabulary is split over the ``tp`` tensor-parallel GPUs when nobody says: always under
+    Megatron-LM's strategies, by default under FSDP2 as torchtitan does, never for DDP, ZeRO and FSDP1
+    (transformers' plans; :data:`VOCAB_SPLIT_DEFAULT`), and never with one GPU's worth of tensor parallelism
+    (torchtitan's ``loss_parallel_enabled`` needs ``tp_enabled``)."""
+    return tp > 1 and strategy in VOCAB_SPLIT_DEFAULT
+
+
+def chosen_loss_parallel(choice: bool | None, strategy: str, tp: int, block_model: bool = True) -> bool:
+    """The vocabulary split of a layout from what the user said: ``choice`` when given, else
+    :func:`default_loss_parallel` where memcalc models the split (a family with a block model; the fitted method keeps
+    the vocabulary whole, and ``result.setup_warnings`` says what that leaves out). Keeping it whole under Megatron-LM's
+    strategies is an :class:`InputError`: Megatron-LM has no such option."""
+    if choice is False and tp > 1 and strategy in VOCAB_SPLIT_ALWAYS:
+        raise InputError("loss_parallel", "Megatron-LM always splits the vocabulary over the tensor-parallel GPUs (its "
+                                          "VocabParallelEmbedding and column-parallel output layer) and cannot keep "
+                                          "the embedding and head whole: drop --no-loss-parallel, or choose another "
+                                          "strategy")
+    if choice is not None:
+        return choice
+    return block_model and default_loss_parallel(strategy, tp)
 
 
 def offload_choices(strategy: str) -> tuple[str, ...]:
@@ -160,7 +192,9 @@ class Parallelism:
     sp: bool = False
     #: Vocabulary parallelism beside tensor parallelism (torchtitan's loss parallel, Megatron-LM's vocab-parallel
     #: embedding and cross-entropy): the embedding's rows and the head's columns split over the tensor-parallel
-    #: ranks, each computing the loss over its slice of the logits.
+    #: ranks, each computing the loss over its slice of the logits. Off here; the front ends start from
+    #: :func:`default_loss_parallel`, and a setup under Megatron-LM's strategies has it on whatever this says
+    #: (``TrainingSetup``: Megatron-LM always splits the vocabulary).
     loss_parallel: bool = False
     #: Context parallelism: each sequence split over this many GPUs, attention run as ring attention over the chunks
     #: (torchtitan's ``context_parallel``); the sharded state is split over ``dp × cp``, as torchtitan's mesh does.

@@ -3,7 +3,9 @@ GPU's peak, and a ranking by what fits and how fast it would train.
 
 A layout is ``tp × pp × cp × dp`` GPUs (the setup's context parallelism kept) with a data-parallel strategy. Tensor
 parallelism stays within a node and comes with
-sequence and loss parallelism (they only save memory); the stages split the layers evenly; the step's micro-batches
+sequence and loss parallelism (they only save memory; Megatron-LM always splits the vocabulary and torchtitan's FSDP2
+does by default, ``distributed.default_loss_parallel``, and the search splits it under every strategy); the stages
+split the layers evenly; the step's micro-batches
 are the setup's gradient-accumulation steps, so a layout with more data-parallel replicas trains on more tokens a step.
 
 Ranking (a heuristic, stated so it can be argued with): layouts that fit first, then the most tokens per second by a

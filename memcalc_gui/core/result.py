@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .distributed import VOCAB_SPLIT_ALWAYS
 from .estimate import estimate
 from .ledger import SCHEMA, Estimate
 from .setup import TrainingSetup
@@ -96,6 +97,7 @@ class Result:
             "dp": est.setup.parallel.dp,
             "pp": est.setup.parallel.pp,
             "sp": est.setup.parallel.sp,
+            "loss_parallel": est.setup.parallel.loss_parallel,
             "cp": est.setup.parallel.cp,
             "dp_replicate": est.setup.parallel.dp_replicate,
             "pipeline_rank": est.details.get("pipeline_rank"),
@@ -107,9 +109,16 @@ class Result:
 
 
 def setup_warnings(setup: TrainingSetup) -> tuple[str, ...]:
-    """What to double-check before the run: a sequence longer than the model's positions."""
+    """What to double-check before the run: a sequence longer than the model's positions; a layout whose engine splits
+    the vocabulary over the tensor-parallel GPUs where the fitted method keeps it whole."""
     out: list[str] = []
     model = setup.model
+    par = setup.parallel
+    if model is None and par.tp > 1 and par.strategy in VOCAB_SPLIT_ALWAYS and not par.loss_parallel:
+        out.append(f"Megatron-LM always splits the embedding and the head over the {par.tp} tensor-parallel GPUs "
+                   "(VocabParallelEmbedding, a column-parallel output layer); the fitted method keeps them whole on "
+                   "every GPU (the split is modelled for the families memcalc has a block model of), so its weights, "
+                   "gradients, optimizer state and logits are an upper bound.")
     if model is not None:
         raw = model.raw
         limit = raw.get("max_position_embeddings", raw.get("n_positions"))

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Final, Literal, get_args
 
 from .context import check_context_parallel
-from .distributed import ZERO_BUBBLE, Parallelism
+from .distributed import VOCAB_SPLIT_ALWAYS, ZERO_BUBBLE, Parallelism
 from .errors import InputError
 from .finetune import FineTuning
 from .layout import check_tensor_parallel
@@ -255,6 +255,11 @@ class TrainingSetup:
         if not isinstance(self.tuning, FineTuning):
             raise InputError("tuning", "tuning must be a FineTuning")
         if self.parallel.tp > 1:
+            if self.model is not None and self.parallel.strategy in VOCAB_SPLIT_ALWAYS and \
+                    not self.parallel.loss_parallel:
+                # Megatron-LM splits the vocabulary whatever the layout says (VocabParallelEmbedding, its
+                # column-parallel output layer): a family without a block model keeps it whole (result.py says so)
+                object.__setattr__(self, "parallel", replace(self.parallel, loss_parallel=True))
             if self.model is None and self.parallel.loss_parallel:
                 raise InputError("loss_parallel", "loss parallelism is modelled for the families memcalc has a block "
                                                   "model of")

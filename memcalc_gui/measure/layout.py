@@ -181,6 +181,12 @@ def scale_layout(setup: TrainingSetup, max_ranks: int = MAX_CPU_RANKS) -> tuple[
             if par.pp > 1 else "beside DDP it is Megatron-LM's way, which is not run here; PyTorch's runs with FSDP2")
             + ")")
         par = dataclasses.replace(par, sp=False)
+    if par.loss_parallel and par.pp > 1 and par.strategy == "fsdp2" and _stage_tp(par) == 1:
+        # the narrower model has its own share of the vocabulary, not DTensor's embedding gradient of the whole one,
+        # which FSDP2 keeps unsynced in a stage and the ledger counts (core.pipeline.whole_vocabulary_gradient)
+        changes.append("the embedding and head whole (a pipeline stage's tensor-parallel rank runs as the narrower "
+                       "model, not the vocabulary-split plan; --method trace runs that plan)")
+        par = dataclasses.replace(par, loss_parallel=False)
     if setup.model is None and par.pp > 3 and (par.pp % 3 == 0 or par.pp % 2 == 0):
         # a family without a block model: its first, second and last pipeline ranks are fitted
         # (core.pipeline.ranks_to_check), what every rank of 2 or 3 stages is compared with

@@ -219,15 +219,17 @@ def trace_estimate(
             pipe_ranks = ranks_to_check(par.pp) if unguided else (pipe_rank,)
 
             # the stage's tensor-parallel group run for real: torchtitan's sequence-parallel plan, or transformers'
-            # layout of the experts beside it (the tokens split over the group before the all-to-all)
-            real_tp = stage_group_runs(par)
+            # layout of the experts beside it (the tokens split over the group before the all-to-all); under FSDP2 the
+            # vocabulary-split plan too, whose DTensor embedding gradient the ledger counts
+            # (core.pipeline.whole_vocabulary_gradient) and the narrower model has not
+            real_tp = stage_group_runs(par) or (fsdp2_pipeline and par.loss_parallel)
 
             def pipe_layout(r: int) -> Any:
                 return PipeRank(par.pp, r, par.schedule, par.virtual_stages, setup.grad_accum,
                                 dp_shard=par.dp // par.dp_replicate if fsdp2_pipeline else 1,
                                 dp_replicate=par.dp_replicate, tp=par.tp if real_tp else 1, sp=par.sp,
                                 reshard_after_forward=par.reshard_after_forward, ep=par.ep, cp=par.cp,
-                                loss_parallel=par.loss_parallel and par.sp)
+                                loss_parallel=par.loss_parallel and real_tp)
 
             step = functools.partial(trace_pipeline_rank, layout=pipe_layout(pipe_rank))
             if par.tp > 1 and not real_tp:

@@ -16,7 +16,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from ..core.distributed import MAX_PARALLEL_GPUS, OFFLOADS, SCHEDULES, STRATEGIES, VIRTUAL_STAGES, Parallelism
+from ..core.distributed import (
+    MAX_PARALLEL_GPUS,
+    OFFLOADS,
+    SCHEDULES,
+    STRATEGIES,
+    VIRTUAL_STAGES,
+    VOCAB_SPLIT_ALWAYS,
+    Parallelism,
+    chosen_loss_parallel,
+)
 from ..core.errors import ConfigError, InputError, UnsupportedFamilyError
 from ..core.finetune import MAX_RANK, TUNINGS, FineTuning
 from ..core.model import (
@@ -45,6 +54,12 @@ from ..core.setup import (
 from ..core.units import format_bytes, format_count, parse_count, parse_positive_int, parse_size
 
 MODEL_KINDS: Final = ("preset", "config", "hub", "params")
+#: The vocabulary-split box: the strategy's default (``core.distributed.default_loss_parallel``) until the user
+#: ticks or clears it.
+LOSS_PARALLEL_CHOICES: Final = ("auto", "true", "false")
+#: The saved setup's format: 2 since the vocabulary split became the strategy's default ("auto"). A setup saved
+#: before says "false" for a box nobody ticked (it was the default then), which is read as "auto".
+STATE_VERSION: Final = 2
 DEFAULT_PRESET: Final = "qwen2.5-1.5b"
 DEFAULT_GPU: Final = "a100-80gb"
 
@@ -98,7 +113,7 @@ class FormState:
     etp: str = "1"  # Megatron-LM's expert tensor parallelism (read under its strategies only)
     tp: str = "1"  # tensor parallelism (core.layout)
     sp: str = "false"  # sequence parallelism beside tp
-    loss_parallel: str = "false"  # the vocabulary split beside tp
+    loss_parallel: str = "auto"  # the vocabulary split beside tp: "auto" (the strategy's default), "true", "false"
     pp: str = "1"  # pipeline stages (core.pipeline)
     cp: str = "1"  # context parallelism (core.context)
     schedule: str = "1f1b"
@@ -124,8 +139,9 @@ class FormState:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_json(cls, data: Any) -> FormState:
-        """Read a saved state; unknown keys are ignored, wrong types raise ``ValueError``."""
+    def from_json(cls, data: Any, version: int = STATE_VERSION) -> FormState:
+        """Read a state saved in format ``version`` (:data:`STATE_VERSION`; an older one is brought up to date);
+        unknown keys are ignored, wrong types raise ``ValueError``."""
         if not isinstance(data, dict):
             raise ValueError("saved setup is not an object")
         names = {f.name for f in dataclasses.fields(cls)}
@@ -133,7 +149,11 @@ class FormState:
         bad = [k for k, v in values.items() if not isinstance(v, str)]
         if bad:
             raise ValueError(f"saved setup has non-text values for {bad}")
+        if version < 2 and values.get("loss_parallel") == "false":
+            values["loss_parallel"] = "auto"  # the old default, never chosen: the strategy's default now
         state = cls(**values)
+        if state.loss_parallel not in LOSS_PARALLEL_CHOICES:
+            raise ValueError(f"unknown loss parallel choice {state.loss_parallel!r}")
         if state.model_kind not in MODEL_KINDS:
             raise ValueError(f"unknown model kind {state.model_kind!r}")
         if state.strategy not in STRATEGIES:
@@ -456,6 +476,17 @@ def _capacity(state: FormState) -> tuple[str | None, int | None]:
     return (gpu.id if gpu else None), parse_size(text, "capacity")
 
 
+def window_loss_parallel(strategy: str, choice: str, tp: int, block_model: bool = True) -> bool:
+    """The vocabulary split the form asks for: the box's tick once the user made one (``choice`` "true" or "false"),
+    else the strategy's default (``core.distributed.chosen_loss_parallel``); under Megatron-LM's strategies always, the
+    box ticked and fixed whatever it said before; never without tensor parallelism (the box keeps its tick)."""
+    if tp < 2:
+        return False
+    if strategy in VOCAB_SPLIT_ALWAYS:
+        return block_model  # (the fitted method keeps it whole, and the result's warning says so)
+    return chosen_loss_parallel({"true": True, "false": False}.get(choice), strategy, tp, block_model)
+
+
 def build_setup(state: FormState, cache: ModelCache) -> TrainingSetup:
     """A validated ``TrainingSetup`` from the form, or :class:`FormErrors` naming every bad field."""
     errors: dict[str, str] = {}
@@ -531,7 +562,8 @@ def build_setup(state: FormState, cache: ModelCache) -> TrainingSetup:
             schedule=state.schedule if pp > 1 else "1f1b",  # type: ignore[arg-type]
             virtual_stages=virtual if pp > 1 and state.schedule in VIRTUAL_STAGES else 1,
             sp=state.sp == "true" and tp > 1,  # the box keeps its tick while there is no tensor parallelism
-            loss_parallel=state.loss_parallel == "true" and tp > 1,
+            loss_parallel=window_loss_parallel(state.strategy, state.loss_parallel, tp,
+                                               block_model=values.get("model") is not None),
             reshard_after_forward=state.reshard_after_forward != "false",
             offload=state.offload,  # type: ignore[arg-type]
             dp_replicate=values.pop("dp_replicate"),

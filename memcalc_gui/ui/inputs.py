@@ -34,7 +34,9 @@ from ..core.distributed import (
     STRATEGIES,
     STRATEGY_LABELS,
     VIRTUAL_STAGES,
+    VOCAB_SPLIT_ALWAYS,
     closest_offload,
+    default_loss_parallel,
     offload_choices,
 )
 from ..core.setup import BNB_OPTIMIZERS, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISION_LABELS, PRECISIONS
@@ -289,6 +291,8 @@ class InputPanel(QWidget):
         self.setObjectName("inputPanel")
         self._undo_filter = _KeepUndoForWindow(self)
         self._updating = False
+        #: the vocabulary-split box as the user left it: "auto" (the strategy's default) until clicked
+        self._loss_parallel_choice = "auto"
         self.boxes: dict[str, FieldBox] = {}
         self.labels: dict[str, QLabel] = {}
         outer = QVBoxLayout(self)
@@ -623,7 +627,7 @@ class InputPanel(QWidget):
             edit.textChanged.connect(self._on_model_parallel)
         self.schedule.currentIndexChanged.connect(self._on_model_parallel)
         self.sp.toggled.connect(self._changed)
-        self.loss_parallel.toggled.connect(self._changed)
+        self.loss_parallel.clicked.connect(self._on_loss_parallel)
         self.capacity.textChanged.connect(self._on_capacity)
         self.checkpointing.toggled.connect(self._on_checkpointing)
         self.ckpt_every.textChanged.connect(self._changed)
@@ -749,6 +753,12 @@ class InputPanel(QWidget):
             self._sync_offload()
         self._sync_node_size()
         self._sync_reshard()
+        self._sync_loss_parallel()
+        self._changed()
+
+    def _on_loss_parallel(self, checked: bool) -> None:
+        """A click on the vocabulary-split box is the user's choice, kept across strategies (but Megatron-LM's)."""
+        self._loss_parallel_choice = "true" if checked else "false"
         self._changed()
 
     def _on_model_parallel(self, *_: object) -> None:
@@ -763,9 +773,39 @@ class InputPanel(QWidget):
             return int(text) if text.isdigit() and len(text) < 8 else 1
 
         self.sp.setEnabled(number(self.tp) > 1)
-        self.loss_parallel.setEnabled(number(self.tp) > 1)
         self.schedule.setEnabled(number(self.pp) > 1)
         self.virtual_stages.setEnabled(number(self.pp) > 1 and self.schedule.currentData() in VIRTUAL_STAGES)
+        self._sync_loss_parallel()
+
+    def _sync_loss_parallel(self, used: bool | None = None) -> None:
+        """The vocabulary-split box: live with tensor parallelism; ticked and fixed under Megatron-LM's strategies
+        (it always splits the vocabulary); else the user's tick, or until there is one the strategy's default (on
+        under FSDP2 as torchtitan, off under DDP, ZeRO and FSDP1). ``used``: the split the last estimate ran, shown
+        where the box follows no choice of the user's (a family without a block model keeps the vocabulary whole)."""
+        text = self.tp.text().strip()
+        tp = int(text) if text.isdigit() and len(text) < 8 else 1
+        strategy = str(self.strategy.currentData())
+        megatron = strategy in VOCAB_SPLIT_ALWAYS
+        choice = self._loss_parallel_choice
+        if used is not None and (megatron or choice == "auto"):
+            checked = used
+        elif megatron or choice == "auto":
+            checked = default_loss_parallel(strategy, 2)  # (without tensor parallelism: what it would be)
+        else:
+            checked = choice == "true"
+        blocked = self.loss_parallel.blockSignals(True)
+        try:
+            self.loss_parallel.setChecked(checked)
+        finally:
+            self.loss_parallel.blockSignals(blocked)
+        self.loss_parallel.setEnabled(tp > 1 and not megatron)
+        self.loss_parallel.setToolTip(TOOLTIPS["loss_parallel_megatron" if megatron else "loss_parallel"])
+
+    def show_loss_parallel(self, used: bool, strategy: str, tp: int) -> None:
+        """Show the vocabulary split an estimate of the form's strategy and tensor parallelism ran (``used``) where the
+        box follows no tick of the user's."""
+        if tp > 1 and strategy == self.strategy.currentData() and self.tp.text().strip() == str(tp):
+            self._sync_loss_parallel(used)
 
     def _sync_reshard(self) -> None:
         """Reshard after forward and hybrid replicas are FSDP2's options, live for fsdp2 only; expert tensor
@@ -960,7 +1000,7 @@ class InputPanel(QWidget):
             ep=self.ep.text(),
             tp=self.tp.text(),
             sp="true" if self.sp.isChecked() else "false",
-            loss_parallel="true" if self.loss_parallel.isChecked() else "false",
+            loss_parallel=self._loss_parallel_choice,
             pp=self.pp.text(),
             cp=self.cp.text(),
             schedule=self.schedule.currentData(),
@@ -994,7 +1034,7 @@ class InputPanel(QWidget):
                          "activation_offload", "schedule"):
                 _set_combo(getattr(self, name), getattr(state, name))
             self.sp.setChecked(state.sp == "true")
-            self.loss_parallel.setChecked(state.loss_parallel == "true")
+            self._loss_parallel_choice = state.loss_parallel if state.loss_parallel in ("true", "false") else "auto"
             self._sync_model_parallel()
             self._sync_offload(state.offload)
             self._sync_node_size()

@@ -885,6 +885,7 @@ class MainWindow(QMainWindow):
         self.assumptions.setPlainText("\n".join(f"• {a}" for a in est.assumptions))
         per_gpu = " · per GPU" if is_per_gpu(result) else ""
         self.method_label.setText(f"Method: {METHOD_NOTES.get(est.method, est.method)}{per_gpu}")
+        self.inputs.show_loss_parallel(setup.parallel.loss_parallel, setup.parallel.strategy, setup.parallel.tp)
         if setup.model is not None:
             m = setup.model
             self.inputs.set_model_info(

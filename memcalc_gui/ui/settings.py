@@ -14,13 +14,14 @@ from typing import Final
 
 from PySide6.QtCore import QByteArray, QSettings
 
-from .form import FormState
+from .form import STATE_VERSION, FormState
 
 ORGANIZATION: Final = "memcalc"
 APPLICATION: Final = "memcalc"
 SETTINGS_ENV: Final = "MEMCALC_SETTINGS_DIR"
 
 KEY_SETUP: Final = "setup/state"
+KEY_SETUP_VERSION: Final = "setup/version"  # the state's format (form.STATE_VERSION); none before version 2
 KEY_GEOMETRY: Final = "window/geometry"
 KEY_WINDOW_STATE: Final = "window/state"
 KEY_SPLITTERS: Final = "window/splitters"
@@ -37,15 +38,18 @@ def make_settings() -> QSettings:
 
 def save_state(settings: QSettings, state: FormState) -> None:
     settings.setValue(KEY_SETUP, json.dumps(state.to_json(), sort_keys=True))
+    settings.setValue(KEY_SETUP_VERSION, STATE_VERSION)
 
 
 def load_state(settings: QSettings) -> FormState | None:
-    """The saved setup, or ``None`` when there is none or it cannot be read."""
+    """The saved setup (brought up to date when an older version saved it), or ``None`` when there is none or it
+    cannot be read."""
     raw = settings.value(KEY_SETUP)
     if not raw:
         return None
     try:
-        return FormState.from_json(json.loads(str(raw)))
+        version = int(str(settings.value(KEY_SETUP_VERSION, 1)))
+        return FormState.from_json(json.loads(str(raw)), version)
     except (ValueError, TypeError):
         return None
 

@@ -252,7 +252,14 @@ TOOLTIPS: dict[str, str] = {
         "With tensor parallelism: the embedding's rows and the LM head's columns are split over the tensor-parallel "
         "GPUs too, and each computes the loss over its slice of the logits (torchtitan's loss parallel; Megatron-LM's "
         "vocab-parallel embedding and cross-entropy). Without it the embedding and head stay whole on every GPU and "
-        "each holds the full logits."
+        "each holds the full logits (transformers' plans). Until you tick or clear it the box follows the strategy: "
+        "on under FSDP2 (torchtitan's default), off under DDP, ZeRO and FSDP1; always on under Megatron-LM."
+    ),
+    "loss_parallel_megatron": (
+        "Megatron-LM always splits the vocabulary over the tensor-parallel GPUs: its embedding is a "
+        "VocabParallelEmbedding, its output layer column-parallel and its loss vocab_parallel_cross_entropy, with no "
+        "option to keep them whole. (A family memcalc has no block model of is estimated with them whole, an upper "
+        "bound, and the result says so.)"
     ),
     "cp": (
         "Context parallelism: each sequence split over this many GPUs (two chunks each, for a balanced causal mask), "
