@@ -514,3 +514,19 @@ def test_a_one_layer_model_under_fsdp2_matches_the_traced_rank(family: str, prec
                           target_device="cpu", parallel=Parallelism(gpus=2 * tp, tp=tp, strategy="fsdp2"), **STEP)
     traced = trace_rank(cfg, RankLayout(2, tp, True), precision=precision, optimizer_impl="foreach", **STEP)
     assert _worst(estimate(setup), traced) <= 0.012
+
+
+def test_strategies_are_compared_with_their_own_vocabulary_split() -> None:
+    """A layout left at its strategy's default split (FSDP2 beside TP: split) weighs DDP and ZeRO as they run by default
+    (whole), in the solver's strategy levers and the GPU plan; a split chosen against the default stays."""
+    from memcalc_gui.core.model import preset_spec
+    from memcalc_gui.core.setup import TrainingSetup
+    from memcalc_gui.core.solver import apply_changes
+
+    par = Parallelism(gpus=8, tp=2, strategy="fsdp2", loss_parallel=True)
+    setup = TrainingSetup(model=preset_spec("llama-3.2-1b"), parallel=par)
+    assert not apply_changes(setup, {"strategy": "ddp"}).parallel.loss_parallel
+    assert apply_changes(setup, {"strategy": "megatron"}).parallel.loss_parallel
+    chosen = setup.with_changes(parallel=Parallelism(gpus=8, tp=2, strategy="ddp", loss_parallel=True))
+    assert apply_changes(chosen, {"strategy": "zero3"}).parallel.loss_parallel
+    assert apply_changes(setup, {"strategy": "ddp", "loss_parallel": True}).parallel.loss_parallel

@@ -325,6 +325,15 @@ class Parallelism:
             raise InputError("ep", f"beside FSDP2's hybrid sharding the experts split over {self.ep} GPUs of one "
                                    f"replica's {self.gpus // r:,}: ep must divide them")
 
+    def with_strategy(self, strategy: Strategy) -> Parallelism:
+        """This layout under ``strategy``: a vocabulary split left at its strategy's default follows the new
+        strategy's (:func:`default_loss_parallel`: comparing DDP with FSDP2 beside tensor parallelism weighs each as it
+        runs by default), one the user chose against it stays."""
+        split = self.loss_parallel
+        if split == default_loss_parallel(self.strategy, self.tp):
+            split = default_loss_parallel(strategy, self.tp)
+        return replace(self, strategy=strategy, loss_parallel=split)
+
     @property
     def fsdp2_ranks(self) -> int:
         """The GPUs FSDP2 shards each parameter over: the data- and context-parallel ones (torchtitan's

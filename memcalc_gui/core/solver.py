@@ -379,7 +379,10 @@ def apply_changes(setup: TrainingSetup, changes: dict[str, Any]) -> TrainingSetu
                             for k, v in changes.items() if k in TUNING_KEYS}
     rest = {k: v for k, v in changes.items() if k not in PARALLEL_KEYS and k not in TUNING_KEYS}
     if par:
-        rest["parallel"] = replace(setup.parallel, **par)
+        base = setup.parallel
+        if "strategy" in par and "loss_parallel" not in par:  # the new strategy's own vocabulary split by default
+            base = base.with_strategy(par["strategy"])
+        rest["parallel"] = replace(base, **par)
     if tune:
         rest["tuning"] = replace(setup.tuning, **tune)
     return setup.with_changes(**rest) if rest else setup

@@ -7,7 +7,6 @@ result's one unit (``Result.unit``), as the verdict and the ledger beside them a
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Final
 
 from ..core.distributed import PREFERENCE, STRATEGY_LABELS, STRATEGY_SHORT
@@ -251,7 +250,7 @@ def plan_rows(result: Result) -> list[tuple[str, str, str, str]]:
         n = plan.min_gpus[strategy]
         refused_by = ""
         try:
-            trial = setup.with_changes(parallel=replace(setup.parallel, strategy=strategy))
+            trial = setup.with_changes(parallel=setup.parallel.with_strategy(strategy))
             peak: int | None = estimate(trial).peak_bytes
         except InputError as exc:
             peak, refused_by = None, exc.field
